@@ -1,0 +1,1 @@
+"""The draft service: hosts small draft models and proposes γ tokens per step."""

@@ -1,0 +1,76 @@
+"""The `specd.v1.Draft` servicer and its server factory.
+
+Thin by design: look up the draft, call the runtime on the model's thread, convert.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+
+from specd.config import DraftSettings
+from specd.runtime import ModelRunner, SessionNotFound
+from specd.serving import RunningServer, start_server
+from specd.v1 import worker_pb2, worker_pb2_grpc
+from specd.wire import pack_distributions
+from specd.workerproto import model_info_to_pb, transform_from_pb
+
+
+class DraftServicer(worker_pb2_grpc.DraftServicer):
+    """Proposes draft tokens; one bidi stream per client request."""
+
+    def __init__(self, drafts: dict[str, ModelRunner]) -> None:
+        if not drafts:
+            raise ValueError("the draft service needs at least one draft model")
+        self.drafts = drafts
+        self.default = next(iter(drafts))
+
+    async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
+        return worker_pb2.ModelInfoResponse(
+            models=[model_info_to_pb(r, with_tokenizer=False) for r in self.drafts.values()])
+
+    async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:
+        opened: set[tuple[str, str]] = set()
+        try:
+            async for request in request_iterator:
+                name = request.draft_model or self.default
+                runner = self.drafts.get(name)
+                if runner is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"unknown draft model {name!r}; this service hosts {sorted(self.drafts)}")
+                delta = request.delta
+                opened.add((name, delta.session_id))
+                transform = transform_from_pb(request.transform)
+                try:
+                    proposal = await runner.run(runner.propose, delta.session_id, delta.start,
+                                                list(delta.tokens), request.draft_length, transform,
+                                                request.seed)
+                except SessionNotFound as exc:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens,
+                                                      forward_ms=proposal.forward_ms)
+                if proposal.probs is not None:
+                    response.draft_probs.CopyFrom(pack_distributions(proposal.probs, transform.sparse))
+                yield response
+        finally:
+            for name, session_id in opened:
+                self.drafts[name].end_session(session_id)
+
+
+async def create_server(settings: DraftSettings) -> RunningServer:
+    """Load the drafts and start serving them on settings.server (port 0: any free port)."""
+    runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
+                                 max_sessions=settings.model.max_sessions)
+               for name, path in settings.drafts.items()}
+    servicer = DraftServicer(runners)
+
+    def close() -> None:
+        for runner in runners.values():
+            runner.close()
+
+    return await start_server(
+        settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s),
+        [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], on_stop=close)

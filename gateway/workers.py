@@ -1,0 +1,137 @@
+"""The gateway's side of the worker streams: one `WorkerLink` per request and worker.
+
+A link knows how much of the committed sequence its worker holds (`position`) and sends
+only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
+or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
+re-sends the whole committed sequence: workers are caches, the gateway holds the truth.
+This is the only gateway module that speaks the worker protobufs.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from specd.runtime import Proposal, Scores
+from specd.sampling import Transform
+from specd.v1 import worker_pb2
+from specd.wire import unpack_distributions
+
+# Codes after which the session can be rebuilt on a (possibly new) worker process.
+_REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
+class WorkerError(Exception):
+    """A worker failed a step for good. `code` is the gRPC status to report upstream."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class LinkSettings:
+    session_id: str
+    step_timeout_s: float
+    max_reopens: int
+
+
+def _transform_pb(transform: Transform) -> worker_pb2.Transform:
+    return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
+                                top_p=transform.top_p)
+
+
+class WorkerLink:
+    """One request's session on one worker, over one bidi stream."""
+
+    def __init__(self, name: str, open_stream: Callable[[], grpc.aio.StreamStreamCall],
+                 settings: LinkSettings) -> None:
+        self.name = name
+        self._open_stream = open_stream
+        self.settings = settings
+        self.position = 0  # committed tokens the worker holds; the next delta starts here
+        self.reopens = 0
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    def advance(self, position: int) -> None:
+        """After a step: the worker holds the old committed length plus the accepted tokens."""
+        self.position = position
+
+    async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], object]):
+        """Send one step built around the delta the worker lacks; return its response."""
+        while True:
+            delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
+                                             tokens=committed[self.position:])
+            try:
+                if self._call is None:
+                    self._call = self._open_stream()
+                await self._call.write(build(delta))
+                response = await asyncio.wait_for(self._call.read(), self.settings.step_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details()
+            except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
+                code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
+            except asyncio.TimeoutError as exc:
+                self._drop_call()
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{self.name} did not answer within {self.settings.step_timeout_s} s") from exc
+            else:
+                if response is not grpc.aio.EOF:
+                    return response
+                code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
+            self._drop_call()
+            if code not in _REOPENABLE:
+                raise WorkerError(code, f"{self.name}: {details}")
+            if self.reopens >= self.settings.max_reopens:
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{self.name} lost the session {self.reopens + 1} times: {details}")
+            self.reopens += 1
+            self.position = 0  # re-prefill from the committed tokens
+
+    def _drop_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        """End the stream; the worker forgets the session."""
+        if self._call is not None:
+            try:
+                await self._call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass
+            self._call = None
+
+
+class DraftLink(WorkerLink):
+    """Asks the draft service for proposals."""
+
+    async def propose(self, committed: list[int], draft_length: int, transform: Transform,
+                      seed: int, draft_model: str, trace_carrier: dict[str, str]) -> Proposal:
+        def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
+            return worker_pb2.ProposeRequest(
+                delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
+                draft_model=draft_model, trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+
+        response = await self.exchange(committed, build)
+        probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
+        return Proposal(list(response.draft_tokens), probs, response.forward_ms)
+
+
+class VerifierLink(WorkerLink):
+    """Asks the verifier service for the target's view of a proposal."""
+
+    async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
+                     trace_carrier: dict[str, str]) -> Scores:
+        def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
+            return worker_pb2.VerifyRequest(
+                delta=delta, draft_tokens=draft_tokens, transform=_transform_pb(transform),
+                trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+
+        response = await self.exchange(committed, build)
+        if response.HasField("target_probs"):
+            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms)
+        return Scores(list(response.target_argmax), None, response.forward_ms)
+

@@ -1,0 +1,297 @@
+"""The `specd` command line.
+
+    specd serve      draft + verifier + gateway as three local processes (the demo)
+    specd draft      the draft service alone        (one per pod on Kubernetes)
+    specd verifier   the verifier service alone
+    specd gateway    the gateway alone
+    specd generate   send a prompt to a gateway; print the text and acceptance figures
+
+Settings objects (`specd.config`) are built here from the flags, once, and passed in.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specd.config import (DEMO_DRAFT, DEMO_TARGET, DraftSettings, GatewaySettings, ModelSettings,
+                          ServerSettings, VerifierSettings)
+
+DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
+
+
+# -- the three services ---------------------------------------------------------------------
+
+def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
+
+
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(args.host, args.port, args.grace)
+
+
+def _model_settings(args: argparse.Namespace) -> ModelSettings:
+    return ModelSettings(args.dtype, args.threads, args.max_sessions)
+
+
+def _parse_drafts(values: list[str]) -> dict[str, Path]:
+    """`NAME=DIR` or `DIR` (named after the directory) → {name: dir}, in order."""
+    drafts: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = Path(value).name, value
+        drafts[name] = Path(path)
+    return drafts
+
+
+async def _run_service(create, settings, what: str) -> None:
+    from specd.serving import serve_until_signalled
+
+    running = await create(settings)
+    print(f"specd {what} listening on {settings.server.host}:{running.port}", flush=True)
+    await serve_until_signalled(running, settings.server.grace_s)
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from draft_service.server import create_server
+
+    _set_threads(args.threads)
+    settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
+                             _model_settings(args))
+    asyncio.run(_run_service(create_server, settings, "draft"))
+    return 0
+
+
+def cmd_verifier(args: argparse.Namespace) -> int:
+    from verifier_service.server import create_server
+
+    _set_threads(args.threads)
+    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args))
+    asyncio.run(_run_service(create_server, settings, "verifier"))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.backend import IncompatibleDraft
+    from gateway.server import create_server
+
+    settings = GatewaySettings(
+        _server_settings(args), verifier_address=args.verifier_address,
+        draft_address=args.draft_address, default_draft_length=args.draft_length,
+        max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
+        worker_timeout_s=args.worker_timeout)
+    try:
+        asyncio.run(_run_service(create_server, settings, "gateway"))
+    except (IncompatibleDraft, ConnectionError) as exc:
+        print(f"specd gateway: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# -- serve: the three together --------------------------------------------------------------
+
+def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                return False
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                time.sleep(0.2)
+    return False
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    target, draft = Path(args.target or DEMO_TARGET), Path(args.draft or DEMO_DRAFT)
+    for role, path in (("target", target), ("draft", draft)):
+        if not (path / "config.json").is_file():
+            print(f"specd serve: no {role} model at {path}. Pass --target DIR and --draft DIR "
+                  f"(transformers model directories sharing one tokenizer), or make the demo pair "
+                  f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
+            return 2
+    me = [sys.executable, "-m", "specd.cli"]
+    common = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    workers = [
+        me + ["verifier", "--port", str(args.verifier_port), "--target", str(target), *common],
+        me + ["draft", "--port", str(args.draft_port), "--draft", str(draft), *common],
+    ]
+    procs = [subprocess.Popen(cmd) for cmd in workers]
+    procs.append(subprocess.Popen(me + [
+        "gateway", "--host", args.host, "--port", str(args.port),
+        "--verifier-address", f"127.0.0.1:{args.verifier_port}",
+        "--draft-address", f"127.0.0.1:{args.draft_port}",
+        "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens)]))
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout):
+            print("specd serve: the services did not become healthy; see the messages above",
+                  file=sys.stderr)
+            return 1
+        print(f"specd serve: ready on {args.host}:{args.port} (target {target}, draft {draft}); "
+              f"try: specd generate \"def fibonacci(n):\"", flush=True)
+        while not stop["now"]:
+            if any(p.poll() is not None for p in procs):
+                print("specd serve: a service exited; stopping the others", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_all(procs, grace_s=15.0)
+
+
+# -- generate: the client -------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specd.v1 import gateway_pb2, gateway_pb2_grpc
+
+    mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
+            "off": gateway_pb2.SPECULATION_MODE_OFF}[args.mode]
+    request = gateway_pb2.GenerateRequest(
+        prompt=args.prompt,
+        sampling=gateway_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                            top_p=args.top_p, seed=args.seed,
+                                            max_new_tokens=args.max_new_tokens, stop=args.stop or []),
+        speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
+                                                  draft_model=args.draft_model),
+        task_type=args.task_type, user_segment=args.user_segment)
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            stats = None
+            sys.stdout.write(args.prompt)
+            for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.HasField("stats"):
+                    stats, finish = chunk.stats, gateway_pb2.FinishReason.Name(chunk.finish_reason)
+        except grpc.RpcError as exc:
+            print(f"\nspecd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    tokens_per_s = stats.generated_tokens / (stats.total_ms / 1e3) if stats.total_ms else 0.0
+    print(f"\n\n--- {stats.generated_tokens} tokens in {stats.total_ms:.0f} ms ({tokens_per_s:.1f} tokens/s), "
+          f"{finish.removeprefix('FINISH_REASON_').lower()}\n"
+          f"acceptance rate {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.proposed_tokens} "
+          f"draft tokens accepted), {stats.mean_tokens_per_step:.2f} tokens per step over {stats.steps} steps, "
+          f"draft {stats.draft_model or 'none'}, seed {stats.seed}", file=sys.stderr)
+    return 0
+
+
+# -- the parser -----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run draft, verifier and gateway locally (the demo)")
+    serve.add_argument("--target", help=f"target model directory (default: the demo target, {DEMO_TARGET})")
+    serve.add_argument("--draft", help=f"draft model directory (default: the demo draft, {DEMO_DRAFT})")
+    serve.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
+    serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
+    serve.add_argument("--draft-port", type=int, default=DEFAULT_DRAFT_PORT)
+    serve.add_argument("--verifier-port", type=int, default=DEFAULT_VERIFIER_PORT)
+    serve.add_argument("--draft-length", type=int, default=4, help="default γ")
+    serve.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.set_defaults(func=cmd_serve)
+
+    draft = sub.add_parser("draft", help="run the draft service")
+    _server_args(draft, DEFAULT_DRAFT_PORT)
+    draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
+                       help="a draft model directory; repeat to host several (the first is the default)")
+    _model_args(draft)
+    draft.set_defaults(func=cmd_draft)
+
+    verifier = sub.add_parser("verifier", help="run the verifier service")
+    _server_args(verifier, DEFAULT_VERIFIER_PORT)
+    verifier.add_argument("--target", default=str(DEMO_TARGET), help="target model directory")
+    _model_args(verifier)
+    verifier.set_defaults(func=cmd_verifier)
+
+    gateway = sub.add_parser("gateway", help="run the gateway (the public API)")
+    _server_args(gateway, DEFAULT_GATEWAY_PORT)
+    gateway.add_argument("--verifier-address", default=f"127.0.0.1:{DEFAULT_VERIFIER_PORT}")
+    gateway.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_DRAFT_PORT}",
+                         help="empty: no draft service, every request decodes plainly")
+    gateway.add_argument("--draft-length", type=int, default=4, help="default γ")
+    gateway.add_argument("--max-draft-length", type=int, default=16, help="largest γ a request may ask")
+    gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
+    gateway.add_argument("--worker-timeout", type=float, default=60.0,
+                         help="seconds to wait for a worker at start-up and for each step")
+    gateway.set_defaults(func=cmd_gateway)
+
+    generate = sub.add_parser("generate", help="generate from a running gateway")
+    generate.add_argument("prompt")
+    generate.add_argument("--gateway", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}", metavar="HOST:PORT")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-new-tokens", type=int, default=0, help="0: the gateway's default")
+    generate.add_argument("--stop", action="append")
+    generate.add_argument("--mode", choices=["auto", "fixed", "off"], default="auto")
+    generate.add_argument("--draft-length", type=int, default=0)
+    generate.add_argument("--draft-model", default="")
+    generate.add_argument("--task-type", default="")
+    generate.add_argument("--user-segment", default="")
+    generate.add_argument("--timeout", type=float, default=300.0)
+    generate.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Typed settings, one object per service, built once in the entrypoint and passed in.
+
+Nothing here reads the environment at import time; `specd.cli` fills these from flags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
+DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where a service listens and how it shuts down."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port (tests)
+    grace_s: float = 10.0  # how long in-flight requests may finish after SIGTERM
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How a worker runs its model(s)."""
+
+    dtype: str = "float32"
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    server: ServerSettings
+    # name → model directory; the first is the default draft.
+    drafts: dict[str, Path] = field(default_factory=dict)
+    model: ModelSettings = ModelSettings()
+
+
+@dataclass(frozen=True)
+class VerifierSettings:
+    server: ServerSettings
+    target: Path = DEMO_TARGET
+    model: ModelSettings = ModelSettings()
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    server: ServerSettings
+    verifier_address: str = "127.0.0.1:50053"
+    draft_address: str = "127.0.0.1:50052"  # empty: no draft, every request decodes plainly
+    default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
+    max_draft_length: int = 16  # requests asking for more are refused
+    default_max_new_tokens: int = 128
+    worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
+    max_session_reopens: int = 3  # per request and worker, before giving up with UNAVAILABLE

@@ -1,0 +1,135 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transform(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class Distributions(_message.Message):
+    __slots__ = ("positions", "vocab_size", "probs", "token_ids", "support_offsets")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    positions: int
+    vocab_size: int
+    probs: bytes
+    token_ids: bytes
+    support_offsets: bytes
+    def __init__(self, positions: _Optional[int] = ..., vocab_size: _Optional[int] = ..., probs: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., support_offsets: _Optional[bytes] = ...) -> None: ...
+
+class SequenceDelta(_message.Message):
+    __slots__ = ("session_id", "start", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TraceContext(_message.Message):
+    __slots__ = ("carrier",)
+    class CarrierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CARRIER_FIELD_NUMBER: _ClassVar[int]
+    carrier: _containers.ScalarMap[str, str]
+    def __init__(self, carrier: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORM_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    delta: SequenceDelta
+    draft_length: int
+    transform: Transform
+    seed: int
+    draft_model: str
+    trace_context: TraceContext
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("draft_tokens", "draft_probs", "forward_ms")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: Distributions
+    forward_ms: float
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORM_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    delta: SequenceDelta
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    transform: Transform
+    trace_context: TraceContext
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("target_argmax", "target_probs", "forward_ms")
+    TARGET_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    target_argmax: _containers.RepeatedScalarFieldContainer[int]
+    target_probs: Distributions
+    forward_ms: float
+    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids")
+    class TokenizerFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    max_context: int
+    tokenizer_fingerprint: str
+    tokenizer_files: _containers.ScalarMap[str, bytes]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,188 @@
+"""Shared fixtures: tiny real models made here, and the three services on loopback.
+
+Acceptance does not matter for these models, exactness does: a tokenizer trained in a
+second on a few paragraphs, a small Llama target, a draft close to it (the target's
+weights plus noise) and an unrelated draft (another random Llama, same tokenizer).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from draft_service.server import create_server as create_draft
+from gateway.server import create_server as create_gateway
+from specd.config import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
+from specd.serving import RunningServer
+from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from verifier_service.server import create_server as create_verifier
+
+CORPUS = """\
+Speculative decoding lets a small draft model propose several tokens that a large
+target model verifies in a single forward pass. The gateway accepts a prefix of the
+proposal and samples one more token, so the output keeps the target's distribution.
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+The acceptance rate is the share of draft tokens the target keeps. When it is high,
+each step emits several tokens for the price of one target forward.
+class Cache:
+    def __init__(self, size):
+        self.size = size
+        self.items = {}
+"""
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 320, extra_text: str = "") -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on CORPUS, saved as a transformers tokenizer."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS + extra_text] * 4, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
+def make_model(directory: Path, tokenizer, *, seed: int, layers: int = 2, hidden: int = 64,
+               noise_from: Path | None = None, noise: float = 0.0, context: int = 256) -> None:
+    """A random Llama saved to `directory` with the tokenizer; or a noisy copy of another."""
+    torch.manual_seed(seed)
+    if noise_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(noise_from)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(noise * param.std() * torch.randn_like(param))
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=context, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                             initializer_range=0.1, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Directories of: target, close (draft), unrelated (draft), alien (other tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    dirs = {name: root / name for name in ("target", "close", "unrelated", "alien")}
+    make_model(dirs["target"], tokenizer, seed=1, layers=2, hidden=64)
+    make_model(dirs["close"], tokenizer, seed=2, noise_from=dirs["target"], noise=0.05)
+    make_model(dirs["unrelated"], tokenizer, seed=3, layers=1, hidden=32)
+    alien_tokenizer = make_tokenizer(root / "alien-tokenizer", vocab_size=300, extra_text="zebra quokka")
+    make_model(dirs["alien"], alien_tokenizer, seed=4, layers=1, hidden=32)
+    return dirs
+
+
+class LoopThread:
+    """An asyncio loop on a background thread, hosting the servers under test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Stack:
+    """Draft, verifier and gateway servers on loopback, and a client stub for the gateway."""
+
+    loop: LoopThread
+    draft_settings: DraftSettings
+    verifier_settings: VerifierSettings
+    draft: RunningServer
+    verifier: RunningServer
+    gateway: RunningServer
+    channel: grpc.Channel
+    stub: gateway_pb2_grpc.GatewayStub
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def restart_draft(self) -> None:
+        """Stop the draft service and start a fresh one on the same port (sessions lost)."""
+        self.loop.run(self.draft.stop(0))
+        settings = replace(self.draft_settings, server=replace(self.draft_settings.server, port=self.draft.port))
+        self.draft = self.loop.run(create_draft(settings))
+
+    def restart_verifier(self) -> None:
+        self.loop.run(self.verifier.stop(0))
+        settings = replace(self.verifier_settings,
+                           server=replace(self.verifier_settings.server, port=self.verifier.port))
+        self.verifier = self.loop.run(create_verifier(settings))
+
+    def close(self) -> None:
+        self.channel.close()
+        for server in (self.gateway, self.draft, self.verifier):
+            self.loop.run(server.stop(0))
+        self.loop.close()
+
+
+def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, **gateway_options) -> Stack:
+    loop = LoopThread()
+    server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
+    model = ModelSettings(max_sessions=max_sessions)
+    draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"]},
+                                   model)
+    verifier_settings = VerifierSettings(server, model_dirs["target"], model)
+    draft = loop.run(create_draft(draft_settings))
+    verifier = loop.run(create_verifier(verifier_settings))
+    gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{verifier.port}",
+                                       draft_address=f"127.0.0.1:{draft.port}", worker_timeout_s=30.0,
+                                       **gateway_options)
+    gateway = loop.run(create_gateway(gateway_settings))
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    return Stack(loop, draft_settings, verifier_settings, draft, verifier, gateway, channel,
+                 gateway_pb2_grpc.GatewayStub(channel))
+
+
+@pytest.fixture(scope="session")
+def stack(model_dirs) -> Stack:
+    running = start_stack(model_dirs)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def target_model(model_dirs):
+    return AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dirs):
+    return AutoTokenizer.from_pretrained(model_dirs["target"])
+
+
+def request(prompt: str, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int = 0,
+            max_new_tokens: int = 24, mode: str = "FIXED", draft_length: int = 4, draft_model: str = "",
+            stop: list[str] | None = None) -> gateway_pb2.GenerateRequest:
+    """Build a GenerateRequest with the test suite's defaults."""
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=gateway_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                            max_new_tokens=max_new_tokens, stop=stop or []),
+        speculation=gateway_pb2.SpeculationParams(mode=getattr(gateway_pb2, f"SPECULATION_MODE_{mode}"),
+                                                  draft_length=draft_length, draft_model=draft_model))

@@ -1,0 +1,88 @@
+"""End to end through the three services on loopback: exactness, seeds, streaming."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import request
+
+PROMPTS = ["def fibonacci(n):", "The acceptance rate is", "class Cache:\n    def"]
+
+
+def reference_greedy(target_model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    out = target_model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("draft_model", ["close", "unrelated"])
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_greedy_equals_target_generate(stack, target_model, tokenizer, draft_model, gamma):
+    for prompt in PROMPTS:
+        expected = reference_greedy(target_model, tokenizer, prompt, 40)
+        response = stack.stub.Generate(request(prompt, max_new_tokens=40, draft_length=gamma,
+                                               draft_model=draft_model))
+        assert list(response.token_ids) == expected, prompt
+        assert response.text == tokenizer.decode(expected, skip_special_tokens=True)
+        stats = response.stats
+        assert stats.generated_tokens == len(expected)
+        assert stats.proposed_tokens == sum(stats.draft_lengths) and max(stats.draft_lengths) <= gamma
+        assert stats.accepted_tokens == sum(stats.accepted_lengths)
+        assert stats.steps == len(stats.draft_lengths)
+        # Every step emits its accepted tokens plus one recovered or bonus token
+        # (fewer only on the last step, when EOS cuts it).
+        assert stats.accepted_tokens + stats.steps >= stats.generated_tokens
+
+
+def test_close_draft_is_accepted_more_than_unrelated(stack):
+    rates = {}
+    for draft_model in ("close", "unrelated"):
+        response = stack.stub.Generate(request(PROMPTS[0], max_new_tokens=40, draft_model=draft_model))
+        rates[draft_model] = response.stats.acceptance_rate
+    assert rates["close"] > rates["unrelated"] + 0.2, rates
+
+
+def test_off_mode_is_plain_decoding(stack, target_model, tokenizer):
+    expected = reference_greedy(target_model, tokenizer, PROMPTS[1], 30)
+    response = stack.stub.Generate(request(PROMPTS[1], max_new_tokens=30, mode="OFF"))
+    assert list(response.token_ids) == expected
+    assert response.stats.proposed_tokens == 0 and response.stats.steps == len(expected)
+    assert response.stats.draft_model == ""
+
+
+def test_stream_concatenates_to_generate(stack):
+    req = request(PROMPTS[2], temperature=0.9, seed=7, max_new_tokens=40)
+    whole = stack.stub.Generate(req)
+    chunks = list(stack.stub.GenerateStream(req))
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
+    assert chunks[-1].stats.steps == whole.stats.steps and len(chunks) == whole.stats.steps
+    assert all(not c.HasField("stats") for c in chunks[:-1])
+
+
+def test_same_seed_same_output(stack):
+    req = request(PROMPTS[0], temperature=1.0, top_p=0.95, seed=1234, max_new_tokens=32, draft_model="unrelated")
+    first, second = stack.stub.Generate(req), stack.stub.Generate(req)
+    assert list(first.token_ids) == list(second.token_ids)
+    assert first.stats.seed == 1234
+    other = stack.stub.Generate(request(PROMPTS[0], temperature=1.0, top_p=0.95, seed=4321,
+                                        max_new_tokens=32, draft_model="unrelated"))
+    assert list(other.token_ids) != list(first.token_ids)
+
+
+def test_unset_seed_is_reported_and_replays(stack):
+    first = stack.stub.Generate(request(PROMPTS[0], temperature=1.0, max_new_tokens=16))
+    assert first.stats.seed != 0
+    replay = stack.stub.Generate(request(PROMPTS[0], temperature=1.0, max_new_tokens=16, seed=first.stats.seed))
+    assert list(replay.token_ids) == list(first.token_ids)
+
+
+def test_stop_string_cuts_text_and_tokens(stack, tokenizer):
+    free = stack.stub.Generate(request(PROMPTS[0], max_new_tokens=40))
+    stop = free.text[10:13]
+    assert len(stop) == 3
+    cut = stack.stub.Generate(request(PROMPTS[0], max_new_tokens=40, stop=[stop]))
+    assert cut.finish_reason == 3  # FINISH_REASON_STOP
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert list(cut.token_ids) == list(free.token_ids[: len(cut.token_ids)])
+    assert stop in tokenizer.decode(list(cut.token_ids)) and stop not in tokenizer.decode(list(cut.token_ids[:-1]))

@@ -1,0 +1,62 @@
+"""The `specd.v1.Verifier` servicer and its server factory.
+
+Thin by design: call the runtime on the target's thread, convert.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+
+from specd.config import VerifierSettings
+from specd.runtime import ModelRunner, SessionNotFound
+from specd.serving import RunningServer, start_server
+from specd.v1 import worker_pb2, worker_pb2_grpc
+from specd.wire import pack_distributions
+from specd.workerproto import model_info_to_pb, transform_from_pb
+
+
+class VerifierServicer(worker_pb2_grpc.VerifierServicer):
+    """Scores proposals with the target; one bidi stream per client request."""
+
+    def __init__(self, target: ModelRunner) -> None:
+        self.target = target
+
+    async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
+        return worker_pb2.ModelInfoResponse(models=[model_info_to_pb(self.target, with_tokenizer=True)])
+
+    async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
+        opened: set[str] = set()
+        try:
+            async for request in request_iterator:
+                delta = request.delta
+                opened.add(delta.session_id)
+                transform = transform_from_pb(request.transform)
+                try:
+                    scores = await self.target.run(self.target.score, delta.session_id, delta.start,
+                                                   list(delta.tokens), list(request.draft_tokens),
+                                                   transform)
+                except SessionNotFound as exc:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms)
+                if scores.argmax is not None:
+                    response.target_argmax.extend(scores.argmax)
+                else:
+                    response.target_probs.CopyFrom(pack_distributions(scores.probs, transform.sparse))
+                yield response
+        finally:
+            for session_id in opened:
+                self.target.end_session(session_id)
+
+
+async def create_server(settings: VerifierSettings) -> RunningServer:
+    """Load the target and start serving it on settings.server (port 0: any free port)."""
+    target = ModelRunner(settings.target, dtype=settings.model.dtype,
+                         max_sessions=settings.model.max_sessions)
+    servicer = VerifierServicer(target)
+    return await start_server(
+        settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+        [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=target.close)
