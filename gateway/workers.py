@@ -52,7 +52,8 @@ class WorkerLink:
         self._open_stream = open_stream
         self.settings = settings
         self.position = 0  # committed tokens the worker holds; the next delta starts here
-        self.reopens = 0
+        self.reopens = 0  # sessions re-opened over the request (reported in stats)
+        self._failures_in_row = 0  # a step that succeeds after a re-open resets this
         self._call: grpc.aio.StreamStreamCall | None = None
 
     def advance(self, position: int) -> None:
@@ -79,14 +80,16 @@ class WorkerLink:
                                   f"{self.name} did not answer within {self.settings.step_timeout_s} s") from exc
             else:
                 if response is not grpc.aio.EOF:
+                    self._failures_in_row = 0
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
             if code not in _REOPENABLE:
                 raise WorkerError(code, f"{self.name}: {details}")
-            if self.reopens >= self.settings.max_reopens:
+            self._failures_in_row += 1
+            if self._failures_in_row > self.settings.max_reopens:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                  f"{self.name} lost the session {self.reopens + 1} times: {details}")
+                                  f"{self.name} failed {self._failures_in_row} times in a row: {details}")
             self.reopens += 1
             self.position = 0  # re-prefill from the committed tokens
 

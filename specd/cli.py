@@ -204,6 +204,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         task_type=args.task_type, user_segment=args.user_segment)
     with grpc.insecure_channel(args.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
+        if args.wait:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=args.wait)
+            except grpc.FutureTimeoutError:
+                print(f"specd generate: no gateway at {args.gateway} after {args.wait} s", file=sys.stderr)
+                return 1
         try:
             stats = None
             sys.stdout.write(args.prompt)
@@ -283,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--draft-model", default="")
     generate.add_argument("--task-type", default="")
     generate.add_argument("--user-segment", default="")
-    generate.add_argument("--timeout", type=float, default=300.0)
+    generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the request, seconds")
+    generate.add_argument("--wait", type=float, default=0.0,
+                          help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
     generate.set_defaults(func=cmd_generate)
     return parser
 

@@ -58,4 +58,4 @@ class GatewaySettings:
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128
     worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
-    max_session_reopens: int = 3  # per request and worker, before giving up with UNAVAILABLE
+    max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE

@@ -412,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         state["elapsed"] += dt
         state["step"] += 1
         state["kl"].append(float(kl))
-        bar.update(dt)
+        bar.update(min(dt, bar.total - bar.n))
         if state["step"] % 10 == 0:
             bar.set_postfix(kl=f"{sum(state['kl'][-10:]) / 10:.3f}", step=state["step"])
         if time.monotonic() - last_save > 60 or state["elapsed"] >= train_budget:

@@ -1,0 +1,71 @@
+"""Bad input gets INVALID_ARGUMENT with an actionable message, and the service keeps serving;
+a draft with another tokenizer is refused at start-up."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from conftest import LoopThread, request
+from gateway.backend import IncompatibleDraft
+from gateway.server import create_server as create_gateway
+from draft_service.server import create_server as create_draft
+from specd.config import DraftSettings, GatewaySettings, ServerSettings
+from specd.v1 import worker_pb2, worker_pb2_grpc
+
+GOOD = request("def fibonacci(n):", max_new_tokens=8)
+
+
+def bad_requests():
+    long_prompt = "def fibonacci(n): " * 200
+    return {
+        "temperature": (request("x", temperature=-0.5), "temperature must be >= 0"),
+        "top_p": (request("x", temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
+        "top_k": (request("x", temperature=1.0, top_k=-3), "top_k must be >= 0"),
+        "max_new_tokens": (request("x", max_new_tokens=10_000), "exceeds the target's context window of 256"),
+        "prompt": (request(long_prompt, max_new_tokens=1), "shorten the prompt"),
+        "empty prompt": (request("", max_new_tokens=1), "prompt is empty"),
+        "draft_length": (request("x", draft_length=99), "exceeds this gateway's maximum of 16"),
+        "draft_model": (request("x", draft_model="llama-70b-draft"), "unknown draft model 'llama-70b-draft'"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_requests()))
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, case):
+    bad, message = bad_requests()[case]
+    for call in (stack.stub.Generate, lambda r: list(stack.stub.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in err.value.details()
+    assert len(stack.stub.Generate(GOOD).token_ids) == 8
+
+
+def test_every_problem_is_named_at_once(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(request("x", temperature=-1.0, draft_length=40))
+    assert "temperature" in err.value.details() and "draft_length" in err.value.details()
+
+
+def test_worker_answers_not_found_for_unknown_session(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+        stub = worker_pb2_grpc.DraftStub(channel)
+        step = worker_pb2.ProposeRequest(
+            delta=worker_pb2.SequenceDelta(session_id="never-opened", start=5, tokens=[1]), draft_length=2)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Propose(iter([step])))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "never-opened" in err.value.details()
+
+
+def test_draft_with_another_tokenizer_is_refused(stack, model_dirs):
+    loop = LoopThread()
+    server = ServerSettings("127.0.0.1", 0, grace_s=0.5)
+    alien = loop.run(create_draft(DraftSettings(server, {"alien": model_dirs["alien"]})))
+    try:
+        settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{stack.verifier.port}",
+                                   draft_address=f"127.0.0.1:{alien.port}")
+        with pytest.raises(IncompatibleDraft, match="does not share the target 'target'.s tokenizer"):
+            loop.run(create_gateway(settings))
+    finally:
+        loop.run(alien.stop(0))
+        loop.close()

@@ -1,0 +1,39 @@
+"""Workers are caches: a worker that restarts or evicts a session mid-request does not
+change the output, because the gateway re-opens the session from the committed tokens."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import request, start_stack
+from test_pipeline import reference_greedy
+
+
+@pytest.mark.parametrize("worker", ["draft", "verifier"])
+def test_worker_restarted_mid_request(stack, target_model, tokenizer, worker):
+    prompt = "The acceptance rate is"
+    expected = reference_greedy(target_model, tokenizer, prompt, 40)
+    sampled = request(prompt, temperature=1.0, top_k=20, seed=99, max_new_tokens=40)
+    undisturbed = stack.stub.Generate(sampled)
+    for req, want in ((request(prompt, max_new_tokens=40), expected), (sampled, list(undisturbed.token_ids))):
+        stream = stack.stub.GenerateStream(req)
+        got = list(next(stream).token_ids)
+        getattr(stack, f"restart_{worker}")()
+        chunks = list(stream)
+        got += [t for c in chunks for t in c.token_ids]
+        assert got == want
+        assert chunks[-1].stats.session_reopens >= 1
+
+
+def test_evicted_sessions_are_reopened(model_dirs, target_model, tokenizer):
+    small = start_stack(model_dirs, max_sessions=1)  # every concurrent request evicts the other
+    try:
+        prompts = ["def fibonacci(n):", "class Cache:", "The gateway accepts", "Speculative decoding"]
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda p: small.stub.Generate(request(p, max_new_tokens=30)), prompts))
+        for prompt, response in zip(prompts, responses):
+            assert list(response.token_ids) == reference_greedy(target_model, tokenizer, prompt, 30)
+        assert sum(r.stats.session_reopens for r in responses) > 0
+    finally:
+        small.close()
