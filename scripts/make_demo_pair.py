@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Make specd's shipped demo pair from nothing but this machine's Python install.
+
+Steps (each resumable, run all with no argument or one with ``--step``):
+
+  corpus     Python standard library source (no tests) as "code", the English
+             help topics in ``pydoc_data/topics.py`` as "prose"; a validation split
+             and held-out prompts of each type.
+  tokenizer  byte-level BPE (vocab 4096) wrapped as a PreTrainedTokenizerFast.
+  target     LlamaForCausalLM, 4 layers x 768, trained for a wall-clock budget.
+  draft      the "generic" draft, 2 layers x 256, trained on the corpus only.
+  distill    the "distilled" draft: the generic draft trained by ``specd.distill``
+             to match the target's token distributions.
+  cards      measure losses, per-token cost and acceptance; write model cards.
+
+Work files (corpus, token arrays, checkpoints, logs) go to ``runs/demo``; the
+shipped models to ``models/demo/{target,draft-generic,draft-distilled}`` as bf16
+safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+RUNS = REPO / "runs" / "demo"
+MODELS = REPO / "models" / "demo"
+TYPES = ("code", "prose")
+EOS = "<|endoftext|>"
+VOCAB_SIZE = 4096
+SEQ_LEN = 256
+PROMPT_TOKENS = 32
+EVAL_PROMPTS = 100
+EVAL_NEW_TOKENS = 64
+
+# Wide and shallow: on a CPU a forward's cost follows the bytes of weights it reads
+# plus a per-layer overhead, and in a budget of minutes a shallow wide model learns
+# far faster than a deep narrow one of the same cost (FACTS.md: an 8x384 target
+# lost to a 2-layer draft after 15 minutes).
+TARGET_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                    num_attention_heads=12, num_key_value_heads=12)
+DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4)
+# Per-model training recipe: wall-clock budget (s), peak learning rate, batch size.
+RECIPES = {
+    "target": dict(shape=TARGET_SHAPE, budget=2520, lr=1.5e-3, batch=8),
+    "draft": dict(shape=DRAFT_SHAPE, budget=420, lr=3e-3, batch=16),
+}
+# The prose corpus is ~4% of the text; sample it more often so both task types are
+# learned, but not so often that a few epochs of it overfit.
+PROSE_FRACTION = 0.12
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- corpus
+
+def _is_test_path(rel: Path) -> bool:
+    parts = rel.parts
+    return any(p in ("test", "tests", "idle_test") or p.startswith("test_") for p in parts)
+
+
+def _held_out(key: str, fraction: float = 0.05) -> bool:
+    # A stable hash, so the split does not move between runs or machines.
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def step_corpus(args: argparse.Namespace) -> None:
+    """Write runs/demo/corpus/{code,prose}_{train,val}.txt and held-out prompt files."""
+    out = RUNS / "corpus"
+    out.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs: dict[str, dict[str, list[str]]] = {t: {"train": [], "val": []} for t in TYPES}
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if _is_test_path(rel) or "site-packages" in rel.parts or rel.parts[0] == "pydoc_data":
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        docs["code"]["val" if _held_out(str(rel)) else "train"].append(text)
+    from pydoc_data import topics
+
+    for key, text in sorted(topics.topics.items()):
+        # Split topics into blocks of paragraphs before holding out: there are only
+        # ~80 topics, too few whole ones to make a validation set with enough prompts.
+        paras = text.split("\n\n")
+        for i in range(0, len(paras), 12):
+            block = "\n\n".join(paras[i:i + 12])
+            docs["prose"]["val" if _held_out(f"{key}/{i}", 0.10) else "train"].append(block)
+    for t in TYPES:
+        for split in ("train", "val"):
+            text = ("\n" + EOS + "\n").join(docs[t][split])
+            (out / f"{t}_{split}.txt").write_text(text, encoding="utf-8")
+            log(f"corpus {t}/{split}: {len(docs[t][split])} docs, {len(text) / 1e6:.2f} MB")
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+def step_tokenizer(args: argparse.Namespace) -> None:
+    """Train a byte-level BPE on the training text; tokenize every split to uint16."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = RUNS / "corpus"
+    bpe = ByteLevelBPETokenizer()
+    bpe.train([str(corpus / f"{t}_train.txt") for t in TYPES], vocab_size=VOCAB_SIZE,
+              min_frequency=2, special_tokens=[EOS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS,
+                                  bos_token=EOS, unk_token=EOS, pad_token=EOS)
+    tok.save_pretrained(RUNS / "tokenizer")
+    data = RUNS / "data"
+    data.mkdir(exist_ok=True)
+    for t in TYPES:
+        for split in ("train", "val"):
+            text = (corpus / f"{t}_{split}.txt").read_text(encoding="utf-8")
+            ids = np.array(bpe.encode(text).ids, dtype=np.uint16)
+            ids.tofile(data / f"{t}_{split}.bin")
+            log(f"tokens {t}/{split}: {len(ids):,} ({len(text) / len(ids):.2f} chars/token)")
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(RUNS / "tokenizer")
+
+
+def load_tokens(t: str, split: str) -> np.ndarray:
+    return np.fromfile(RUNS / "data" / f"{t}_{split}.bin", dtype=np.uint16)
+
+
+# -------------------------------------------------------------------------- training
+
+def make_model(shape: dict, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=1024,
+                         tie_word_embeddings=True,  # halves the embedding bytes shipped
+                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.eos_token_id, **shape)
+    return LlamaForCausalLM(config)
+
+
+def sample_batch(rng: np.random.Generator, data: dict[str, np.ndarray], batch: int) -> torch.Tensor:
+    rows = []
+    for _ in range(batch):
+        arr = data["prose"] if rng.random() < PROSE_FRACTION else data["code"]
+        i = int(rng.integers(0, len(arr) - SEQ_LEN - 1))
+        rows.append(arr[i:i + SEQ_LEN + 1].astype(np.int64))
+    return torch.from_numpy(np.stack(rows))
+
+
+@torch.no_grad()
+def val_loss(model, t: str, max_tokens: int = 60_000) -> float:
+    """Mean next-token loss (nats) on the held-out split of one task type, fp32."""
+    model.eval()
+    arr = load_tokens(t, "val")[:max_tokens]
+    n = (len(arr) - 1) // SEQ_LEN
+    x = torch.from_numpy(arr[:n * SEQ_LEN + 1].astype(np.int64))
+    inputs, labels = x[:-1].view(n, SEQ_LEN), x[1:].view(n, SEQ_LEN)
+    total = 0.0
+    for i in range(0, n, 8):
+        logits = model(inputs[i:i + 8]).logits.float()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels[i:i + 8].reshape(-1), reduction="sum").item()
+    model.train()
+    return total / (n * SEQ_LEN)
+
+
+def train(name: str, args: argparse.Namespace) -> None:
+    """Train one model for a wall-clock budget with bf16 autocast; resumable.
+
+    The learning rate follows elapsed time, not steps, so a run interrupted and
+    resumed (or slowed by other work on the CPU) still ends its cosine schedule
+    exactly when the budget runs out.
+    """
+    recipe = RECIPES[name]
+    budget = args.budget if args.budget else recipe["budget"]
+    ckdir = RUNS / f"{name}-ckpt"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    model = make_model(recipe["shape"], tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    state = {"elapsed": 0.0, "step": 0, "tokens": 0, "losses": []}
+    ck = ckdir / "state.pt"
+    if ck.exists():
+        saved = torch.load(ck, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        log(f"{name}: resumed at step {state['step']}, {state['elapsed']:.0f}s elapsed")
+    data = {t: load_tokens(t, "train") for t in TYPES}
+    rng = np.random.default_rng(state["step"] + 1)
+    nparams = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {nparams / 1e6:.2f}M parameters, budget {budget}s")
+    model.train()
+    warmup = 0.04 * budget
+    last_ck = time.monotonic()
+    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc=name,
+               mininterval=10)
+    while state["elapsed"] < budget:
+        t0 = time.monotonic()
+        frac = state["elapsed"]
+        lr_scale = frac / warmup if frac < warmup else \
+            0.1 + 0.45 * (1 + math.cos(math.pi * (frac - warmup) / (budget - warmup)))
+        for g in opt.param_groups:
+            g["lr"] = recipe["lr"] * lr_scale
+        x = sample_batch(rng, data, recipe["batch"])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                 x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        dt = time.monotonic() - t0
+        state["elapsed"] += dt
+        state["step"] += 1
+        state["tokens"] += x.numel() - x.size(0)
+        state["losses"].append(loss.item())
+        bar.update(dt)
+        if state["step"] % 50 == 0:
+            recent = statistics.mean(state["losses"][-50:])
+            bar.set_postfix(loss=f"{recent:.3f}", tok_s=f"{state['tokens'] / state['elapsed']:.0f}")
+            log(f"{name} step {state['step']} loss {recent:.3f} lr {recipe['lr'] * lr_scale:.2e} "
+                f"{state['tokens'] / state['elapsed']:.0f} tok/s {state['elapsed']:.0f}s")
+        if time.monotonic() - last_ck > 300 or state["elapsed"] >= budget:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
+            last_ck = time.monotonic()
+    bar.close()
+    losses = {t: val_loss(model, t) for t in TYPES}
+    summary = {"parameters": nparams, "shape": recipe["shape"], "budget_s": budget,
+               "lr": recipe["lr"], "batch": recipe["batch"], "seq_len": SEQ_LEN,
+               "steps": state["step"], "tokens": state["tokens"],
+               "train_loss_last100": statistics.mean(state["losses"][-100:]),
+               "val_loss": losses, "prose_fraction": PROSE_FRACTION}
+    log(f"{name}: done {json.dumps(summary)}")
+    out = MODELS / ("target" if name == "target" else "draft-generic")
+    save_model(model, tok, out)
+    (RUNS / f"{name}-summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def save_model(model, tok, out: Path) -> None:
+    """Save as bf16 safetensors plus the tokenizer: the repository ships these bytes."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.float()
+    tok.save_pretrained(out)
+
+
+def step_target(args: argparse.Namespace) -> None:
+    train("target", args)
+
+
+def step_draft(args: argparse.Namespace) -> None:
+    train("draft", args)
+
+
+STEPS = {"corpus": step_corpus, "tokenizer": step_tokenizer, "target": step_target,
+         "draft": step_draft}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step", choices=list(STEPS), action="append",
+                   help="run only this step (repeatable); default: all, in order")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--budget", type=float, default=0,
+                   help="override the training budget in seconds (target/draft/distill)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for name in args.step or list(STEPS):
+        log(f"step {name}")
+        STEPS[name](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
