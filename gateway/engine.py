@@ -2,19 +2,19 @@
 
 One step (DESIGN.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
 in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
-plus one recovered or bonus token are committed. No protobuf here: the links in
-`gateway.workers` speak to the workers.
+plus one recovered or bonus token are committed. Each step ends in a `StepRecord` that
+the request's statistics, the γ policy and the tracer read. No protobuf here: the links
+in `gateway.workers` speak to the workers.
 """
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import torch
 
-from gateway.policy import FixedPolicy
 from gateway.workers import DraftLink, VerifierLink
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
@@ -47,31 +47,97 @@ class Limits:
     eos_token_ids: frozenset[int]
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one speculative step did: the unit every consumer (stats, policy, traces) reads."""
+
+    index: int  # 0-based step number within the request
+    position: int  # committed tokens before the step (prompt included)
+    draft_length: int  # γ actually proposed (0: a plain target step)
+    accepted: int  # draft tokens accepted
+    bonus: bool  # every draft token accepted; the extra token came from p_{γ+1}
+    token: int  # the recovered or bonus token
+    emitted: tuple[int, ...]  # tokens committed (accepted + 1, cut at EOS)
+    draft_ms: float  # gateway-side wall time of the draft hop
+    verify_ms: float  # gateway-side wall time of the verifier hop
+    draft_forward_ms: float  # time inside the draft model's forwards (worker-reported)
+    verify_forward_ms: float  # time inside the target's forward (worker-reported)
+    draft_bytes: int  # bytes of the draft hop's request + response messages
+    verify_bytes: int
+
+    @property
+    def first_rejected(self) -> int | None:
+        """1-based position in the draft of the first rejected token; None if none was."""
+        return None if self.bonus or self.draft_length == 0 else self.accepted + 1
+
+
+class DraftLengthPolicy(Protocol):
+    """Chooses γ before each step and learns from each step's record."""
+
+    def next_draft_length(self) -> int: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+class StepTracer(Protocol):
+    """Opens a span per step; its carrier travels inside the step's worker messages."""
+
+    def begin_step(self, index: int) -> dict[str, str]: ...
+
+    def end_step(self, record: StepRecord) -> None: ...
+
+
+class NoTracer:
+    """Tracing off: nothing to carry, nothing to record."""
+
+    def begin_step(self, index: int) -> dict[str, str]:
+        return {}
+
+    def end_step(self, record: StepRecord) -> None:
+        pass
+
+
 @dataclass
 class RequestStats:
-    """What speculation did for one request (filled on the hot path, read at the end)."""
+    """What speculation did for one request: the list of its step records, summed on demand."""
 
-    draft_lengths: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)
-    generated_tokens: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    records: list[StepRecord] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
-        return len(self.draft_lengths)
+        return len(self.records)
+
+    @property
+    def draft_lengths(self) -> list[int]:
+        return [r.draft_length for r in self.records]
+
+    @property
+    def accepted_lengths(self) -> list[int]:
+        return [r.accepted for r in self.records]
 
     @property
     def proposed_tokens(self) -> int:
-        return sum(self.draft_lengths)
+        return sum(r.draft_length for r in self.records)
 
     @property
     def accepted_tokens(self) -> int:
-        return sum(self.accepted_lengths)
+        return sum(r.accepted for r in self.records)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(r.emitted) for r in self.records)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def draft_ms(self) -> float:
+        return sum(r.draft_ms for r in self.records)
+
+    @property
+    def verify_ms(self) -> float:
+        return sum(r.verify_ms for r in self.records)
 
 
 @dataclass(frozen=True)
@@ -87,33 +153,38 @@ def step_seed(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
-async def speculate(request: GenerationRequest, policy: FixedPolicy, draft: DraftLink | None,
+async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftLink | None,
                     verifier: VerifierLink, limits: Limits, stats: RequestStats,
-                    trace_carrier: dict[str, str] | None = None) -> AsyncIterator[Emission]:
+                    tracer: StepTracer | None = None) -> AsyncIterator[Emission]:
     """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens."""
     transform = request.transform
+    tracer = tracer or NoTracer()
     generator = torch.Generator().manual_seed(request.seed)
     committed = list(request.prompt_ids)
-    carrier = trace_carrier or {}
+    generated = 0
     while True:
-        remaining = request.max_new_tokens - stats.generated_tokens
+        remaining = request.max_new_tokens - generated
         # A step emits up to γ+1 tokens: never more than asked, never past the draft's
         # context (the draft feeds up to len(committed) + γ − 1 positions).
         gamma = 0 if draft is None else policy.next_draft_length()
         gamma = max(0, min(gamma, remaining - 1, limits.draft_context - len(committed)))
+        carrier = tracer.begin_step(stats.steps)
         draft_tokens: list[int] = []
         draft_probs = torch.zeros(0, limits.vocab_size)
+        draft_ms = draft_forward_ms = 0.0
+        draft_bytes = 0
         if gamma > 0:
             began = time.perf_counter()
             seed = 0 if transform.greedy else step_seed(generator)
             proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model, carrier)
-            stats.draft_ms += (time.perf_counter() - began) * 1e3
+            draft_ms = (time.perf_counter() - began) * 1e3
+            draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
             draft_tokens = proposal.tokens
             if proposal.probs is not None:
                 draft_probs = proposal.probs
         began = time.perf_counter()
         scores = await verifier.verify(committed, draft_tokens, transform, carrier)
-        stats.verify_ms += (time.perf_counter() - began) * 1e3
+        verify_ms = (time.perf_counter() - began) * 1e3
         proposed = torch.tensor(draft_tokens, dtype=torch.long)
         if transform.greedy:
             outcome = verify_greedy(proposed, torch.tensor(scores.argmax, dtype=torch.long))
@@ -122,21 +193,28 @@ async def speculate(request: GenerationRequest, policy: FixedPolicy, draft: Draf
 
         emitted = draft_tokens[: outcome.accepted] + [outcome.token]
         kept_before = len(committed) + outcome.accepted
+        position = len(committed)
         committed.extend(emitted)
         for link in (draft, verifier):
             if link is not None:
                 link.advance(kept_before)
-        stats.draft_lengths.append(gamma)
-        stats.accepted_lengths.append(outcome.accepted)
-        policy.observe(gamma, outcome.accepted)
 
         finish = None
         eos_at = next((i for i, t in enumerate(emitted) if t in limits.eos_token_ids), None)
         if eos_at is not None:
             emitted, finish = emitted[: eos_at + 1], Finish.EOS
-        stats.generated_tokens += len(emitted)
-        if finish is None and stats.generated_tokens >= request.max_new_tokens:
+        generated += len(emitted)
+        if finish is None and generated >= request.max_new_tokens:
             finish = Finish.LENGTH
+        record = StepRecord(
+            index=stats.steps, position=position, draft_length=len(draft_tokens),
+            accepted=outcome.accepted, bonus=outcome.bonus, token=outcome.token, emitted=tuple(emitted),
+            draft_ms=draft_ms, verify_ms=verify_ms, draft_forward_ms=draft_forward_ms,
+            verify_forward_ms=scores.forward_ms, draft_bytes=draft_bytes,
+            verify_bytes=verifier.last_exchange_bytes)
+        stats.records.append(record)
+        policy.observe(record)
+        tracer.end_step(record)
         yield Emission(emitted, finish)
         if finish is not None:
             return

@@ -21,5 +21,5 @@ class FixedPolicy:
     def next_draft_length(self) -> int:
         return self.draft_length
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, record) -> None:
         """Fixed: what the target accepted does not change γ."""

@@ -54,6 +54,7 @@ class WorkerLink:
         self.position = 0  # committed tokens the worker holds; the next delta starts here
         self.reopens = 0  # sessions re-opened over the request (reported in stats)
         self._failures_in_row = 0  # a step that succeeds after a re-open resets this
+        self.last_exchange_bytes = 0  # request + response bytes of the last step
         self._call: grpc.aio.StreamStreamCall | None = None
 
     def advance(self, position: int) -> None:
@@ -68,7 +69,8 @@ class WorkerLink:
             try:
                 if self._call is None:
                     self._call = self._open_stream()
-                await self._call.write(build(delta))
+                message = build(delta)
+                await self._call.write(message)
                 response = await asyncio.wait_for(self._call.read(), self.settings.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
@@ -81,6 +83,7 @@ class WorkerLink:
             else:
                 if response is not grpc.aio.EOF:
                     self._failures_in_row = 0
+                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
