@@ -9,11 +9,30 @@ from typing import AsyncIterator
 import grpc
 
 from specd.config import DraftSettings
-from specd.runtime import ModelRunner, SessionNotFound
+from specd.runtime import ModelRunner, Proposal, SessionNotFound
 from specd.serving import RunningServer, start_server
+from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workerproto import model_info_to_pb, transform_from_pb
+
+
+def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Proposal) -> dict:
+    """Attributes of a `specd.draft.propose` span (docs/tracing.md)."""
+    probs = proposal.token_probs
+    attributes = {
+        "gen_ai.request.model": name,
+        "specd.session.id": request.delta.session_id,
+        "specd.delta.start": request.delta.start,
+        "specd.delta.tokens": len(request.delta.tokens),
+        "specd.draft_length": request.draft_length,
+        "specd.proposed": len(proposal.tokens),
+        "specd.forward_ms": proposal.forward_ms,
+    }
+    if probs:
+        attributes.update({"specd.draft.token_probs": list(probs), "specd.draft.token_prob.min": min(probs),
+                           "specd.draft.token_prob.mean": sum(probs) / len(probs)})
+    return attributes
 
 
 class DraftServicer(worker_pb2_grpc.DraftServicer):
@@ -42,14 +61,18 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 delta = request.delta
                 opened.add((name, delta.session_id))
                 transform = transform_from_pb(request.transform)
-                try:
-                    proposal = await runner.run(runner.propose, delta.session_id, delta.start,
-                                                list(delta.tokens), request.draft_length, transform,
-                                                request.seed)
-                except SessionNotFound as exc:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
-                except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                with worker_step_span("specd.draft", "specd.draft.propose",
+                                      request.trace_context.carrier) as span:
+                    try:
+                        proposal = await runner.run(runner.propose, delta.session_id, delta.start,
+                                                    list(delta.tokens), request.draft_length, transform,
+                                                    request.seed, request.min_confidence)
+                    except SessionNotFound as exc:
+                        await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
+                    except ValueError as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    if span is not None and span.is_recording():
+                        span.set_attributes(_span_attributes(name, request, proposal))
                 response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens,
                                                       forward_ms=proposal.forward_ms)
                 if proposal.probs is not None:

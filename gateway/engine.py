@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
@@ -73,6 +73,9 @@ class StepRecord:
 
 class DraftLengthPolicy(Protocol):
     """Chooses γ before each step and learns from each step's record."""
+
+    name: str
+    min_confidence: float  # > 0: the draft may stop early inside a step (confidence policy)
 
     def next_draft_length(self) -> int: ...
 
@@ -155,8 +158,12 @@ def step_seed(generator: torch.Generator) -> int:
 
 async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftLink | None,
                     verifier: VerifierLink, limits: Limits, stats: RequestStats,
-                    tracer: StepTracer | None = None) -> AsyncIterator[Emission]:
-    """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens."""
+                    tracer: StepTracer | None = None,
+                    on_step: Callable[[StepRecord, int], None] | None = None) -> AsyncIterator[Emission]:
+    """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
+
+    on_step(record, generated_before) is called after every step (acceptance statistics).
+    """
     transform = request.transform
     tracer = tracer or NoTracer()
     generator = torch.Generator().manual_seed(request.seed)
@@ -176,7 +183,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         if gamma > 0:
             began = time.perf_counter()
             seed = 0 if transform.greedy else step_seed(generator)
-            proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model, carrier)
+            proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
+                                           policy.min_confidence, carrier)
             draft_ms = (time.perf_counter() - began) * 1e3
             draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
             draft_tokens = proposal.tokens
@@ -203,7 +211,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         eos_at = next((i for i, t in enumerate(emitted) if t in limits.eos_token_ids), None)
         if eos_at is not None:
             emitted, finish = emitted[: eos_at + 1], Finish.EOS
-        generated += len(emitted)
+        generated_before, generated = generated, generated + len(emitted)
         if finish is None and generated >= request.max_new_tokens:
             finish = Finish.LENGTH
         record = StepRecord(
@@ -215,6 +223,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         stats.records.append(record)
         policy.observe(record)
         tracer.end_step(record)
+        if on_step is not None:
+            on_step(record, generated_before)
         yield Emission(emitted, finish)
         if finish is not None:
             return

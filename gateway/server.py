@@ -16,11 +16,16 @@ import grpc
 
 from gateway.backend import Backend, connect
 from gateway.engine import Finish, GenerationRequest, Limits, RequestStats, speculate
-from gateway.policy import FixedPolicy, Mode
+from gateway.engine import DraftLengthPolicy, StepRecord
+from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
 from gateway.text import TextAssembler
+from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError
 from specd.config import GatewaySettings
+from gateway.metrics import start_metrics_server
+from specd.acceptance import AcceptanceStats, Counts
 from specd.sampling import Transform
+from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.serving import RunningServer, start_server
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -44,7 +49,12 @@ class InvalidRequest(ValueError):
 class ParsedRequest:
     generation: GenerationRequest
     mode: Mode
-    draft_length: int
+    policy: str  # one of gateway.policy.POLICIES
+    draft_length: int  # γ for "fixed", the starting γ for "ema"
+    profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
+    min_confidence: float
+    task_type: str
+    user_segment: str
     stop: list[str]
 
 
@@ -72,11 +82,21 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     mode = _MODES.get(speculation.mode)
     if mode is None:
         problems.append(f"unknown speculation mode {speculation.mode}")
-    draft_length = speculation.draft_length or settings.default_draft_length
-    if speculation.draft_length > settings.max_draft_length:
-        problems.append(f"draft_length={speculation.draft_length} exceeds this gateway's maximum of "
-                        f"{settings.max_draft_length}")
-    draft_model = speculation.draft_model or backend.default_draft
+    for name in ("draft_length", "min_draft_length", "max_draft_length"):
+        if getattr(speculation, name) > settings.max_draft_length:
+            problems.append(f"{name}={getattr(speculation, name)} exceeds this gateway's maximum of "
+                            f"{settings.max_draft_length}")
+    if speculation.min_draft_length > (speculation.max_draft_length or settings.max_draft_length):
+        problems.append("min_draft_length must not exceed max_draft_length")
+    policy = speculation.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
+    if policy not in POLICIES:
+        problems.append(f"unknown policy {speculation.policy!r}; use one of {list(POLICIES)}")
+    if not 0.0 <= speculation.min_draft_confidence < 1.0:
+        problems.append(f"min_draft_confidence must be in [0, 1), got {speculation.min_draft_confidence}")
+
+    task_type = request.task_type or classify(request.prompt)
+    draft_model = (speculation.draft_model or settings.task_drafts.get(task_type, "")
+                   or backend.default_draft)
     if speculation.draft_model and speculation.draft_model not in backend.drafts:
         problems.append(f"unknown draft model {speculation.draft_model!r}; available: "
                         f"{sorted(backend.drafts) or 'none (no draft service configured)'}")
@@ -88,17 +108,44 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
 
     if mode is Mode.OFF or not backend.drafts:
         draft_model = ""
+    prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
+    highest = min(speculation.max_draft_length or prior.max_draft_length, settings.max_draft_length)
+    lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
+    profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
     seed = sampling.seed or secrets.randbits(63)
     generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model)
-    return ParsedRequest(generation, mode, draft_length, list(sampling.stop))
+    return ParsedRequest(
+        generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
+        speculation.min_draft_confidence or settings.default_min_confidence, task_type,
+        request.user_segment, list(sampling.stop))
+
+
+def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str) -> DraftLengthPolicy:
+    """The γ policy object of one request."""
+    profile = parsed.profile
+    if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
+        return FixedPolicy(0)
+    if parsed.policy == "ema":
+        return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
+    if parsed.policy == "cost":
+        return CostPolicy(stats.costs(model_pair), profile,
+                          curve=lambda: stats.position_curve(model_pair, parsed.task_type))
+    if parsed.policy == "confidence":
+        return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
+    return FixedPolicy(parsed.draft_length)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings) -> None:
+    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats) -> None:
         self.backend = backend
         self.settings = settings
+        self.stats = stats
+
+    def _model_pair(self, draft_model: str) -> str:
+        """The label of a model pair: "draft->target" ("none->target" when plain)."""
+        return f"{draft_model or 'none'}->{self.backend.target.name}"
 
     def _limits(self, draft_model: str) -> Limits:
         target = self.backend.target
@@ -110,14 +157,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             eos_token_ids=frozenset(target.eos_token_ids),
         )
 
-    def _links(self, draft_model: str) -> tuple[DraftLink | None, VerifierLink]:
+    def _links(self, draft_model: str,
+               metadata: tuple[tuple[str, str], ...] = ()) -> tuple[DraftLink | None, VerifierLink]:
         link = LinkSettings(uuid.uuid4().hex, self.settings.worker_timeout_s,
                             self.settings.max_session_reopens)
-        verifier = VerifierLink("verifier", lambda: self.backend.verifier.Verify(wait_for_ready=True), link)
+        verifier = VerifierLink(
+            "verifier", lambda: self.backend.verifier.Verify(metadata=metadata, wait_for_ready=True), link)
         draft = None
         if draft_model:
             draft = DraftLink(f"draft {draft_model!r}",
-                              lambda: self.backend.draft.Propose(wait_for_ready=True), link)
+                              lambda: self.backend.draft.Propose(metadata=metadata, wait_for_ready=True),
+                              link)
         return draft, verifier
 
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
@@ -128,13 +178,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         generation = parsed.generation
-        policy = FixedPolicy(0 if parsed.mode is Mode.OFF else parsed.draft_length)
-        draft, verifier = self._links(generation.draft_model)
+        model_pair = self._model_pair(generation.draft_model)
+        policy = build_policy(parsed, self.stats, model_pair)
+        labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
+                                   len(generation.prompt_ids))
+
+        def count_step(record: StepRecord, generated_before: int) -> None:
+            self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
+                              generated_before, record.draft_ms, record.verify_ms)
+
+        request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
+                                           model_pair=model_pair, task_type=parsed.task_type,
+                                           user_segment=parsed.user_segment, mode=parsed.mode.name,
+                                           policy=parsed.policy)
+        # The trace context also rides on the worker streams, so their RPC spans join the trace.
+        draft, verifier = self._links(generation.draft_model, request_trace.metadata)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         finish = Finish.LENGTH
         try:
-            steps = speculate(generation, policy, draft, verifier, self._limits(generation.draft_model), stats)
+            steps = speculate(generation, policy, draft, verifier, self._limits(generation.draft_model), stats,
+                              tracer=request_trace.step_tracer, on_step=count_step)
             async with contextlib.aclosing(steps):
                 async for emission in steps:
                     delta, kept = text.add(emission.tokens)
@@ -145,20 +209,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if emission.finish is None and not text.stopped:
                         yield gateway_pb2.GenerateChunk(text=delta, token_ids=kept)
                         continue
+                    stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
+                    # Ended before the last chunk goes out: the trace is whole when the client has it.
+                    request_trace.finish(stats, len(text.token_ids), finish.value)
                     yield gateway_pb2.GenerateChunk(
                         text=delta + text.finish(), token_ids=kept, finish_reason=_FINISH[finish],
-                        stats=self._stats_pb(stats, generation, draft, verifier, text, began))
+                        stats=stats_pb, trace_id=request_trace.trace_id)
                     return
         except WorkerError as exc:
+            request_trace.end(exc)
             await context.abort(exc.code, str(exc))
         finally:
+            request_trace.end()
             for link in (draft, verifier):
                 if link is not None:
                     await link.close()
 
-    @staticmethod
-    def _stats_pb(stats: RequestStats, generation: GenerationRequest, draft: DraftLink | None,
-                  verifier: VerifierLink, text: TextAssembler, began: float) -> gateway_pb2.GenerationStats:
+    def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
+                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
+                  began: float) -> gateway_pb2.GenerationStats:
+        generation = parsed.generation
+        per_position = Counts()
+        for record in stats.records:
+            per_position.add(record.draft_length, record.accepted, len(record.emitted), 0)
+        c, v = self.stats.costs(model_pair).ratios()
+        drafted = [g for g in stats.draft_lengths if g]
+        mean_gamma = round(sum(drafted) / len(drafted)) if drafted else 0
         return gateway_pb2.GenerationStats(
             steps=stats.steps,
             proposed_tokens=stats.proposed_tokens,
@@ -175,7 +251,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             seed=generation.seed,
             draft_model=generation.draft_model,
             session_reopens=verifier.reopens + (draft.reopens if draft else 0),
+            proposed_per_position=per_position.proposed_per_position,
+            accepted_per_position=per_position.accepted_per_position,
+            task_type=parsed.task_type,
+            policy=policy.name,
+            draft_cost_ratio=c,
+            verify_cost_ratio=v.get(mean_gamma, 0.0),
         )
+
+    async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
+        try:
+            rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        response = gateway_pb2.AcceptanceStatsResponse(window_steps=self.stats.window_steps)
+        for labels, counts in rows:
+            response.rows.add(
+                labels=labels, drafts=counts.drafts, draft_tokens=counts.draft_tokens,
+                accepted_tokens=counts.accepted_tokens, emitted_tokens=counts.emitted_tokens,
+                acceptance_rate=counts.acceptance_rate, mean_acceptance_length=counts.mean_acceptance_length,
+                proposed_per_position=counts.proposed_per_position,
+                accepted_per_position=counts.accepted_per_position,
+                acceptance_by_generation_bucket={k: a / p for k, (p, a) in counts.by_generation_bucket.items() if p})
+        for pair, costs in self.stats.cost_pairs().items():
+            c, v = costs.ratios()
+            response.costs.add(model_pair=pair, target_step_ms=costs.target_step_ms() or 0.0,
+                               draft_ms_per_token=costs.draft_ms_per_token(), draft_cost_ratio=c,
+                               verify_cost_ratio=v)
+        return response
 
     async def GenerateStream(self, request, context):
         async for chunk in self._chunks(request, context):
@@ -198,7 +301,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 async def create_server(settings: GatewaySettings) -> RunningServer:
     """Connect to the workers (checking their models) and start serving the public API."""
     backend = await connect(settings)
-    servicer = GatewayServicer(backend, settings)
+    stats = AcceptanceStats(window_steps=settings.window_steps)
+    servicer = GatewayServicer(backend, settings, stats)
+    metrics = None
+    if settings.metrics_port:
+        metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port)
+
+    async def stop() -> None:
+        if metrics is not None:
+            metrics.shutdown()
+        await backend.close()
+
     return await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], on_stop=backend.close)
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], on_stop=stop)

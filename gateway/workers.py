@@ -115,11 +115,13 @@ class DraftLink(WorkerLink):
     """Asks the draft service for proposals."""
 
     async def propose(self, committed: list[int], draft_length: int, transform: Transform,
-                      seed: int, draft_model: str, trace_carrier: dict[str, str]) -> Proposal:
+                      seed: int, draft_model: str, min_confidence: float,
+                      trace_carrier: dict[str, str]) -> Proposal:
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             return worker_pb2.ProposeRequest(
                 delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
-                draft_model=draft_model, trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+                draft_model=draft_model, min_confidence=min_confidence,
+                trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
 
         response = await self.exchange(committed, build)
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None

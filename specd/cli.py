@@ -5,8 +5,10 @@
     specd verifier   the verifier service alone
     specd gateway    the gateway alone
     specd generate   send a prompt to a gateway; print the text and acceptance figures
+    specd trace      collect spans over OTLP into a file; show a request's steps (specd.tracecli)
 
 Settings objects (`specd.config`) are built here from the flags, once, and passed in.
+Tracing is configured by the standard OTEL_* variables only (`specd.telemetry`).
 """
 from __future__ import annotations
 
@@ -74,6 +76,9 @@ def _set_threads(threads: int) -> None:
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import create_server
+    from specd.telemetry import setup_tracing
+
+    setup_tracing("specd-draft")
 
     _set_threads(args.threads)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
@@ -83,7 +88,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
+    from specd.telemetry import setup_tracing
     from verifier_service.server import create_server
+
+    setup_tracing("specd-verifier")
 
     _set_threads(args.threads)
     settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args))
@@ -94,12 +102,16 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.backend import IncompatibleDraft
     from gateway.server import create_server
+    from specd.telemetry import setup_tracing
 
+    setup_tracing("specd-gateway")
     settings = GatewaySettings(
         _server_settings(args), verifier_address=args.verifier_address,
         draft_address=args.draft_address, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
-        worker_timeout_s=args.worker_timeout)
+        worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
+        task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port)
     try:
         asyncio.run(_run_service(create_server, settings, "gateway"))
     except (IncompatibleDraft, ConnectionError) as exc:
@@ -160,7 +172,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "gateway", "--host", args.host, "--port", str(args.port),
         "--verifier-address", f"127.0.0.1:{args.verifier_port}",
         "--draft-address", f"127.0.0.1:{args.draft_port}",
-        "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens)]))
+        "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
+        "--policy", args.policy, "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
+        *[f"--task-draft={v}" for v in args.task_draft or []]]))
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -200,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                             top_p=args.top_p, seed=args.seed,
                                             max_new_tokens=args.max_new_tokens, stop=args.stop or []),
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
-                                                  draft_model=args.draft_model),
+                                                  draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
     with grpc.insecure_channel(args.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -226,11 +240,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{finish.removeprefix('FINISH_REASON_').lower()}\n"
           f"acceptance rate {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.proposed_tokens} "
           f"draft tokens accepted), {stats.mean_tokens_per_step:.2f} tokens per step over {stats.steps} steps, "
-          f"draft {stats.draft_model or 'none'}, seed {stats.seed}", file=sys.stderr)
+          f"draft {stats.draft_model or 'none'}, policy {stats.policy}, task {stats.task_type}, "
+          f"γ per step {list(stats.draft_lengths)}, seed {stats.seed}", file=sys.stderr)
     return 0
 
 
 # -- the parser -----------------------------------------------------------------------------
+
+def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
+    from gateway.policy import POLICIES
+
+    parser.add_argument("--policy", choices=POLICIES, default="cost",
+                        help="γ policy of SPECULATION_MODE_AUTO (default: cost)")
+    parser.add_argument("--task-draft", action="append", metavar="TASK=DRAFT",
+                        help="use this draft model for requests of this task type (repeatable)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.split("\n\n")[0])
@@ -248,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--threads", type=int, default=0, help="torch threads per worker")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    _gateway_policy_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("draft", help="run the draft service")
@@ -273,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     gateway.add_argument("--worker-timeout", type=float, default=60.0,
                          help="seconds to wait for a worker at start-up and for each step")
+    _gateway_policy_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
     generate = sub.add_parser("generate", help="generate from a running gateway")
@@ -287,12 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--mode", choices=["auto", "fixed", "off"], default="auto")
     generate.add_argument("--draft-length", type=int, default=0)
     generate.add_argument("--draft-model", default="")
+    generate.add_argument("--policy", default="", help="fixed, ema, cost or confidence (default: the gateway's)")
     generate.add_argument("--task-type", default="")
     generate.add_argument("--user-segment", default="")
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the request, seconds")
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
     generate.set_defaults(func=cmd_generate)
+
+    from specd.tracecli import add_parser as add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.tasks import DEFAULT_PROFILES, TaskProfile
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
@@ -59,3 +61,12 @@ class GatewaySettings:
     default_max_new_tokens: int = 128
     worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
+    auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
+    default_min_confidence: float = 0.5  # for the confidence policy
+    # task type → prior acceptance and γ bounds (the seed's table by default)
+    task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
+    # task type (or agent role) → draft model name; others use the default draft
+    task_drafts: dict[str, str] = field(default_factory=dict)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+    window_steps: int = 2000  # steps in the acceptance sliding window

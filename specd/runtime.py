@@ -112,6 +112,9 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None
     forward_ms: float
+    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
+    # the draft service reports them on its trace spans.
+    token_probs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,11 +201,13 @@ class ModelRunner:
     # -- the two operations the services expose -----------------------------------------
 
     def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
-                transform: Transform, seed: int) -> Proposal:
-        """Draft side: bring the session up to date and propose `draft_length` tokens.
+                transform: Transform, seed: int, min_confidence: float = 0.0) -> Proposal:
+        """Draft side: bring the session up to date and propose up to `draft_length` tokens.
 
         The last proposal is sampled but not fed to the model (nothing needs its
         logits yet); it stays known, so the next step feeds it if it was accepted.
+        With min_confidence, proposing stops early (after at least one token) when the
+        draft's top probability for the next token falls below it.
         """
         if draft_length < 1:
             raise ValueError("draft_length must be >= 1")
@@ -213,20 +218,24 @@ class ModelRunner:
         generator = torch.Generator().manual_seed(seed)
         drafted: list[int] = []
         probs = []
+        token_probs: list[float] = []
         for _ in range(draft_length):
             logits = self._forward(session, feed, 1)
+            q = torch.softmax(logits[0], -1) if transform.greedy else probs_from_logits(logits, transform)[0]
+            if drafted and float(q.max()) < min_confidence:
+                break
             if transform.greedy:
                 token = int(logits[0].argmax())
             else:
-                q = probs_from_logits(logits, transform)[0]
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             drafted.append(token)
+            token_probs.append(float(q[token]))
             feed = [token]
         session.tokens.extend(drafted)
         self.sessions.put(session_id, session)
         return Proposal(drafted, torch.stack(probs) if probs else None,
-                        (time.perf_counter() - began) * 1e3)
+                        (time.perf_counter() - began) * 1e3, tuple(token_probs))
 
     def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
               transform: Transform) -> Scores:

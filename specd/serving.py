@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from specd.config import ServerSettings
+from specd.telemetry import server_interceptors
 
 # Probabilities of a whole vocabulary for γ+1 positions exceed gRPC's 4 MB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -55,8 +56,12 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     on_stop: Callable[[], Awaitable[None] | None] | None = None,
 ) -> RunningServer:
-    """Build, register and start a server on settings.address; report SERVING."""
-    server = grpc.aio.server(interceptors=list(interceptors), options=CHANNEL_OPTIONS[:2])
+    """Build, register and start a server on settings.address; report SERVING.
+
+    With tracing on, every RPC but health checks also gets an OpenTelemetry server span.
+    """
+    server = grpc.aio.server(interceptors=[*server_interceptors(), *interceptors],
+                             options=CHANNEL_OPTIONS[:2])
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -86,3 +86,30 @@ def test_stop_string_cuts_text_and_tokens(stack, tokenizer):
     assert cut.text == free.text[: free.text.index(stop)]
     assert list(cut.token_ids) == list(free.token_ids[: len(cut.token_ids)])
     assert stop in tokenizer.decode(list(cut.token_ids)) and stop not in tokenizer.decode(list(cut.token_ids[:-1]))
+
+
+@pytest.mark.parametrize("policy", ["ema", "cost", "confidence"])
+def test_adaptive_policies_stay_exact(stack, target_model, tokenizer, policy):
+    for prompt in PROMPTS[:2]:
+        expected = reference_greedy(target_model, tokenizer, prompt, 40)
+        req = request(prompt, max_new_tokens=40, mode="AUTO", draft_model="close")
+        req.speculation.policy = policy
+        response = stack.stub.Generate(req)
+        assert list(response.token_ids) == expected
+        assert response.stats.policy == policy
+
+
+def test_confidence_threshold_stops_the_draft_early(model_dirs):
+    from specd.runtime import ModelRunner
+    from specd.sampling import Transform
+
+    runner = ModelRunner(model_dirs["close"])
+    prompt = [5, 6, 7]
+    full = runner.propose("a", 0, prompt, 6, Transform(), seed=0)
+    assert len(full.tokens) == 6
+    cautious = runner.propose("b", 0, prompt, 6, Transform(), seed=0, min_confidence=1.0)
+    assert cautious.tokens == full.tokens[:1]  # at least one token, then stop
+    # The session stays consistent after an early stop: continue from it.
+    after = runner.propose("b", len(prompt) + 1, [9], 2, Transform(), seed=0)
+    assert len(after.tokens) == 2
+    runner.close()

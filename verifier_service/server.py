@@ -11,6 +11,7 @@ import grpc
 from specd.config import VerifierSettings
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
+from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workerproto import model_info_to_pb, transform_from_pb
@@ -33,14 +34,26 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                 delta = request.delta
                 opened.add(delta.session_id)
                 transform = transform_from_pb(request.transform)
-                try:
-                    scores = await self.target.run(self.target.score, delta.session_id, delta.start,
-                                                   list(delta.tokens), list(request.draft_tokens),
-                                                   transform)
-                except SessionNotFound as exc:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
-                except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                with worker_step_span("specd.verifier", "specd.verifier.verify",
+                                      request.trace_context.carrier) as span:
+                    try:
+                        scores = await self.target.run(self.target.score, delta.session_id, delta.start,
+                                                       list(delta.tokens), list(request.draft_tokens),
+                                                       transform)
+                    except SessionNotFound as exc:
+                        await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
+                    except ValueError as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    if span is not None and span.is_recording():
+                        span.set_attributes({
+                            "gen_ai.request.model": self.target.info.name,
+                            "specd.session.id": delta.session_id,
+                            "specd.delta.start": delta.start,
+                            "specd.delta.tokens": len(delta.tokens),
+                            "specd.draft_length": len(request.draft_tokens),
+                            "specd.positions_scored": len(request.draft_tokens) + 1,
+                            "specd.forward_ms": scores.forward_ms,
+                        })
                 response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms)
                 if scores.argmax is not None:
                     response.target_argmax.extend(scores.argmax)

@@ -44,18 +44,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model")
+    __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy", "min_draft_confidence")
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     draft_length: int
     min_draft_length: int
     max_draft_length: int
     draft_model: str
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., draft_length: _Optional[int] = ..., min_draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    policy: str
+    min_draft_confidence: float
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., draft_length: _Optional[int] = ..., min_draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., draft_model: _Optional[str] = ..., policy: _Optional[str] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "speculation", "task_type", "user_segment")
@@ -72,7 +76,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., task_type: _Optional[str] = ..., user_segment: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens")
+    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +92,12 @@ class GenerationStats(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     SESSION_REOPENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     steps: int
     proposed_tokens: int
     accepted_tokens: int
@@ -103,7 +113,13 @@ class GenerationStats(_message.Message):
     seed: int
     draft_model: str
     session_reopens: int
-    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ...) -> None: ...
+    proposed_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    task_type: str
+    policy: str
+    draft_cost_ratio: float
+    verify_cost_ratio: float
+    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "trace_id")
@@ -132,3 +148,89 @@ class GenerateChunk(_message.Message):
     stats: GenerationStats
     trace_id: str
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class AcceptanceStatsRequest(_message.Message):
+    __slots__ = ("group_by", "filter", "window")
+    class FilterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    group_by: _containers.RepeatedScalarFieldContainer[str]
+    filter: _containers.ScalarMap[str, str]
+    window: bool
+    def __init__(self, group_by: _Optional[_Iterable[str]] = ..., filter: _Optional[_Mapping[str, str]] = ..., window: _Optional[bool] = ...) -> None: ...
+
+class AcceptanceRow(_message.Message):
+    __slots__ = ("labels", "drafts", "draft_tokens", "accepted_tokens", "emitted_tokens", "acceptance_rate", "mean_acceptance_length", "proposed_per_position", "accepted_per_position", "acceptance_by_generation_bucket")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class AcceptanceByGenerationBucketEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_BY_GENERATION_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    proposed_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    acceptance_by_generation_bucket: _containers.ScalarMap[str, float]
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_by_generation_bucket: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class CostRow(_message.Message):
+    __slots__ = ("model_pair", "target_step_ms", "draft_ms_per_token", "draft_cost_ratio", "verify_cost_ratio")
+    class VerifyCostRatioEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    model_pair: str
+    target_step_ms: float
+    draft_ms_per_token: float
+    draft_cost_ratio: float
+    verify_cost_ratio: _containers.ScalarMap[int, float]
+    def __init__(self, model_pair: _Optional[str] = ..., target_step_ms: _Optional[float] = ..., draft_ms_per_token: _Optional[float] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[_Mapping[int, float]] = ...) -> None: ...
+
+class AcceptanceStatsResponse(_message.Message):
+    __slots__ = ("rows", "costs", "window_steps")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[AcceptanceRow]
+    costs: _containers.RepeatedCompositeFieldContainer[CostRow]
+    window_steps: int
+    def __init__(self, rows: _Optional[_Iterable[_Union[AcceptanceRow, _Mapping]]] = ..., costs: _Optional[_Iterable[_Union[CostRow, _Mapping]]] = ..., window_steps: _Optional[int] = ...) -> None: ...

@@ -35,6 +35,11 @@ class GatewayStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetAcceptanceStats = channel.unary_unary(
+                '/specd.v1.Gateway/GetAcceptanceStats',
+                request_serializer=specd_dot_v1_dot_gateway__pb2.AcceptanceStatsRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_gateway__pb2.AcceptanceStatsResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_unary(
                 '/specd.v1.Gateway/Generate',
                 request_serializer=specd_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
@@ -50,6 +55,13 @@ class GatewayStub:
 class GatewayServicer:
     """The public entry point of specd.
     """
+
+    def GetAcceptanceStats(self, request, context):
+        """Acceptance statistics of this gateway replica, grouped and filtered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
         """Generate a completion and return it whole.
@@ -68,6 +80,11 @@ class GatewayServicer:
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetAcceptanceStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAcceptanceStats,
+                    request_deserializer=specd_dot_v1_dot_gateway__pb2.AcceptanceStatsRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_gateway__pb2.AcceptanceStatsResponse.SerializeToString,
+            ),
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=specd_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
@@ -89,6 +106,33 @@ def add_GatewayServicer_to_server(servicer, server):
 class Gateway:
     """The public entry point of specd.
     """
+
+    @staticmethod
+    def GetAcceptanceStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Gateway/GetAcceptanceStats',
+            specd_dot_v1_dot_gateway__pb2.AcceptanceStatsRequest.SerializeToString,
+            specd_dot_v1_dot_gateway__pb2.AcceptanceStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Generate(request,

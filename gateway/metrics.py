@@ -1,0 +1,100 @@
+"""Prometheus exposition of the gateway's acceptance statistics.
+
+Counters sum across gateway replicas. Names follow vLLM's speculative-decoding metrics
+where they exist (`vllm:spec_decode_num_drafts` → `specd:spec_decode_num_drafts`), with
+our labels: model_pair, task_type, user_segment, prompt_bucket. PromQL:
+
+    acceptance rate     sum(rate(specd:spec_decode_num_accepted_tokens_total[5m]))
+                      / sum(rate(specd:spec_decode_num_draft_tokens_total[5m]))
+    mean accept length  1 + sum(rate(specd:spec_decode_num_accepted_tokens_total[5m]))
+                          / sum(rate(specd:spec_decode_num_drafts_total[5m]))
+
+The collector reads a snapshot of `AcceptanceStats` at scrape time; it never writes.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specd.acceptance import LABEL_NAMES, AcceptanceStats
+
+PREFIX = "specd:spec_decode_"
+
+
+class AcceptanceCollector(Collector):
+    """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
+
+    def __init__(self, stats: AcceptanceStats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        labels = list(LABEL_NAMES)
+        families = {
+            "steps": CounterMetricFamily(PREFIX + "num_steps", "Decoding steps, plain ones included.", labels=labels),
+            "drafts": CounterMetricFamily(PREFIX + "num_drafts", "Steps that proposed draft tokens.", labels=labels),
+            "draft_tokens": CounterMetricFamily(PREFIX + "num_draft_tokens", "Draft tokens proposed.", labels=labels),
+            "accepted_tokens": CounterMetricFamily(PREFIX + "num_accepted_tokens", "Draft tokens accepted.",
+                                                   labels=labels),
+            "emitted_tokens": CounterMetricFamily(PREFIX + "num_emitted_tokens",
+                                                  "Tokens committed by speculative steps.", labels=labels),
+        }
+        per_pos = {
+            "proposed": CounterMetricFamily(PREFIX + "num_draft_tokens_per_pos",
+                                            "Draft tokens proposed at each draft position.",
+                                            labels=labels + ["position"]),
+            "accepted": CounterMetricFamily(PREFIX + "num_accepted_tokens_per_pos",
+                                            "Draft tokens accepted at each draft position.",
+                                            labels=labels + ["position"]),
+        }
+        per_gen = {
+            "proposed": CounterMetricFamily(PREFIX + "num_draft_tokens_per_generation_bucket",
+                                            "Draft tokens proposed, by position inside the generation.",
+                                            labels=labels + ["generation_bucket"]),
+            "accepted": CounterMetricFamily(PREFIX + "num_accepted_tokens_per_generation_bucket",
+                                            "Draft tokens accepted, by position inside the generation.",
+                                            labels=labels + ["generation_bucket"]),
+        }
+        for key, counts in self.stats.snapshot().items():
+            values = list(astuple(key))
+            for name, family in families.items():
+                family.add_metric(values, getattr(counts, name))
+            for i, (proposed, accepted) in enumerate(zip(counts.proposed_per_position,
+                                                         counts.accepted_per_position)):
+                per_pos["proposed"].add_metric(values + [str(i + 1)], proposed)
+                per_pos["accepted"].add_metric(values + [str(i + 1)], accepted)
+            for gen_bucket, (proposed, accepted) in counts.by_generation_bucket.items():
+                per_gen["proposed"].add_metric(values + [gen_bucket], proposed)
+                per_gen["accepted"].add_metric(values + [gen_bucket], accepted)
+        yield from families.values()
+        yield from per_pos.values()
+        yield from per_gen.values()
+        yield from self._costs()
+
+    def _costs(self):
+        target = GaugeMetricFamily(PREFIX + "target_step_ms", "Measured plain target step (ms).",
+                                   labels=["model_pair"])
+        draft = GaugeMetricFamily(PREFIX + "draft_cost_ratio",
+                                  "c: draft cost per token relative to one target step.", labels=["model_pair"])
+        verify = GaugeMetricFamily(PREFIX + "verify_cost_ratio",
+                                   "v(γ): verify step relative to one target step.",
+                                   labels=["model_pair", "draft_length"])
+        for pair, costs in self.stats.cost_pairs().items():
+            step_ms = costs.target_step_ms()
+            if step_ms is None:
+                continue
+            c, v = costs.ratios()
+            target.add_metric([pair], step_ms)
+            draft.add_metric([pair], c)
+            for gamma, ratio in v.items():
+                verify.add_metric([pair, str(gamma)], ratio)
+        return [target, draft, verify]
+
+
+def start_metrics_server(stats: AcceptanceStats, host: str, port: int):
+    """Serve /metrics on host:port from a background thread; returns (server, thread)."""
+    registry = CollectorRegistry()
+    registry.register(AcceptanceCollector(stats))
+    return start_http_server(port, addr=host, registry=registry)

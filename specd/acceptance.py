@@ -1,0 +1,188 @@
+"""Acceptance statistics: a plain object filled on the hot path, read by consumers apart.
+
+Counters (summable across replicas) of drafts, draft tokens, accepted and emitted
+tokens, keyed by labels — model pair, task type, user segment, prompt-length bucket —
+with per-draft-position and per-generation-position breakdowns; kept for the lifetime
+of the process and over a sliding window of the most recent steps; plus the measured
+step costs of each model pair (`specd.costmodel.StepCosts`). The Prometheus exporter and
+the GetAcceptanceStats RPC read it; neither writes it. No gRPC here.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from specd.costmodel import StepCosts
+
+PROMPT_BUCKETS = (32, 128, 512, 2048)
+GENERATION_BUCKETS = (32, 64, 128, 256, 512)
+LABEL_NAMES = ("model_pair", "task_type", "user_segment", "prompt_bucket")
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> str:
+    """The bucket label of a length: "0-31", "32-127", ..., "2048+"."""
+    low = 0
+    for edge in edges:
+        if value < edge:
+            return f"{low}-{edge - 1}"
+        low = edge
+    return f"{low}+"
+
+
+@dataclass(frozen=True)
+class Labels:
+    """The segment a request's steps are counted under."""
+
+    model_pair: str
+    task_type: str
+    user_segment: str
+    prompt_bucket: str
+
+
+@dataclass
+class Counts:
+    """Summable counters of one segment."""
+
+    steps: int = 0  # every step, plain ones included
+    drafts: int = 0  # steps that proposed at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens committed by the drafts
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    # generation bucket → [draft tokens, accepted tokens]
+    by_generation_bucket: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, draft_length: int, accepted: int, emitted: int, generated_before: int) -> None:
+        self.steps += 1
+        if draft_length == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += draft_length
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        _grow(self.proposed_per_position, draft_length)
+        _grow(self.accepted_per_position, draft_length)
+        for i in range(draft_length):
+            self.proposed_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        pair = self.by_generation_bucket.setdefault(bucket(generated_before, GENERATION_BUCKETS), [0, 0])
+        pair[0] += draft_length
+        pair[1] += accepted
+
+    def merge(self, other: Counts) -> None:
+        for name in ("steps", "drafts", "draft_tokens", "accepted_tokens", "emitted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            _grow(mine, len(theirs))
+            for i, value in enumerate(theirs):
+                mine[i] += value
+        for key, (proposed, accepted) in other.by_generation_bucket.items():
+            pair = self.by_generation_bucket.setdefault(key, [0, 0])
+            pair[0] += proposed
+            pair[1] += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens per speculative step (vLLM's definition)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+    def position_curve(self) -> list[float]:
+        """Conditional acceptance at draft position i given positions < i were accepted."""
+        curve = []
+        for i, proposed in enumerate(self.proposed_per_position):
+            reached = proposed if i == 0 else min(proposed, self.accepted_per_position[i - 1])
+            if reached == 0:
+                break
+            curve.append(self.accepted_per_position[i] / reached)
+        return curve
+
+
+def _grow(values: list[int], length: int) -> None:
+    values.extend([0] * (length - len(values)))
+
+
+class AcceptanceStats:
+    """Lifetime and windowed acceptance counters by label set, and costs by model pair.
+
+    Written from the gateway's event loop, read from the metrics thread: one lock.
+    `max_user_segments` caps label cardinality: later segments are counted as "other".
+    """
+
+    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50) -> None:
+        self.window_steps = window_steps
+        self.max_user_segments = max_user_segments
+        self._lock = threading.Lock()
+        self._lifetime: dict[Labels, Counts] = {}
+        self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
+        self._segments: set[str] = set()
+        self._costs: dict[str, StepCosts] = {}
+
+    def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
+        """The labels of a request, with the user segment capped."""
+        with self._lock:
+            if user_segment not in self._segments and len(self._segments) >= self.max_user_segments:
+                user_segment = "other"
+            self._segments.add(user_segment)
+        return Labels(model_pair, task_type or "general", user_segment, bucket(prompt_tokens, PROMPT_BUCKETS))
+
+    def costs(self, model_pair: str) -> StepCosts:
+        """The measured step costs of a model pair (created on first use)."""
+        with self._lock:
+            return self._costs.setdefault(model_pair, StepCosts())
+
+    def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int,
+               draft_ms: float, verify_ms: float) -> None:
+        """Count one step (hot path)."""
+        with self._lock:
+            self._lifetime.setdefault(labels, Counts()).add(draft_length, accepted, emitted, generated_before)
+            self._window.append((labels, draft_length, accepted, emitted, generated_before))
+            self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms)
+
+    def snapshot(self, window: bool = False) -> dict[Labels, Counts]:
+        """A copy of the counters by label set: lifetime, or just the sliding window."""
+        with self._lock:
+            if not window:
+                out = {}
+                for labels, counts in self._lifetime.items():
+                    out[labels] = Counts()
+                    out[labels].merge(counts)
+                return out
+            steps = list(self._window)
+        out: dict[Labels, Counts] = {}
+        for labels, *step in steps:
+            out.setdefault(labels, Counts()).add(*step)
+        return out
+
+    def query(self, group_by: list[str], where: dict[str, str], window: bool = False) -> list[tuple[dict, Counts]]:
+        """Counters filtered by label values and summed within groups of the given labels."""
+        unknown = set(group_by) | set(where)
+        unknown -= set(LABEL_NAMES)
+        if unknown:
+            raise ValueError(f"unknown label(s) {sorted(unknown)}; use {list(LABEL_NAMES)}")
+        groups: dict[tuple, Counts] = {}
+        for labels, counts in self.snapshot(window).items():
+            values = asdict(labels)
+            if any(values[k] != v for k, v in where.items()):
+                continue
+            key = tuple(values[name] for name in group_by)
+            groups.setdefault(key, Counts()).merge(counts)
+        return [(dict(zip(group_by, key)), counts) for key, counts in sorted(groups.items())]
+
+    def position_curve(self, model_pair: str, task_type: str, min_samples: int = 50) -> list[float] | None:
+        """The measured per-position acceptance curve of a pair and task, once there is data."""
+        rows = self.query([], {"model_pair": model_pair, "task_type": task_type}, window=True)
+        if not rows or not rows[0][1].proposed_per_position or rows[0][1].proposed_per_position[0] < min_samples:
+            return None
+        return rows[0][1].position_curve()
+
+    def cost_pairs(self) -> dict[str, StepCosts]:
+        with self._lock:
+            return dict(self._costs)

@@ -1,0 +1,160 @@
+"""The speedup model of speculative decoding, and the measured costs it needs.
+
+    E[tokens per step] = (1 − α^(γ+1)) / (1 − α)        (i.i.d. acceptance α)
+                       = 1 + Σ_{i≤γ} Π_{j≤i} r_j        (measured per-position rates r_j)
+    speedup(γ)         ≈ E / (γ·c + v(γ))
+
+c is the draft's cost per token and v(γ) the verify cost, both relative to one plain
+target step (DESIGN.md §4). `StepCosts` measures them from real steps, as wall time
+seen by the gateway (network hops included: they are part of what a step costs).
+Pure Python; no gRPC.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens emitted by one step of γ draft tokens at i.i.d. acceptance α."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_from_curve(rates: list[float], gamma: int) -> float:
+    """Expected tokens per step from conditional acceptance rates r_1..r_γ by position."""
+    total, survive = 1.0, 1.0
+    for rate in rates[:gamma]:
+        survive *= rate
+        total += survive
+    return total
+
+
+class _Ema:
+    """Exponential moving average that starts at its first sample."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Milliseconds of one step at γ: draft hop plus verify hop."""
+
+    target_step_ms: float
+    draft_ms: float
+    verify_ms: float
+
+    @property
+    def step_ms(self) -> float:
+        return self.draft_ms + self.verify_ms
+
+
+class StepCosts:
+    """Measured step costs of one model pair, learned from every step the gateway runs.
+
+    Keeps an EMA of the draft hop's and the verify hop's wall time for each γ seen and
+    fits a line through them (cost = a + b·γ), so an unseen γ — including γ = 0, the
+    plain target step — gets an estimate too. Before any measurement it assumes a
+    draft token costs `prior_draft_ratio` of a target step.
+    """
+
+    def __init__(self, weight: float = 0.1, prior_draft_ratio: float = 0.2) -> None:
+        self.prior_draft_ratio = prior_draft_ratio
+        self._draft: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
+        self._verify: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
+        self._weight = weight
+
+    def observe(self, draft_length: int, draft_ms: float, verify_ms: float) -> None:
+        if draft_length > 0:
+            self._draft[draft_length].add(draft_ms)
+        self._verify[draft_length].add(verify_ms)
+
+    @staticmethod
+    def _fit(points: dict[int, _Ema], through_origin: bool) -> tuple[float, float] | None:
+        """Least-squares line (intercept, slope ≥ 0) through the (γ, ms) seen.
+
+        From a single point the shape is assumed: a draft hop proportional to γ
+        (through_origin), a verify hop that grows 5% of a plain step per extra token.
+        """
+        seen = {g: e.value for g, e in points.items() if e.value is not None}
+        if not seen:
+            return None
+        if len(seen) == 1:
+            ((x0, y0),) = seen.items()
+            if through_origin:
+                return 0.0, y0 / x0
+            intercept = y0 / (1.0 + 0.05 * x0)
+            return intercept, 0.05 * intercept
+        mean_x, mean_y = sum(seen) / len(seen), sum(seen.values()) / len(seen)
+        var = sum((x - mean_x) ** 2 for x in seen)
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in seen.items()) / var)
+        return mean_y - slope * mean_x, slope
+
+    @staticmethod
+    def _at(points: dict[int, _Ema], fit: tuple[float, float], gamma: int) -> float:
+        """Measured value at γ when seen, else the fitted line's."""
+        ema = points.get(gamma)
+        if ema is not None and ema.value is not None:
+            return ema.value
+        return max(fit[0] + fit[1] * gamma, 0.0)
+
+    def target_step_ms(self) -> float | None:
+        """A plain target step: measured at γ = 0, else the verify line's intercept."""
+        fit = self._fit(self._verify, through_origin=False)
+        if fit is None:
+            return None
+        # Noisy points can put the fitted intercept near or below zero; a plain step
+        # cannot cost much less than the cheapest verify step seen.
+        cheapest = min(e.value for e in self._verify.values() if e.value is not None)
+        return max(self._at(self._verify, fit, 0), 0.5 * cheapest)
+
+    def estimate(self, gamma: int) -> CostEstimate | None:
+        """Predicted milliseconds of a step at γ; None before any measurement."""
+        target = self.target_step_ms()
+        if target is None:
+            return None
+        if gamma == 0:
+            return CostEstimate(target, 0.0, target)
+        verify = max(self._at(self._verify, self._fit(self._verify, through_origin=False), gamma), target)
+        draft_fit = self._fit(self._draft, through_origin=True) or (0.0, self.prior_draft_ratio * target)
+        return CostEstimate(target, self._at(self._draft, draft_fit, gamma), verify)
+
+    def ratios(self) -> tuple[float, dict[int, float]]:
+        """(c, {γ: v(γ)}) for the γ values seen, relative to one plain target step."""
+        target = self.target_step_ms()
+        if not target:
+            return 0.0, {}
+        seen = sorted(g for g, e in self._draft.items() if e.value is not None)
+        c = (sum(self._draft[g].value / g for g in seen) / len(seen) / target) if seen else 0.0
+        v = {g: e.value / target for g, e in sorted(self._verify.items()) if e.value is not None}
+        return c, v
+
+    def draft_ms_per_token(self) -> float:
+        seen = [g for g, e in self._draft.items() if e.value is not None]
+        return sum(self._draft[g].value / g for g in seen) / len(seen) if seen else 0.0
+
+
+def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
+                      curve: list[float] | None = None) -> int:
+    """The γ among candidates that maximises expected tokens per millisecond.
+
+    Before any cost is measured, the middle candidate: a first step to measure from.
+    """
+    if costs.estimate(candidates[-1]) is None:
+        return candidates[len(candidates) // 2]
+    best, best_rate = candidates[0], -1.0
+    for gamma in candidates:
+        tokens = expected_tokens_from_curve(curve, gamma) if curve else expected_tokens(alpha, gamma)
+        rate = tokens / costs.estimate(gamma).step_ms
+        if rate > best_rate:
+            best, best_rate = gamma, rate
+    return best

@@ -1,0 +1,119 @@
+"""Acceptance statistics (sums, windows, labels), the cost model, and the Prometheus format."""
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import request
+from gateway.metrics import AcceptanceCollector
+from prometheus_client import CollectorRegistry, generate_latest
+from specd.acceptance import AcceptanceStats, Counts, bucket
+from specd.costmodel import StepCosts, best_draft_length, expected_tokens, expected_tokens_from_curve
+from specd.v1 import gateway_pb2
+
+
+def test_counts_sum_steps_and_positions():
+    counts = Counts()
+    counts.add(draft_length=4, accepted=2, emitted=3, generated_before=0)
+    counts.add(draft_length=4, accepted=4, emitted=5, generated_before=40)
+    counts.add(draft_length=0, accepted=0, emitted=1, generated_before=45)  # a plain step
+    assert (counts.steps, counts.drafts, counts.draft_tokens, counts.accepted_tokens) == (3, 2, 8, 6)
+    assert counts.emitted_tokens == 8
+    assert counts.proposed_per_position == [2, 2, 2, 2]
+    assert counts.accepted_per_position == [2, 2, 1, 1]
+    assert counts.acceptance_rate == 0.75 and counts.mean_acceptance_length == 4.0
+    assert counts.by_generation_bucket == {"0-31": [4, 2], "32-63": [4, 4]}
+    assert counts.position_curve() == [1.0, 1.0, 0.5, 1.0]
+
+
+def test_buckets():
+    assert [bucket(n, (32, 128)) for n in (0, 31, 32, 127, 128, 10_000)] == \
+        ["0-31", "0-31", "32-127", "32-127", "128+", "128+"]
+
+
+def test_labels_group_filter_and_window():
+    stats = AcceptanceStats(window_steps=3, max_user_segments=2)
+    code = stats.labels("d->t", "code", "alice", 10)
+    prose = stats.labels("d->t", "general", "bob", 300)
+    capped = stats.labels("d->t", "code", "carol", 10)
+    assert capped.user_segment == "other" and code.prompt_bucket == "0-31" and prose.prompt_bucket == "128-511"
+    for labels, accepted in ((code, 4), (code, 3), (prose, 0), (prose, 1), (capped, 2)):
+        stats.record(labels, 4, accepted, accepted + 1, 0, draft_ms=2.0, verify_ms=10.0)
+    by_task = dict((row["task_type"], c) for row, c in stats.query(["task_type"], {}))
+    assert by_task["code"].accepted_tokens == 9 and by_task["code"].draft_tokens == 12
+    assert by_task["general"].accepted_tokens == 1
+    alice = stats.query([], {"user_segment": "alice"})
+    assert alice[0][1].drafts == 2
+    # The window keeps the 3 most recent steps only.
+    (_, window), = stats.query([], {}, window=True)
+    assert window.drafts == 3 and window.accepted_tokens == 0 + 1 + 2
+    (_, lifetime), = stats.query([], {})
+    assert lifetime.drafts == 5 and lifetime.accepted_tokens == 10
+    with pytest.raises(ValueError, match="unknown label"):
+        stats.query(["model"], {})
+
+
+def test_expected_tokens_formula_and_curve_agree():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert expected_tokens_from_curve([0.8] * 4, 4) == pytest.approx(expected_tokens(0.8, 4))
+
+
+def test_step_costs_fit_and_ratios():
+    costs = StepCosts(weight=1.0)
+    assert costs.estimate(4) is None
+    for gamma, draft_ms, verify_ms in ((0, 0.0, 10.0), (2, 2.0, 11.0), (4, 4.0, 12.0)):
+        costs.observe(gamma, draft_ms, verify_ms)
+    assert costs.target_step_ms() == 10.0
+    assert costs.estimate(3).draft_ms == pytest.approx(3.0) and costs.estimate(3).verify_ms == pytest.approx(11.5)
+    c, v = costs.ratios()
+    assert c == pytest.approx(0.1) and v == {0: 1.0, 2: 1.1, 4: 1.2}
+    # With cheap drafts and high acceptance, speculate long; with α = 0, do not speculate.
+    assert best_draft_length(0.9, costs, [0, 1, 2, 4, 8]) >= 4
+    assert best_draft_length(0.0, costs, [0, 1, 2, 4, 8]) == 0
+
+
+def test_prometheus_exposition_format():
+    stats = AcceptanceStats()
+    labels = stats.labels("d->t", "code", "", 5)
+    stats.record(labels, 4, 3, 4, 0, 2.0, 10.0)
+    stats.record(labels, 0, 0, 1, 4, 0.0, 9.0)
+    registry = CollectorRegistry()
+    registry.register(AcceptanceCollector(stats))
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    accepted = families["specd:spec_decode_num_accepted_tokens"]
+    assert accepted.type == "counter"
+    (sample,) = accepted.samples
+    assert sample.name == "specd:spec_decode_num_accepted_tokens_total" and sample.value == 3
+    assert sample.labels == {"model_pair": "d->t", "task_type": "code", "user_segment": "", "prompt_bucket": "0-31"}
+    per_pos = {s.labels["position"]: s.value for s in families["specd:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per_pos == {"1": 1, "2": 1, "3": 1, "4": 0}
+    assert families["specd:spec_decode_num_steps"].samples[0].value == 2
+    assert families["specd:spec_decode_target_step_ms"].samples[0].value == 9.0
+
+
+def test_gateway_reports_acceptance_stats(stack):
+    for draft_model, segment in (("close", "tenant-a"), ("unrelated", "tenant-b")):
+        req = request("def fibonacci(n):", max_new_tokens=20, draft_model=draft_model)
+        req.user_segment = segment
+        req.task_type = "code"
+        response = stack.stub.Generate(req)
+        assert sum(response.stats.proposed_per_position) == response.stats.proposed_tokens
+        assert sum(response.stats.accepted_per_position) == response.stats.accepted_tokens
+    reply = stack.stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest(
+        group_by=["model_pair"], filter={"task_type": "code", "user_segment": "tenant-a"}))
+    assert [dict(r.labels) for r in reply.rows] == [{"model_pair": "close->target"}]
+    assert reply.rows[0].acceptance_rate == pytest.approx(reply.rows[0].accepted_tokens / reply.rows[0].draft_tokens)
+    assert {c.model_pair for c in reply.costs} >= {"close->target", "unrelated->target"}
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest(group_by=["colour"]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_classified_task_type_is_reported(stack):
+    response = stack.stub.Generate(request("def fibonacci(n):", max_new_tokens=4, mode="AUTO"))
+    assert response.stats.task_type == "code" and response.stats.policy == "cost"

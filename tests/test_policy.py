@@ -1,0 +1,80 @@
+"""Each γ policy's decisions on scripted acceptance sequences."""
+from __future__ import annotations
+
+from gateway.engine import StepRecord
+from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy
+from specd.costmodel import StepCosts
+from specd.tasks import TaskProfile
+
+
+def step(draft_length: int, accepted: int) -> StepRecord:
+    return StepRecord(index=0, position=0, draft_length=draft_length, accepted=accepted,
+                      bonus=accepted == draft_length, token=0, emitted=(0,) * (accepted + 1), draft_ms=0.0,
+                      verify_ms=0.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0)
+
+
+def measured_costs(draft_ms_per_token: float, target_ms: float = 10.0) -> StepCosts:
+    costs = StepCosts(weight=1.0)
+    for gamma in (0, 2, 4, 8):
+        costs.observe(gamma, draft_ms_per_token * gamma, target_ms * (1 + 0.03 * gamma))
+    return costs
+
+
+def test_fixed_never_changes():
+    policy = FixedPolicy(5)
+    for accepted in (0, 5, 2):
+        policy.observe(step(5, accepted))
+        assert policy.next_draft_length() == 5
+
+
+def test_ema_grows_on_full_acceptance_and_shrinks_on_rejection():
+    policy = EmaPolicy(start=4, lowest=2, highest=8, target_rate=0.85, steps=50)
+    for _ in range(30):
+        policy.observe(step(policy.next_draft_length(), policy.next_draft_length()))
+    assert policy.next_draft_length() == 8
+    for _ in range(200):
+        policy.observe(step(policy.next_draft_length(), 0))
+    assert policy.next_draft_length() == 2
+    # Slow by design (EMA over ~50 steps): one bad step does not move γ.
+    steady = EmaPolicy(start=4, lowest=2, highest=8)
+    steady.observe(step(4, 0))
+    assert steady.next_draft_length() == 4
+
+
+def test_cost_policy_speculates_long_when_acceptance_is_high():
+    policy = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 8))
+    for _ in range(20):
+        gamma = policy.next_draft_length()
+        policy.observe(step(gamma, gamma))
+    assert policy.next_draft_length() >= 6
+
+
+def test_cost_policy_falls_back_to_plain_decoding_and_probes():
+    policy = CostPolicy(measured_costs(3.0), TaskProfile(0.7, 1, 8), probe_every=8)
+    choices = []
+    for _ in range(40):
+        gamma = policy.next_draft_length()
+        choices.append(gamma)
+        policy.observe(step(gamma, 0))  # the draft is never right
+    tail = choices[10:]
+    assert tail.count(0) >= 30 - 5, choices  # mostly plain decoding...
+    assert any(g > 0 for g in tail), choices  # ...with a probe now and then
+
+
+def test_cost_policy_uses_the_task_prior_before_evidence():
+    costs = measured_costs(1.0)
+    optimistic = CostPolicy(costs, TaskProfile(0.95, 1, 16)).next_draft_length()
+    pessimistic = CostPolicy(costs, TaskProfile(0.3, 1, 16)).next_draft_length()
+    assert optimistic > pessimistic
+
+
+def test_cost_policy_prefers_the_measured_curve():
+    # Position 3 is almost always rejected: stop before it even though α is high.
+    curve = [0.95, 0.95, 0.05, 0.95, 0.95, 0.95]
+    policy = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 6), curve=lambda: curve)
+    assert policy.next_draft_length() == 2
+
+
+def test_confidence_asks_for_the_maximum_and_passes_its_threshold():
+    policy = ConfidencePolicy(highest=8, min_confidence=0.6)
+    assert policy.next_draft_length() == 8 and policy.min_confidence == 0.6
