@@ -5,6 +5,8 @@
     specd verifier   the verifier service alone
     specd gateway    the gateway alone
     specd generate   send a prompt to a gateway; print the text and acceptance figures
+    specd bench      compare γ policies and target-only decoding against a running gateway
+    specd distill    train a draft to agree with its target (KL to the target's outputs)
     specd trace      collect spans over OTLP into a file; show a request's steps (specd.tracecli)
 
 Settings objects (`specd.config`) are built here from the flags, once, and passed in.
@@ -327,6 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
     from specd.tracecli import add_parser as add_trace_parser
 
     add_trace_parser(sub)
+
+    from specd import bench as bench_module
+    from specd import distill as distill_module
+
+    bench = sub.add_parser("bench", help="compare γ policies and target-only against a running gateway")
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=bench_module.run)
+
+    distill = sub.add_parser("distill", help="train a draft to agree with its target")
+    distill_module.add_arguments(distill)
+    distill.set_defaults(func=distill_module.run)
     return parser
 
 

@@ -117,3 +117,22 @@ def test_gateway_reports_acceptance_stats(stack):
 def test_classified_task_type_is_reported(stack):
     response = stack.stub.Generate(request("def fibonacci(n):", max_new_tokens=4, mode="AUTO"))
     assert response.stats.task_type == "code" and response.stats.policy == "cost"
+
+
+def test_bench_runs_against_a_gateway(stack, tmp_path):
+    import argparse
+
+    from specd import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--gateway", stack.gateway_address, "--configs", "fixed:2,ema,cost",
+                              "--max-new-tokens", "12", "--draft-model", "close", "--out", str(tmp_path)])
+    workload = {"code": ["def fibonacci(n):"], "general": ["The acceptance rate is"]}
+    results = bench.run_gateway(args, workload, bench.parse_configs(args.configs))
+    assert [r.config.label for r in results] == ["target-only", "fixed γ=2", "ema", "cost (AUTO)"]
+    assert all(r.tokens == 24 for r in results)
+    assert results[0].proposed == 0 and results[1].proposed > 0
+    assert set(results[1].by_task) == {"code", "general"}
+    assert "target-only" in bench.table(results, {}) and len(bench.plots(results, tmp_path)) == 3
+    assert (tmp_path / "tokens_per_s.png").stat().st_size > 0

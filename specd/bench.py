@@ -1,0 +1,285 @@
+"""`specd bench`: every γ policy and target-only decoding, side by side, against a running gateway.
+
+For each prompt of a workload (prompts per task type), every configuration runs once, in
+turn, so slow drift of a shared machine hits them all alike. It prints a table
+(acceptance, mean tokens per step, tokens/s, ratio to target-only) overall and per task
+type, and writes a report folder: report.md, results.json and PNG plots (acceptance by
+draft position, γ over a request, tokens/s per configuration). With --target/--draft it
+also times transformers' own target-only and assisted generation on the same pair, in
+this process, for the "ours vs transformers" ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Built-in workload for the shipped demo pair (Python source and English prose). These
+# prompts were written for the benchmark, not cut from the training corpus.
+DEMO_WORKLOAD = {
+    "code": [
+        "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
+        "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, key):\n",
+        "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n",
+        "    def __repr__(self):\n        return ",
+        "def _check_arg(value, name):\n    if not isinstance(value, int):\n        raise TypeError(",
+        "    for line in lines:\n        line = line.strip()\n        if not line",
+        "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n",
+        "    try:\n        result = func(*args, **kwargs)\n    except",
+    ],
+    "general": [
+        "The return value of the function is",
+        "This module provides a simple way to",
+        "If the optional argument is given, the",
+        "Changed in version 3.8: The",
+        "The following example shows how to",
+        "Note that this method does not",
+        "A new list is returned, and the",
+        "An exception is raised when the",
+    ],
+}
+
+
+@dataclass
+class Config:
+    """One column of the benchmark: a speculation mode and γ policy."""
+
+    label: str
+    mode: str  # auto | fixed | off
+    policy: str = ""
+    draft_length: int = 0
+
+
+@dataclass
+class Result:
+    """What one configuration did over the workload."""
+
+    config: Config
+    tokens: int = 0
+    seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    by_task: dict[str, list[float]] = field(default_factory=dict)  # task → [tokens, seconds, proposed, accepted]
+    gamma_trace: list[int] = field(default_factory=list)  # γ per step of the longest request
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+def parse_configs(spec: str) -> list[Config]:
+    """"off,fixed:4,ema,cost" → configurations (target-only is always included first)."""
+    configs = [Config("target-only", "off")]
+    for item in spec.split(","):
+        item = item.strip()
+        if not item or item == "off":
+            continue
+        name, _, gamma = item.partition(":")
+        if name == "fixed":
+            configs.append(Config(f"fixed γ={gamma}", "fixed", "fixed", int(gamma)))
+        else:
+            configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}", "auto", name))
+    return configs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
+    parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
+    parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
+                        help="comma list of fixed:γ, ema, cost, confidence (target-only always runs)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the workload")
+    parser.add_argument("--draft-model", default="", help="draft model name (default: the gateway's)")
+    parser.add_argument("--out", default="bench-out", help="report folder")
+    parser.add_argument("--target", help="also time transformers' generate on this target directory")
+    parser.add_argument("--draft", help="... and its assisted generation with this draft directory")
+
+
+def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
+    from specd.v1 import gateway_pb2
+
+    mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
+            "off": gateway_pb2.SPECULATION_MODE_OFF}[config.mode]
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, task_type=task,
+        sampling=gateway_pb2.SamplingParams(temperature=args.temperature, seed=seed,
+                                            max_new_tokens=args.max_new_tokens),
+        speculation=gateway_pb2.SpeculationParams(mode=mode, policy=config.policy,
+                                                  draft_length=config.draft_length,
+                                                  draft_model=args.draft_model))
+
+
+def _add(result: Result, task: str, stats, seconds: float) -> None:
+    result.tokens += stats.generated_tokens
+    result.seconds += seconds
+    result.proposed += stats.proposed_tokens
+    result.accepted += stats.accepted_tokens
+    result.steps += stats.steps
+    for mine, theirs in ((result.proposed_per_position, stats.proposed_per_position),
+                         (result.accepted_per_position, stats.accepted_per_position)):
+        mine.extend([0] * (len(theirs) - len(mine)))
+        for i, value in enumerate(theirs):
+            mine[i] += value
+    row = result.by_task.setdefault(task, [0, 0.0, 0, 0])
+    row[0] += stats.generated_tokens
+    row[1] += seconds
+    row[2] += stats.proposed_tokens
+    row[3] += stats.accepted_tokens
+    if len(stats.draft_lengths) > len(result.gamma_trace):
+        result.gamma_trace = list(stats.draft_lengths)
+
+
+def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]], configs: list[Config]) -> list[Result]:
+    """Run every configuration on every prompt, interleaved, timing each request end to end."""
+    import grpc
+
+    from specd.v1 import gateway_pb2_grpc
+
+    results = [Result(c) for c in configs]
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        # Warm-up: one request per configuration (first-call costs; the cost policy's model).
+        first_task, first_prompts = next(iter(workload.items()))
+        for config in configs:
+            stub.Generate(_request(first_prompts[0], first_task, config, args, seed=1))
+        seed = 0
+        for _ in range(args.rounds):
+            for task, prompts in workload.items():
+                for prompt in prompts:
+                    seed += 1
+                    for result in results:
+                        began = time.perf_counter()
+                        response = stub.Generate(_request(prompt, task, result.config, args, seed))
+                        _add(result, task, response.stats, time.perf_counter() - began)
+    return results
+
+
+def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -> dict[str, float]:
+    """tokens/s of transformers' own greedy generate, target-only and assisted by the draft."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval() if args.draft else None
+    timings = {"transformers target-only": [0, 0.0], "transformers assisted": [0, 0.0]}
+    prompts = [p for ps in workload.values() for p in ps] * args.rounds
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        for label, extra in (("transformers target-only", {}), ("transformers assisted", {"assistant_model": draft})):
+            if label.endswith("assisted") and draft is None:
+                continue
+            began = time.perf_counter()
+            out = target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                  pad_token_id=tokenizer.eos_token_id, **extra)
+            timings[label][0] += out.shape[1] - ids.shape[1]
+            timings[label][1] += time.perf_counter() - began
+    return {label: n / s for label, (n, s) in timings.items() if s}
+
+
+def table(results: list[Result], extra: dict[str, float]) -> str:
+    """The side-by-side table, plain text."""
+    base = results[0].tokens_per_s
+    lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"]
+    for r in results:
+        accept = f"{r.acceptance:.3f}" if r.proposed else "—"
+        lines.append(f"{r.config.label:<26} {accept:>10} {r.tokens_per_step:>11.2f} {r.tokens_per_s:>9.1f} "
+                     f"{r.tokens_per_s / base:>13.2f}")
+    for label, rate in extra.items():
+        lines.append(f"{label:<26} {'':>10} {'':>11} {rate:>9.1f} {rate / base:>13.2f}")
+    tasks = sorted({t for r in results for t in r.by_task})
+    if len(tasks) > 1:
+        lines.append("")
+        lines.append("per task type: acceptance / tokens/s")
+        lines.append(f"{'configuration':<26} " + " ".join(f"{t:>20}" for t in tasks))
+        for r in results:
+            cells = []
+            for t in tasks:
+                tokens, seconds, proposed, accepted = r.by_task.get(t, [0, 0.0, 0, 0])
+                cells.append(f"{(accepted / proposed if proposed else 0):>9.3f} / {tokens / seconds if seconds else 0:>8.1f}")
+            lines.append(f"{r.config.label:<26} " + " ".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def plots(results: list[Result], out: Path) -> list[str]:
+    """PNG plots of the run; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speculative = [r for r in results if r.proposed]
+    names = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in speculative:
+        rates = [a / p for a, p in zip(r.accepted_per_position, r.proposed_per_position) if p]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=r.config.label)
+    ax.set(xlabel="position inside the draft", ylabel="accepted / proposed", title="Acceptance by draft position",
+           ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=100)
+    names.append("acceptance_by_position.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in speculative:
+        if r.config.mode == "auto":
+            ax.step(range(1, len(r.gamma_trace) + 1), r.gamma_trace, where="post", label=r.config.label)
+    ax.set(xlabel="step", ylabel="γ", title="γ over a request (adaptive policies)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "gamma_over_request.png", dpi=100)
+    names.append("gamma_over_request.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh([r.config.label for r in results], [r.tokens_per_s for r in results])
+    ax.set(xlabel="tokens/s", title="Throughput per configuration (batch 1)")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s.png", dpi=100)
+    names.append("tokens_per_s.png")
+    plt.close("all")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
+    configs = parse_configs(args.configs)
+    results = run_gateway(args, workload, configs)
+    extra = run_transformers(args, workload) if args.target else {}
+    text = table(results, extra)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = plots(results, out)
+    (out / "results.json").write_text(json.dumps({
+        "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "rounds": args.rounds, "prompts": {t: len(p) for t, p in workload.items()},
+        "configurations": [{"label": r.config.label, "tokens": r.tokens, "seconds": r.seconds,
+                            "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance,
+                            "tokens_per_step": r.tokens_per_step, "by_task": r.by_task,
+                            "proposed_per_position": r.proposed_per_position,
+                            "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace}
+                           for r in results],
+        "transformers_tokens_per_s": extra}, indent=2))
+    (out / "report.md").write_text(
+        f"# specd bench\n\n{statistics.fmean([len(p) for p in workload.values()]):.0f} prompts per task type, "
+        f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.rounds} round(s).\n\n"
+        f"```\n{text}\n```\n\n" + "".join(f"![{name}]({name})\n\n" for name in images))
+    print(f"\nreport: {out / 'report.md'}")
+    return 0
