@@ -1,0 +1,238 @@
+"""Tracing per hop (DESIGN.md §5): spans, their links across processes, and `specd trace`.
+
+Two levels: the three services in this process with the SDK's in-memory exporter (fast,
+every attribute checked), and the three services as separate processes exporting over
+OTLP to `specd trace collect` on loopback (what a deployment does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+
+from conftest import request, start_stack
+from gateway.engine import GenerationRequest, NoTracer
+from gateway.tracing import RequestTrace
+from specd.cli import _stop_all, _wait_healthy
+from specd.sampling import Transform
+from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
+from specd.tracecli import load_spans, pick_trace, render, step_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _reset_global_tracer_provider() -> None:
+    """Back to OpenTelemetry's no-op provider, as OpenTelemetry's own test utilities do.
+
+    The API lets a process set its provider once; tests that install one must undo it so
+    the rest of the suite runs with tracing off.
+    """
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+
+
+@pytest.fixture(scope="module")
+def memory_spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    _reset_global_tracer_provider()
+
+
+@pytest.fixture(scope="module")
+def traced_stack(model_dirs, memory_spans):
+    """A stack started after the provider, so its servers get the gRPC interceptor."""
+    stack = start_stack(model_dirs)
+    yield stack
+    stack.close()
+
+
+def check_trace(spans: list[dict], response) -> None:
+    """The properties every traced request must have, on spans as `specd trace` stores them."""
+    stats = response.stats
+    assert {s["trace_id"] for s in spans} == {response.trace_id}
+    (generate,) = [s for s in spans if s["name"] == "specd.generate"]
+    steps = [s for s in spans if s["name"] == "specd.step"]
+    assert len(steps) == stats.steps
+    assert all(s["parent_span_id"] == generate["span_id"] for s in steps)
+    rows = step_rows(spans)
+    for row in rows:
+        assert row.verify is not None, "every step has its verifier span as a child"
+        if row.attr("specd.draft_length"):
+            assert row.draft is not None, "every drafting step has its draft span as a child"
+            assert row.draft["attributes"]["specd.proposed"] == row.attr("specd.draft_length")
+        assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
+    assert sum(r.attr("specd.draft_length") for r in rows) == stats.proposed_tokens
+    assert sum(r.attr("specd.accepted") for r in rows) == stats.accepted_tokens
+    assert sum(r.attr("specd.emitted") for r in rows) == stats.generated_tokens
+    assert [r.attr("specd.draft_length") for r in rows] == list(stats.draft_lengths)
+    attributes = generate["attributes"]
+    assert attributes["specd.steps"] == stats.steps
+    assert attributes["specd.proposed_tokens"] == stats.proposed_tokens
+    assert attributes["specd.accepted_tokens"] == stats.accepted_tokens
+    assert attributes["specd.acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert attributes["gen_ai.usage.output_tokens"] == stats.generated_tokens
+    assert not [s for s in spans if "grpc.health" in s["name"]], "health checks are not traced"
+
+
+def as_records(spans) -> list[dict]:
+    """SDK spans in the JSON form `specd trace collect` writes."""
+    service = lambda s: s.resource.attributes.get("service.name", "")  # noqa: E731
+    return [{
+        "trace_id": format(s.context.trace_id, "032x"), "span_id": format(s.context.span_id, "016x"),
+        "parent_span_id": format(s.parent.span_id, "016x") if s.parent else "", "name": s.name,
+        "kind": s.kind.name.lower(), "service": service(s), "start_ns": s.start_time, "end_ns": s.end_time,
+        "duration_ms": (s.end_time - s.start_time) / 1e6, "attributes": dict(s.attributes),
+        "status": {"code": s.status.status_code.name.lower(), "message": s.status.description or ""},
+    } for s in spans]
+
+
+# -- tracing off -----------------------------------------------------------------------------
+
+def test_off_unless_an_endpoint_is_configured():
+    assert not tracing_configured({})
+    assert tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"})
+    assert tracing_configured({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"})
+    assert not tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"})
+    assert not tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_TRACES_EXPORTER": "none"})
+
+
+def test_tracing_off_builds_nothing_per_step():
+    # Runs before the in-process tests install a provider (module order).
+    assert not tracing_enabled()
+    generation = GenerationRequest([1, 2, 3], Transform(0.0, 0, 1.0), seed=1, max_new_tokens=4, draft_model="d")
+    request_trace = RequestTrace.start(generation, target_model="t", model_pair="d->t", task_type="",
+                                       user_segment="", mode="FIXED", policy="fixed")
+    assert isinstance(request_trace.step_tracer, NoTracer)
+    assert request_trace.trace_id == "" and request_trace.metadata == ()
+    with worker_step_span("specd.draft", "specd.draft.propose", {}) as span:
+        assert span is None
+    request_trace.end()
+
+
+# -- in process ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_trace_per_request_with_a_span_per_step_and_hop(traced_stack, memory_spans, temperature):
+    memory_spans.clear()
+    response = traced_stack.stub.Generate(request("def fibonacci(n):", temperature=temperature, seed=7,
+                                                  max_new_tokens=20, draft_length=4))
+    assert len(response.trace_id) == 32
+    spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
+    check_trace(spans, response)
+    # The gRPC instrumentation's spans of the public call and of both worker streams join the
+    # trace; the streams end (and their spans with them) just after the response is sent.
+    streams = {"/specd.v1.Gateway/Generate", "/specd.v1.Draft/Propose", "/specd.v1.Verifier/Verify"}
+    deadline = time.monotonic() + 10
+    while not streams <= {s.name for s in memory_spans.get_finished_spans()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
+    assert streams <= {s["name"] for s in spans}
+    (generate,) = [s for s in spans if s["name"] == "specd.generate"]
+    assert generate["attributes"]["gen_ai.request.model"] == "target"
+    assert generate["attributes"]["specd.model_pair"] == "close->target"
+    for row in step_rows(spans):
+        probs = row.draft["attributes"]["specd.draft.token_probs"]
+        assert len(probs) == row.attr("specd.draft_length") and all(0.0 < p <= 1.0 for p in probs)
+        assert row.draft["attributes"]["specd.draft.token_prob.min"] == min(probs)
+        kind = row.attr("specd.token.kind")
+        assert (kind == "bonus") == (row.attr("specd.accepted") == row.attr("specd.draft_length"))
+        assert ("specd.first_rejected" in row.step["attributes"]) == (kind == "recovered")
+    assert not [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] != response.trace_id
+                and s["name"].startswith("specd.")], "no span of this request lands in another trace"
+
+
+def test_plain_decoding_traces_verifier_hops_only(traced_stack, memory_spans):
+    memory_spans.clear()
+    response = traced_stack.stub.Generate(request("class Cache:", max_new_tokens=6, mode="OFF"))
+    spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
+    check_trace(spans, response)
+    assert not [s for s in spans if s["name"] == "specd.draft.propose"]
+    assert {r.attr("specd.token.kind") for r in step_rows(spans)} == {"target"}
+
+
+def test_show_renders_the_step_table(traced_stack, memory_spans):
+    memory_spans.clear()
+    response = traced_stack.stub.Generate(request("The acceptance rate is", max_new_tokens=12))
+    spans = pick_trace(as_records(memory_spans.get_finished_spans()), response.trace_id[:8])
+    text = render(spans)
+    assert response.trace_id in text
+    assert f"{response.stats.accepted_tokens}/{response.stats.proposed_tokens} draft tokens accepted" in text
+    lines = text.splitlines()
+    below_header = lines[next(i for i, line in enumerate(lines) if set(line) == {"-"}) + 1:]
+    table = below_header[:below_header.index("")]
+    assert len(table) == response.stats.steps
+    assert "acceptance by draft position: 1:" in text and "worker spans missing" not in text
+
+
+# -- three processes over OTLP ---------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path):
+    out = tmp_path / "spans.jsonl"
+    me = [sys.executable, "-m", "specd.cli"]
+    collector = subprocess.Popen(me + ["trace", "collect", "--port", "0", "--out", str(out)],
+                                 stdout=subprocess.PIPE, text=True, cwd=REPO)
+    procs: list[subprocess.Popen] = []
+    try:
+        port = int(collector.stdout.readline().split(" on 127.0.0.1:")[1].split(",")[0])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_BSP_SCHEDULE_DELAY="100")
+        draft_port, verifier_port, gateway_port = _free_port(), _free_port(), _free_port()
+        common = ["--threads", "1", "--grace", "2"]
+        procs = [
+            subprocess.Popen(me + ["draft", "--port", str(draft_port), "--draft",
+                                   f"close={model_dirs['close']}", *common], env=env, cwd=REPO),
+            subprocess.Popen(me + ["verifier", "--port", str(verifier_port), "--target",
+                                   str(model_dirs["target"]), *common], env=env, cwd=REPO),
+            subprocess.Popen(me + ["gateway", "--port", str(gateway_port), "--grace", "2",
+                                   "--draft-address", f"127.0.0.1:{draft_port}",
+                                   "--verifier-address", f"127.0.0.1:{verifier_port}"], env=env, cwd=REPO),
+        ]
+        assert _wait_healthy(f"127.0.0.1:{gateway_port}", procs, timeout_s=120), "services did not start"
+        import grpc
+
+        from specd.v1 import gateway_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{gateway_port}") as channel:
+            response = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                request("def fibonacci(n):", temperature=1.0, seed=3, max_new_tokens=16), timeout=60)
+        _stop_all(procs, grace_s=20)  # SIGTERM: each provider flushes its batch on exit
+        assert [p.returncode for p in procs] == [0, 0, 0]
+    finally:
+        _stop_all(procs, grace_s=5)
+        _stop_all([collector], grace_s=5)
+
+    spans = pick_trace(load_spans(out), None)
+    assert spans[0]["trace_id"] == response.trace_id, "the latest trace is this request's"
+    check_trace(spans, response)
+    assert {s["service"] for s in spans} == {"specd-gateway", "specd-draft", "specd-verifier"}
+    by_service = {(s["service"], s["name"]) for s in spans}
+    assert ("specd-draft", "specd.draft.propose") in by_service
+    assert ("specd-verifier", "specd.verifier.verify") in by_service
+    json.dumps(spans)  # the file holds plain JSON values only
+
+    shown = subprocess.run(me + ["trace", "show", "--file", str(out)], capture_output=True, text=True,
+                           cwd=REPO, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert response.trace_id in shown.stdout and "worker spans missing" not in shown.stdout
