@@ -15,18 +15,18 @@ from typing import AsyncIterator
 import grpc
 
 from gateway.backend import Backend, connect
-from gateway.engine import Finish, GenerationRequest, Limits, RequestStats, speculate
-from gateway.engine import DraftLengthPolicy, StepRecord
+from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
+                            speculate)
+from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError
-from specd.config import GatewaySettings
-from gateway.metrics import start_metrics_server
 from specd.acceptance import AcceptanceStats, Counts
+from specd.config import GatewaySettings
 from specd.sampling import Transform
-from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.serving import RunningServer, start_server
+from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
 _MODES = {

@@ -156,8 +156,9 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    target, draft = Path(args.target or DEMO_TARGET), Path(args.draft or DEMO_DRAFT)
-    for role, path in (("target", target), ("draft", draft)):
+    target = Path(args.target or DEMO_TARGET)
+    drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
+    for role, path in (("target", target), *(("draft", p) for p in drafts.values())):
         if not (path / "config.json").is_file():
             print(f"specd serve: no {role} model at {path}. Pass --target DIR and --draft DIR "
                   f"(transformers model directories sharing one tokenizer), or make the demo pair "
@@ -167,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     common = ["--dtype", args.dtype, "--threads", str(args.threads)]
     workers = [
         me + ["verifier", "--port", str(args.verifier_port), "--target", str(target), *common],
-        me + ["draft", "--port", str(args.draft_port), "--draft", str(draft), *common],
+        me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
+              *common],
     ]
     procs = [subprocess.Popen(cmd) for cmd in workers]
     procs.append(subprocess.Popen(me + [
@@ -189,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("specd serve: the services did not become healthy; see the messages above",
                   file=sys.stderr)
             return 1
-        print(f"specd serve: ready on {args.host}:{args.port} (target {target}, draft {draft}); "
+        print(f"specd serve: ready on {args.host}:{args.port} (target {target}, drafts {list(drafts)}); "
               f"try: specd generate \"def fibonacci(n):\"", flush=True)
         while not stop["now"]:
             if any(p.poll() is not None for p in procs):
@@ -267,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run draft, verifier and gateway locally (the demo)")
     serve.add_argument("--target", help=f"target model directory (default: the demo target, {DEMO_TARGET})")
-    serve.add_argument("--draft", help=f"draft model directory (default: the demo draft, {DEMO_DRAFT})")
+    serve.add_argument("--draft", action="append", metavar="[NAME=]DIR",
+                       help=f"draft model directory; repeat to host several, the first is the default "
+                            f"(default: the demo draft, {DEMO_DRAFT})")
     serve.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
     serve.add_argument("--draft-port", type=int, default=DEFAULT_DRAFT_PORT)

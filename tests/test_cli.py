@@ -1,0 +1,58 @@
+"""The command line as a newcomer uses it: `specd serve` (three processes) and `specd generate`."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def specd(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True,
+                          timeout=180, **kwargs)
+
+
+def test_serve_without_models_says_what_to_pass(tmp_path):
+    result = specd("serve", "--target", str(tmp_path / "nothing"), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "no target model at" in result.stderr and "--target DIR and --draft DIR" in result.stderr
+
+
+def test_serve_generate_and_stop_together(model_dirs):
+    ports = [free_port() for _ in range(3)]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
+         "--draft", f"close={model_dirs['close']}", "--draft", f"unrelated={model_dirs['unrelated']}",
+         "--port", str(ports[0]), "--draft-port", str(ports[1]), "--verifier-port", str(ports[2])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        result = specd("generate", "def fibonacci(n):", "--gateway", f"127.0.0.1:{ports[0]}",
+                       "--max-new-tokens", "16", "--mode", "fixed", "--wait", "120")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("def fibonacci(n):")
+        assert "acceptance rate" in result.stderr and "16 tokens" in result.stderr
+        assert "draft close" in result.stderr
+        bad = specd("generate", "x", "--gateway", f"127.0.0.1:{ports[0]}", "--temperature", "-1")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        output, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 0, output
+    for port in ports:  # every child is gone: nothing listens any more
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.parametrize("command", ["serve", "draft", "verifier", "gateway", "generate", "bench", "distill",
+                                     "trace"])
+def test_every_command_has_help(command):
+    result = specd(command, "--help")
+    assert result.returncode == 0 and "usage: specd" in result.stdout
