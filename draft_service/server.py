@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from specd.config import DraftSettings
 from specd.runtime import ModelRunner, Proposal, SessionNotFound
@@ -15,6 +16,9 @@ from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workerproto import model_info_to_pb, transform_from_pb
+
+# A proxy: it finds the provider that setup_tracing installs, whenever that happens.
+_TRACER = trace.get_tracer("specd.draft")
 
 
 def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Proposal) -> dict:
@@ -61,7 +65,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 delta = request.delta
                 opened.add((name, delta.session_id))
                 transform = transform_from_pb(request.transform)
-                with worker_step_span("specd.draft", "specd.draft.propose",
+                with worker_step_span(_TRACER, "specd.draft.propose",
                                       request.trace_context.carrier) as span:
                     try:
                         proposal = await runner.run(runner.propose, delta.session_id, delta.start,

@@ -66,7 +66,6 @@ class StepSpans:
 
     def begin_step(self, index: int) -> dict[str, str]:
         """Open the step's span; return its W3C trace context for the worker messages."""
-        self.close()  # a step that failed before end_step leaves its span open
         span = self._tracer.start_span("specd.step", context=self._parent,
                                        attributes={"specd.step.index": index})
         self._open = span

@@ -77,7 +77,7 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
 
 
 @contextlib.contextmanager
-def worker_step_span(tracer_name: str, span_name: str, carrier: Mapping[str, str]) -> Iterator[Span | None]:
+def worker_step_span(tracer: trace.Tracer, span_name: str, carrier: Mapping[str, str]) -> Iterator[Span | None]:
     """A worker's span for one step, the child of the gateway's step span in `carrier`.
 
     Yields None, building nothing, when the message carries no trace context (tracing
@@ -87,8 +87,7 @@ def worker_step_span(tracer_name: str, span_name: str, carrier: Mapping[str, str
     if not carrier:
         yield None
         return
-    span = trace.get_tracer(tracer_name).start_span(span_name, context=propagate.extract(carrier),
-                                                    kind=SpanKind.SERVER)
+    span = tracer.start_span(span_name, context=propagate.extract(carrier), kind=SpanKind.SERVER)
     try:
         yield span
     except BaseException as exc:

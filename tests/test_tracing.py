@@ -120,7 +120,7 @@ def test_tracing_off_builds_nothing_per_step():
                                        user_segment="", mode="FIXED", policy="fixed")
     assert isinstance(request_trace.step_tracer, NoTracer)
     assert request_trace.trace_id == "" and request_trace.metadata == ()
-    with worker_step_span("specd.draft", "specd.draft.propose", {}) as span:
+    with worker_step_span(trace.get_tracer("test"), "specd.draft.propose", {}) as span:
         assert span is None
     request_trace.end()
 
