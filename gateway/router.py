@@ -38,7 +38,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -233,7 +233,7 @@ class Backoff:
 
     first_s: float = 0.5
     max_s: float = 30.0
-    _attempt: int = 0
+    _attempt: int = field(default=0, init=False, repr=False)
 
     def next_delay(self) -> float:
         delay = min(self.max_s, self.first_s * 2 ** self._attempt)
@@ -266,6 +266,8 @@ class EndpointSliceWatcher:
                  port_name: str = "grpc", configuration=None, watch_timeout_s: int = 300,
                  backoff: Backoff | None = None) -> None:
         """`configuration`: a `kubernetes.client.Configuration`; None loads the in-cluster one."""
+        # Imported here and in the thread, not at module level: a gateway outside
+        # Kubernetes never pays for importing the client.
         from kubernetes import client, config
 
         if configuration is None:
