@@ -83,10 +83,9 @@ def _held_out(key: str, fraction: float = 0.05) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def step_corpus(args: argparse.Namespace) -> None:
-    """Write runs/demo/corpus/{code,prose}_{train,val}.txt and held-out prompt files."""
-    out = RUNS / "corpus"
-    out.mkdir(parents=True, exist_ok=True)
+def corpus_docs() -> dict[str, dict[str, list[str]]]:
+    """The corpus as documents by task type and split; the same on any machine with
+    the same Python, so tests can rebuild the held-out text without runs/."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs: dict[str, dict[str, list[str]]] = {t: {"train": [], "val": []} for t in TYPES}
     for path in sorted(stdlib.rglob("*.py")):
@@ -107,6 +106,19 @@ def step_corpus(args: argparse.Namespace) -> None:
         for i in range(0, len(paras), 12):
             block = "\n\n".join(paras[i:i + 12])
             docs["prose"]["val" if _held_out(f"{key}/{i}", 0.10) else "train"].append(block)
+    return docs
+
+
+def held_out_code() -> str:
+    """The held-out code text, documents joined as in the corpus files."""
+    return ("\n" + EOS + "\n").join(corpus_docs()["code"]["val"])
+
+
+def step_corpus(args: argparse.Namespace) -> None:
+    """Write runs/demo/corpus/{code,prose}_{train,val}.txt."""
+    out = RUNS / "corpus"
+    out.mkdir(parents=True, exist_ok=True)
+    docs = corpus_docs()
     for t in TYPES:
         for split in ("train", "val"):
             text = ("\n" + EOS + "\n").join(docs[t][split])
@@ -218,7 +230,7 @@ def train(name: str, args: argparse.Namespace) -> None:
     warmup = 0.04 * budget
     last_ck = time.monotonic()
     bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc=name,
-               mininterval=10)
+               mininterval=10, bar_format="{l_bar}{bar}| {n:.0f}/{total}s [{elapsed}<{remaining}{postfix}]")
     while state["elapsed"] < budget:
         t0 = time.monotonic()
         frac = state["elapsed"]
@@ -240,14 +252,17 @@ def train(name: str, args: argparse.Namespace) -> None:
         state["step"] += 1
         state["tokens"] += x.numel() - x.size(0)
         state["losses"].append(loss.item())
-        bar.update(dt)
+        bar.update(min(dt, bar.total - bar.n))
         if state["step"] % 50 == 0:
             recent = statistics.mean(state["losses"][-50:])
             bar.set_postfix(loss=f"{recent:.3f}", tok_s=f"{state['tokens'] / state['elapsed']:.0f}")
             log(f"{name} step {state['step']} loss {recent:.3f} lr {recipe['lr'] * lr_scale:.2e} "
                 f"{state['tokens'] / state['elapsed']:.0f} tok/s {state['elapsed']:.0f}s")
         if time.monotonic() - last_ck > 300 or state["elapsed"] >= budget:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ck)
+            # Write then rename, so a run killed mid-save keeps its previous checkpoint.
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state},
+                       ck.with_suffix(".tmp"))
+            ck.with_suffix(".tmp").replace(ck)
             last_ck = time.monotonic()
     bar.close()
     losses = {t: val_loss(model, t) for t in TYPES}
@@ -278,8 +293,175 @@ def step_draft(args: argparse.Namespace) -> None:
     train("draft", args)
 
 
+DISTILL_BUDGET = 900  # seconds of target sampling + KL training
+
+
+def step_distill(args: argparse.Namespace) -> None:
+    """Distill the generic draft toward the target with ``specd.distill`` (resumable)."""
+    from specd import distill
+
+    corpus = RUNS / "corpus"
+    parser = argparse.ArgumentParser()
+    distill.add_arguments(parser)
+    dargs = parser.parse_args([
+        "--target", str(MODELS / "target"), "--draft", str(MODELS / "draft-generic"),
+        "--data", *[str(corpus / f"{t}_train.txt") for t in TYPES],
+        "--eval-data", *[str(corpus / f"{t}_val.txt") for t in TYPES],
+        "--out", str(MODELS / "draft-distilled"), "--work", str(RUNS / "distill-work"),
+        "--time-budget", str(args.budget or DISTILL_BUDGET), "--threads", str(args.threads),
+        "--prompt-tokens", str(PROMPT_TOKENS), "--eval-prompts", str(EVAL_PROMPTS),
+        "--eval-new-tokens", str(EVAL_NEW_TOKENS)])
+    if distill.run(dargs) != 0:
+        raise SystemExit("distillation failed")
+    # The report stays with the work files: the card carries its figures.
+    (MODELS / "draft-distilled" / "distill_report.json").replace(RUNS / "distill_report.json")
+
+
+# ----------------------------------------------------------------------------- cards
+
+@torch.no_grad()
+def forward_ms(model, n_tokens: int, prefix: int = 128, reps: int = 40) -> float:
+    """Median wall time (ms) of one cached forward of ``n_tokens`` after ``prefix`` tokens."""
+    from transformers import DynamicCache
+
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prefix + n_tokens), generator=gen)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
+    times = []
+    for _ in range(reps + 5):
+        t0 = time.perf_counter()
+        model(input_ids=ids[:, prefix:], cache=cache, use_cache=True, logits_to_keep=n_tokens)
+        times.append(time.perf_counter() - t0)
+        cache.crop(-n_tokens)
+    return 1000 * statistics.median(times[5:])
+
+
+def _table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
+
+
+def step_cards(args: argparse.Namespace) -> None:
+    """Measure each shipped model and write its README.md model card and card.json."""
+    from transformers import AutoModelForCausalLM
+
+    summaries = {"target": json.loads((RUNS / "target-summary.json").read_text()),
+                 "draft-generic": json.loads((RUNS / "draft-summary.json").read_text())}
+    report = json.loads((RUNS / "distill_report.json").read_text())
+    acc = {"draft-generic": report["before"], "draft-distilled": report["after"]}
+    names = ("target", "draft-generic", "draft-distilled")
+    cards = {}
+    for name in names:
+        model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32)
+        cost = {}
+        for dtype in ("float32", "bfloat16"):
+            model.to(getattr(torch, dtype))
+            cost[dtype] = {str(n): forward_ms(model, n) for n in (1, 5)}
+        model.float()
+        files = sorted(f for f in (MODELS / name).iterdir() if f.is_file())
+        card = {"name": name, "parameters": sum(p.numel() for p in model.parameters()),
+                "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+                "vocab": model.config.vocab_size, "bytes": sum(f.stat().st_size for f in files),
+                "forward_ms": cost, "forward_threads": torch.get_num_threads(),
+                "val_loss": summaries[name]["val_loss"] if name in summaries
+                else {t: val_loss(model, t) for t in TYPES}}
+        if name in summaries:
+            card["training"] = {k: summaries[name][k] for k in
+                                ("budget_s", "steps", "tokens", "lr", "batch", "seq_len",
+                                 "train_loss_last100", "prose_fraction")}
+        else:
+            card["training"] = {k: report[k] for k in
+                                ("samples", "prompt_tokens", "new_tokens", "top_k", "sampling_s",
+                                 "training_s", "steps", "batch_size", "lr", "kl_first", "kl_last")}
+            card["training"]["from"] = "draft-generic"
+        if name in acc:
+            card["acceptance_vs_target"] = {t: acc[name][f"{t}_val"] for t in TYPES}
+        cards[name] = card
+        log(f"{name}: {json.dumps(card)}")
+    for name in names:
+        (MODELS / name / "card.json").write_text(json.dumps(cards[name], indent=2) + "\n")
+        (MODELS / name / "README.md").write_text(_card_markdown(name, cards))
+    (RUNS / "cards.json").write_text(json.dumps(cards, indent=2))
+
+
+def _card_markdown(name: str, cards: dict) -> str:
+    c = cards[name]
+    tr = c["training"]
+    docs = corpus_docs()
+    split = {t: f"{len(docs[t]['val'])} of {len(docs[t]['val']) + len(docs[t]['train'])}" for t in TYPES}
+    cost = c["forward_ms"]
+    t_cost = cards["target"]["forward_ms"]["float32"]
+    what = {
+        "target": "the demo **target**: a LlamaForCausalLM trained from scratch on the corpus.",
+        "draft-generic": "the **generic draft**: a small LlamaForCausalLM trained on the corpus only.",
+        "draft-distilled": "the **distilled draft**: the generic draft after `specd distill` against "
+                           "the target (KL to the target's next-token probabilities on "
+                           "target-sampled text).",
+    }[name]
+    parts = [f"# specd demo pair: {name}\n", f"This is {what} It ships with specd so that "
+             "`specd serve` works on a machine with no model hub. It is a toy: it writes "
+             "Python-flavoured text, nothing more.\n",
+             "## Corpus\n",
+             "The Python 3.11 standard library's own source (all `.py` files under the "
+             "interpreter's lib dir, test packages excluded) as task type **code**, and the "
+             "English help topics in `pydoc_data/topics.py` as task type **prose** (sampled at "
+             f"{PROSE_FRACTION:.0%} of training sequences, about 3x its share of the text). "
+             f"A stable hash holds out {split['code']} code files and {split['prose']} prose "
+             "blocks (12-paragraph pieces of topics) for validation losses and held-out prompts. Tokenizer: byte-level BPE, vocabulary "
+             f"{c['vocab']}, trained on the training split; shared by all three models.\n",
+             "## Model\n",
+             _table([["layers", "hidden", "parameters", "weights"],
+                     [str(c["layers"]), str(c["hidden"]), f"{c['parameters'] / 1e6:.2f}M",
+                      f"bf16 safetensors, {c['bytes'] / 2**20:.1f} MiB with tokenizer"]]) + "\n",
+             f"Cost of one forward with a 128-token KV cache, batch 1, {c['forward_threads']} CPU "
+             "threads (median of 40, ms):\n",
+             _table([["dtype", "1 token", "5 tokens"]] +
+                    [[d, f"{cost[d]['1']:.2f}", f"{cost[d]['5']:.2f}"] for d in cost]) + "\n"]
+    if name != "target":
+        parts.append(f"The target costs {t_cost['1'] / cost['float32']['1']:.1f}x this model per "
+                     f"1-token forward in fp32 ({t_cost['5'] / cost['float32']['5']:.1f}x at 5 tokens).\n")
+    parts.append("## Training\n")
+    if "budget_s" in tr:
+        parts.append(f"From random initialisation, {tr['budget_s']:.0f} s of wall-clock training on "
+                     f"2 CPU threads with bf16 autocast: {tr['steps']} steps of {tr['batch']} x "
+                     f"{tr['seq_len']} tokens ({tr['tokens'] / 1e6:.2f}M tokens), AdamW, peak lr "
+                     f"{tr['lr']}, warm-up then cosine decay on elapsed time. Final training loss "
+                     f"(mean of the last 100 steps): {tr['train_loss_last100']:.3f} nats.\n")
+    else:
+        parts.append(f"From `draft-generic`: {tr['samples']} sequences sampled from the target at "
+                     f"temperature 1 ({tr['prompt_tokens']}-token prompts from the training text, "
+                     f"{tr['new_tokens']} new tokens) in {tr['sampling_s']:.0f} s, keeping the "
+                     f"target's top-{tr['top_k']} probabilities at every position; then "
+                     f"{tr['training_s']:.0f} s ({tr['steps']} steps of {tr['batch_size']} sequences, "
+                     f"lr {tr['lr']}) minimising the cross-entropy to those distributions. KL to the "
+                     f"target fell from {tr['kl_first']:.3f} to {tr['kl_last']:.3f} nats per token "
+                     "on the training batches.\n")
+    parts.append("Validation loss (nats per token, held-out text):\n")
+    parts.append(_table([["model"] + list(TYPES)] +
+                        [[n + (" (this)" if n == name else "")] +
+                         [f"{cards[n]['val_loss'][t]:.3f}" for t in TYPES] for n in cards]) + "\n")
+    parts.append(f"## Acceptance against the target\n\nOn {EVAL_PROMPTS} held-out prompts of each "
+                 f"type ({PROMPT_TOKENS} tokens, {EVAL_NEW_TOKENS} generated), measured by "
+                 "`specd.distill.measure_acceptance` in fp32: greedy match per token, tokens per "
+                 "target step in greedy speculative decoding at γ=4 (exact simulation), and sampled "
+                 "α = E[Σ min(p, q)] at temperature 1.\n")
+    rows = [["draft", "task", "greedy match", "tokens/step (γ=4)", "α (T=1)"]]
+    for n in ("draft-generic", "draft-distilled"):
+        for t in TYPES:
+            a = cards[n]["acceptance_vs_target"][t]
+            rows.append([n, t, f"{a['greedy_match']:.3f}", f"{a['tokens_per_step']:.2f}",
+                         f"{a['alpha']:.3f}"])
+    parts.append(_table(rows) + "\n")
+    parts.append("## Reproduce\n\n```\npython scripts/make_demo_pair.py          # all steps\n"
+                 "python scripts/make_demo_pair.py --step cards   # re-measure only\n```\n"
+                 "Timings vary with the machine, so a rerun gives similar, not identical, weights.\n")
+    return "\n".join(parts)
+
+
 STEPS = {"corpus": step_corpus, "tokenizer": step_tokenizer, "target": step_target,
-         "draft": step_draft}
+         "draft": step_draft, "distill": step_distill, "cards": step_cards}
 
 
 def main(argv: list[str] | None = None) -> int:
