@@ -90,7 +90,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port)."""
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
-                                 max_sessions=settings.model.max_sessions)
+                                 max_sessions=settings.model.max_sessions, device=settings.model.device)
                for name, path in settings.drafts.items()}
     servicer = DraftServicer(runners)
 

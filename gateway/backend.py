@@ -1,8 +1,11 @@
-"""The gateway's connections to its workers and what it learned from them at start-up.
+"""The gateway's worker pools and what it learned from the workers at start-up.
 
-At start-up the gateway asks both workers for their models, refuses a draft whose
-tokenizer differs from the target's, and builds the target's tokenizer from the files
-the verifier ships, so the gateway never mounts or loads a model.
+Each worker service (draft, verifier) is a `WorkerPool`: a `gateway.router.Router` that
+places sessions on the service's endpoints — a static address list, or the EndpointSlices
+of a Kubernetes Service watched live — and one channel per endpoint. At start-up the
+gateway asks each service for its models, refuses a draft whose tokenizer differs from
+the target's, and builds the target's tokenizer from the files the verifier ships, so
+the gateway never mounts or loads a model.
 """
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ import asyncio
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.router import EndpointSliceWatcher, NoEndpoint, Router, parse_addresses
 from specd.config import GatewaySettings
 from specd.serving import CHANNEL_OPTIONS
 from specd.v1 import worker_pb2, worker_pb2_grpc
@@ -23,16 +28,81 @@ class IncompatibleDraft(RuntimeError):
     """A draft model cannot speculate for the target (different tokenizer)."""
 
 
+class WorkerPool:
+    """One worker service: its router and a channel to each of its endpoints."""
+
+    def __init__(self, name: str, router: Router, stub_class: Callable,
+                 watcher: EndpointSliceWatcher | None = None) -> None:
+        self.name = name
+        self.router = router
+        self.watcher = watcher
+        self._stub_class = stub_class
+        self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+
+    def stub(self, address: str):
+        """The stub for an endpoint (its channel is made on first use and kept)."""
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = (channel, self._stub_class(channel))
+        return self._channels[address][1]
+
+    def open_stream(self, session_id: str, rpc: str, moved: bool, metadata=()):
+        """Open a session's stream on the endpoint the router picks for it.
+
+        moved=True: the session's endpoint failed it (dead or unreachable), so the router
+        moves it to another endpoint when there is one; otherwise the session stays put.
+        """
+        try:
+            address = self.router.replace(session_id) if moved else self.router.place(session_id)
+        except NoEndpoint as exc:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), str(exc)) from exc
+        # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
+        # the step timeout) instead of failing at once.
+        return getattr(self.stub(address), rpc)(metadata=metadata, wait_for_ready=True)
+
+    async def model_infos(self, timeout_s: float) -> list[worker_pb2.ModelInfo]:
+        """Ask one ready endpoint which models the service hosts."""
+        probe = f"model-info-{id(self)}"
+        address = self.router.place(probe)
+        self.router.release(probe)
+        stub = self.stub(address)
+        channel = self._channels[address][0]
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+            response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=timeout_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
+            raise ConnectionError(f"no {self.name} answered at {address} within {timeout_s} s") from exc
+        return list(response.models)
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        for channel, _ in self._channels.values():
+            await channel.close()
+
+
+async def _pool(name: str, addresses: str, service: str, namespace: str, stub_class: Callable,
+                timeout_s: float) -> WorkerPool:
+    """A static pool over a comma list of addresses, or one that watches a Kubernetes Service."""
+    if not service:
+        return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class)
+    router = Router(name)
+    watcher = EndpointSliceWatcher(router, service, namespace or None).start()
+    if not await asyncio.to_thread(watcher.wait_synced, timeout_s):
+        watcher.stop()
+        raise ConnectionError(f"could not list the EndpointSlices of Service {service!r} within {timeout_s} s")
+    return WorkerPool(name, router, stub_class, watcher)
+
+
 @dataclass
 class Backend:
-    """Channels and stubs to the workers, the models they host, the target's tokenizer."""
+    """The worker pools, the models they host, the target's tokenizer."""
 
-    verifier_channel: grpc.aio.Channel
-    verifier: worker_pb2_grpc.VerifierStub
+    verifier: WorkerPool
     target: worker_pb2.ModelInfo
     tokenizer: PreTrainedTokenizerBase
-    draft_channel: grpc.aio.Channel | None
-    draft: worker_pb2_grpc.DraftStub | None
+    draft: WorkerPool | None
     drafts: dict[str, worker_pb2.ModelInfo]  # name → info; the first is the default
 
     @property
@@ -40,18 +110,9 @@ class Backend:
         return next(iter(self.drafts), "")
 
     async def close(self) -> None:
-        await self.verifier_channel.close()
-        if self.draft_channel is not None:
-            await self.draft_channel.close()
-
-
-async def _model_infos(channel: grpc.aio.Channel, stub, address: str, timeout_s: float):
-    try:
-        await asyncio.wait_for(channel.channel_ready(), timeout_s)
-        response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=timeout_s)
-    except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
-        raise ConnectionError(f"no worker answered at {address} within {timeout_s} s") from exc
-    return list(response.models)
+        await self.verifier.close()
+        if self.draft is not None:
+            await self.draft.close()
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
@@ -74,17 +135,16 @@ def check_drafts(target: worker_pb2.ModelInfo, drafts: list[worker_pb2.ModelInfo
 
 async def connect(settings: GatewaySettings) -> Backend:
     """Reach the workers, fetch their models, check them, build the tokenizer."""
-    verifier_channel = grpc.aio.insecure_channel(settings.verifier_address, options=CHANNEL_OPTIONS)
-    verifier = worker_pb2_grpc.VerifierStub(verifier_channel)
-    (target,) = await _model_infos(verifier_channel, verifier, settings.verifier_address,
-                                   settings.worker_timeout_s)
-    draft_channel = draft = None
+    timeout = settings.worker_timeout_s
+    verifier = await _pool("verifier", settings.verifier_address, settings.verifier_service,
+                           settings.namespace, worker_pb2_grpc.VerifierStub, timeout)
+    (target,) = await verifier.model_infos(timeout)
+    draft = None
     drafts: list[worker_pb2.ModelInfo] = []
-    if settings.draft_address:
-        draft_channel = grpc.aio.insecure_channel(settings.draft_address, options=CHANNEL_OPTIONS)
-        draft = worker_pb2_grpc.DraftStub(draft_channel)
-        drafts = await _model_infos(draft_channel, draft, settings.draft_address, settings.worker_timeout_s)
+    if settings.draft_address or settings.draft_service:
+        draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
+                            worker_pb2_grpc.DraftStub, timeout)
+        drafts = await draft.model_infos(timeout)
         check_drafts(target, drafts)
     tokenizer = _tokenizer_from_files(dict(target.tokenizer_files))
-    return Backend(verifier_channel, verifier, target, tokenizer, draft_channel, draft,
-                   {d.name: d for d in drafts})
+    return Backend(verifier, target, tokenizer, draft, {d.name: d for d in drafts})

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from gateway.backend import Backend, connect
+from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
                             speculate)
 from gateway.metrics import start_metrics_server
@@ -159,15 +159,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _links(self, draft_model: str,
                metadata: tuple[tuple[str, str], ...] = ()) -> tuple[DraftLink | None, VerifierLink]:
-        link = LinkSettings(uuid.uuid4().hex, self.settings.worker_timeout_s,
-                            self.settings.max_session_reopens)
-        verifier = VerifierLink(
-            "verifier", lambda: self.backend.verifier.Verify(metadata=metadata, wait_for_ready=True), link)
+        session_id = uuid.uuid4().hex
+        link = LinkSettings(session_id, self.settings.worker_timeout_s, self.settings.max_session_reopens,
+                            self.settings.worker_connect_timeout_s)
+
+        def on(pool: WorkerPool, rpc: str):
+            return (lambda moved: pool.open_stream(session_id, rpc, moved, metadata),
+                    lambda: pool.router.release(session_id))
+
+        verifier = VerifierLink("verifier", *on(self.backend.verifier, "Verify"), link)
         draft = None
         if draft_model:
-            draft = DraftLink(f"draft {draft_model!r}",
-                              lambda: self.backend.draft.Propose(metadata=metadata, wait_for_ready=True),
-                              link)
+            draft = DraftLink(f"draft {draft_model!r}", *on(self.backend.draft, "Propose"), link)
         return draft, verifier
 
     async def _chunks(self, request: gateway_pb2.GenerateRequest,

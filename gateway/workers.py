@@ -20,7 +20,8 @@ from specd.v1 import worker_pb2
 from specd.wire import unpack_distributions
 
 # Codes after which the session can be rebuilt on a (possibly new) worker process.
-_REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+_REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class WorkerError(Exception):
@@ -36,6 +37,7 @@ class LinkSettings:
     session_id: str
     step_timeout_s: float
     max_reopens: int
+    connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
 
 
 def _transform_pb(transform: Transform) -> worker_pb2.Transform:
@@ -44,18 +46,26 @@ def _transform_pb(transform: Transform) -> worker_pb2.Transform:
 
 
 class WorkerLink:
-    """One request's session on one worker, over one bidi stream."""
+    """One request's session on one worker service, over one bidi stream at a time.
 
-    def __init__(self, name: str, open_stream: Callable[[], grpc.aio.StreamStreamCall],
-                 settings: LinkSettings) -> None:
+    `open_stream(moved)` opens the session's stream on the endpoint its router picks;
+    moved=True after the endpoint failed it (unreachable, restarted, too slow), so the
+    router moves the session when another endpoint is ready. `release()` is called once
+    the request is over (the router forgets the session).
+    """
+
+    def __init__(self, name: str, open_stream: Callable[[bool], grpc.aio.StreamStreamCall],
+                 release: Callable[[], None], settings: LinkSettings) -> None:
         self.name = name
         self._open_stream = open_stream
+        self._release = release
         self.settings = settings
         self.position = 0  # committed tokens the worker holds; the next delta starts here
         self.reopens = 0  # sessions re-opened over the request (reported in stats)
         self._failures_in_row = 0  # a step that succeeds after a re-open resets this
         self.last_exchange_bytes = 0  # request + response bytes of the last step
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._moved = False  # the last stream's endpoint failed: move the session
 
     def advance(self, position: int) -> None:
         """After a step: the worker holds the old committed length plus the accepted tokens."""
@@ -67,19 +77,21 @@ class WorkerLink:
             delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
                                              tokens=committed[self.position:])
             try:
-                if self._call is None:
-                    self._call = self._open_stream()
                 message = build(delta)
-                await self._call.write(message)
+                if self._call is None:
+                    self._call = self._open_stream(self._moved)
+                    # A new stream waits for its endpoint (a restarting worker keeps its
+                    # address), but not for ever: a dead one is left for another.
+                    await asyncio.wait_for(self._call.write(message), self.settings.connect_timeout_s)
+                else:
+                    await self._call.write(message)
                 response = await asyncio.wait_for(self._call.read(), self.settings.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
                 code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
-            except asyncio.TimeoutError as exc:
-                self._drop_call()
-                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                  f"{self.name} did not answer within {self.settings.step_timeout_s} s") from exc
+            except asyncio.TimeoutError:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "the worker did not answer in time"
             else:
                 if response is not grpc.aio.EOF:
                     self._failures_in_row = 0
@@ -87,6 +99,9 @@ class WorkerLink:
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
+            # NOT_FOUND: the endpoint is fine but evicted the session; re-open it there.
+            # Anything else reopenable: the endpoint itself failed; move if possible.
+            self._moved = code != grpc.StatusCode.NOT_FOUND
             if code not in _REOPENABLE:
                 raise WorkerError(code, f"{self.name}: {details}")
             self._failures_in_row += 1
@@ -102,7 +117,8 @@ class WorkerLink:
             self._call = None
 
     async def close(self) -> None:
-        """End the stream; the worker forgets the session."""
+        """End the stream; the worker forgets the session, the router releases it."""
+        self._release()
         if self._call is not None:
             try:
                 await self._call.done_writing()

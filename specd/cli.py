@@ -40,6 +40,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
+    parser.add_argument("--device", default="cpu", help="torch device of the model(s): cpu, cuda, cuda:1")
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -47,7 +48,7 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    return ModelSettings(args.dtype, args.threads, args.max_sessions)
+    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device)
 
 
 def _parse_drafts(values: list[str]) -> dict[str, Path]:
@@ -109,7 +110,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     setup_tracing("specd-gateway")
     settings = GatewaySettings(
         _server_settings(args), verifier_address=args.verifier_address,
-        draft_address=args.draft_address, default_draft_length=args.draft_length,
+        draft_address=args.draft_address, verifier_service=args.verifier_service,
+        draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
         worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
@@ -299,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway = sub.add_parser("gateway", help="run the gateway (the public API)")
     _server_args(gateway, DEFAULT_GATEWAY_PORT)
-    gateway.add_argument("--verifier-address", default=f"127.0.0.1:{DEFAULT_VERIFIER_PORT}")
+    gateway.add_argument("--verifier-address", default=f"127.0.0.1:{DEFAULT_VERIFIER_PORT}",
+                         help="host:port of the verifier, or a comma list (sessions spread over them)")
+    gateway.add_argument("--verifier-service", default="",
+                         help="Kubernetes Service of the verifiers: watch its EndpointSlices instead")
+    gateway.add_argument("--draft-service", default="",
+                         help="Kubernetes Service of the drafts: watch its EndpointSlices instead")
+    gateway.add_argument("--namespace", default="", help="namespace of those Services (default: the pod's)")
     gateway.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_DRAFT_PORT}",
                          help="empty: no draft service, every request decodes plainly")
     gateway.add_argument("--draft-length", type=int, default=4, help="default γ")

@@ -34,6 +34,7 @@ class ModelSettings:
     dtype: str = "float32"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
+    device: str = "cpu"  # "cuda", "cuda:1", ...
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,19 @@ class VerifierSettings:
 @dataclass(frozen=True)
 class GatewaySettings:
     server: ServerSettings
+    # Workers by address: one or a comma list of host:port (sessions are spread over them).
     verifier_address: str = "127.0.0.1:50053"
-    draft_address: str = "127.0.0.1:50052"  # empty: no draft, every request decodes plainly
+    draft_address: str = "127.0.0.1:50052"  # empty (and no draft_service): every request decodes plainly
+    # Or by Kubernetes Service: watch its EndpointSlices (overrides the address).
+    verifier_service: str = ""
+    draft_service: str = ""
+    namespace: str = ""  # empty: the pod's own namespace
     default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128
     worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
+    worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (the seed's table by default)

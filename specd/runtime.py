@@ -130,13 +130,14 @@ class ModelRunner:
     """One causal LM with its tokenizer, its sessions and the one thread its forwards use."""
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
-                 max_sessions: int = 64) -> None:
+                 max_sessions: int = 64, device: str = "cpu") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,
@@ -194,9 +195,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, session: KVSession, feed: list[int], keep: int) -> torch.Tensor:
         """Append `feed` to the session's cache; return logits [keep, V] of its last positions."""
-        ids = torch.tensor([feed], dtype=torch.long)
+        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0, -keep:].float()
+        # The math after the forward is a few small vectors: it runs on the CPU.
+        return out.logits[0, -keep:].float().cpu()
 
     # -- the two operations the services expose -----------------------------------------
 

@@ -72,7 +72,8 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
     target = ModelRunner(settings.target, dtype=settings.model.dtype,
-                         max_sessions=settings.model.max_sessions)
+                         max_sessions=settings.model.max_sessions,
+                         device=settings.model.device)
     servicer = VerifierServicer(target)
     return await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
