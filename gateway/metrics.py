@@ -1,13 +1,14 @@
 """Prometheus exposition of the gateway's acceptance statistics.
 
 Counters sum across gateway replicas. Names follow vLLM's speculative-decoding metrics
-where they exist (`vllm:spec_decode_num_drafts` → `specd:spec_decode_num_drafts`), with
-our labels: model_pair, task_type, user_segment, prompt_bucket. PromQL:
+where they exist (`vllm:spec_decode_num_drafts` → `specd_spec_decode_num_drafts`; no colon,
+which Prometheus reserves for recording rules and promtool rejects), with our labels:
+model_pair, task_type, user_segment, prompt_bucket. PromQL:
 
-    acceptance rate     sum(rate(specd:spec_decode_num_accepted_tokens_total[5m]))
-                      / sum(rate(specd:spec_decode_num_draft_tokens_total[5m]))
-    mean accept length  1 + sum(rate(specd:spec_decode_num_accepted_tokens_total[5m]))
-                          / sum(rate(specd:spec_decode_num_drafts_total[5m]))
+    acceptance rate     sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
+                      / sum(rate(specd_spec_decode_num_draft_tokens_total[5m]))
+    mean accept length  1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
+                          / sum(rate(specd_spec_decode_num_drafts_total[5m]))
 
 The collector reads a snapshot of `AcceptanceStats` at scrape time; it never writes.
 """
@@ -21,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from specd.acceptance import LABEL_NAMES, AcceptanceStats
 
-PREFIX = "specd:spec_decode_"
+PREFIX = "specd_spec_decode_"
 
 
 class AcceptanceCollector(Collector):
@@ -74,7 +75,7 @@ class AcceptanceCollector(Collector):
         yield from self._costs()
 
     def _costs(self):
-        target = GaugeMetricFamily(PREFIX + "target_step_ms", "Measured plain target step (ms).",
+        target = GaugeMetricFamily(PREFIX + "target_step_seconds", "Measured plain target step.",
                                    labels=["model_pair"])
         draft = GaugeMetricFamily(PREFIX + "draft_cost_ratio",
                                   "c: draft cost per token relative to one target step.", labels=["model_pair"])
@@ -86,7 +87,7 @@ class AcceptanceCollector(Collector):
             if step_ms is None:
                 continue
             c, v = costs.ratios()
-            target.add_metric([pair], step_ms)
+            target.add_metric([pair], step_ms / 1e3)
             draft.add_metric([pair], c)
             for gamma, ratio in v.items():
                 verify.add_metric([pair, str(gamma)], ratio)

@@ -85,15 +85,15 @@ def test_prometheus_exposition_format():
     registry.register(AcceptanceCollector(stats))
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    accepted = families["specd:spec_decode_num_accepted_tokens"]
+    accepted = families["specd_spec_decode_num_accepted_tokens"]
     assert accepted.type == "counter"
     (sample,) = accepted.samples
-    assert sample.name == "specd:spec_decode_num_accepted_tokens_total" and sample.value == 3
+    assert sample.name == "specd_spec_decode_num_accepted_tokens_total" and sample.value == 3
     assert sample.labels == {"model_pair": "d->t", "task_type": "code", "user_segment": "", "prompt_bucket": "0-31"}
-    per_pos = {s.labels["position"]: s.value for s in families["specd:spec_decode_num_accepted_tokens_per_pos"].samples}
+    per_pos = {s.labels["position"]: s.value for s in families["specd_spec_decode_num_accepted_tokens_per_pos"].samples}
     assert per_pos == {"1": 1, "2": 1, "3": 1, "4": 0}
-    assert families["specd:spec_decode_num_steps"].samples[0].value == 2
-    assert families["specd:spec_decode_target_step_ms"].samples[0].value == 9.0
+    assert families["specd_spec_decode_num_steps"].samples[0].value == 2
+    assert families["specd_spec_decode_target_step_seconds"].samples[0].value == 0.009
 
 
 def test_gateway_reports_acceptance_stats(stack):
