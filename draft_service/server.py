@@ -4,6 +4,7 @@ Thin by design: look up the draft, call the runtime on the model's thread, conve
 """
 from __future__ import annotations
 
+import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -55,6 +56,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:
         opened: set[tuple[str, str]] = set()
+        stream = uuid.uuid4().hex  # tags the sessions this stream opens
         try:
             async for request in request_iterator:
                 name = request.draft_model or self.default
@@ -70,7 +72,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                     try:
                         proposal = await runner.run(runner.propose, delta.session_id, delta.start,
                                                     list(delta.tokens), request.draft_length, transform,
-                                                    request.seed, request.min_confidence)
+                                                    request.seed, request.min_confidence, stream,
+                                                    request.vocab_limit)
                     except SessionNotFound as exc:
                         await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
                     except ValueError as exc:
@@ -84,7 +87,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 yield response
         finally:
             for name, session_id in opened:
-                self.drafts[name].end_session(session_id)
+                self.drafts[name].end_session(session_id, stream)
 
 
 async def create_server(settings: DraftSettings) -> RunningServer:

@@ -40,8 +40,9 @@ class WorkerPool:
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
 
     def stub(self, address: str):
-        """The stub for an endpoint (its channel is made on first use and kept)."""
+        """The stub for an endpoint (its channel is made on first use and kept while listed)."""
         if address not in self._channels:
+            self._close_unlisted()
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = (channel, self._stub_class(channel))
         return self._channels[address][1]
@@ -60,6 +61,13 @@ class WorkerPool:
         # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
         # the step timeout) instead of failing at once.
         return getattr(self.stub(address), rpc)(metadata=metadata, wait_for_ready=True)
+
+    def _close_unlisted(self) -> None:
+        """Close the channels of endpoints that left the service (pods come and go)."""
+        listed = {state.address for state in self.router.snapshot()}
+        for address in [a for a in self._channels if a not in listed]:
+            channel, _ = self._channels.pop(address)
+            asyncio.get_running_loop().create_task(channel.close())
 
     async def model_infos(self, timeout_s: float) -> list[worker_pb2.ModelInfo]:
         """Ask one ready endpoint which models the service hosts."""
@@ -138,13 +146,24 @@ async def connect(settings: GatewaySettings) -> Backend:
     timeout = settings.worker_timeout_s
     verifier = await _pool("verifier", settings.verifier_address, settings.verifier_service,
                            settings.namespace, worker_pb2_grpc.VerifierStub, timeout)
-    (target,) = await verifier.model_infos(timeout)
     draft = None
-    drafts: list[worker_pb2.ModelInfo] = []
-    if settings.draft_address or settings.draft_service:
-        draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
-                            worker_pb2_grpc.DraftStub, timeout)
-        drafts = await draft.model_infos(timeout)
-        check_drafts(target, drafts)
-    tokenizer = _tokenizer_from_files(dict(target.tokenizer_files))
+    try:
+        (target,) = await verifier.model_infos(timeout)
+        drafts: list[worker_pb2.ModelInfo] = []
+        if settings.draft_address or settings.draft_service:
+            draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
+                                worker_pb2_grpc.DraftStub, timeout)
+            drafts = await draft.model_infos(timeout)
+            check_drafts(target, drafts)
+        unknown = {task: name for task, name in settings.task_drafts.items()
+                   if name not in {d.name for d in drafts}}
+        if unknown:
+            raise IncompatibleDraft(f"--task-draft names drafts the draft service does not host: {unknown}; "
+                                    f"it hosts {[d.name for d in drafts]}")
+        tokenizer = _tokenizer_from_files(dict(target.tokenizer_files))
+    except BaseException:
+        await verifier.close()
+        if draft is not None:
+            await draft.close()
+        raise
     return Backend(verifier, target, tokenizer, draft, {d.name: d for d in drafts})

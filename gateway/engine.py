@@ -9,15 +9,19 @@ in `gateway.workers` speak to the workers.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
-from gateway.workers import DraftLink, VerifierLink
+from gateway.workers import DraftLink, VerifierLink, WorkerError
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
+
+
+log = logging.getLogger(__name__)
 
 
 class Finish(enum.Enum):
@@ -41,7 +45,6 @@ class GenerationRequest:
 class Limits:
     """What the models allow."""
 
-    target_context: int
     draft_context: int
     vocab_size: int
     eos_token_ids: frozenset[int]
@@ -127,10 +130,6 @@ class RequestStats:
         return sum(r.accepted for r in self.records)
 
     @property
-    def generated_tokens(self) -> int:
-        return sum(len(r.emitted) for r in self.records)
-
-    @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
@@ -151,6 +150,16 @@ class Emission:
     finish: Finish | None
 
 
+def _widen(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad distributions [n, V] to `width` columns.
+
+    A draft and a target sharing a tokenizer may still have different embedding sizes
+    (vocabularies padded to a multiple of 64, say); ids beyond a model's size have
+    probability 0 under it, which is exactly what the padding says.
+    """
+    return probs if probs.shape[1] == width else torch.nn.functional.pad(probs, (0, width - probs.shape[1]))
+
+
 def step_seed(generator: torch.Generator) -> int:
     """The seed for the draft's sampler this step, drawn from the request's RNG."""
     return int(torch.randint(0, 2**62, (1,), generator=generator))
@@ -163,6 +172,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
 
     on_step(record, generated_before) is called after every step (acceptance statistics).
+    If the draft service is lost for good, the request goes on decoding plainly: the
+    verifier alone is enough for the same output.
     """
     transform = request.transform
     tracer = tracer or NoTracer()
@@ -183,13 +194,19 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         if gamma > 0:
             began = time.perf_counter()
             seed = 0 if transform.greedy else step_seed(generator)
-            proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
-                                           policy.min_confidence, carrier)
-            draft_ms = (time.perf_counter() - began) * 1e3
-            draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
-            draft_tokens = proposal.tokens
-            if proposal.probs is not None:
-                draft_probs = proposal.probs
+            try:
+                proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
+                                               policy.min_confidence, limits.vocab_size, carrier)
+            except WorkerError as exc:
+                log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
+                await draft.close(finished=False)
+                draft = None
+            else:
+                draft_ms = (time.perf_counter() - began) * 1e3
+                draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
+                draft_tokens = proposal.tokens
+                if proposal.probs is not None:
+                    draft_probs = proposal.probs
         began = time.perf_counter()
         scores = await verifier.verify(committed, draft_tokens, transform, carrier)
         verify_ms = (time.perf_counter() - began) * 1e3
@@ -197,15 +214,16 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         if transform.greedy:
             outcome = verify_greedy(proposed, torch.tensor(scores.argmax, dtype=torch.long))
         else:
-            outcome = rejection_sample(proposed, draft_probs, scores.probs, generator)
+            width = max(draft_probs.shape[1], scores.probs.shape[1])
+            outcome = rejection_sample(proposed, _widen(draft_probs, width), _widen(scores.probs, width), generator)
 
         emitted = draft_tokens[: outcome.accepted] + [outcome.token]
         kept_before = len(committed) + outcome.accepted
         position = len(committed)
         committed.extend(emitted)
-        for link in (draft, verifier):
-            if link is not None:
-                link.advance(kept_before)
+        verifier.advance(kept_before)
+        if draft_tokens:  # a draft that sat this step out still holds only what it held
+            draft.advance(kept_before)
 
         finish = None
         eos_at = next((i for i, t in enumerate(emitted) if t in limits.eos_token_ids), None)

@@ -82,15 +82,11 @@ class AcceptanceCollector(Collector):
         verify = GaugeMetricFamily(PREFIX + "verify_cost_ratio",
                                    "v(γ): verify step relative to one target step.",
                                    labels=["model_pair", "draft_length"])
-        for pair, costs in self.stats.cost_pairs().items():
-            step_ms = costs.target_step_ms()
-            if step_ms is None:
-                continue
-            c, v = costs.ratios()
-            target.add_metric([pair], step_ms / 1e3)
-            draft.add_metric([pair], c)
-            for gamma, ratio in v.items():
-                verify.add_metric([pair, str(gamma)], ratio)
+        for row in self.stats.cost_table():
+            target.add_metric([row.model_pair], row.target_step_ms / 1e3)
+            draft.add_metric([row.model_pair], row.draft_cost_ratio)
+            for gamma, ratio in row.verify_cost_ratio.items():
+                verify.add_metric([row.model_pair, str(gamma)], ratio)
         return [target, draft, verify]
 
 

@@ -89,7 +89,10 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     if speculation.min_draft_length > (speculation.max_draft_length or settings.max_draft_length):
         problems.append("min_draft_length must not exceed max_draft_length")
     policy = speculation.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
-    if policy not in POLICIES:
+    if mode is Mode.FIXED and policy != "fixed":
+        problems.append(f"policy {policy!r} chooses γ itself: use it with mode AUTO; mode FIXED proposes "
+                        f"draft_length tokens every step")
+    elif policy not in POLICIES:
         problems.append(f"unknown policy {speculation.policy!r}; use one of {list(POLICIES)}")
     if not 0.0 <= speculation.min_draft_confidence < 1.0:
         problems.append(f"min_draft_confidence must be in [0, 1), got {speculation.min_draft_confidence}")
@@ -135,6 +138,24 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
     return FixedPolicy(parsed.draft_length)
 
 
+def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
+               metadata: tuple[tuple[str, str], ...] = ()) -> tuple[DraftLink | None, VerifierLink]:
+    """One request's links to its workers (no draft link when it decodes plainly)."""
+    session_id = uuid.uuid4().hex
+    link = LinkSettings(session_id, settings.worker_timeout_s, settings.max_session_reopens,
+                        settings.worker_connect_timeout_s)
+
+    def on(pool: WorkerPool, rpc: str):
+        return (lambda moved: pool.open_stream(session_id, rpc, moved, metadata),
+                lambda: pool.router.release(session_id))
+
+    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link)
+    draft = None
+    if draft_model:
+        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link)
+    return draft, verifier
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
@@ -142,6 +163,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.backend = backend
         self.settings = settings
         self.stats = stats
+        self._in_flight = 0  # requests being served (one event loop: a plain counter)
 
     def _model_pair(self, draft_model: str) -> str:
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
@@ -151,27 +173,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         target = self.backend.target
         draft = self.backend.drafts.get(draft_model)
         return Limits(
-            target_context=target.max_context,
             draft_context=draft.max_context if draft else 0,
             vocab_size=target.vocab_size,
             eos_token_ids=frozenset(target.eos_token_ids),
         )
-
-    def _links(self, draft_model: str,
-               metadata: tuple[tuple[str, str], ...] = ()) -> tuple[DraftLink | None, VerifierLink]:
-        session_id = uuid.uuid4().hex
-        link = LinkSettings(session_id, self.settings.worker_timeout_s, self.settings.max_session_reopens,
-                            self.settings.worker_connect_timeout_s)
-
-        def on(pool: WorkerPool, rpc: str):
-            return (lambda moved: pool.open_stream(session_id, rpc, moved, metadata),
-                    lambda: pool.router.release(session_id))
-
-        verifier = VerifierLink("verifier", *on(self.backend.verifier, "Verify"), link)
-        draft = None
-        if draft_model:
-            draft = DraftLink(f"draft {draft_model!r}", *on(self.backend.draft, "Propose"), link)
-        return draft, verifier
 
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
@@ -180,6 +185,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             parsed = parse_request(request, self.backend, self.settings)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._in_flight >= self.settings.max_concurrent_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
+                                f"requests; retry with backoff, or add gateway and worker replicas")
+        self._in_flight += 1
+        try:
+            async for chunk in self._generate(parsed, began, context):
+                yield chunk
+        finally:
+            self._in_flight -= 1
+
+    async def _generate(self, parsed: ParsedRequest, began: float,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
         policy = build_policy(parsed, self.stats, model_pair)
@@ -187,18 +205,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                    len(generation.prompt_ids))
 
         def count_step(record: StepRecord, generated_before: int) -> None:
+            # The first step also prefills the prompt: its time says nothing about a step's cost.
             self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
-                              generated_before, record.draft_ms, record.verify_ms)
+                              generated_before, record.draft_ms, record.verify_ms,
+                              measure_cost=record.index > 0)
 
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
                                            policy=parsed.policy)
         # The trace context also rides on the worker streams, so their RPC spans join the trace.
-        draft, verifier = self._links(generation.draft_model, request_trace.metadata)
+        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, request_trace.metadata)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         finish = Finish.LENGTH
+        finished = False
         try:
             steps = speculate(generation, policy, draft, verifier, self._limits(generation.draft_model), stats,
                               tracer=request_trace.step_tracer, on_step=count_step)
@@ -215,6 +236,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
+                    finished = True
                     yield gateway_pb2.GenerateChunk(
                         text=delta + text.finish(), token_ids=kept, finish_reason=_FINISH[finish],
                         stats=stats_pb, trace_id=request_trace.trace_id)
@@ -226,7 +248,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_trace.end()
             for link in (draft, verifier):
                 if link is not None:
-                    await link.close()
+                    await link.close(finished)
 
     def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                   model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
@@ -235,7 +257,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         per_position = Counts()
         for record in stats.records:
             per_position.add(record.draft_length, record.accepted, len(record.emitted), 0)
-        c, v = self.stats.costs(model_pair).ratios()
+        costs = next((row for row in self.stats.cost_table() if row.model_pair == model_pair), None)
+        c, v = (costs.draft_cost_ratio, costs.verify_cost_ratio) if costs else (0.0, {})
         drafted = [g for g in stats.draft_lengths if g]
         mean_gamma = round(sum(drafted) / len(drafted)) if drafted else 0
         return gateway_pb2.GenerationStats(
@@ -276,11 +299,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 proposed_per_position=counts.proposed_per_position,
                 accepted_per_position=counts.accepted_per_position,
                 acceptance_by_generation_bucket={k: a / p for k, (p, a) in counts.by_generation_bucket.items() if p})
-        for pair, costs in self.stats.cost_pairs().items():
-            c, v = costs.ratios()
-            response.costs.add(model_pair=pair, target_step_ms=costs.target_step_ms() or 0.0,
-                               draft_ms_per_token=costs.draft_ms_per_token(), draft_cost_ratio=c,
-                               verify_cost_ratio=v)
+        for row in self.stats.cost_table():
+            response.costs.add(model_pair=row.model_pair, target_step_ms=row.target_step_ms,
+                               draft_ms_per_token=row.draft_ms_per_token, draft_cost_ratio=row.draft_cost_ratio,
+                               verify_cost_ratio=row.verify_cost_ratio)
         return response
 
     async def GenerateStream(self, request, context):
@@ -313,6 +335,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     async def stop() -> None:
         if metrics is not None:
             metrics.shutdown()
+            metrics.server_close()
         await backend.close()
 
     return await start_server(

@@ -103,7 +103,10 @@ class WorkerLink:
             # Anything else reopenable: the endpoint itself failed; move if possible.
             self._moved = code != grpc.StatusCode.NOT_FOUND
             if code not in _REOPENABLE:
-                raise WorkerError(code, f"{self.name}: {details}")
+                # The gateway validated the request; a worker refusing a step is a bug
+                # between the two, not something the client can fix.
+                upstream = grpc.StatusCode.INTERNAL if code == grpc.StatusCode.INVALID_ARGUMENT else code
+                raise WorkerError(upstream, f"{self.name}: {details}")
             self._failures_in_row += 1
             if self._failures_in_row > self.settings.max_reopens:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
@@ -116,27 +119,35 @@ class WorkerLink:
             self._call.cancel()
             self._call = None
 
-    async def close(self) -> None:
-        """End the stream; the worker forgets the session, the router releases it."""
+    async def close(self, finished: bool = True) -> None:
+        """End the stream; the worker forgets the session, the router releases it.
+
+        finished=False (the request failed or the client went away): cancel, so the
+        worker stops at once instead of finishing a step nobody will read.
+        """
         self._release()
-        if self._call is not None:
+        if self._call is None:
+            return
+        if finished:
             try:
                 await self._call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass
-            self._call = None
+        else:
+            self._call.cancel()
+        self._call = None
 
 
 class DraftLink(WorkerLink):
     """Asks the draft service for proposals."""
 
     async def propose(self, committed: list[int], draft_length: int, transform: Transform,
-                      seed: int, draft_model: str, min_confidence: float,
+                      seed: int, draft_model: str, min_confidence: float, vocab_limit: int,
                       trace_carrier: dict[str, str]) -> Proposal:
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             return worker_pb2.ProposeRequest(
                 delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
-                draft_model=draft_model, min_confidence=min_confidence,
+                draft_model=draft_model, min_confidence=min_confidence, vocab_limit=vocab_limit,
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
 
         response = await self.exchange(committed, build)

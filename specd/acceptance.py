@@ -105,6 +105,17 @@ class Counts:
         return curve
 
 
+@dataclass(frozen=True)
+class CostSummary:
+    """Measured costs of one model pair: ms, and ratios to one plain target step."""
+
+    model_pair: str
+    target_step_ms: float
+    draft_ms_per_token: float
+    draft_cost_ratio: float  # c
+    verify_cost_ratio: dict[int, float]  # γ → v(γ)
+
+
 def _grow(values: list[int], length: int) -> None:
     values.extend([0] * (length - len(values)))
 
@@ -124,6 +135,9 @@ class AcceptanceStats:
         self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
         self._segments: set[str] = set()
         self._costs: dict[str, StepCosts] = {}
+        # (model pair, task type) → lifetime counts: the per-position curve the cost
+        # policy reads every step, kept up to date here instead of re-summed per read.
+        self._by_pair_task: dict[tuple[str, str], Counts] = {}
 
     def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
         """The labels of a request, with the user segment capped."""
@@ -139,12 +153,16 @@ class AcceptanceStats:
             return self._costs.setdefault(model_pair, StepCosts())
 
     def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int,
-               draft_ms: float, verify_ms: float) -> None:
-        """Count one step (hot path)."""
+               draft_ms: float, verify_ms: float, measure_cost: bool = True) -> None:
+        """Count one step (hot path). measure_cost=False: its time is not a step's cost
+        (the first step of a request also prefills the prompt)."""
+        step = (draft_length, accepted, emitted, generated_before)
         with self._lock:
-            self._lifetime.setdefault(labels, Counts()).add(draft_length, accepted, emitted, generated_before)
-            self._window.append((labels, draft_length, accepted, emitted, generated_before))
-            self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms)
+            self._lifetime.setdefault(labels, Counts()).add(*step)
+            self._by_pair_task.setdefault((labels.model_pair, labels.task_type), Counts()).add(*step)
+            self._window.append((labels, *step))
+            if measure_cost:
+                self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms)
 
     def snapshot(self, window: bool = False) -> dict[Labels, Counts]:
         """A copy of the counters by label set: lifetime, or just the sliding window."""
@@ -178,11 +196,20 @@ class AcceptanceStats:
 
     def position_curve(self, model_pair: str, task_type: str, min_samples: int = 50) -> list[float] | None:
         """The measured per-position acceptance curve of a pair and task, once there is data."""
-        rows = self.query([], {"model_pair": model_pair, "task_type": task_type}, window=True)
-        if not rows or not rows[0][1].proposed_per_position or rows[0][1].proposed_per_position[0] < min_samples:
-            return None
-        return rows[0][1].position_curve()
-
-    def cost_pairs(self) -> dict[str, StepCosts]:
         with self._lock:
-            return dict(self._costs)
+            counts = self._by_pair_task.get((model_pair, task_type))
+            if counts is None or not counts.proposed_per_position or counts.proposed_per_position[0] < min_samples:
+                return None
+            return counts.position_curve()
+
+    def cost_table(self) -> list[CostSummary]:
+        """The measured costs of every model pair seen, computed under the lock."""
+        with self._lock:
+            rows = []
+            for pair, costs in sorted(self._costs.items()):
+                target = costs.target_step_ms()
+                if target is None:
+                    continue
+                c, v = costs.ratios()
+                rows.append(CostSummary(pair, target, costs.draft_ms_per_token(), c, v))
+            return rows

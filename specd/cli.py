@@ -115,7 +115,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
         worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
-        metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        max_concurrent_requests=args.max_concurrent_requests)
     try:
         asyncio.run(_run_service(create_server, settings, "gateway"))
     except (IncompatibleDraft, ConnectionError) as exc:
@@ -311,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_DRAFT_PORT}",
                          help="empty: no draft service, every request decodes plainly")
     gateway.add_argument("--draft-length", type=int, default=4, help="default γ")
+    gateway.add_argument("--max-concurrent-requests", type=int, default=64,
+                         help="requests served at once; more get RESOURCE_EXHAUSTED (keep ≤ --max-sessions)")
     gateway.add_argument("--max-draft-length", type=int, default=16, help="largest γ a request may ask")
     gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     gateway.add_argument("--worker-timeout", type=float, default=60.0,

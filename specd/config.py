@@ -68,6 +68,7 @@ class GatewaySettings:
     worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
     worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
+    max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (the seed's table by default)

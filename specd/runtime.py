@@ -70,6 +70,7 @@ class KVSession:
 
     cache: DynamicCache
     tokens: list[int] = field(default_factory=list)
+    stream: str = ""  # the worker stream that opened it; only that stream's end drops it
 
     @property
     def cached(self) -> int:
@@ -98,8 +99,12 @@ class SessionStore:
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)  # evict the least recently used
 
-    def drop(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+    def drop(self, session_id: str, stream: str | None = None) -> None:
+        """Forget a session; with `stream`, only if that stream opened it (a request that
+        re-opened its session on a new stream must not lose it to the old one's end)."""
+        session = self._sessions.get(session_id)
+        if session is not None and (stream is None or session.stream == stream):
+            del self._sessions[session_id]
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -156,10 +161,10 @@ class ModelRunner:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def end_session(self, session_id: str) -> None:
-        """Forget a session once its request is over (on the model's thread, its owner)."""
+    def end_session(self, session_id: str, stream: str) -> None:
+        """Forget a session once the stream that opened it ends (on the model's thread, its owner)."""
         try:
-            self._executor.submit(self.sessions.drop, session_id)
+            self._executor.submit(self.sessions.drop, session_id, stream)
         except RuntimeError:  # the executor is shut down: the sessions go with it
             pass
 
@@ -171,7 +176,7 @@ class ModelRunner:
 
     # -- session bookkeeping ------------------------------------------------------------
 
-    def _sync(self, session_id: str, start: int, tokens: list[int]) -> tuple[KVSession, list[int]]:
+    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str) -> tuple[KVSession, list[int]]:
         """Take the session, crop it to `start` known tokens, and return what to feed next.
 
         start == 0 (re)opens the session from `tokens`. The returned feed is the known
@@ -179,7 +184,7 @@ class ModelRunner:
         """
         if start == 0:
             self.sessions.drop(session_id)
-            session = KVSession(DynamicCache(config=self.model.config))
+            session = KVSession(DynamicCache(config=self.model.config), stream=stream)
         else:
             session = self.sessions.take(session_id)
             if start > len(session.tokens):
@@ -195,6 +200,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, session: KVSession, feed: list[int], keep: int) -> torch.Tensor:
         """Append `feed` to the session's cache; return logits [keep, V] of its last positions."""
+        if max(feed) >= self.info.vocab_size or min(feed) < 0:
+            raise ValueError(f"token id {max(feed) if max(feed) >= self.info.vocab_size else min(feed)} is "
+                             f"outside {self.info.name}'s vocabulary of {self.info.vocab_size}")
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=keep)
         # The math after the forward is a few small vectors: it runs on the CPU.
@@ -203,18 +211,20 @@ class ModelRunner:
     # -- the two operations the services expose -----------------------------------------
 
     def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
-                transform: Transform, seed: int, min_confidence: float = 0.0) -> Proposal:
+                transform: Transform, seed: int, min_confidence: float = 0.0, stream: str = "",
+                vocab_limit: int = 0) -> Proposal:
         """Draft side: bring the session up to date and propose up to `draft_length` tokens.
 
         The last proposal is sampled but not fed to the model (nothing needs its
         logits yet); it stays known, so the next step feeds it if it was accepted.
         With min_confidence, proposing stops early (after at least one token) when the
-        draft's top probability for the next token falls below it.
+        draft's top probability for the next token falls below it. vocab_limit > 0 keeps
+        proposals below that id (the target's vocabulary).
         """
         if draft_length < 1:
             raise ValueError("draft_length must be >= 1")
         began = time.perf_counter()
-        session, feed = self._sync(session_id, start, tokens)
+        session, feed = self._sync(session_id, start, tokens, stream)
         if not feed:
             raise ValueError("nothing to feed: a step must carry at least one new committed token")
         generator = torch.Generator().manual_seed(seed)
@@ -223,6 +233,8 @@ class ModelRunner:
         token_probs: list[float] = []
         for _ in range(draft_length):
             logits = self._forward(session, feed, 1)
+            if vocab_limit:
+                logits = logits[:, :vocab_limit]
             q = torch.softmax(logits[0], -1) if transform.greedy else probs_from_logits(logits, transform)[0]
             if drafted and float(q.max()) < min_confidence:
                 break
@@ -240,13 +252,13 @@ class ModelRunner:
                         (time.perf_counter() - began) * 1e3, tuple(token_probs))
 
     def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
-              transform: Transform) -> Scores:
+              transform: Transform, stream: str = "") -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         With no draft tokens this is one plain decoding step (one position).
         """
         began = time.perf_counter()
-        session, feed = self._sync(session_id, start, tokens)
+        session, feed = self._sync(session_id, start, tokens, stream)
         if not feed:
             raise ValueError("nothing to score: a step must carry at least one new committed token")
         feed = feed + list(draft_tokens)

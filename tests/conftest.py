@@ -56,7 +56,8 @@ def make_tokenizer(directory: Path, vocab_size: int = 320, extra_text: str = "")
 
 
 def make_model(directory: Path, tokenizer, *, seed: int, layers: int = 2, hidden: int = 64,
-               noise_from: Path | None = None, noise: float = 0.0, context: int = 256) -> None:
+               noise_from: Path | None = None, noise: float = 0.0, context: int = 256,
+               extra_vocab: int = 0) -> None:
     """A random Llama saved to `directory` with the tokenizer; or a noisy copy of another."""
     torch.manual_seed(seed)
     if noise_from is not None:
@@ -65,7 +66,7 @@ def make_model(directory: Path, tokenizer, *, seed: int, layers: int = 2, hidden
             for param in model.parameters():
                 param.add_(noise * param.std() * torch.randn_like(param))
     else:
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        config = LlamaConfig(vocab_size=len(tokenizer) + extra_vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=context, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.eos_token_id, bos_token_id=None,
@@ -77,13 +78,15 @@ def make_model(directory: Path, tokenizer, *, seed: int, layers: int = 2, hidden
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Directories of: target, close (draft), unrelated (draft), alien (other tokenizer)."""
+    """Directories of: target, close (draft), unrelated (draft), padded (a draft whose
+    embedding has 64 more rows than the tokenizer has tokens), alien (other tokenizer)."""
     root = tmp_path_factory.mktemp("models")
     tokenizer = make_tokenizer(root / "tokenizer")
-    dirs = {name: root / name for name in ("target", "close", "unrelated", "alien")}
+    dirs = {name: root / name for name in ("target", "close", "unrelated", "padded", "alien")}
     make_model(dirs["target"], tokenizer, seed=1, layers=2, hidden=64)
     make_model(dirs["close"], tokenizer, seed=2, noise_from=dirs["target"], noise=0.05)
     make_model(dirs["unrelated"], tokenizer, seed=3, layers=1, hidden=32)
+    make_model(dirs["padded"], tokenizer, seed=5, layers=1, hidden=32, extra_vocab=64)
     alien_tokenizer = make_tokenizer(root / "alien-tokenizer", vocab_size=300, extra_text="zebra quokka")
     make_model(dirs["alien"], alien_tokenizer, seed=4, layers=1, hidden=32)
     return dirs
@@ -145,14 +148,14 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, **gateway_o
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
     model = ModelSettings(max_sessions=max_sessions)
-    draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"]},
-                                   model)
+    draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"],
+                                            "padded": model_dirs["padded"]}, model)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model)
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
     gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{verifier.port}",
-                                       draft_address=f"127.0.0.1:{draft.port}", worker_timeout_s=30.0,
-                                       **gateway_options)
+                                       draft_address=f"127.0.0.1:{draft.port}",
+                                       **{"worker_timeout_s": 30.0, **gateway_options})
     gateway = loop.run(create_gateway(gateway_settings))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     return Stack(loop, draft_settings, verifier_settings, draft, verifier, gateway, channel,

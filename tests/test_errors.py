@@ -69,3 +69,27 @@ def test_draft_with_another_tokenizer_is_refused(stack, model_dirs):
     finally:
         loop.run(alien.stop(0))
         loop.close()
+
+
+def test_fixed_mode_refuses_an_adaptive_policy(stack):
+    req = request("x")
+    req.speculation.policy = "cost"
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode AUTO" in err.value.details()
+
+
+def test_overload_is_resource_exhausted(model_dirs):
+    from conftest import start_stack
+
+    small = start_stack(model_dirs, max_concurrent_requests=1)
+    try:
+        held = small.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=60))
+        next(held)  # one request in flight: the gateway is full
+        with pytest.raises(grpc.RpcError) as err:
+            small.stub.Generate(request("x", max_new_tokens=2))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in err.value.details()
+        list(held)
+        assert len(small.stub.Generate(request("x", max_new_tokens=2)).token_ids) == 2
+    finally:
+        small.close()

@@ -37,3 +37,18 @@ def test_evicted_sessions_are_reopened(model_dirs, target_model, tokenizer):
         assert sum(r.stats.session_reopens for r in responses) > 0
     finally:
         small.close()
+
+
+def test_lost_draft_service_falls_back_to_plain_decoding(model_dirs, target_model, tokenizer):
+    lone = start_stack(model_dirs, worker_timeout_s=5.0)
+    try:
+        prompt = "def fibonacci(n):"
+        stream = lone.stub.GenerateStream(request(prompt, max_new_tokens=40))
+        got = list(next(stream).token_ids)
+        lone.loop.run(lone.draft.stop(0))  # gone for good: nothing comes back on its port
+        chunks = list(stream)
+        got += [t for c in chunks for t in c.token_ids]
+        assert got == reference_greedy(target_model, tokenizer, prompt, 40)
+        assert chunks[-1].stats.draft_lengths[-1] == 0  # the end was decoded plainly
+    finally:
+        lone.close()

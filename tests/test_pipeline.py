@@ -113,3 +113,86 @@ def test_confidence_threshold_stops_the_draft_early(model_dirs):
     after = runner.propose("b", len(prompt) + 1, [9], 2, Transform(), seed=0)
     assert len(after.tokens) == 2
     runner.close()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "ema", "confidence"])
+def test_seed_reproduces_under_auto_with_deterministic_policies(stack, policy):
+    req = request(PROMPTS[0], temperature=1.0, top_k=50, seed=77, max_new_tokens=32, mode="AUTO",
+                  draft_model="close")
+    req.speculation.policy = policy
+    first, second = stack.stub.Generate(req), stack.stub.Generate(req)
+    assert list(first.token_ids) == list(second.token_ids)
+    assert list(first.stats.draft_lengths) == list(second.stats.draft_lengths)
+
+
+def test_draft_with_a_larger_embedding_than_the_target(stack, target_model, tokenizer):
+    expected = reference_greedy(target_model, tokenizer, PROMPTS[0], 24)
+    assert list(stack.stub.Generate(request(PROMPTS[0], max_new_tokens=24, draft_model="padded")).token_ids) == expected
+    sampled = stack.stub.Generate(request(PROMPTS[0], temperature=1.0, seed=3, max_new_tokens=24,
+                                          draft_model="padded"))
+    assert len(sampled.token_ids) == 24 and max(sampled.token_ids) < target_model.config.vocab_size
+
+
+class ScriptedPolicy:
+    """γ from a fixed script: speculative steps interleaved with plain ones."""
+
+    name = "scripted"
+    min_confidence = 0.0
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def next_draft_length(self):
+        return self.script.pop(0) if self.script else 3
+
+    def observe(self, record):
+        pass
+
+
+@pytest.mark.parametrize("draft_name", ["close", "unrelated"])
+def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, model_dirs, draft_name):
+    """After steps the draft sat out (γ = 0), its proposals must still continue exactly the
+    committed sequence: compare every proposal with the draft model's own greedy decoding.
+    (The unrelated draft is rejected at once, so its cache holds stale proposals to crop.)"""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from gateway.backend import connect
+    from gateway.engine import GenerationRequest, Limits, RequestStats, speculate
+    from gateway.server import open_links
+    from specd.config import GatewaySettings, ServerSettings
+    from specd.sampling import Transform
+
+    draft_model = AutoModelForCausalLM.from_pretrained(model_dirs[draft_name]).eval()
+    settings = GatewaySettings(ServerSettings(), verifier_address=f"127.0.0.1:{stack.verifier.port}",
+                               draft_address=f"127.0.0.1:{stack.draft.port}")
+    proposals = []
+
+    async def scenario():
+        backend = await connect(settings)
+        draft, verifier = open_links(backend, settings, draft_name)
+        propose = draft.propose
+
+        async def recording_propose(committed, *args):
+            proposal = await propose(committed, *args)
+            proposals.append((list(committed), proposal.tokens))
+            return proposal
+
+        draft.propose = recording_propose
+        prompt = backend.tokenizer(PROMPTS[0])["input_ids"]
+        request_ = GenerationRequest(prompt, Transform(), seed=1, max_new_tokens=40, draft_model=draft_name)
+        limits = Limits(draft_context=256, vocab_size=backend.target.vocab_size,
+                        eos_token_ids=frozenset(backend.target.eos_token_ids))
+        async for _ in speculate(request_, ScriptedPolicy([3, 0, 0, 2, 0, 3, 0, 0, 0, 4]), draft, verifier,
+                                 limits, RequestStats()):
+            pass
+        await draft.close()
+        await verifier.close()
+        await backend.close()
+
+    stack.loop.run(scenario())
+    assert len(proposals) >= 4
+    for committed, tokens in proposals:
+        own = draft_model.generate(torch.tensor([committed]), do_sample=False, max_new_tokens=len(tokens))
+        assert tokens == own[0, len(committed):].tolist()

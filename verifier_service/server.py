@@ -4,6 +4,7 @@ Thin by design: call the runtime on the target's thread, convert.
 """
 from __future__ import annotations
 
+import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -33,6 +34,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
         opened: set[str] = set()
+        stream = uuid.uuid4().hex  # tags the sessions this stream opens
         try:
             async for request in request_iterator:
                 delta = request.delta
@@ -43,7 +45,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                     try:
                         scores = await self.target.run(self.target.score, delta.session_id, delta.start,
                                                        list(delta.tokens), list(request.draft_tokens),
-                                                       transform)
+                                                       transform, stream)
                     except SessionNotFound as exc:
                         await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
                     except ValueError as exc:
@@ -66,7 +68,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                 yield response
         finally:
             for session_id in opened:
-                self.target.end_session(session_id)
+                self.target.end_session(session_id, stream)
 
 
 async def create_server(settings: VerifierSettings) -> RunningServer:

@@ -54,7 +54,7 @@ class TraceContext(_message.Message):
     def __init__(self, carrier: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence")
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class ProposeRequest(_message.Message):
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_length: int
     transform: Transform
@@ -69,7 +70,8 @@ class ProposeRequest(_message.Message):
     draft_model: str
     trace_context: TraceContext
     min_confidence: float
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    vocab_limit: int
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "forward_ms")
