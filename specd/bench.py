@@ -2,8 +2,8 @@
 
 For each prompt of a workload (prompts per task type), every configuration runs once, in
 turn, so slow drift of a shared machine hits them all alike. It prints a table
-(acceptance, mean tokens per step, tokens/s, ratio to target-only) overall and per task
-type, and writes a report folder: report.md, results.json and PNG plots (acceptance by
+(acceptance, mean tokens per step, tokens/s, ratio to target-only, and how many outputs
+equal target-only's — all of them when greedy) overall and per task type, and writes a report folder: report.md, results.json and PNG plots (acceptance by
 draft position, γ over a request, tokens/s per configuration). With --target/--draft it
 also times transformers' own target-only and assisted generation on the same pair, in
 this process, for the "ours vs transformers" ratio.
@@ -67,6 +67,8 @@ class Result:
     accepted_per_position: list[int] = field(default_factory=list)
     by_task: dict[str, list[float]] = field(default_factory=dict)  # task → [tokens, seconds, proposed, accepted]
     gamma_trace: list[int] = field(default_factory=list)  # γ per step of the longest request
+    outputs: list[list[int]] = field(default_factory=list)  # token ids of every request, in order
+    same_as_target_only: int = 0  # requests whose output equals target-only's (greedy: all)
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,6 +169,9 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]], config
                         began = time.perf_counter()
                         response = stub.Generate(_request(prompt, task, result.config, args, seed))
                         _add(result, task, response.stats, time.perf_counter() - began)
+                        result.outputs.append(list(response.token_ids))
+    for result in results:
+        result.same_as_target_only = sum(a == b for a, b in zip(result.outputs, results[0].outputs))
     return results
 
 
@@ -197,10 +202,11 @@ def table(results: list[Result], extra: dict[str, float]) -> str:
     """The side-by-side table, plain text."""
     base = results[0].tokens_per_s
     lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"]
+    lines[0] += f" {'same output':>12}"
     for r in results:
         accept = f"{r.acceptance:.3f}" if r.proposed else "—"
         lines.append(f"{r.config.label:<26} {accept:>10} {r.tokens_per_step:>11.2f} {r.tokens_per_s:>9.1f} "
-                     f"{r.tokens_per_s / base:>13.2f}")
+                     f"{r.tokens_per_s / base:>13.2f} {r.same_as_target_only:>5}/{len(r.outputs):<6}")
     for label, rate in extra.items():
         lines.append(f"{label:<26} {'':>10} {'':>11} {rate:>9.1f} {rate / base:>13.2f}")
     tasks = sorted({t for r in results for t in r.by_task})
@@ -274,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                             "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance,
                             "tokens_per_step": r.tokens_per_step, "by_task": r.by_task,
                             "proposed_per_position": r.proposed_per_position,
-                            "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace}
+                            "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace,
+                            "same_output_as_target_only": r.same_as_target_only, "requests": len(r.outputs)}
                            for r in results],
         "transformers_tokens_per_s": extra}, indent=2))
     (out / "report.md").write_text(

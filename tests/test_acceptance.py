@@ -132,6 +132,7 @@ def test_bench_runs_against_a_gateway(stack, tmp_path):
     results = bench.run_gateway(args, workload, bench.parse_configs(args.configs))
     assert [r.config.label for r in results] == ["target-only", "fixed γ=2", "ema", "cost (AUTO)"]
     assert all(r.tokens == 24 for r in results)
+    assert all(r.same_as_target_only == 2 for r in results)  # greedy: every output is target-only's
     assert results[0].proposed == 0 and results[1].proposed > 0
     assert set(results[1].by_task) == {"code", "general"}
     assert "target-only" in bench.table(results, {}) and len(bench.plots(results, tmp_path)) == 3

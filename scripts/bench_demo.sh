@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's speed and acceptance figures for the demo pair, from one command:
+#   1. a draft unrelated to the target (random weights, the demo tokenizer) is made in runs/;
+#   2. `specd serve` hosts three drafts (distilled, generic, unrelated) over the demo target;
+#   3. `specd bench` runs every γ policy and target-only with the distilled draft (plus
+#      transformers' own generate and assisted generation on the same pair), then the
+#      generic draft, then AUTO with the unrelated draft against target-only.
+# Reports land in bench-out/. Greedy, 64 new tokens, the built-in demo workload.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+py=.venv/bin/python
+$py - <<'PY'
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+out = Path("runs/unrelated-draft")
+if not (out / "config.json").exists():
+    config = AutoConfig.from_pretrained("models/demo/draft-generic")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained("models/demo/draft-generic").save_pretrained(out)
+PY
+.venv/bin/specd serve --port 50061 --draft-port 50062 --verifier-port 50063 \
+  --draft distilled=models/demo/draft-distilled --draft generic=models/demo/draft-generic \
+  --draft unrelated=runs/unrelated-draft &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+bench=(.venv/bin/specd bench --gateway 127.0.0.1:50061 --max-new-tokens 64 "$@")
+echo "== distilled draft: every policy, target-only, transformers"
+"${bench[@]}" --draft-model distilled --out bench-out/distilled \
+  --target models/demo/target --draft models/demo/draft-distilled
+echo "== generic draft"
+"${bench[@]}" --draft-model generic --configs fixed:4,cost --out bench-out/generic
+echo "== unrelated draft: AUTO (cost) must fall back to plain decoding"
+"${bench[@]}" --draft-model unrelated --configs fixed:4,cost --out bench-out/unrelated
