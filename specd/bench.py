@@ -155,7 +155,7 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]], config
     results = [Result(c) for c in configs]
     with grpc.insecure_channel(args.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        grpc.channel_ready_future(channel).result(timeout=60)
+        grpc.channel_ready_future(channel).result(timeout=300)
         # Warm-up: one request per configuration (first-call costs; the cost policy's model).
         first_task, first_prompts = next(iter(workload.items()))
         for config in configs:
