@@ -7,7 +7,8 @@
   maximises expected tokens per millisecond, from this request's acceptance estimate (an
   EMA seeded with the task's prior) and the measured step costs of the model pair; the
   measured per-position acceptance curve shapes E[tokens] once there is data. When
-  speculation does not pay it decodes plainly and probes again every `probe_every` steps.
+  speculation does not pay it decodes plainly and probes again after `probe_every` plain
+  steps, twice as long after each probe the target rejected outright.
 - `confidence`: proposes up to the maximum γ but the draft stops inside a step as soon
   as its own top probability falls below a threshold.
 """
@@ -21,6 +22,7 @@ from specd.costmodel import StepCosts, best_draft_length
 from specd.tasks import TaskProfile
 
 POLICIES = ("fixed", "ema", "cost", "confidence")
+MAX_PROBE_INTERVAL = 256
 
 
 class Mode(enum.Enum):
@@ -87,6 +89,8 @@ class CostPolicy:
         self.profile = profile
         self.curve = curve
         self.probe_every = probe_every
+        self.probe_interval = probe_every  # doubles while probes fail, up to MAX_PROBE_INTERVAL
+        self._probing = False
         self.decay = 1.0 - 1.0 / memory_steps
         # Acceptance as an EMA of pseudo-counts: the task's prior is worth prior_weight tokens.
         self.accepted = profile.prior_acceptance * prior_weight
@@ -116,11 +120,16 @@ class CostPolicy:
         self.plain_steps += 1
         # Speculation does not pay: decode plainly, but probe now and then, since the
         # acceptance estimate only moves when something is proposed.
-        return span[0] if self.plain_steps % self.probe_every == 0 else 0
+        self._probing = self.plain_steps % self.probe_interval == 0
+        return span[0] if self._probing else 0
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_length == 0:
             return
+        if self._probing:
+            failed = record.accepted == 0
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL) if failed else self.probe_every
+            self._probing = False
         self.accepted = self.decay * self.accepted + record.accepted
         self.trials = self.decay * self.trials + record.accepted + (0 if record.bonus else 1)
 

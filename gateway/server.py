@@ -9,7 +9,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
@@ -131,6 +131,11 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
     if parsed.policy == "ema":
         return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
     if parsed.policy == "cost":
+        # The request's acceptance estimate starts from what this pair has measured on
+        # this task, when it has, rather than from the table's prior.
+        measured = stats.measured_acceptance(model_pair, parsed.task_type)
+        if measured is not None:
+            profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
                           curve=lambda: stats.position_curve(model_pair, parsed.task_type))
     if parsed.policy == "confidence":

@@ -94,6 +94,14 @@ class Counts:
         """1 + accepted / drafts: tokens per speculative step (vLLM's definition)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
+    def conditional_acceptance(self) -> float:
+        """P(a draft token is accepted | the ones before it were): what the geometric
+        model's α means, pooled over the draft positions reached."""
+        curve_reached = [p if i == 0 else min(p, self.accepted_per_position[i - 1])
+                         for i, p in enumerate(self.proposed_per_position)]
+        reached = sum(curve_reached)
+        return sum(self.accepted_per_position) / reached if reached else 0.0
+
     def position_curve(self) -> list[float]:
         """Conditional acceptance at draft position i given positions < i were accepted."""
         curve = []
@@ -201,6 +209,14 @@ class AcceptanceStats:
             if counts is None or not counts.proposed_per_position or counts.proposed_per_position[0] < min_samples:
                 return None
             return counts.position_curve()
+
+    def measured_acceptance(self, model_pair: str, task_type: str, min_samples: int = 200) -> float | None:
+        """Conditional acceptance of a pair and task over its lifetime, once there is data."""
+        with self._lock:
+            counts = self._by_pair_task.get((model_pair, task_type))
+            if counts is None or counts.draft_tokens < min_samples:
+                return None
+            return counts.conditional_acceptance()
 
     def cost_table(self) -> list[CostSummary]:
         """The measured costs of every model pair seen, computed under the lock."""

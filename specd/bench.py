@@ -146,7 +146,39 @@ def _add(result: Result, task: str, stats, seconds: float) -> None:
         result.gamma_trace = list(stats.draft_lengths)
 
 
-def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]], configs: list[Config]) -> list[Result]:
+@dataclass(frozen=True)
+class Costs:
+    """The gateway's measured costs of the benchmarked pair (GetAcceptanceStats)."""
+
+    model_pair: str
+    target_step_ms: float
+    draft_cost_ratio: float  # c
+    verify_cost_ratio: dict[int, float]  # v(γ)
+
+    def predicted_speedup(self, tokens_per_step: float, gamma: int) -> float | None:
+        """DESIGN.md §4: E[tokens per step] / (γ·c + v(γ)), with E as measured; None when
+        v(γ) was not measured. (Acceptance is far from i.i.d. — a draft tends to get a
+        whole run right or miss at once — so E from the per-token rate would mislead.)"""
+        v = self.verify_cost_ratio.get(gamma)
+        return None if v is None else tokens_per_step / (gamma * self.draft_cost_ratio + v)
+
+
+def fetch_costs(stub, draft_model: str) -> Costs | None:
+    """The cost row of the draft's pair (the most measured pair when no draft is named)."""
+    from specd.v1 import gateway_pb2
+
+    rows = stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest()).costs
+    rows = [r for r in rows if not r.model_pair.startswith("none->")]
+    if draft_model:
+        rows = [r for r in rows if r.model_pair.startswith(f"{draft_model}->")]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: len(r.verify_cost_ratio))
+    return Costs(row.model_pair, row.target_step_ms, row.draft_cost_ratio, dict(row.verify_cost_ratio))
+
+
+def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
+                configs: list[Config]) -> tuple[list[Result], Costs | None]:
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
@@ -170,9 +202,10 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]], config
                         response = stub.Generate(_request(prompt, task, result.config, args, seed))
                         _add(result, task, response.stats, time.perf_counter() - began)
                         result.outputs.append(list(response.token_ids))
+        costs = fetch_costs(stub, args.draft_model)
     for result in results:
         result.same_as_target_only = sum(a == b for a, b in zip(result.outputs, results[0].outputs))
-    return results
+    return results, costs
 
 
 def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -> dict[str, float]:
@@ -198,17 +231,25 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
     return {label: n / s for label, (n, s) in timings.items() if s}
 
 
-def table(results: list[Result], extra: dict[str, float]) -> str:
-    """The side-by-side table, plain text."""
+def table(results: list[Result], extra: dict[str, float], costs: Costs | None = None) -> str:
+    """The side-by-side table, plain text; with costs, the speedup the cost model predicts."""
     base = results[0].tokens_per_s
-    lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"]
-    lines[0] += f" {'same output':>12}"
+    lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"
+             f" {'same output':>12} {'predicted ×':>11}"]
     for r in results:
         accept = f"{r.acceptance:.3f}" if r.proposed else "—"
+        predicted = None
+        if costs is not None and r.config.mode == "fixed":
+            predicted = costs.predicted_speedup(r.tokens_per_step, r.config.draft_length)
         lines.append(f"{r.config.label:<26} {accept:>10} {r.tokens_per_step:>11.2f} {r.tokens_per_s:>9.1f} "
-                     f"{r.tokens_per_s / base:>13.2f} {r.same_as_target_only:>5}/{len(r.outputs):<6}")
+                     f"{r.tokens_per_s / base:>13.2f} {r.same_as_target_only:>5}/{len(r.outputs):<6} "
+                     f"{f'{predicted:.2f}' if predicted else '':>11}")
     for label, rate in extra.items():
         lines.append(f"{label:<26} {'':>10} {'':>11} {rate:>9.1f} {rate / base:>13.2f}")
+    if costs is not None:
+        lines.append(f"\nmeasured costs of {costs.model_pair}: plain target step {costs.target_step_ms:.1f} ms, "
+                     f"c = {costs.draft_cost_ratio:.3f} (draft per token), v(γ) = "
+                     + ", ".join(f"{g}: {v:.2f}" for g, v in sorted(costs.verify_cost_ratio.items())))
     tasks = sorted({t for r in results for t in r.by_task})
     if len(tasks) > 1:
         lines.append("")
@@ -266,9 +307,9 @@ def plots(results: list[Result], out: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
-    results = run_gateway(args, workload, configs)
+    results, costs = run_gateway(args, workload, configs)
     extra = run_transformers(args, workload) if args.target else {}
-    text = table(results, extra)
+    text = table(results, extra, costs)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
                             "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace,
                             "same_output_as_target_only": r.same_as_target_only, "requests": len(r.outputs)}
                            for r in results],
-        "transformers_tokens_per_s": extra}, indent=2))
+        "transformers_tokens_per_s": extra,
+        "costs": costs.__dict__ if costs else None}, indent=2))
     (out / "report.md").write_text(
         f"# specd bench\n\n{statistics.fmean([len(p) for p in workload.values()]):.0f} prompts per task type, "
         f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.rounds} round(s).\n\n"

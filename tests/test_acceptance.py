@@ -129,11 +129,29 @@ def test_bench_runs_against_a_gateway(stack, tmp_path):
     args = parser.parse_args(["--gateway", stack.gateway_address, "--configs", "fixed:2,ema,cost",
                               "--max-new-tokens", "12", "--draft-model", "close", "--out", str(tmp_path)])
     workload = {"code": ["def fibonacci(n):"], "general": ["The acceptance rate is"]}
-    results = bench.run_gateway(args, workload, bench.parse_configs(args.configs))
+    results, costs = bench.run_gateway(args, workload, bench.parse_configs(args.configs))
+    assert costs is not None and costs.model_pair == "close->target" and costs.draft_cost_ratio > 0
     assert [r.config.label for r in results] == ["target-only", "fixed γ=2", "ema", "cost (AUTO)"]
     assert all(r.tokens == 24 for r in results)
     assert all(r.same_as_target_only == 2 for r in results)  # greedy: every output is target-only's
     assert results[0].proposed == 0 and results[1].proposed > 0
     assert set(results[1].by_task) == {"code", "general"}
-    assert "target-only" in bench.table(results, {}) and len(bench.plots(results, tmp_path)) == 3
+    text = bench.table(results, {}, costs)
+    assert "target-only" in text and "measured costs of close->target" in text
+    assert len(bench.plots(results, tmp_path)) == 3
     assert (tmp_path / "tokens_per_s.png").stat().st_size > 0
+
+
+def test_conditional_acceptance_and_measured_prior():
+    counts = Counts()
+    counts.add(4, 4, 5, 0)  # all four accepted
+    counts.add(4, 0, 1, 0)  # first rejected
+    # positions reached: 2 at position 1, then 1 at 2..4: 5 reached, 4 accepted
+    assert counts.conditional_acceptance() == pytest.approx(4 / 5)
+    stats = AcceptanceStats()
+    labels = stats.labels("d->t", "code", "", 1)
+    assert stats.measured_acceptance("d->t", "code") is None
+    for _ in range(60):
+        stats.record(labels, 4, 4, 5, 0, 1.0, 10.0)
+        stats.record(labels, 4, 0, 1, 0, 1.0, 10.0)
+    assert stats.measured_acceptance("d->t", "code") == pytest.approx(4 / 5)

@@ -78,3 +78,15 @@ def test_cost_policy_prefers_the_measured_curve():
 def test_confidence_asks_for_the_maximum_and_passes_its_threshold():
     policy = ConfidencePolicy(highest=8, min_confidence=0.6)
     assert policy.next_draft_length() == 8 and policy.min_confidence == 0.6
+
+
+def test_cost_policy_probes_less_often_while_probes_fail():
+    policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 1, 8), probe_every=4)
+    probes = []
+    for step_index in range(200):
+        gamma = policy.next_draft_length()
+        if gamma:
+            probes.append(step_index)
+        policy.observe(step(gamma, 0))
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], probes
