@@ -196,8 +196,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 f"requests; retry with backoff, or add gateway and worker replicas")
         self._in_flight += 1
         try:
-            async for chunk in self._generate(parsed, began, context):
-                yield chunk
+            # aclosing: a client that goes away closes the links now, not at garbage collection.
+            async with contextlib.aclosing(self._generate(parsed, began, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self._in_flight -= 1
 

@@ -52,3 +52,27 @@ def test_lost_draft_service_falls_back_to_plain_decoding(model_dirs, target_mode
         assert chunks[-1].stats.draft_lengths[-1] == 0  # the end was decoded plainly
     finally:
         lone.close()
+
+
+def test_cancelled_request_frees_its_admission_slot(model_dirs):
+    import time
+
+    import grpc
+
+    small = start_stack(model_dirs, max_concurrent_requests=1)
+    try:
+        stream = small.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=200))
+        next(stream)
+        stream.cancel()  # the client goes away mid-request
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # its slot frees up: a new request is admitted
+            try:
+                assert len(small.stub.Generate(request("x", max_new_tokens=2)).token_ids) == 2
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                time.sleep(0.2)
+        else:
+            raise AssertionError("the cancelled request never released its slot")
+    finally:
+        small.close()
