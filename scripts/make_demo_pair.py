@@ -24,8 +24,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
-import random
 import statistics
 import sys
 import sysconfig

@@ -1,7 +1,6 @@
 """Acceptance statistics (sums, windows, labels), the cost model, and the Prometheus format."""
 from __future__ import annotations
 
-import urllib.request
 
 import grpc
 import pytest

@@ -154,8 +154,6 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     """After steps the draft sat out (γ = 0), its proposals must still continue exactly the
     committed sequence: compare every proposal with the draft model's own greedy decoding.
     (The unrelated draft is rejected at once, so its cache holds stale proposals to crop.)"""
-    import asyncio
-
     from transformers import AutoModelForCausalLM
 
     from gateway.backend import connect
