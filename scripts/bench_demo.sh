@@ -5,7 +5,8 @@
 #   3. `specd bench` runs every γ policy and target-only with the distilled draft (plus
 #      transformers' own generate and assisted generation on the same pair), then the
 #      generic draft, then AUTO with the unrelated draft against target-only.
-# Reports land in bench-out/. Greedy, 64 new tokens, the built-in demo workload.
+# Reports land in bench-out/ (bench-out/bfloat16 with DTYPE=bfloat16). Greedy, 64 new tokens,
+# the built-in demo workload. DTYPE=bfloat16 runs both models (and transformers) in bf16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -21,16 +22,18 @@ if not (out / "config.json").exists():
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained("models/demo/draft-generic").save_pretrained(out)
 PY
-.venv/bin/specd serve --port 50061 --draft-port 50062 --verifier-port 50063 \
+dtype=${DTYPE:-float32}
+out=bench-out; [[ $dtype == float32 ]] || out=bench-out/$dtype
+.venv/bin/specd serve --port 50061 --draft-port 50062 --verifier-port 50063 --dtype "$dtype" \
   --draft distilled=models/demo/draft-distilled --draft generic=models/demo/draft-generic \
   --draft unrelated=runs/unrelated-draft &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-bench=(.venv/bin/specd bench --gateway 127.0.0.1:50061 --max-new-tokens 64 "$@")
+bench=(.venv/bin/specd bench --gateway 127.0.0.1:50061 --max-new-tokens 64 --dtype "$dtype" "$@")
 echo "== distilled draft: every policy, target-only, transformers"
-"${bench[@]}" --draft-model distilled --out bench-out/distilled \
+"${bench[@]}" --draft-model distilled --out "$out/distilled" \
   --target models/demo/target --draft models/demo/draft-distilled
 echo "== generic draft"
-"${bench[@]}" --draft-model generic --configs fixed:4,cost --out bench-out/generic
+"${bench[@]}" --draft-model generic --configs fixed:4,cost --out "$out/generic"
 echo "== unrelated draft: AUTO (cost) must fall back to plain decoding"
-"${bench[@]}" --draft-model unrelated --configs fixed:4,cost --out bench-out/unrelated
+"${bench[@]}" --draft-model unrelated --configs fixed:4,cost --out "$out/unrelated"

@@ -112,9 +112,9 @@ def corpus_docs() -> dict[str, dict[str, list[str]]]:
     return docs
 
 
-def held_out_code() -> str:
-    """The held-out code text, documents joined as in the corpus files."""
-    return ("\n" + EOS + "\n").join(corpus_docs()["code"]["val"])
+def held_out_text(task: str) -> str:
+    """The held-out text of one task type, documents joined as in the corpus files."""
+    return ("\n" + EOS + "\n").join(corpus_docs()[task]["val"])
 
 
 def step_corpus(args: argparse.Namespace) -> None:
@@ -227,6 +227,11 @@ def train(name: str, args: argparse.Namespace) -> None:
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         log(f"{name}: resumed at step {state['step']}, {state['elapsed']:.0f}s elapsed")
+    # Each run's budget is kept, so the card can say when a schedule was extended
+    # (a warm restart: the cosine resumes at the point the longer budget puts it).
+    budgets = state.setdefault("budgets", [state["elapsed"]] if state["step"] else [])
+    if not budgets or budgets[-1] != budget:
+        budgets.append(budget)
     data = {t: load_tokens(t, "train") for t in TYPES}
     rng = np.random.default_rng(state["step"] + 1)
     nparams = sum(p.numel() for p in model.parameters())
@@ -269,11 +274,15 @@ def train(name: str, args: argparse.Namespace) -> None:
                        ck.with_suffix(".tmp"))
             ck.with_suffix(".tmp").replace(ck)
             last_ck = time.monotonic()
+            # Held-out loss at each checkpoint: the curve shows whether more budget
+            # still helps or only memorises the small prose split.
+            log(f"{name} step {state['step']} val " +
+                " ".join(f"{t} {val_loss(model, t, windows=32):.3f}" for t in TYPES))
     bar.close()
     losses = {t: val_loss(model, t) for t in TYPES}
     summary = {"parameters": nparams, "shape": recipe["shape"], "budget_s": budget,
                "lr": recipe["lr"], "batch": recipe["batch"], "seq_len": SEQ_LEN,
-               "steps": state["step"], "tokens": state["tokens"],
+               "steps": state["step"], "tokens": state["tokens"], "budgets": state["budgets"],
                "train_loss_last100": statistics.mean(state["losses"][-100:]),
                "val_loss": losses, "prose_fraction": PROSE_FRACTION}
     log(f"{name}: done {json.dumps(summary)}")
@@ -298,7 +307,11 @@ def step_draft(args: argparse.Namespace) -> None:
     train("draft", args)
 
 
-DISTILL_BUDGET = 900  # seconds of target sampling + KL training
+# Seconds of target sampling + KL training; half of it sampling, because a 2.6M draft
+# overfits a small sample set when trained over it for dozens of epochs.
+DISTILL_BUDGET = 1500
+DISTILL_SAMPLE_SHARE = 0.5
+DISTILL_SAMPLES = 4096
 
 
 def step_distill(args: argparse.Namespace) -> None:
@@ -314,6 +327,7 @@ def step_distill(args: argparse.Namespace) -> None:
         "--eval-data", *[str(corpus / f"{t}_val.txt") for t in TYPES],
         "--out", str(MODELS / "draft-distilled"), "--work", str(RUNS / "distill-work"),
         "--time-budget", str(args.budget or DISTILL_BUDGET), "--threads", str(args.threads),
+        "--sample-share", str(DISTILL_SAMPLE_SHARE), "--samples", str(DISTILL_SAMPLES),
         "--prompt-tokens", str(PROMPT_TOKENS), "--eval-prompts", str(EVAL_PROMPTS),
         "--eval-new-tokens", str(EVAL_NEW_TOKENS)])
     if distill.run(dargs) != 0:
@@ -377,7 +391,7 @@ def step_cards(args: argparse.Namespace) -> None:
                                  "train_loss_last100", "prose_fraction")}
         else:
             card["training"] = {k: report[k] for k in
-                                ("samples", "prompt_tokens", "new_tokens", "top_k", "sampling_s",
+                                ("samples", "prompt_tokens", "new_tokens", "top_k", "sampling_dtype", "sampling_s",
                                  "training_s", "steps", "batch_size", "lr", "kl_first", "kl_last")}
             card["training"]["from"] = "draft-generic"
         if name in acc:
@@ -435,7 +449,8 @@ def _card_markdown(name: str, cards: dict) -> str:
                      f"(mean of the last 100 steps): {tr['train_loss_last100']:.3f} nats.\n")
     else:
         parts.append(f"From `draft-generic`: {tr['samples']} sequences sampled from the target at "
-                     f"temperature 1 ({tr['prompt_tokens']}-token prompts from the training text, "
+                     f"temperature 1 under {tr['sampling_dtype']} ({tr['prompt_tokens']}-token prompts "
+                     f"from the training text, "
                      f"{tr['new_tokens']} new tokens) in {tr['sampling_s']:.0f} s, keeping the "
                      f"target's top-{tr['top_k']} probabilities at every position; then "
                      f"{tr['training_s']:.0f} s ({tr['steps']} steps of {tr['batch_size']} sequences, "

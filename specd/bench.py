@@ -110,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", help="report folder")
     parser.add_argument("--target", help="also time transformers' generate on this target directory")
     parser.add_argument("--draft", help="... and its assisted generation with this draft directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype for transformers' generate; match the services' --dtype")
 
 
 def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
@@ -214,8 +216,9 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval() if args.draft else None
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval() if args.draft else None
     timings = {"transformers target-only": [0, 0.0], "transformers assisted": [0, 0.0]}
     prompts = [p for ps in workload.values() for p in ps] * args.rounds
     for prompt in prompts:

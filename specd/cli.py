@@ -169,11 +169,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
     me = [sys.executable, "-m", "specd.cli"]
-    common = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     workers = [
-        me + ["verifier", "--port", str(args.verifier_port), "--target", str(target), *common],
+        me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
+              "--dtype", args.dtype, "--threads", str(args.threads)],
         me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
-              *common],
+              "--dtype", args.dtype, "--threads", str(draft_threads)],
     ]
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
@@ -287,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-length", type=int, default=4, help="default γ")
     serve.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    serve.add_argument("--draft-threads", type=int, default=-1,
+                       help="torch threads of the draft worker (default: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
     _gateway_policy_args(serve)
     serve.set_defaults(func=cmd_serve)
