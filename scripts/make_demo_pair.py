@@ -389,6 +389,7 @@ def step_cards(args: argparse.Namespace) -> None:
             card["training"] = {k: summaries[name][k] for k in
                                 ("budget_s", "steps", "tokens", "lr", "batch", "seq_len",
                                  "train_loss_last100", "prose_fraction")}
+            card["training"]["budgets"] = summaries[name].get("budgets", [summaries[name]["budget_s"]])
         else:
             card["training"] = {k: report[k] for k in
                                 ("samples", "prompt_tokens", "new_tokens", "top_k", "sampling_dtype", "sampling_s",
@@ -447,6 +448,12 @@ def _card_markdown(name: str, cards: dict) -> str:
                      f"{tr['seq_len']} tokens ({tr['tokens'] / 1e6:.2f}M tokens), AdamW, peak lr "
                      f"{tr['lr']}, warm-up then cosine decay on elapsed time. Final training loss "
                      f"(mean of the last 100 steps): {tr['train_loss_last100']:.3f} nats.\n")
+        if len(tr["budgets"]) > 1:
+            parts.append(f"It was trained in {len(tr['budgets'])} runs: the first to "
+                         f"{tr['budgets'][0]:.0f} s, then resumed with the budget extended to " +
+                         ", then ".join(f"{b:.0f} s" for b in tr["budgets"][1:]) +
+                         " (a warm restart: the learning rate rose back to where the longer cosine "
+                         "schedule puts it and decayed to the new end).\n")
     else:
         parts.append(f"From `draft-generic`: {tr['samples']} sequences sampled from the target at "
                      f"temperature 1 under {tr['sampling_dtype']} ({tr['prompt_tokens']}-token prompts "
@@ -461,7 +468,7 @@ def _card_markdown(name: str, cards: dict) -> str:
         margin = {t: cards["draft-generic"]["val_loss"][t] - c["val_loss"][t] for t in TYPES}
         ok = all(m >= 0.3 for m in margin.values())
         parts.append(f"Average throughput over the budget: {tr['tokens'] / tr['budget_s']:.0f} "
-                     "tokens/s (the CPU was shared with other work; alone it trains at ~1,370).\n")
+                     "tokens/s (the first run shared the CPU with other work; alone it trains at ~1,370).\n")
         parts.append(("**Quality check: passed.** " if ok else "**Quality check: FAILED.** ") +
                      "The project asks the target to be at least 0.3 nats per token better than "
                      "the draft on held-out text; margins over draft-generic: " +
