@@ -229,7 +229,7 @@ def train(name: str, args: argparse.Namespace) -> None:
         log(f"{name}: resumed at step {state['step']}, {state['elapsed']:.0f}s elapsed")
     # Each run's budget is kept, so the card can say when a schedule was extended
     # (a warm restart: the cosine resumes at the point the longer budget puts it).
-    budgets = state.setdefault("budgets", [state["elapsed"]] if state["step"] else [])
+    budgets = state.setdefault("budgets", [])
     if not budgets or budgets[-1] != budget:
         budgets.append(budget)
     data = {t: load_tokens(t, "train") for t in TYPES}

@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
     # processes on the same cores a second thread only adds wake-ups (measured on 2
-    # cores with the demo pair: c 0.27 -> 0.21, γ=4 1.25x -> 1.30x). -1: as --threads.
+    # cores with the demo pair: c 0.27 -> 0.21, γ=4 1.25x -> 1.28-1.32x). -1: as --threads.
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
