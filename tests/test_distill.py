@@ -73,17 +73,19 @@ def _args(pair: Path, out: Path, **over) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path):
+@pytest.mark.parametrize("divergence", distill.DIVERGENCES)
+def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path, divergence):
     out = tmp_path / "distilled"
-    assert distill.run(_args(tiny_pair, out)) == 0
+    assert distill.run(_args(tiny_pair, out, divergence=divergence)) == 0
     report = json.loads((out / "distill_report.json").read_text())
+    assert report["divergence"] == divergence
     before, after = report["before"]["data"], report["after"]["data"]
     assert after["alpha"] > before["alpha"] + 0.1, report
     assert after["greedy_match"] > before["greedy_match"] + 0.1, report
     assert after["tokens_per_step"] > before["tokens_per_step"], report
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     # A second run finds every stage checkpointed and only re-measures.
-    assert distill.run(_args(tiny_pair, out)) == 0
+    assert distill.run(_args(tiny_pair, out, divergence=divergence)) == 0
     again = json.loads((out / "distill_report.json").read_text())
     assert again["steps"] == report["steps"] and again["samples"] == report["samples"]
     assert again["after"]["data"]["greedy_match"] == pytest.approx(after["greedy_match"], abs=0.02)
@@ -98,6 +100,29 @@ def test_distill_refuses_different_tokenizers(tiny_pair, tmp_path, capsys):
     args.draft = str(other)
     assert distill.run(args) == 2
     assert "do not share a tokenizer" in capsys.readouterr().err
+
+
+def test_tvd_loss_is_the_rejection_rate_on_the_partition():
+    """The tvd loss is 1 − Σ min(p, q) over the target's top-k tokens plus the tail bucket,
+    and with every token kept (k = V) it is exactly 1 − α of speculative sampling."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 40, generator=gen)
+    p_full = torch.softmax(2 * torch.randn(3, 5, 40, generator=gen), -1)
+    q_full = torch.softmax(logits, -1)
+    for k in (8, 40):
+        top_probs, top_ids = p_full.topk(k, -1)
+        loss, kl = distill._distill_loss(logits, top_ids, top_probs, "tvd")
+        q_top = q_full.gather(-1, top_ids)
+        alpha = torch.minimum(top_probs, q_top).sum(-1) + torch.minimum(1 - top_probs.sum(-1), 1 - q_top.sum(-1))
+        assert float(loss) == pytest.approx(float((1 - alpha).mean()), abs=1e-5)
+        if k == 40:
+            assert float(loss) == pytest.approx(float(1 - torch.minimum(p_full, q_full).sum(-1).mean()), abs=1e-5)
+            exact_kl = (p_full * (p_full.log() - q_full.log())).sum(-1).mean()
+            assert float(kl) == pytest.approx(float(exact_kl), abs=1e-4)
+    # Gradients reach the draft's logits.
+    logits.requires_grad_(True)
+    distill._distill_loss(logits, top_ids, top_probs, "tvd")[0].backward()
+    assert logits.grad.abs().sum() > 0
 
 
 def test_speculative_steps():
