@@ -74,7 +74,7 @@ def _args(pair: Path, out: Path, **over) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("divergence", distill.DIVERGENCES)
-def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path, divergence):
+def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path, capsys, divergence):
     out = tmp_path / "distilled"
     assert distill.run(_args(tiny_pair, out, divergence=divergence)) == 0
     report = json.loads((out / "distill_report.json").read_text())
@@ -89,6 +89,11 @@ def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path, divergence):
     again = json.loads((out / "distill_report.json").read_text())
     assert again["steps"] == report["steps"] and again["samples"] == report["samples"]
     assert again["after"]["data"]["greedy_match"] == pytest.approx(after["greedy_match"], abs=0.02)
+    # Resuming under the other objective would mix two trainings in one report: refused.
+    other = next(d for d in distill.DIVERGENCES if d != divergence)
+    capsys.readouterr()
+    assert distill.run(_args(tiny_pair, out, divergence=other)) == 2
+    assert f"trained with --divergence {divergence}" in capsys.readouterr().err
 
 
 def test_distill_refuses_different_tokenizers(tiny_pair, tmp_path, capsys):
