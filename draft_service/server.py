@@ -11,12 +11,14 @@ import grpc
 from opentelemetry import trace
 
 from specd.config import DraftSettings
+from specd.batching import Overloaded
 from specd.runtime import ModelRunner, Proposal, SessionNotFound
 from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.workerproto import model_info_to_pb, transform_from_pb
+from specd.workermetrics import start_worker_metrics
+from specd.workerproto import batch_span_attributes, batch_to_pb, model_info_to_pb, transform_from_pb
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -33,6 +35,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
         "specd.draft_length": request.draft_length,
         "specd.proposed": len(proposal.tokens),
         "specd.forward_ms": proposal.forward_ms,
+        **batch_span_attributes(proposal.batch),
     }
     if probs:
         attributes.update({"specd.draft.token_probs": list(probs), "specd.draft.token_prob.min": min(probs),
@@ -70,18 +73,19 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 with worker_step_span(_TRACER, "specd.draft.propose",
                                       request.trace_context.carrier) as span:
                     try:
-                        proposal = await runner.run(runner.propose, delta.session_id, delta.start,
-                                                    list(delta.tokens), request.draft_length, transform,
-                                                    request.seed, request.min_confidence, stream,
-                                                    request.vocab_limit)
+                        proposal = await runner.propose(delta.session_id, delta.start, list(delta.tokens),
+                                                        request.draft_length, transform, request.seed,
+                                                        request.min_confidence, stream, request.vocab_limit)
                     except SessionNotFound as exc:
                         await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    except Overloaded as exc:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft: {exc}")
                     if span is not None and span.is_recording():
                         span.set_attributes(_span_attributes(name, request, proposal))
-                response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens,
-                                                      forward_ms=proposal.forward_ms)
+                response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
+                                                      batch=batch_to_pb(proposal.batch))
                 if proposal.probs is not None:
                     response.draft_probs.CopyFrom(pack_distributions(proposal.probs, transform.sparse))
                 yield response
@@ -93,13 +97,16 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port)."""
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
-                                 max_sessions=settings.model.max_sessions, device=settings.model.device)
+                                 max_sessions=settings.model.max_sessions, device=settings.model.device,
+                                 batching=settings.model.batching)
                for name, path in settings.drafts.items()}
     servicer = DraftServicer(runners)
+    stop_metrics = start_worker_metrics(runners, "draft", settings.metrics_host, settings.metrics_port)
 
-    def close() -> None:
+    async def close() -> None:
+        stop_metrics()
         for runner in runners.values():
-            runner.close()
+            await runner.close()
 
     return await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s),

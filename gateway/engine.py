@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from gateway.workers import DraftLink, VerifierLink, WorkerError
+from specd.batching import BatchStats
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
 
@@ -67,6 +68,8 @@ class StepRecord:
     verify_forward_ms: float  # time inside the target's forward (worker-reported)
     draft_bytes: int  # bytes of the draft hop's request + response messages
     verify_bytes: int
+    draft_batch: BatchStats = BatchStats(size=0)  # how the draft batched it (size 0: no draft hop)
+    verify_batch: BatchStats = BatchStats()  # how the verifier batched it (the load it ran at)
 
     @property
     def first_rejected(self) -> int | None:
@@ -141,6 +144,18 @@ class RequestStats:
     def verify_ms(self) -> float:
         return sum(r.verify_ms for r in self.records)
 
+    @property
+    def mean_verify_batch_size(self) -> float:
+        return sum(r.verify_batch.size for r in self.records) / len(self.records) if self.records else 0.0
+
+    @property
+    def mean_verify_batch_tokens(self) -> float:
+        return sum(r.verify_batch.tokens for r in self.records) / len(self.records) if self.records else 0.0
+
+    @property
+    def verify_queue_ms(self) -> float:
+        return sum(r.verify_batch.queue_ms for r in self.records)
+
 
 @dataclass(frozen=True)
 class Emission:
@@ -191,6 +206,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         draft_probs = torch.zeros(0, limits.vocab_size)
         draft_ms = draft_forward_ms = 0.0
         draft_bytes = 0
+        draft_batch = BatchStats(size=0)
         if gamma > 0:
             began = time.perf_counter()
             seed = 0 if transform.greedy else step_seed(generator)
@@ -205,6 +221,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
                 draft_ms = (time.perf_counter() - began) * 1e3
                 draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
                 draft_tokens = proposal.tokens
+                draft_batch = proposal.batch
                 if proposal.probs is not None:
                     draft_probs = proposal.probs
         began = time.perf_counter()
@@ -237,7 +254,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
             accepted=outcome.accepted, bonus=outcome.bonus, token=outcome.token, emitted=tuple(emitted),
             draft_ms=draft_ms, verify_ms=verify_ms, draft_forward_ms=draft_forward_ms,
             verify_forward_ms=scores.forward_ms, draft_bytes=draft_bytes,
-            verify_bytes=verifier.last_exchange_bytes)
+            verify_bytes=verifier.last_exchange_bytes, draft_batch=draft_batch, verify_batch=scores.batch)
         stats.records.append(record)
         policy.observe(record)
         tracer.end_step(record)

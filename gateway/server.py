@@ -215,7 +215,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The first step also prefills the prompt: its time says nothing about a step's cost.
             self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
                               generated_before, record.draft_ms, record.verify_ms,
-                              measure_cost=record.index > 0)
+                              measure_cost=record.index > 0, batch_size=record.verify_batch.size)
+            batch = record.verify_batch
+            self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
 
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -290,6 +292,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             policy=policy.name,
             draft_cost_ratio=c,
             verify_cost_ratio=v.get(mean_gamma, 0.0),
+            mean_verify_batch_size=stats.mean_verify_batch_size,
+            mean_verify_batch_tokens=stats.mean_verify_batch_tokens,
+            verify_queue_ms=stats.verify_queue_ms,
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import grpc
 
+from specd.batching import BatchStats
 from specd.runtime import Proposal, Scores
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
@@ -38,6 +39,10 @@ class LinkSettings:
     step_timeout_s: float
     max_reopens: int
     connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
+
+
+def _batch(message: worker_pb2.BatchInfo) -> BatchStats:
+    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards)
 
 
 def _transform_pb(transform: Transform) -> worker_pb2.Transform:
@@ -152,7 +157,7 @@ class DraftLink(WorkerLink):
 
         response = await self.exchange(committed, build)
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
-        return Proposal(list(response.draft_tokens), probs, response.forward_ms)
+        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=_batch(response.batch))
 
 
 class VerifierLink(WorkerLink):
@@ -166,7 +171,8 @@ class VerifierLink(WorkerLink):
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
 
         response = await self.exchange(committed, build)
+        batch = _batch(response.batch)
         if response.HasField("target_probs"):
-            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms)
-        return Scores(list(response.target_argmax), None, response.forward_ms)
+            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms, batch)
+        return Scores(list(response.target_argmax), None, response.forward_ms, batch)
 

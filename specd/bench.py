@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="... and its assisted generation with this draft directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype for transformers' generate; match the services' --dtype")
+    parser.add_argument("--concurrency", default="",
+                        help="comma list of requests in flight, e.g. 1,4,8,16: measure throughput and latency "
+                             "under load (specd.loadbench) instead of one request at a time")
+    parser.add_argument("--requests-per-level", type=int, default=32,
+                        help="with --concurrency: requests per configuration and level")
 
 
 def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
@@ -307,9 +312,61 @@ def plots(results: list[Result], out: Path) -> list[str]:
     return names
 
 
+def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: list[Config]) -> int:
+    """Every configuration at every concurrency level, and transformers' batched generate beside."""
+    import grpc
+
+    from specd import loadbench
+    from specd.v1 import gateway_pb2_grpc
+
+    levels = [int(n) for n in args.concurrency.split(",")]
+    tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
+    results = []
+    # Enough HTTP/2 streams on one channel for every client thread.
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=300)
+        for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
+            stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1))
+        for n in levels:
+            for config in configs:
+                reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1)
+                        for i in range(args.requests_per_level)]
+                results.append(loadbench.run_level(stub, reqs, config.label, n))
+                print(f"  N={n:<3} {config.label:<24} {results[-1].tokens_per_s:8.1f} tokens/s", flush=True)
+    reference = {}
+    if args.target:
+        reference = loadbench.transformers_batched(args.target, [p for _, p in tasks], levels, args.max_new_tokens,
+                                                   args.dtype, args.requests_per_level)
+    text = loadbench.table(results, reference)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = loadbench.plots(results, reference, out)
+    rows = [{"label": r.label, "concurrency": r.concurrency, "tokens": r.tokens, "seconds": r.seconds,
+             "tokens_per_s": r.tokens_per_s, "latency_p50_s": r.percentile(r.latencies, 50),
+             "latency_p95_s": r.percentile(r.latencies, 95),
+             "ttft_p50_s": statistics.median(r.first_token) if r.first_token else None,
+             "tbt_p50_s": statistics.median(r.between_tokens) if r.between_tokens else None,
+             "mean_verify_batch": statistics.fmean(r.batch_sizes) if r.batch_sizes else None,
+             "acceptance": r.accepted / r.proposed if r.proposed else None, "failures": r.failures}
+            for r in [*results, *reference.values()]]
+    (out / "load.json").write_text(json.dumps({
+        "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "requests_per_level": args.requests_per_level, "levels": levels, "rows": rows}, indent=2))
+    (out / "load.md").write_text(
+        f"# specd bench --concurrency {args.concurrency}\n\n{args.requests_per_level} requests per configuration "
+        f"and level, {args.max_new_tokens} new tokens, temperature {args.temperature}.\n\n```\n{text}\n```\n\n"
+        + "".join(f"![{name}]({name})\n\n" for name in images))
+    print(f"\nreport: {out / 'load.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
+    if args.concurrency:
+        return run_load(args, workload, configs)
     results, costs = run_gateway(args, workload, configs)
     extra = run_transformers(args, workload) if args.target else {}
     text = table(results, extra, costs)

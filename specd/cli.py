@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from specd.config import (DEMO_DRAFT, DEMO_TARGET, DraftSettings, GatewaySettings, ModelSettings,
-                          ServerSettings, VerifierSettings)
+from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, DraftSettings, GatewaySettings,
+                          ModelSettings, ServerSettings, VerifierSettings)
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 
@@ -42,14 +42,46 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
     parser.add_argument("--device", default="cpu", help="torch device of the model(s): cpu, cuda, cuda:1")
+    _batch_args(parser)
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics (sessions held, steps queued, KV bytes) at "
+                             "http://HOST:PORT/metrics (0: off)")
+
+
+def _batch_args(parser: argparse.ArgumentParser) -> None:
+    """How a worker batches the steps of all its sessions (specd.batching); defaults from BatchSettings."""
+    d = BatchSettings()
+    parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                        help=f"tokens in one batched forward, all sessions together (default {d.max_batch_tokens})")
+    parser.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                        help=f"feed a long prompt this many tokens per forward, so it does not hold up "
+                             f"other sessions' steps (default {d.prefill_chunk})")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue,
+                        help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
+    parser.add_argument("--batch-layout", default=d.layout, choices=BATCH_LAYOUTS,
+                        help=f"ragged (one row of all sessions' tokens) or padded (default {d.layout})")
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(args.host, args.port, args.grace)
 
 
+def _batch_settings(args: argparse.Namespace) -> BatchSettings:
+    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue, args.batch_layout)
+    if settings.problems():
+        raise SystemExit(f"specd: {'; '.join(settings.problems())}")
+    return settings
+
+
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device)
+    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device, _batch_settings(args))
+
+
+def _batch_flags(args: argparse.Namespace) -> list[str]:
+    """The batching flags of `specd serve`, passed on to both workers."""
+    return ["--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
+            "--max-queue", str(args.max_queue), "--batch-layout", args.batch_layout]
 
 
 def _parse_drafts(values: list[str]) -> dict[str, Path]:
@@ -86,7 +118,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
-                             _model_settings(args))
+                             _model_settings(args), args.metrics_host, args.metrics_port)
     asyncio.run(_run_service(create_server, settings, "draft"))
     return 0
 
@@ -98,7 +130,8 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     setup_tracing("specd-verifier")
 
     _set_threads(args.threads)
-    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args))
+    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args),
+                                args.metrics_host, args.metrics_port)
     asyncio.run(_run_service(create_server, settings, "verifier"))
     return 0
 
@@ -172,9 +205,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     workers = [
         me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
-              "--dtype", args.dtype, "--threads", str(args.threads)],
+              "--dtype", args.dtype, "--threads", str(args.threads), *_batch_flags(args)],
         me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
-              "--dtype", args.dtype, "--threads", str(draft_threads)],
+              "--dtype", args.dtype, "--threads", str(draft_threads), *_batch_flags(args)],
     ]
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
@@ -295,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    _batch_args(serve)
     _gateway_policy_args(serve)
     serve.set_defaults(func=cmd_serve)
 

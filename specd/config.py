@@ -27,6 +27,29 @@ class ServerSettings:
         return f"{self.host}:{self.port}"
 
 
+BATCH_LAYOUTS = ("ragged", "padded")  # specd.kvstore
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How a worker batches its model's forwards."""
+
+    max_batch_tokens: int = 1024  # tokens in one forward (a job's chunk always fits)
+    prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
+    max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
+    layout: str = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
+    block_tokens: int = 32  # KV storage grows by this many positions at a time
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.layout not in BATCH_LAYOUTS:
+            found.append(f"batch layout must be one of {list(BATCH_LAYOUTS)}, got {self.layout!r}")
+        for name in ("max_batch_tokens", "prefill_chunk", "max_queue", "block_tokens"):
+            if getattr(self, name) < 1:
+                found.append(f"{name} must be >= 1")
+        return found
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """How a worker runs its model(s)."""
@@ -35,6 +58,7 @@ class ModelSettings:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
     device: str = "cpu"  # "cuda", "cuda:1", ...
+    batching: BatchSettings = BatchSettings()
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,8 @@ class DraftSettings:
     # name → model directory; the first is the default draft.
     drafts: dict[str, Path] = field(default_factory=dict)
     model: ModelSettings = ModelSettings()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
 
 
 @dataclass(frozen=True)
@@ -50,6 +76,8 @@ class VerifierSettings:
     server: ServerSettings
     target: Path = DEMO_TARGET
     model: ModelSettings = ModelSettings()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
 
 
 @dataclass(frozen=True)

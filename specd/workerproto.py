@@ -4,6 +4,7 @@ Shared by draft_service and verifier_service so the two stay symmetrical.
 """
 from __future__ import annotations
 
+from specd.batching import BatchStats
 from specd.runtime import ModelRunner
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
@@ -11,6 +12,17 @@ from specd.v1 import worker_pb2
 
 def transform_from_pb(message: worker_pb2.Transform) -> Transform:
     return Transform(message.temperature, message.top_k, message.top_p or 1.0)
+
+
+def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:
+    return worker_pb2.BatchInfo(size=batch.size, tokens=batch.tokens, queue_ms=batch.queue_ms,
+                                forwards=batch.forwards)
+
+
+def batch_span_attributes(batch: BatchStats) -> dict:
+    """The batching attributes every worker step span carries (docs/tracing.md)."""
+    return {"specd.batch.size": batch.size, "specd.batch.tokens": batch.tokens,
+            "specd.batch.queue_ms": batch.queue_ms, "specd.batch.forwards": batch.forwards}
 
 
 def model_info_to_pb(runner: ModelRunner, with_tokenizer: bool) -> worker_pb2.ModelInfo:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/gateway.proto\x12\x08specd.v1\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\"\xc9\x01\n\x11SpeculationParams\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.specd.v1.SpeculationMode\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12\x18\n\x10min_draft_length\x18\x03 \x01(\r\x12\x18\n\x10max_draft_length\x18\x04 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x1c\n\x14min_draft_confidence\x18\x07 \x01(\x02\"\xa8\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1b.specd.v1.SpeculationParams\x12\x11\n\ttask_type\x18\x04 \x01(\t\x12\x14\n\x0cuser_segment\x18\x05 \x01(\t\"\xf4\x03\n\x0fGenerationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x17\n\x0fproposed_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x15\n\rdraft_lengths\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_lengths\x18\x06 \x03(\r\x12\x1c\n\x14mean_tokens_per_step\x18\x07 \x01(\x02\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x10\n\x08total_ms\x18\x0c \x01(\x01\x12\x0c\n\x04seed\x18\r \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x0e \x01(\t\x12\x17\n\x0fsession_reopens\x18\x0f \x01(\r\x12\x1d\n\x15proposed_per_position\x18\x10 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\r\x12\x11\n\ttask_type\x18\x12 \x01(\t\x12\x0e\n\x06policy\x18\x13 \x01(\t\x12\x18\n\x10\x64raft_cost_ratio\x18\x14 \x01(\x02\x12\x19\n\x11verify_cost_ratio\x18\x15 \x01(\x02\"\x9e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08trace_id\x18\x05 \x01(\t\"\x9b\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08trace_id\x18\x05 \x01(\t\"\xa7\x01\n\x16\x41\x63\x63\x65ptanceStatsRequest\x12\x10\n\x08group_by\x18\x01 \x03(\t\x12<\n\x06\x66ilter\x18\x02 \x03(\x0b\x32,.specd.v1.AcceptanceStatsRequest.FilterEntry\x12\x0e\n\x06window\x18\x03 \x01(\x08\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x03\n\rAcceptanceRow\x12\x33\n\x06labels\x18\x01 \x03(\x0b\x32#.specd.v1.AcceptanceRow.LabelsEntry\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x65mitted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x02\x12\x1d\n\x15proposed_per_position\x18\x08 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x04\x12\x62\n\x1f\x61\x63\x63\x65ptance_by_generation_bucket\x18\n \x03(\x0b\x32\x39.specd.v1.AcceptanceRow.AcceptanceByGenerationBucketEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x43\n!AcceptanceByGenerationBucketEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xe6\x01\n\x07\x43ostRow\x12\x12\n\nmodel_pair\x18\x01 \x01(\t\x12\x16\n\x0etarget_step_ms\x18\x02 \x01(\x02\x12\x1a\n\x12\x64raft_ms_per_token\x18\x03 \x01(\x02\x12\x18\n\x10\x64raft_cost_ratio\x18\x04 \x01(\x02\x12\x41\n\x11verify_cost_ratio\x18\x05 \x03(\x0b\x32&.specd.v1.CostRow.VerifyCostRatioEntry\x1a\x36\n\x14VerifyCostRatioEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"x\n\x17\x41\x63\x63\x65ptanceStatsResponse\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specd.v1.AcceptanceRow\x12 \n\x05\x63osts\x18\x02 \x03(\x0b\x32\x11.specd.v1.CostRow\x12\x14\n\x0cwindow_steps\x18\x03 \x01(\r*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xef\x01\n\x07Gateway\x12Y\n\x12GetAcceptanceStats\x12 .specd.v1.AcceptanceStatsRequest\x1a!.specd.v1.AcceptanceStatsResponse\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a\x17.specd.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/gateway.proto\x12\x08specd.v1\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\"\xc9\x01\n\x11SpeculationParams\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.specd.v1.SpeculationMode\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12\x18\n\x10min_draft_length\x18\x03 \x01(\r\x12\x18\n\x10max_draft_length\x18\x04 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x1c\n\x14min_draft_confidence\x18\x07 \x01(\x02\"\xa8\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1b.specd.v1.SpeculationParams\x12\x11\n\ttask_type\x18\x04 \x01(\t\x12\x14\n\x0cuser_segment\x18\x05 \x01(\t\"\xcf\x04\n\x0fGenerationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x17\n\x0fproposed_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x15\n\rdraft_lengths\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_lengths\x18\x06 \x03(\r\x12\x1c\n\x14mean_tokens_per_step\x18\x07 \x01(\x02\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x10\n\x08total_ms\x18\x0c \x01(\x01\x12\x0c\n\x04seed\x18\r \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x0e \x01(\t\x12\x17\n\x0fsession_reopens\x18\x0f \x01(\r\x12\x1d\n\x15proposed_per_position\x18\x10 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\r\x12\x11\n\ttask_type\x18\x12 \x01(\t\x12\x0e\n\x06policy\x18\x13 \x01(\t\x12\x18\n\x10\x64raft_cost_ratio\x18\x14 \x01(\x02\x12\x19\n\x11verify_cost_ratio\x18\x15 \x01(\x02\x12\x1e\n\x16mean_verify_batch_size\x18\x16 \x01(\x02\x12 \n\x18mean_verify_batch_tokens\x18\x17 \x01(\x02\x12\x17\n\x0fverify_queue_ms\x18\x18 \x01(\x01\"\x9e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08trace_id\x18\x05 \x01(\t\"\x9b\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specd.v1.GenerationStats\x12\x10\n\x08trace_id\x18\x05 \x01(\t\"\xa7\x01\n\x16\x41\x63\x63\x65ptanceStatsRequest\x12\x10\n\x08group_by\x18\x01 \x03(\t\x12<\n\x06\x66ilter\x18\x02 \x03(\x0b\x32,.specd.v1.AcceptanceStatsRequest.FilterEntry\x12\x0e\n\x06window\x18\x03 \x01(\x08\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x03\n\rAcceptanceRow\x12\x33\n\x06labels\x18\x01 \x03(\x0b\x32#.specd.v1.AcceptanceRow.LabelsEntry\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x65mitted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x02\x12\x1d\n\x15proposed_per_position\x18\x08 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x04\x12\x62\n\x1f\x61\x63\x63\x65ptance_by_generation_bucket\x18\n \x03(\x0b\x32\x39.specd.v1.AcceptanceRow.AcceptanceByGenerationBucketEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x43\n!AcceptanceByGenerationBucketEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xe6\x01\n\x07\x43ostRow\x12\x12\n\nmodel_pair\x18\x01 \x01(\t\x12\x16\n\x0etarget_step_ms\x18\x02 \x01(\x02\x12\x1a\n\x12\x64raft_ms_per_token\x18\x03 \x01(\x02\x12\x18\n\x10\x64raft_cost_ratio\x18\x04 \x01(\x02\x12\x41\n\x11verify_cost_ratio\x18\x05 \x03(\x0b\x32&.specd.v1.CostRow.VerifyCostRatioEntry\x1a\x36\n\x14VerifyCostRatioEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"x\n\x17\x41\x63\x63\x65ptanceStatsResponse\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specd.v1.AcceptanceRow\x12 \n\x05\x63osts\x18\x02 \x03(\x0b\x32\x11.specd.v1.CostRow\x12\x14\n\x0cwindow_steps\x18\x03 \x01(\r*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xef\x01\n\x07Gateway\x12Y\n\x12GetAcceptanceStats\x12 .specd.v1.AcceptanceStatsRequest\x1a!.specd.v1.AcceptanceStatsResponse\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a\x17.specd.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACCEPTANCEROW_ACCEPTANCEBYGENERATIONBUCKETENTRY']._serialized_options = b'8\001'
   _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._loaded_options = None
   _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIONMODE']._serialized_start=2372
-  _globals['_SPECULATIONMODE']._serialized_end=2470
-  _globals['_FINISHREASON']._serialized_start=2472
-  _globals['_FINISHREASON']._serialized_end=2590
+  _globals['_SPECULATIONMODE']._serialized_start=2463
+  _globals['_SPECULATIONMODE']._serialized_end=2561
+  _globals['_FINISHREASON']._serialized_start=2563
+  _globals['_FINISHREASON']._serialized_end=2681
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=155
   _globals['_SPECULATIONPARAMS']._serialized_start=158
@@ -50,27 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=362
   _globals['_GENERATEREQUEST']._serialized_end=530
   _globals['_GENERATIONSTATS']._serialized_start=533
-  _globals['_GENERATIONSTATS']._serialized_end=1033
-  _globals['_GENERATERESPONSE']._serialized_start=1036
-  _globals['_GENERATERESPONSE']._serialized_end=1194
-  _globals['_GENERATECHUNK']._serialized_start=1197
-  _globals['_GENERATECHUNK']._serialized_end=1352
-  _globals['_ACCEPTANCESTATSREQUEST']._serialized_start=1355
-  _globals['_ACCEPTANCESTATSREQUEST']._serialized_end=1522
-  _globals['_ACCEPTANCESTATSREQUEST_FILTERENTRY']._serialized_start=1477
-  _globals['_ACCEPTANCESTATSREQUEST_FILTERENTRY']._serialized_end=1522
-  _globals['_ACCEPTANCEROW']._serialized_start=1525
-  _globals['_ACCEPTANCEROW']._serialized_end=2015
-  _globals['_ACCEPTANCEROW_LABELSENTRY']._serialized_start=1901
-  _globals['_ACCEPTANCEROW_LABELSENTRY']._serialized_end=1946
-  _globals['_ACCEPTANCEROW_ACCEPTANCEBYGENERATIONBUCKETENTRY']._serialized_start=1948
-  _globals['_ACCEPTANCEROW_ACCEPTANCEBYGENERATIONBUCKETENTRY']._serialized_end=2015
-  _globals['_COSTROW']._serialized_start=2018
-  _globals['_COSTROW']._serialized_end=2248
-  _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._serialized_start=2194
-  _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._serialized_end=2248
-  _globals['_ACCEPTANCESTATSRESPONSE']._serialized_start=2250
-  _globals['_ACCEPTANCESTATSRESPONSE']._serialized_end=2370
-  _globals['_GATEWAY']._serialized_start=2593
-  _globals['_GATEWAY']._serialized_end=2832
+  _globals['_GENERATIONSTATS']._serialized_end=1124
+  _globals['_GENERATERESPONSE']._serialized_start=1127
+  _globals['_GENERATERESPONSE']._serialized_end=1285
+  _globals['_GENERATECHUNK']._serialized_start=1288
+  _globals['_GENERATECHUNK']._serialized_end=1443
+  _globals['_ACCEPTANCESTATSREQUEST']._serialized_start=1446
+  _globals['_ACCEPTANCESTATSREQUEST']._serialized_end=1613
+  _globals['_ACCEPTANCESTATSREQUEST_FILTERENTRY']._serialized_start=1568
+  _globals['_ACCEPTANCESTATSREQUEST_FILTERENTRY']._serialized_end=1613
+  _globals['_ACCEPTANCEROW']._serialized_start=1616
+  _globals['_ACCEPTANCEROW']._serialized_end=2106
+  _globals['_ACCEPTANCEROW_LABELSENTRY']._serialized_start=1992
+  _globals['_ACCEPTANCEROW_LABELSENTRY']._serialized_end=2037
+  _globals['_ACCEPTANCEROW_ACCEPTANCEBYGENERATIONBUCKETENTRY']._serialized_start=2039
+  _globals['_ACCEPTANCEROW_ACCEPTANCEBYGENERATIONBUCKETENTRY']._serialized_end=2106
+  _globals['_COSTROW']._serialized_start=2109
+  _globals['_COSTROW']._serialized_end=2339
+  _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._serialized_start=2285
+  _globals['_COSTROW_VERIFYCOSTRATIOENTRY']._serialized_end=2339
+  _globals['_ACCEPTANCESTATSRESPONSE']._serialized_start=2341
+  _globals['_ACCEPTANCESTATSRESPONSE']._serialized_end=2461
+  _globals['_GATEWAY']._serialized_start=2684
+  _globals['_GATEWAY']._serialized_end=2923
 # @@protoc_insertion_point(module_scope)
