@@ -91,11 +91,14 @@ class Scheduler:
     """One model's queue of jobs and the loop that batches them; lives on the event loop.
 
     `forward(rows) -> [logits per row]` runs on `executor` (the model's one thread).
+    `open_sessions()` says how many sessions could send a step; while fewer steps are
+    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive.
     """
 
     def __init__(self, forward: Callable[[Sequence[BatchRow]], list[torch.Tensor]], executor: Executor,
-                 settings: BatchSettings) -> None:
+                 settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0) -> None:
         self._forward = forward
+        self._open_sessions = open_sessions
         self._executor = executor
         self.settings = settings
         self._queue: collections.deque[Job] = collections.deque()
@@ -172,12 +175,31 @@ class Scheduler:
         self._forward_ms += 0.1 * (elapsed - self._forward_ms)
         return outcomes
 
+    async def _gather(self) -> None:
+        """Wait briefly for the steps of other open sessions, so that they share this forward.
+
+        Why: the gateway answers its sessions one after another, so their next steps reach
+        the worker a little apart; starting at the first one splits them over two forwards.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
+        while len(self._queue) < self._open_sessions():
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
+            await self._gather()
             jobs, rows = self._next_batch()
             if not jobs:
                 continue

@@ -61,6 +61,9 @@ def _batch_args(parser: argparse.ArgumentParser) -> None:
                         help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
     parser.add_argument("--batch-layout", default=d.layout, choices=BATCH_LAYOUTS,
                         help=f"ragged (one row of all sessions' tokens) or padded (default {d.layout})")
+    parser.add_argument("--batch-wait-ms", type=float, default=d.max_wait_ms,
+                        help=f"how long a forward may wait for other open sessions' steps to share it, at most "
+                             f"a quarter of a forward (default {d.max_wait_ms}; 0: start at once)")
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -68,7 +71,8 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _batch_settings(args: argparse.Namespace) -> BatchSettings:
-    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue, args.batch_layout)
+    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue, args.batch_layout,
+                             max_wait_ms=args.batch_wait_ms)
     if settings.problems():
         raise SystemExit(f"specd: {'; '.join(settings.problems())}")
     return settings
@@ -81,7 +85,8 @@ def _model_settings(args: argparse.Namespace) -> ModelSettings:
 def _batch_flags(args: argparse.Namespace) -> list[str]:
     """The batching flags of `specd serve`, passed on to both workers."""
     return ["--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
-            "--max-queue", str(args.max_queue), "--batch-layout", args.batch_layout]
+            "--max-queue", str(args.max_queue), "--batch-layout", args.batch_layout,
+            "--batch-wait-ms", str(args.batch_wait_ms)]
 
 
 def _parse_drafts(values: list[str]) -> dict[str, Path]:

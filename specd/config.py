@@ -39,6 +39,9 @@ class BatchSettings:
     max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
     layout: str = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
     block_tokens: int = 32  # KV storage grows by this many positions at a time
+    # How long a forward may wait for the steps of other open sessions to arrive, so that
+    # they share it, at most a quarter of a recent forward's time; 0: start at once.
+    max_wait_ms: float = 3.0
 
     def problems(self) -> list[str]:
         found = []
@@ -47,6 +50,8 @@ class BatchSettings:
         for name in ("max_batch_tokens", "prefill_chunk", "max_queue", "block_tokens"):
             if getattr(self, name) < 1:
                 found.append(f"{name} must be >= 1")
+        if not self.max_wait_ms >= 0:
+            found.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         return found
 
 

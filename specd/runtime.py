@@ -222,7 +222,7 @@ class ModelRunner:
         self.sessions = SessionStore(max_sessions)
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
-        self.scheduler = Scheduler(self._forward_batch, self._executor, batching)
+        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
 
     async def close(self) -> None:
         await self.scheduler.close()
