@@ -90,3 +90,25 @@ def test_cost_policy_probes_less_often_while_probes_fail():
         policy.observe(step(gamma, 0))
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], probes
+
+
+def test_cost_policy_shrinks_gamma_as_the_target_fills_up():
+    """The same pair and acceptance, measured at two loads: alone, verifying more positions
+    is nearly free; in a saturated batch every extra position costs as much as a plain
+    step, so no γ can pay (DESIGN.md §8)."""
+    costs = StepCosts(weight=1.0)
+    for gamma in (0, 2, 4, 6):
+        costs.observe(gamma, 1.0 * gamma, 10.0 * (1 + 0.03 * gamma), batch_size=1)  # alone
+        costs.observe(gamma, 1.5 * gamma, 40.0 * (1 + gamma), batch_size=16)  # saturated: compute-bound
+    policy = CostPolicy(costs, TaskProfile(0.7, 1, 8))
+    costs.observe(4, 4.0, 11.2, batch_size=1)
+    alone = policy.next_draft_length()
+    costs.observe(4, 6.0, 200.0, batch_size=16)
+    saturated = policy.next_draft_length()
+    assert alone >= 3 and saturated == 0, (alone, saturated)
+
+
+def test_probes_propose_one_token():
+    policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
+    probes = [g for g in (policy.next_draft_length() for _ in range(40)) if g]
+    assert probes and set(probes) == {1}
