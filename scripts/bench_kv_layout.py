@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specd.config import DEMO_TARGET
-from specd.kvstore import BatchRow, SessionKV, finish, prepare
+from specd import kvstore
+from specd.kvstore import BatchRow, SessionKV
 
 
 def sessions(model, prefixes: list[int]) -> list[SessionKV]:
@@ -28,17 +29,9 @@ def sessions(model, prefixes: list[int]) -> list[SessionKV]:
         s = SessionKV(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32,
                       torch.device("cpu"), 32)
         rows = [BatchRow(s, torch.randint(0, cfg.vocab_size, (n,)).tolist(), 1)]
-        forward(model, rows, "padded")
+        kvstore.forward(model, rows, "ragged", torch.float32, torch.device("cpu"))
         out.append(s)
     return out
-
-
-@torch.inference_mode()
-def forward(model, rows, layout):
-    inputs = prepare(rows, layout, torch.float32, torch.device("cpu"))
-    model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
-          cache=inputs.cache, use_cache=True, logits_to_keep=inputs.logits_to_keep)
-    finish(rows)
 
 
 def timed(model, sess, feeds, layout, repeats):
@@ -49,9 +42,9 @@ def timed(model, sess, feeds, layout, repeats):
         began = time.perf_counter()
         if layout == "one at a time":
             for row in rows:
-                forward(model, [row], "padded")
+                kvstore.forward(model, [row], "ragged", torch.float32, torch.device("cpu"))
         else:
-            forward(model, rows, layout)
+            kvstore.forward(model, rows, layout, torch.float32, torch.device("cpu"))
         times.append((time.perf_counter() - began) * 1e3)
         for s, n in zip(sess, starts):
             s.crop(n)
@@ -67,6 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    kvstore.use_layout(model, "ragged")  # the padded layout passes its own mask to SDPA
     vocab = model.config.vocab_size
     cases = {
         "8 verify steps (γ=4), prefixes 60-200": ([60, 80, 100, 120, 140, 160, 180, 200], [6] * 8),

@@ -27,7 +27,7 @@ trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 bench=(.venv/bin/specd bench --gateway 127.0.0.1:50071 --max-new-tokens 48 "$@")
 echo "== distilled draft under load"
 "${bench[@]}" --draft-model distilled --configs fixed:4,cost --concurrency 1,4,8,16 \
-  --requests-per-level 32 --target models/demo/target --out bench-out/load/distilled
+  --requests-per-level 48 --target models/demo/target --out bench-out/load/distilled
 echo "== unrelated draft: AUTO must not fall below target-only"
 "${bench[@]}" --draft-model unrelated --configs cost --concurrency 1,8 --requests-per-level 32 \
   --out bench-out/load/unrelated

@@ -6,15 +6,16 @@ of what its tokens need (no preallocation to the context window), and rolling ba
 rejected draft positions is a change of one integer (`SessionKV.crop`).
 
 A batched forward runs several sessions' new tokens through the model at once. The
-model calls `BatchCache.update(...)` once per layer (transformers' Cache interface):
-it writes each session's new keys and values into that session's storage and returns
-the batch's keys and values for attention, with a 4-D mask saying which keys each
-query may see. Two layouts are offered (the README says which is the default and why):
+model calls `BatchCache.update(...)` once per layer (transformers' Cache interface),
+which writes each session's new keys and values into that session's storage. Two
+layouts are offered (the README says which is the default and why):
 
+- ``ragged`` (as vLLM): one row of Σ T tokens, so the projections and MLPs see no
+  padding; attention (`ragged_attention`, registered with transformers as
+  ``specd_ragged``) runs per session on views of its own storage: no copy of any cache.
 - ``padded`` (as SGLang): rows [B, T_max]; each session's new tokens right-aligned, its
-  cached keys left-aligned in [B, KV heads, L_max + T_max, head dim].
-- ``ragged`` (as vLLM): one row of Σ T tokens; keys of every session concatenated, a
-  block-diagonal causal mask keeps sessions apart.
+  cached keys copied left-aligned into [B, KV heads, L_max + T_max, head dim] and a 4-D
+  mask saying which keys each query may see; transformers' own attention runs on that.
 
 Models whose attention goes through `cache.update` (every transformers decoder with full
 attention: Llama, Mistral, Qwen, ...) work; sliding-window and linear-attention layers
@@ -26,8 +27,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 Layout = Literal["padded", "ragged"]
+RAGGED_ATTENTION = "specd_ragged"  # the attention implementation a model needs for the ragged layout
 
 
 class SessionKV:
@@ -102,7 +106,12 @@ class BatchCache:
         """
         if self.layout == "padded":
             return self._update_padded(key_states, value_states, layer_idx)
-        return self._update_ragged(key_states, value_states, layer_idx)
+        at = 0
+        for b, row in enumerate(self.rows):
+            n = len(row.tokens)
+            self._store(layer_idx, b, key_states[0, :, at:at + n], value_states[0, :, at:at + n])
+            at += n
+        return key_states, value_states  # ragged_attention reads each session's storage instead
 
     def _store(self, layer: int, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         session, start = self.rows[b].session, self.starts[b]
@@ -121,17 +130,6 @@ class BatchCache:
             self._store(layer, b, key_states[b, :, off:], value_states[b, :, off:])
         return torch.cat([cached_k, key_states], dim=2), torch.cat([cached_v, value_states], dim=2)
 
-    def _update_ragged(self, key_states, value_states, layer):
-        at = 0
-        for b, row in enumerate(self.rows):
-            n = len(row.tokens)
-            self._store(layer, b, key_states[0, :, at:at + n], value_states[0, :, at:at + n])
-            at += n
-        cached_k = [row.session.keys[layer][:, :s] for row, s in zip(self.rows, self.starts)]
-        cached_v = [row.session.values[layer][:, :s] for row, s in zip(self.rows, self.starts)]
-        return (torch.cat([*cached_k, key_states[0]], dim=1).unsqueeze(0),
-                torch.cat([*cached_v, value_states[0]], dim=1).unsqueeze(0))
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Only asked when position_ids are missing; `prepare` always passes them.
         raise NotImplementedError("a BatchCache forward carries explicit position ids")
@@ -143,7 +141,7 @@ class BatchInputs:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor  # 4-D additive float mask: 0 = attend, dtype min = masked
+    attention_mask: torch.Tensor | None  # padded: 4-D additive float mask (0 = attend, dtype min = masked)
     cache: BatchCache
     logits_to_keep: int | torch.Tensor
     rows_of_logits: list[tuple[int, slice]]  # for each row: (batch index, slice of kept positions)
@@ -154,10 +152,9 @@ def prepare(rows: Sequence[BatchRow], layout: Layout, dtype: torch.dtype, device
     starts = [row.session.length for row in rows]
     for row, start in zip(rows, starts):
         row.session.reserve(start + len(row.tokens))
-    masked = torch.finfo(dtype).min
     if layout == "padded":
-        return _prepare_padded(rows, starts, dtype, masked, device)
-    return _prepare_ragged(rows, starts, dtype, masked, device)
+        return _prepare_padded(rows, starts, dtype, torch.finfo(dtype).min, device)
+    return _prepare_ragged(rows, starts, device)
 
 
 def _prepare_padded(rows, starts, dtype, masked, device) -> BatchInputs:
@@ -185,28 +182,71 @@ def _prepare_padded(rows, starts, dtype, masked, device) -> BatchInputs:
                        [(b, slice(keep - r.keep, keep)) for b, r in enumerate(rows)])
 
 
-def _prepare_ragged(rows, starts, dtype, masked, device) -> BatchInputs:
-    total_new, total_cached = sum(len(r.tokens) for r in rows), sum(starts)
-    allowed = torch.zeros(total_new, total_cached + total_new, dtype=torch.bool)
+def _prepare_ragged(rows, starts, device) -> BatchInputs:
     ids, positions, kept, reads = [], [], [], []
-    q_at, k_at = 0, 0
     for row, start in zip(rows, starts):
         n = len(row.tokens)
+        reads.append((0, slice(len(kept), len(kept) + row.keep)))
+        kept += range(len(ids) + n - row.keep, len(ids) + n)
         ids += row.tokens
         positions += range(start, start + n)
-        allowed[q_at:q_at + n, k_at:k_at + start] = True
-        allowed[q_at:q_at + n, total_cached + q_at:total_cached + q_at + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        reads.append((0, slice(len(kept), len(kept) + row.keep)))
-        kept += range(q_at + n - row.keep, q_at + n)
-        q_at, k_at = q_at + n, k_at + start
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, masked)[None, None]
-    cache = BatchCache(rows, "ragged", starts)
-    kept = kept or [total_new - 1]  # an empty index would mean "every position" to transformers
-    return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                       mask.to(device), cache, torch.tensor(kept, device=device), reads)
+    kept = kept or [len(ids) - 1]  # an empty index would mean "every position" to transformers
+    return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), None,
+                       BatchCache(rows, "ragged", starts), torch.tensor(kept, device=device), reads)
+
+
+def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     batch_cache: BatchCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged batch, session by session, on views of each session's storage.
+
+    query: [1, heads, Σ T, head dim]; returns [1, Σ T, heads, head dim] as transformers'
+    attention functions do. Each session's queries see its cached keys and, causally, its
+    new ones (`BatchCache.update` has already stored those). Without a ragged batch (a
+    plain forward of the same model, or the padded layout) this is transformers' SDPA.
+    """
+    if batch_cache is None or batch_cache.layout != "ragged":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    outputs = []
+    at = 0
+    for row, start in zip(batch_cache.rows, batch_cache.starts):
+        n = len(row.tokens)
+        keys = row.session.keys[layer][:, :start + n].unsqueeze(0)
+        values = row.session.values[layer][:, :start + n].unsqueeze(0)
+        # One new token sees everything; several see their own past only (bottom-right causal).
+        mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=query.device).tril(start)
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, at:at + n], keys, values, attn_mask=mask, scale=scaling, enable_gqa=True))
+        at += n
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
 
 
 def finish(rows: Sequence[BatchRow]) -> None:
     """After the forward: every session now caches the tokens it fed."""
     for row in rows:
         row.session.length += len(row.tokens)
+
+
+def use_layout(model: torch.nn.Module, layout: Layout) -> None:
+    """Set the model's attention up for a layout (ragged needs `ragged_attention`)."""
+    if layout == "ragged":
+        model.set_attn_implementation(RAGGED_ATTENTION)
+
+
+@torch.inference_mode()
+def forward(model: torch.nn.Module, rows: Sequence[BatchRow], layout: Layout, dtype: torch.dtype,
+            device: torch.device) -> list[torch.Tensor]:
+    """One batched forward of `rows` (a model set up by `use_layout`); logits [keep, V] per row."""
+    inputs = prepare(rows, layout, dtype, device)
+    out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                attention_mask=inputs.attention_mask, cache=inputs.cache, use_cache=True,
+                logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache)
+    finish(rows)
+    # The math after the forward is a few small vectors: it runs on the CPU.
+    logits = out.logits.float().cpu()
+    return [logits[b, kept] for b, kept in inputs.rows_of_logits]

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from specd.batching import BatchStats, Job, Scheduler
 from specd.config import BatchSettings
-from specd.kvstore import BatchRow, SessionKV, finish, prepare
+from specd import kvstore
+from specd.kvstore import BatchRow, SessionKV
 from specd.sampling import Transform, probs_from_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,6 +220,7 @@ class ModelRunner:
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
         )
         self._kv_shape = _kv_shape(config)
+        kvstore.use_layout(self.model, batching.layout)
         self.sessions = SessionStore(max_sessions)
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
@@ -279,17 +281,9 @@ class ModelRunner:
         self.sessions.put(session_id, session)
         return result
 
-    @torch.inference_mode()
     def _forward_batch(self, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
         """One forward over every row (on the model's thread); logits [keep, V] per row."""
-        inputs = prepare(rows, self.batching.layout, self.dtype, self.device)
-        out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                         attention_mask=inputs.attention_mask, cache=inputs.cache, use_cache=True,
-                         logits_to_keep=inputs.logits_to_keep)
-        finish(rows)
-        # The math after the forward is a few small vectors: it runs on the CPU.
-        logits = out.logits.float().cpu()
-        return [logits[b, kept] for b, kept in inputs.rows_of_logits]
+        return kvstore.forward(self.model, rows, self.batching.layout, self.dtype, self.device)
 
     # -- the two operations the services expose -----------------------------------------
 

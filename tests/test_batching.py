@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
 from specd.config import BatchSettings
-from specd.kvstore import BatchRow, SessionKV, finish, prepare
+from specd.kvstore import BatchRow, SessionKV, forward, use_layout
 from specd.runtime import ModelRunner
 from specd.sampling import Transform
 from specd.v1 import gateway_pb2
@@ -143,34 +144,26 @@ def _rows_match_unbatched(model, layout: str) -> None:
     sessions = [SessionKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
                           torch.float32, torch.device("cpu"), block_tokens=8) for _ in range(3)]
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 21, 9)]
-    steps = [[[1, 2]], [[3]], [[4, 5, 6, 7]]]
+    steps = [[1, 2], [3], [4, 5, 6, 7]]
+    cpu = torch.device("cpu")
     with torch.inference_mode():
-        rows = [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)]
-        inputs = prepare(rows, layout, torch.float32, torch.device("cpu"))
-        out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                    attention_mask=inputs.attention_mask, cache=inputs.cache, use_cache=True,
-                    logits_to_keep=inputs.logits_to_keep).logits
-        finish(rows)
-        for (b, kept), p in zip(inputs.rows_of_logits, prompts):
-            torch.testing.assert_close(out[b, kept], model(input_ids=torch.tensor([p])).logits[0, -2:])
+        logits = forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], layout, torch.float32, cpu)
+        for got, p in zip(logits, prompts):
+            torch.testing.assert_close(got, model(input_ids=torch.tensor([p])).logits[0, -2:])
         # Roll back the last prompt token of each session (a rejected draft token), go on.
         for s, p in zip(sessions, prompts):
             s.crop(len(p) - 1)
-        rows = [BatchRow(s, e[0], len(e[0])) for s, e in zip(sessions, steps)]
-        inputs = prepare(rows, layout, torch.float32, torch.device("cpu"))
-        out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                    attention_mask=inputs.attention_mask, cache=inputs.cache, use_cache=True,
-                    logits_to_keep=inputs.logits_to_keep).logits
-        finish(rows)
-        for (b, kept), p, e in zip(inputs.rows_of_logits, prompts, steps):
-            full = torch.tensor([p[:-1] + e[0]])
-            torch.testing.assert_close(out[b, kept], model(input_ids=full).logits[0, -len(e[0]):])
+        logits = forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], layout, torch.float32, cpu)
+        for got, p, e in zip(logits, prompts, steps):
+            torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e])).logits[0, -len(e):])
 
 
 @pytest.mark.parametrize("layout", ["ragged", "padded"])
-def test_batched_forward_equals_each_session_alone(target_model, layout):
+def test_batched_forward_equals_each_session_alone(model_dirs, layout):
     torch.manual_seed(0)
-    _rows_match_unbatched(target_model, layout)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    use_layout(model, layout)
+    _rows_match_unbatched(model, layout)
 
 
 def test_kv_memory_is_the_arithmetic(model_dirs):
