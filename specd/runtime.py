@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
+from specd.identity import weights_digest
 from specd.sampling import Transform, probs_from_logits
 
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class ModelInfo:
     max_context: int
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
+    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -150,6 +152,7 @@ class ModelRunner:
             max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
+            weights_digest=weights_digest(path),
         )
         self.sessions = SessionStore(max_sessions)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")

@@ -16,7 +16,7 @@ from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.workerproto import model_info_to_pb, transform_from_pb
+from specd.workerproto import identity_mismatch, model_info_to_pb, transform_from_pb
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -37,6 +37,10 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         stream = uuid.uuid4().hex  # tags the sessions this stream opens
         try:
             async for request in request_iterator:
+                if request.HasField("expected_model"):  # the first message of the stream
+                    problem = identity_mismatch(request.expected_model, self.target.info)
+                    if problem is not None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
                 delta = request.delta
                 opened.add(delta.session_id)
                 transform = transform_from_pb(request.transform)
