@@ -8,11 +8,16 @@
 
 Files are read and parsed when the settings are checked (`check_server_tls`,
 `check_client_tls`), so a wrong path or a key given as a certificate is a clear
-start-up error naming the flag, not a failed handshake later.
+start-up error naming the flag, not a failed handshake later. A server re-reads its
+files when they change on disk (cert-manager renewing a mounted Secret), from the next
+handshake on; clients read theirs when a channel is made.
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +26,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from specd.config import ClientTLS, ServerTLS
+
+log = logging.getLogger(__name__)
 
 
 class TLSConfigError(ValueError):
@@ -47,6 +54,17 @@ def read_private_key(path: Path, flag: str) -> bytes:
     return data
 
 
+def read_key_pair(cert: Path, key: Path, cert_flag: str, key_flag: str) -> tuple[bytes, bytes]:
+    """(key, certificate chain) PEM bytes; TLSConfigError unless the key is the certificate's."""
+    key_pem, cert_pem = read_private_key(key, key_flag), read_certificates(cert, cert_flag)
+    der = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    private = serialization.load_pem_private_key(key_pem, password=None)
+    leaf = x509.load_pem_x509_certificates(cert_pem)[0]
+    if private.public_key().public_bytes(*der) != leaf.public_key().public_bytes(*der):
+        raise TLSConfigError(f"{key_flag} {key} is not the private key of {cert_flag} {cert}")
+    return key_pem, cert_pem
+
+
 def _read(path: Path, flag: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -63,8 +81,7 @@ def check_server_tls(tls: ServerTLS, cert_flag: str = "--tls-cert", key_flag: st
         raise TLSConfigError(f"{ca_flag} asks for client certificates, which needs TLS: "
                              f"also give {cert_flag} and {key_flag}")
     if tls.cert is not None:
-        read_certificates(tls.cert, cert_flag)
-        read_private_key(tls.key, key_flag)
+        read_key_pair(tls.cert, tls.key, cert_flag, key_flag)
     if tls.client_ca is not None:
         read_certificates(tls.client_ca, ca_flag)
 
@@ -77,28 +94,67 @@ def check_client_tls(tls: ClientTLS, ca_flag: str, cert_flag: str, key_flag: str
     if tls.ca is not None:
         read_certificates(tls.ca, ca_flag)
     if tls.cert is not None:
-        read_certificates(tls.cert, cert_flag)
-        read_private_key(tls.key, key_flag)
+        read_key_pair(tls.cert, tls.key, cert_flag, key_flag)
 
 
 def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials | None:
-    """TLS credentials for a server (mutual when tls.client_ca is set); None: plaintext."""
+    """TLS credentials for a server (mutual when tls.client_ca is set); None: plaintext.
+
+    The files are re-read when they change, for the handshakes after that.
+    """
     if not tls.enabled:
         return None
-    pair = (read_private_key(tls.key, "--tls-key"), read_certificates(tls.cert, "--tls-cert"))
-    client_ca = read_certificates(tls.client_ca, "--tls-client-ca") if tls.client_ca else None
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    reloader = _ReloadingConfiguration(tls)
+    return grpc.dynamic_ssl_server_credentials(reloader.load(), reloader,
+                                               require_client_authentication=tls.client_ca is not None)
+
+
+class _ReloadingConfiguration:
+    """gRPC calls this before every handshake: a new configuration when the files changed.
+
+    A renewed Secret reaches a pod as new files (the kubelet swaps a symlink); between a
+    certificate and its key being written, the pair may not match for a moment, so a
+    configuration is taken only when it loads whole, else the old one stays.
+    """
+
+    def __init__(self, tls: ServerTLS) -> None:
+        self._tls = tls
+        self._paths = [p for p in (tls.cert, tls.key, tls.client_ca) if p is not None]
+        self._lock = threading.Lock()  # called from gRPC's threads
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple:
+        stats = [os.stat(p) for p in self._paths]  # follows the kubelet's symlinks
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        key, cert = read_key_pair(self._tls.cert, self._tls.key, "--tls-cert", "--tls-key")
+        client_ca = read_certificates(self._tls.client_ca, "--tls-client-ca") if self._tls.client_ca else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            try:
+                stamp = self._stamp()
+                if stamp == self._seen:
+                    return None
+                configuration = self.load()
+            except (OSError, TLSConfigError) as exc:
+                log.warning("keeping the current TLS certificate: its files changed but do not load (%s)", exc)
+                return None
+            self._seen = stamp
+            log.info("TLS certificate files changed: new connections get the new certificate")
+            return configuration
 
 
 def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials | None:
     """TLS credentials for a channel (with a client certificate if given); None: plaintext."""
     if not tls.enabled:
         return None
+    key, cert = read_key_pair(tls.cert, tls.key, "client certificate", "client key") if tls.cert else (None, None)
     return grpc.ssl_channel_credentials(
         root_certificates=read_certificates(tls.ca, "CA file") if tls.ca else None,
-        private_key=read_private_key(tls.key, "client key") if tls.key else None,
-        certificate_chain=read_certificates(tls.cert, "client certificate") if tls.cert else None)
+        private_key=key, certificate_chain=cert)
 
 
 def channel_options(tls: ClientTLS, server_name: str = "") -> list[tuple[str, str]]:

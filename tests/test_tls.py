@@ -3,6 +3,7 @@ CA signed; the gateway serves TLS to clients that trust its CA; `specd certs` wr
 certificates that load and name every host specd is reached by."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ from gateway.server import create_server as create_gateway
 from specd.certs import service_dns_names, write_dev_certs
 from specd.cli import main as specd_main
 from specd.config import ClientTLS, DraftSettings, GatewaySettings, ServerSettings, ServerTLS, VerifierSettings
+from specd.serving import start_server
 from specd.tls import TLSConfigError, check_server_tls, client_channel
 from specd.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from test_pipeline import reference_greedy
@@ -161,3 +163,36 @@ def test_tls_settings_name_the_flag_that_is_wrong(pki, tmp_path):
         check_server_tls(ServerTLS(pki["server.pem"], pki["server.pem"]))
     with pytest.raises(TLSConfigError, match="--tls-client-ca asks for client certificates"):
         check_server_tls(ServerTLS(client_ca=pki["ca.pem"]))
+    with pytest.raises(TLSConfigError, match="--tls-key .* is not the private key of --tls-cert"):
+        check_server_tls(ServerTLS(pki["server.pem"], pki["client-key.pem"]))
+
+
+def test_a_server_takes_renewed_certificate_files_without_a_restart(pki, tmp_path):
+    """cert-manager renews a mounted Secret: the next connection gets the new certificate."""
+    for name in ("server.pem", "server-key.pem"):
+        shutil.copy(pki[name], tmp_path / name)
+    loop = LoopThread()
+    running = loop.run(start_server(ServerSettings("127.0.0.1", 0, tls=ServerTLS(
+        tmp_path / "server.pem", tmp_path / "server-key.pem")), lambda server: None, []))
+
+    def healthy(ca: Path) -> bool:
+        # A channel of its own (no shared connection), so each check is a new handshake.
+        tls = ClientTLS(ca=ca)
+        with client_channel(f"127.0.0.1:{running.port}", tls, [("grpc.use_local_subchannel_pool", 1)]) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+            return True
+
+    try:
+        assert healthy(pki["ca.pem"]) and not healthy(pki["other-ca.pem"])
+        # Renewed by another CA: written as the kubelet does, the new files swapped in whole.
+        for name in ("server.pem", "server-key.pem"):
+            shutil.copy(pki[f"other-{name}"], tmp_path / f"{name}.new")
+            (tmp_path / f"{name}.new").replace(tmp_path / name)
+        assert healthy(pki["other-ca.pem"]) and not healthy(pki["ca.pem"])
+    finally:
+        loop.run(running.stop(0))
+        loop.close()
