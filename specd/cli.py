@@ -201,6 +201,8 @@ def _port_taken(host: str, port: int) -> bool:
     if not port:
         return False
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # As gRPC does: a port left in TIME_WAIT by a stopped server is free, a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -52,7 +52,7 @@ def test_serve_generate_and_stop_together(model_dirs):
 
 
 @pytest.mark.parametrize("command", ["serve", "draft", "verifier", "gateway", "generate", "bench", "distill",
-                                     "trace"])
+                                     "trace", "certs"])
 def test_every_command_has_help(command):
     result = specd(command, "--help")
     assert result.returncode == 0 and "usage: specd" in result.stdout
