@@ -196,3 +196,14 @@ def test_a_server_takes_renewed_certificate_files_without_a_restart(pki, tmp_pat
     finally:
         loop.run(running.stop(0))
         loop.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["draft", "--tls-key", "k.pem"], "specd draft: --tls-cert and --tls-key go together"),
+    (["verifier", "--tls-client-ca", "ca.pem"], "specd verifier: --tls-client-ca asks for client certificates"),
+    (["gateway", "--worker-cert", "c.pem"], "specd gateway: --worker-cert and --worker-key go together"),
+    (["generate", "x", "--ca", "nowhere.pem"], "specd generate: --ca nowhere.pem: No such file"),
+])
+def test_the_cli_refuses_bad_tls_flags_before_loading_anything(argv, message, capsys):
+    assert specd_main(argv) == 2
+    assert message in capsys.readouterr().err
