@@ -93,3 +93,10 @@ def test_two_serves_side_by_side_answer_with_their_own_models(model_dirs, tmp_pa
         outputs = {name: serve.communicate(timeout=60)[0] for name, serve in serves.items()}
     for name, serve in serves.items():
         assert serve.returncode == 0, outputs[name]
+
+
+def test_serve_tls_without_certificates_says_how_to_make_them(model_dirs, tmp_path):
+    result = specd("serve", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["close"]),
+                   "--port", str(free_port()), "--tls", str(tmp_path))
+    assert result.returncode == 2
+    assert "missing ca.pem, server.pem" in result.stderr and f"specd certs {tmp_path}" in result.stderr

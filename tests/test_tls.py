@@ -207,3 +207,33 @@ def test_a_server_takes_renewed_certificate_files_without_a_restart(pki, tmp_pat
 def test_the_cli_refuses_bad_tls_flags_before_loading_anything(argv, message, capsys):
     assert specd_main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("server_name, ok", [("", True), ("specd-verifier", True),
+                                             ("specd-verifier.specd.svc.cluster.local", True),
+                                             ("verifier.elsewhere.example", False)])
+def test_pods_dialled_by_ip_are_checked_against_their_service_name(secure, pki, server_name, ok):
+    """How the gateway reaches pods found through EndpointSlices: by IP, checking the
+    certificate for the Service's name (`_pool` passes it as server_name)."""
+    from gateway.backend import WorkerPool
+    from gateway.router import Router
+
+    async def infos():
+        pool = WorkerPool("verifier", Router.static("verifier", [f"127.0.0.1:{secure['verifier']}"]),
+                          worker_pb2_grpc.VerifierStub,
+                          tls=ClientTLS(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]),
+                          server_name=server_name)
+        try:
+            return await pool.model_infos(2.0)
+        finally:
+            await pool.close()
+
+    loop = LoopThread()
+    try:
+        if ok:
+            assert loop.run(infos())[0].name == "target"
+        else:
+            with pytest.raises(ConnectionError, match="verifier.elsewhere.example"):
+                loop.run(infos())
+    finally:
+        loop.close()
