@@ -71,14 +71,14 @@ def test_two_serves_side_by_side_answer_with_their_own_models(model_dirs, tmp_pa
     ports = {name: free_port() for name in pairs}
     serves = {name: subprocess.Popen(
         [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs[target]),
-         "--draft", f"{draft}={model_dirs[draft]}", "--port", str(ports[name]), *extra],
+         "--draft", f"{draft}={model_dirs[draft]}", "--port", str(ports[name]), "--startup-timeout", "300", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, (target, draft, extra) in pairs.items()}
     prompt = "def fibonacci(n):"
     try:
         for name, (target, draft, _) in pairs.items():
             client_tls = ["--ca", str(certs / "ca.pem")] if name == "a" else []
             result = specd("generate", prompt, "--gateway", f"127.0.0.1:{ports[name]}", "--max-new-tokens", "16",
-                           "--mode", "fixed", "--wait", "150", *client_tls)
+                           "--mode", "fixed", "--wait", "170", *client_tls)
             assert result.returncode == 0, result.stderr
             tokenizer = AutoTokenizer.from_pretrained(model_dirs[target])
             model = AutoModelForCausalLM.from_pretrained(model_dirs[target]).eval()

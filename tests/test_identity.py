@@ -96,7 +96,8 @@ def test_verifier_swapped_behind_its_address_never_reaches_a_client(model_dirs, 
         swapped.close()
 
 
-def test_draft_swapped_behind_its_address_means_plain_decoding(model_dirs, target_model, tokenizer, tmp_path):
+def test_draft_swapped_behind_its_address_means_plain_decoding(model_dirs, target_model, tokenizer, tmp_path,
+                                                                caplog):
     swapped = start_stack(model_dirs, worker_timeout_s=10.0)
     try:
         prompt = "The acceptance rate is"
@@ -109,5 +110,6 @@ def test_draft_swapped_behind_its_address_means_plain_decoding(model_dirs, targe
         response = swapped.stub.Generate(request(prompt, max_new_tokens=30, draft_model="close"))
         assert list(response.token_ids) == expected
         assert set(response.stats.draft_lengths) == {0}  # the imposter proposed nothing
+        assert "refused a stream, it holds another model" in caplog.text  # the mismatch is logged
     finally:
         swapped.close()
