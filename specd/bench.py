@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.tls import add_client_arguments, client_tls_from_args
+from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 # Built-in workload for the shipped demo pair (Python source and English prose). These
 # prompts were written for the benchmark, not cut from the training corpus.
@@ -187,7 +187,6 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
-    from specd.tls import client_channel
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]

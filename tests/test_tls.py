@@ -101,8 +101,9 @@ def test_gateway_without_the_client_certificate_cannot_start(secure, pki):
     try:
         for worker_tls in (ClientTLS(ca=pki["ca.pem"]),
                            ClientTLS(pki["ca.pem"], pki["other-client.pem"], pki["other-client-key.pem"])):
-            settings = GatewaySettings(ServerSettings("127.0.0.1", 0), verifier_address=f"127.0.0.1:{secure['verifier']}",
-                                       draft_address="", worker_tls=worker_tls, worker_timeout_s=2.0)
+            settings = GatewaySettings(ServerSettings("127.0.0.1", 0),
+                                       verifier_address=f"127.0.0.1:{secure['verifier']}", draft_address="",
+                                       worker_tls=worker_tls, worker_timeout_s=2.0)
             with pytest.raises(ConnectionError, match="TLS"):
                 loop.run(create_gateway(settings))
     finally:
