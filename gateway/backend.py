@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from gateway.router import EndpointSliceWatcher, NoEndpoint, Router, parse_addresses
 from specd.config import ClientTLS, GatewaySettings
 from specd.serving import CHANNEL_OPTIONS
-from specd.tls import aio_channel
+from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -64,12 +64,15 @@ class WorkerPool:
         """
         try:
             address = self.router.replace(session_id) if moved else self.router.place(session_id)
-        except NoEndpoint as exc:
+            # A channel to a new endpoint reads the client certificate files then; caught
+            # mid-renewal they may not load, and the step is retried like any lost worker.
+            stub = self.stub(address)
+        except (NoEndpoint, TLSConfigError) as exc:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), str(exc)) from exc
         # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
         # the step timeout) instead of failing at once.
-        return getattr(self.stub(address), rpc)(metadata=metadata, wait_for_ready=True)
+        return getattr(stub, rpc)(metadata=metadata, wait_for_ready=True)
 
     def _close_unlisted(self) -> None:
         """Close the channels of endpoints that left the service (pods come and go)."""
