@@ -95,10 +95,18 @@ async def _run_service(create, settings, what: str, port_file: Path | None) -> N
 
 
 def _serve(create, settings, what: str, port_file: Path | None) -> int:
-    """Run a service until signalled; exit status 2 with the reason if its port is taken."""
+    """Run a service until signalled; exit status 2 with the reason if its port is taken.
+
+    Checked first, before a model loads or a worker is waited for (minutes, for a large
+    model); the server's exclusive bind is what makes it certain.
+    """
     from specd.serving import PortInUse
 
+    server = settings.server
     try:
+        for port, kind in ((server.port, "port"), (server.health_port, "health port")):
+            if _port_taken(server.host, port):
+                raise PortInUse(f"{server.host}:{port}", kind)
         asyncio.run(_run_service(create, settings, what, port_file))
     except PortInUse as exc:
         print(f"specd {what}: {exc.strerror}", file=sys.stderr)

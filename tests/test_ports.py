@@ -43,7 +43,11 @@ def test_serve_on_a_taken_port_says_which(model_dirs, taken_port):
     assert f"port {taken_port} on 127.0.0.1 is taken" in result.stderr and "--port" in result.stderr
 
 
-def test_a_worker_on_a_taken_port_exits_naming_it(model_dirs, taken_port):
-    result = specd("verifier", "--target", str(model_dirs["target"]), "--port", str(taken_port))
+@pytest.mark.parametrize("service", ["verifier", "draft", "gateway"])
+def test_a_service_on_a_taken_port_exits_naming_it(model_dirs, taken_port, service):
+    # The gateway's workers do not exist: the port is refused before anything is waited for.
+    models = {"verifier": ["--target", str(model_dirs["target"])], "draft": ["--draft", str(model_dirs["close"])],
+              "gateway": ["--verifier-address", "127.0.0.1:9", "--draft-address", ""]}[service]
+    result = specd(service, *models, "--port", str(taken_port))
     assert result.returncode == 2
-    assert f"specd verifier: cannot listen on 127.0.0.1:{taken_port}" in result.stderr
+    assert f"specd {service}: cannot listen on 127.0.0.1:{taken_port}: the port is taken" in result.stderr
