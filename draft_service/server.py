@@ -18,7 +18,8 @@ from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import batch_span_attributes, batch_to_pb, model_info_to_pb, transform_from_pb
+from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb,
+                               transform_from_pb)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -64,6 +65,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
             async for request in request_iterator:
                 name = request.draft_model or self.default
                 runner = self.drafts.get(name)
+                if request.HasField("expected_model"):  # the first message of the stream
+                    await _check_identity(request.expected_model, runner, context)
                 if runner is None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"unknown draft model {name!r}; this service hosts {sorted(self.drafts)}")
@@ -92,6 +95,17 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         finally:
             for name, session_id in opened:
                 self.drafts[name].end_session(session_id, stream)
+
+
+async def _check_identity(expected: worker_pb2.ModelIdentity, runner: ModelRunner | None,
+                          context: grpc.aio.ServicerContext) -> None:
+    """Refuse (FAILED_PRECONDITION) a stream meant for a draft this service does not hold."""
+    if runner is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"this draft service does not host {expected.name!r}, which the stream expects")
+    problem = identity_mismatch(expected, runner.info)
+    if problem is not None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
 
 
 async def create_server(settings: DraftSettings) -> RunningServer:

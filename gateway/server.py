@@ -154,10 +154,11 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
         return (lambda moved: pool.open_stream(session_id, rpc, moved, metadata),
                 lambda: pool.router.release(session_id))
 
-    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link)
+    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
     draft = None
     if draft_model:
-        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link)
+        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
+                          backend.draft_identity(draft_model))
     return draft, verifier
 
 

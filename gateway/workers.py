@@ -4,11 +4,15 @@ A link knows how much of the committed sequence its worker holds (`position`) an
 only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
 or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
 re-sends the whole committed sequence: workers are caches, the gateway holds the truth.
+The first message of every stream names the model the gateway expects; a worker holding
+another one (FAILED_PRECONDITION: swapped behind the address) is treated as lost: the
+session moves to another endpoint, and no answer from the wrong model is ever used.
 This is the only gateway module that speaks the worker protobufs.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,9 +24,12 @@ from specd.sampling import Transform
 from specd.v1 import worker_pb2
 from specd.wire import unpack_distributions
 
+log = logging.getLogger(__name__)
+
 # Codes after which the session can be rebuilt on a (possibly new) worker process.
+# FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
 _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-               grpc.StatusCode.DEADLINE_EXCEEDED}
+               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class WorkerError(Exception):
@@ -60,8 +67,11 @@ class WorkerLink:
     """
 
     def __init__(self, name: str, open_stream: Callable[[bool], grpc.aio.StreamStreamCall],
-                 release: Callable[[], None], settings: LinkSettings) -> None:
+                 release: Callable[[], None], settings: LinkSettings,
+                 identity: worker_pb2.ModelIdentity | None = None) -> None:
         self.name = name
+        # The model validated at start-up; it opens every stream (None: nothing checked).
+        self.identity = identity
         self._open_stream = open_stream
         self._release = release
         self.settings = settings
@@ -84,6 +94,8 @@ class WorkerLink:
             try:
                 message = build(delta)
                 if self._call is None:
+                    if self.identity is not None:
+                        message.expected_model.CopyFrom(self.identity)
                     self._call = self._open_stream(self._moved)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
@@ -104,6 +116,9 @@ class WorkerLink:
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                log.error("%s refused a stream, it holds another model (moving the session): %s",
+                          self.name, details)
             # NOT_FOUND: the endpoint is fine but evicted the session; re-open it there.
             # Anything else reopenable: the endpoint itself failed; move if possible.
             self._moved = code != grpc.StatusCode.NOT_FOUND

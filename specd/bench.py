@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.tls import add_client_arguments, client_channel, client_tls_from_args
+
 # Built-in workload for the shipped demo pair (Python source and English prose). These
 # prompts were written for the benchmark, not cut from the training corpus.
 DEMO_WORKLOAD = {
@@ -117,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "under load (specd.loadbench) instead of one request at a time")
     parser.add_argument("--requests-per-level", type=int, default=32,
                         help="with --concurrency: requests per configuration and level")
+    add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
 
 
 def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
@@ -192,7 +195,7 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]
-    with grpc.insecure_channel(args.gateway) as channel:
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         grpc.channel_ready_future(channel).result(timeout=300)
         # Warm-up: one request per configuration (first-call costs; the cost policy's model).

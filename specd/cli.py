@@ -8,9 +8,12 @@
     specd bench      compare γ policies and target-only decoding against a running gateway
     specd distill    train a draft to agree with its target (KL to the target's outputs)
     specd trace      collect spans over OTLP into a file; show a request's steps (specd.tracecli)
+    specd certs      write a development CA and server/client certificates (specd.certs)
 
 Settings objects (`specd.config`) are built here from the flags, once, and passed in.
 Tracing is configured by the standard OTEL_* variables only (`specd.telemetry`).
+TLS: every service takes --tls-cert/--tls-key (and --tls-client-ca for mutual TLS), the
+gateway --worker-ca/--worker-cert/--worker-key, clients --ca (docs/tls.md).
 """
 from __future__ import annotations
 
@@ -18,13 +21,16 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, DraftSettings, GatewaySettings,
-                          ModelSettings, ServerSettings, VerifierSettings)
+from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, ClientTLS, DraftSettings,
+                          GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 
@@ -35,6 +41,15 @@ def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
+                        help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes "
+                             "probes, which cannot speak TLS); 0: off")
+    parser.add_argument("--port-file", type=Path, metavar="FILE",
+                        help="write the port listened on to this file once serving (with --port 0)")
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +82,9 @@ def _batch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(args.host, args.port, args.grace)
+    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+    check_server_tls(tls)
+    return ServerSettings(args.host, args.port, args.grace, tls, args.health_port)
 
 
 def _batch_settings(args: argparse.Namespace) -> BatchSettings:
@@ -100,12 +117,38 @@ def _parse_drafts(values: list[str]) -> dict[str, Path]:
     return drafts
 
 
-async def _run_service(create, settings, what: str) -> None:
+async def _run_service(create, settings, what: str, port_file: Path | None) -> None:
     from specd.serving import serve_until_signalled
 
     running = await create(settings)
-    print(f"specd {what} listening on {settings.server.host}:{running.port}", flush=True)
+    scheme = "TLS" if settings.server.tls.enabled else "plaintext"
+    print(f"specd {what} listening on {settings.server.host}:{running.port} ({scheme})", flush=True)
+    if port_file is not None:
+        # Whole or absent: a supervisor polling the file never reads half a number.
+        partial = port_file.with_name(port_file.name + ".partial")
+        partial.write_text(str(running.port))
+        partial.replace(port_file)
     await serve_until_signalled(running, settings.server.grace_s)
+
+
+def _serve(create, settings, what: str, port_file: Path | None) -> int:
+    """Run a service until signalled; exit status 2 with the reason if its port is taken.
+
+    Checked first, before a model loads or a worker is waited for (minutes, for a large
+    model); the server's exclusive bind is what makes it certain.
+    """
+    from specd.serving import PortInUse
+
+    server = settings.server
+    try:
+        for port, kind in ((server.port, "port"), (server.health_port, "health port")):
+            if _port_taken(server.host, port):
+                raise PortInUse(f"{server.host}:{port}", kind)
+        asyncio.run(_run_service(create, settings, what, port_file))
+    except PortInUse as exc:
+        print(f"specd {what}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _set_threads(threads: int) -> None:
@@ -124,8 +167,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
                              _model_settings(args), args.metrics_host, args.metrics_port)
-    asyncio.run(_run_service(create_server, settings, "draft"))
-    return 0
+    return _serve(create_server, settings, "draft", args.port_file)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -137,8 +179,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args),
                                 args.metrics_host, args.metrics_port)
-    asyncio.run(_run_service(create_server, settings, "verifier"))
-    return 0
+    return _serve(create_server, settings, "verifier", args.port_file)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -147,8 +188,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-gateway")
+    worker_tls = ClientTLS(args.worker_ca, args.worker_cert, args.worker_key, args.worker_server_name)
+    check_client_tls(worker_tls, "--worker-ca", "--worker-cert", "--worker-key")
     settings = GatewaySettings(
-        _server_settings(args), verifier_address=args.verifier_address,
+        _server_settings(args), verifier_address=args.verifier_address, worker_tls=worker_tls,
         draft_address=args.draft_address, verifier_service=args.verifier_service,
         draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
@@ -157,21 +200,23 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         max_concurrent_requests=args.max_concurrent_requests)
     try:
-        asyncio.run(_run_service(create_server, settings, "gateway"))
+        return _serve(create_server, settings, "gateway", args.port_file)
     except (IncompatibleDraft, ConnectionError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 # -- serve: the three together --------------------------------------------------------------
 
-def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
+                  tls: ClientTLS = ClientTLS()) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from specd.tls import client_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with client_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -183,6 +228,44 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float)
             except grpc.RpcError:
                 time.sleep(0.2)
     return False
+
+
+def _wait_port_files(files: list[Path], procs: list[subprocess.Popen], timeout_s: float) -> list[int] | None:
+    """The ports the workers wrote once serving; None if one exited or time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return None
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.1)
+    return None
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on (or holds) host:port. Port 0 is never taken."""
+    if not port:
+        return False
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # As gRPC does: a port left in TIME_WAIT by a stopped server is free, a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _tls_dir(directory: Path) -> dict[str, Path]:
+    """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
+    from specd.certs import FILES
+
+    paths = {name: directory / name for name in FILES}
+    missing = [name for name, path in paths.items() if not path.is_file()]
+    if missing:
+        raise TLSConfigError(f"--tls {directory}: missing {', '.join(missing)}; make them with "
+                             f"`specd certs {directory}`")
+    return paths
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -206,26 +289,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"(transformers model directories sharing one tokenizer), or make the demo pair "
                   f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
+    # Checked before anything loads; the servers' exclusive binds make it certain.
+    for flag, host, port in (("--port", args.host, args.port), ("--draft-port", "127.0.0.1", args.draft_port),
+                             ("--verifier-port", "127.0.0.1", args.verifier_port)):
+        if _port_taken(host, port):
+            print(f"specd serve: port {port} on {host} is taken (another specd serve?); pass {flag} "
+                  f"with a free port", file=sys.stderr)
+            return 2
+    worker_tls: list[str] = []
+    gateway_tls: list[str] = []
+    client_tls = ClientTLS()
+    if args.tls:
+        # Mutual TLS among the three processes; TLS without client certificates at the edge.
+        files = {name: str(path) for name, path in _tls_dir(Path(args.tls)).items()}
+        server = ["--tls-cert", files["server.pem"], "--tls-key", files["server-key.pem"]]
+        worker_tls = [*server, "--tls-client-ca", files["ca.pem"]]
+        gateway_tls = [*server, "--worker-ca", files["ca.pem"], "--worker-cert", files["client.pem"],
+                       "--worker-key", files["client-key.pem"]]
+        client_tls = ClientTLS(ca=Path(files["ca.pem"]))
     me = [sys.executable, "-m", "specd.cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
-    workers = [
-        me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
-              "--dtype", args.dtype, "--threads", str(args.threads), *_batch_flags(args)],
-        me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
-              "--dtype", args.dtype, "--threads", str(draft_threads), *_batch_flags(args)],
-    ]
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
     # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    procs = [subprocess.Popen(cmd, env=env) for cmd in workers]
-    procs.append(subprocess.Popen(env=env, args=me + [
-        "gateway", "--host", args.host, "--port", str(args.port),
-        "--verifier-address", f"127.0.0.1:{args.verifier_port}",
-        "--draft-address", f"127.0.0.1:{args.draft_port}",
-        "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
-        "--policy", args.policy, "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
-        *[f"--task-draft={v}" for v in args.task_draft or []]]))
+    procs: list[subprocess.Popen] = []
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -233,21 +321,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    try:
-        if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout):
-            print("specd serve: the services did not become healthy; see the messages above",
-                  file=sys.stderr)
-            return 1
-        print(f"specd serve: ready on {args.host}:{args.port} (target {target}, drafts {list(drafts)}); "
-              f"try: specd generate \"def fibonacci(n):\"", flush=True)
-        while not stop["now"]:
-            if any(p.poll() is not None for p in procs):
-                print("specd serve: a service exited; stopping the others", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="specd-serve-") as run_dir:
+        # Workers bind port 0 by default (the OS picks a free one) and report it in a file:
+        # two `specd serve` on one host never meet on a worker port.
+        port_files = [Path(run_dir) / "verifier.port", Path(run_dir) / "draft.port"]
+        workers = [
+            me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files[0]),
+                  "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads), *worker_tls,
+                  *_batch_flags(args)],
+            me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files[1]),
+                  *[f"--draft={n}={p}" for n, p in drafts.items()],
+                  "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args)],
+        ]
+        try:
+            procs += [subprocess.Popen(cmd, env=env) for cmd in workers]
+            ports = _wait_port_files(port_files, procs, args.startup_timeout)
+            if ports is None:
+                print("specd serve: the workers did not start; see the messages above", file=sys.stderr)
                 return 1
-            time.sleep(0.2)
-        return 0
-    finally:
-        _stop_all(procs, grace_s=15.0)
+            verifier_port, draft_port = ports
+            procs.append(subprocess.Popen(env=env, args=me + [
+                "gateway", "--host", args.host, "--port", str(args.port),
+                "--verifier-address", f"127.0.0.1:{verifier_port}",
+                "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
+                "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
+                "--policy", args.policy, "--metrics-host", args.metrics_host,
+                "--metrics-port", str(args.metrics_port),
+                *[f"--task-draft={v}" for v in args.task_draft or []]]))
+            if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout, client_tls):
+                print("specd serve: the services did not become healthy; see the messages above",
+                      file=sys.stderr)
+                return 1
+            print(f"specd serve: ready on {args.host}:{args.port}{' (TLS)' if args.tls else ''} "
+                  f"(target {target}, drafts {list(drafts)}; verifier on 127.0.0.1:{verifier_port}, "
+                  f"draft on 127.0.0.1:{draft_port}); try: specd generate "
+                  f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
+                  flush=True)
+            while not stop["now"]:
+                if any(p.poll() is not None for p in procs):
+                    print("specd serve: a service exited; stopping the others", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            _stop_all(procs, grace_s=15.0)
 
 
 # -- generate: the client -------------------------------------------------------------------
@@ -255,6 +372,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
+    from specd.tls import client_channel
     from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
     mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
@@ -267,7 +385,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
-    with grpc.insecure_channel(args.gateway) as channel:
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if args.wait:
             try:
@@ -321,8 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default: the demo draft, {DEMO_DRAFT})")
     serve.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
-    serve.add_argument("--draft-port", type=int, default=DEFAULT_DRAFT_PORT)
-    serve.add_argument("--verifier-port", type=int, default=DEFAULT_VERIFIER_PORT)
+    serve.add_argument("--draft-port", type=int, default=0,
+                       help="port of the draft worker on 127.0.0.1 (default 0: a free one)")
+    serve.add_argument("--verifier-port", type=int, default=0,
+                       help="port of the verifier worker on 127.0.0.1 (default 0: a free one)")
+    serve.add_argument("--tls", metavar="DIR",
+                       help="a `specd certs` directory: mutual TLS among the three processes, TLS "
+                            "(no client certificates) for clients of the gateway")
     serve.add_argument("--draft-length", type=int, default=4, help="default γ")
     serve.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -368,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     gateway.add_argument("--worker-timeout", type=float, default=60.0,
                          help="seconds to wait for a worker at start-up and for each step")
+    gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
+                         help="reach the workers over TLS, trusting certificates signed by this CA")
+    gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
+                         help="client certificate presented to the workers (mutual TLS)")
+    gateway.add_argument("--worker-key", type=Path, metavar="FILE", help="the client certificate's private key")
+    gateway.add_argument("--worker-server-name", default="",
+                         help="name to check in the workers' certificates (default: the dialled host, "
+                              "or the Service name with --verifier-service/--draft-service)")
     _gateway_policy_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
@@ -389,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the request, seconds")
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
+    add_client_arguments(generate)
     generate.set_defaults(func=cmd_generate)
 
     from specd.tracecli import add_parser as add_trace_parser
@@ -405,12 +537,22 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser("distill", help="train a draft to agree with its target")
     distill_module.add_arguments(distill)
     distill.set_defaults(func=distill_module.run)
+
+    from specd import certs as certs_module
+
+    certs = sub.add_parser("certs", help="write a development CA and server/client certificates")
+    certs_module.add_arguments(certs)
+    certs.set_defaults(func=certs_module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except TLSConfigError as exc:
+        print(f"specd {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,12 +15,53 @@ DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
 
 
 @dataclass(frozen=True)
+class ServerTLS:
+    """The certificate a server presents, and whose clients it accepts (PEM files).
+
+    No cert: plaintext. With client_ca: mutual TLS, clients must present a certificate
+    signed by that CA (how the workers accept only their gateways).
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client (the gateway towards its workers, `specd generate`) trusts a server.
+
+    No CA and no cert: plaintext. ca: trust servers signed by it (None: the system's
+    roots); cert/key: present this client certificate (mutual TLS). server_name: the
+    name checked in the server's certificate instead of the dialled host, for endpoints
+    dialled by IP (pods found through EndpointSlices present their Service's name).
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
-    """Where a service listens and how it shuts down."""
+    """Where a service listens, how it shuts down, and its TLS."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port (tests)
     grace_s: float = 10.0  # how long in-flight requests may finish after SIGTERM
+    tls: ServerTLS = ServerTLS()
+    # > 0: also serve grpc.health.v1 alone, in plaintext, on this port: Kubernetes' gRPC
+    # probes cannot speak TLS, so a TLS server needs a plaintext door for its probes.
+    health_port: int = 0
 
     @property
     def address(self) -> str:
@@ -95,6 +136,9 @@ class GatewaySettings:
     verifier_service: str = ""
     draft_service: str = ""
     namespace: str = ""  # empty: the pod's own namespace
+    # TLS towards the workers (mutual with a client cert). Without a server_name, pods
+    # found through a Service are checked against that Service's name.
+    worker_tls: ClientTLS = ClientTLS()
     default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128

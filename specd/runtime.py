@@ -24,6 +24,7 @@ from specd.batching import BatchStats, Job, Scheduler
 from specd.config import BatchSettings
 from specd import kvstore
 from specd.kvstore import BatchRow, SessionKV
+from specd.identity import weights_digest
 from specd.sampling import Transform, probs_from_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +43,7 @@ class ModelInfo:
     max_context: int
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
+    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -218,6 +220,7 @@ class ModelRunner:
             max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
+            weights_digest=weights_digest(path),
         )
         self._kv_shape = _kv_shape(config)
         kvstore.use_layout(self.model, batching.layout)

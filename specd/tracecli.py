@@ -81,11 +81,15 @@ def start_collector(out: Path, port: int = 0, host: str = "127.0.0.1"):
                 sink.write(lines)
             return trace_service_pb2.ExportTraceServiceResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    # Exclusive port, as every specd server (specd.serving.SERVER_OPTIONS says why).
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind to address ..."
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port}: the port is taken; choose another")
     server.start()
     return server, bound
 

@@ -5,7 +5,7 @@ Shared by draft_service and verifier_service so the two stay symmetrical.
 from __future__ import annotations
 
 from specd.batching import BatchStats
-from specd.runtime import ModelRunner
+from specd.runtime import ModelInfo, ModelRunner
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
 
@@ -30,8 +30,28 @@ def model_info_to_pb(runner: ModelRunner, with_tokenizer: bool) -> worker_pb2.Mo
     info = runner.info
     message = worker_pb2.ModelInfo(
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
-        tokenizer_fingerprint=info.tokenizer_fingerprint, eos_token_ids=info.eos_token_ids)
+        tokenizer_fingerprint=info.tokenizer_fingerprint, eos_token_ids=info.eos_token_ids,
+        weights_digest=info.weights_digest)
     if with_tokenizer:
         for name in runner.tokenizer_files():
             message.tokenizer_files[name] = (runner.path / name).read_bytes()
     return message
+
+
+def identity_mismatch(expected: worker_pb2.ModelIdentity, held: ModelInfo) -> str | None:
+    """Why a stream meant for `expected` must not be served by the model `held`; None if it may.
+
+    The message names both identities (digests shortened), for the gateway's log.
+    """
+    mine = (held.name, held.weights_digest, held.tokenizer_fingerprint)
+    wanted = (expected.name, expected.weights_digest, expected.tokenizer_fingerprint)
+    if mine == wanted:
+        return None
+    return (f"this worker holds {describe_identity(*mine)}, but the stream expects "
+            f"{describe_identity(*wanted)}: the worker behind this address changed since the "
+            f"gateway checked it; the gateway must use another worker or be restarted")
+
+
+def describe_identity(name: str, weights_digest: str, tokenizer_fingerprint: str) -> str:
+    """`'target' (weights 1a2b3c4d5e6f, tokenizer 9f8e7d6c5b4a)` for logs and errors."""
+    return f"{name!r} (weights {weights_digest[:12] or '?'}, tokenizer {tokenizer_fingerprint[:12] or '?'})"

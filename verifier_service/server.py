@@ -18,7 +18,8 @@ from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import batch_span_attributes, batch_to_pb, model_info_to_pb, transform_from_pb
+from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb,
+                               transform_from_pb)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -39,6 +40,10 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         stream = uuid.uuid4().hex  # tags the sessions this stream opens
         try:
             async for request in request_iterator:
+                if request.HasField("expected_model"):  # the first message of the stream
+                    problem = identity_mismatch(request.expected_model, self.target.info)
+                    if problem is not None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
                 delta = request.delta
                 opened.add(delta.session_id)
                 transform = transform_from_pb(request.transform)

@@ -53,8 +53,18 @@ class TraceContext(_message.Message):
     carrier: _containers.ScalarMap[str, str]
     def __init__(self, carrier: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class ModelIdentity(_message.Message):
+    __slots__ = ("name", "weights_digest", "tokenizer_fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weights_digest: str
+    tokenizer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit")
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +73,7 @@ class ProposeRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_length: int
     transform: Transform
@@ -71,7 +82,8 @@ class ProposeRequest(_message.Message):
     trace_context: TraceContext
     min_confidence: float
     vocab_limit: int
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ...) -> None: ...
+    expected_model: ModelIdentity
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "forward_ms", "batch")
@@ -86,16 +98,18 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "transform", "trace_context")
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     transform: Transform
     trace_context: TraceContext
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+    expected_model: ModelIdentity
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch")
@@ -126,7 +140,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids")
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids", "weights_digest")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,13 +154,15 @@ class ModelInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
     tokenizer_fingerprint: str
     tokenizer_files: _containers.ScalarMap[str, bytes]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    weights_digest: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
     __slots__ = ("models",)
