@@ -12,7 +12,9 @@ from opentelemetry import trace
 
 from specd.config import DraftSettings
 from specd.batching import Overloaded
-from specd.runtime import ModelRunner, Proposal, SessionNotFound
+from specd.jobs import Proposal
+from specd.predraft import PreDraftRequest
+from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
@@ -36,6 +38,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
         "specd.draft_length": request.draft_length,
         "specd.proposed": len(proposal.tokens),
         "specd.forward_ms": proposal.forward_ms,
+        "specd.pre_drafted": proposal.pre_drafted,
         **batch_span_attributes(proposal.batch),
     }
     if probs:
@@ -76,9 +79,12 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 with worker_step_span(_TRACER, "specd.draft.propose",
                                       request.trace_context.carrier) as span:
                     try:
+                        pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
+                                     if request.pre_draft.draft_length else None)
                         proposal = await runner.propose(delta.session_id, delta.start, list(delta.tokens),
                                                         request.draft_length, transform, request.seed,
-                                                        request.min_confidence, stream, request.vocab_limit)
+                                                        request.min_confidence, stream, request.vocab_limit,
+                                                        pre_draft)
                     except SessionNotFound as exc:
                         await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
                     except ValueError as exc:
@@ -88,7 +94,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                     if span is not None and span.is_recording():
                         span.set_attributes(_span_attributes(name, request, proposal))
                 response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
-                                                      batch=batch_to_pb(proposal.batch))
+                                                      batch=batch_to_pb(proposal.batch),
+                                                      pre_drafted=proposal.pre_drafted)
                 if proposal.probs is not None:
                     response.draft_probs.CopyFrom(pack_distributions(proposal.probs, transform.sparse))
                 yield response
@@ -112,7 +119,7 @@ async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port)."""
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
                                  max_sessions=settings.model.max_sessions, device=settings.model.device,
-                                 batching=settings.model.batching)
+                                 batching=settings.model.batching, pre_draft_branches=settings.pre_draft_branches)
                for name, path in settings.drafts.items()}
     servicer = DraftServicer(runners)
     stop_metrics = start_worker_metrics(runners, "draft", settings.metrics_host, settings.metrics_port)

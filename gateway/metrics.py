@@ -75,6 +75,19 @@ class AcceptanceCollector(Collector):
         yield from per_gen.values()
         yield from self._costs()
         yield from self._load()
+        yield from self._pre_drafts()
+
+    def _pre_drafts(self):
+        """Overlapped speculation: hit rate = rate(…hits_total) / rate(…steps_total)."""
+        steps = CounterMetricFamily(PREFIX + "num_pre_draft_steps",
+                                    "Speculative steps whose proposal the draft pre-drafted for (overlap).",
+                                    labels=list(LABEL_NAMES))
+        hits = CounterMetricFamily(PREFIX + "num_pre_draft_hits",
+                                   "Of those, steps answered from a pre-drafted branch.", labels=list(LABEL_NAMES))
+        for key, (n, hit) in self.stats.pre_draft_snapshot().items():
+            steps.add_metric(list(astuple(key)), n)
+            hits.add_metric(list(astuple(key)), hit)
+        return [steps, hits]
 
     def _load(self):
         """How the verifier batched this gateway's steps; mean = rate(_sum) / rate(_count)."""

@@ -116,7 +116,8 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
     profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
     seed = sampling.seed or secrets.randbits(63)
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model)
+    overlap = speculation.overlap if speculation.HasField("overlap") else settings.overlap
+    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap)
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
         speculation.min_draft_confidence or settings.default_min_confidence, task_type,
@@ -219,6 +220,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                               measure_cost=record.index > 0, batch_size=record.verify_batch.size)
             batch = record.verify_batch
             self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
+            if record.pre_draft_asked and record.draft_length:
+                self.stats.record_pre_draft(labels, record.pre_drafted)
 
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -296,6 +299,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             mean_verify_batch_size=stats.mean_verify_batch_size,
             mean_verify_batch_tokens=stats.mean_verify_batch_tokens,
             verify_queue_ms=stats.verify_queue_ms,
+            pre_draft_hits=stats.pre_draft_hits,
+            pre_draft_steps=stats.pre_draft_steps,
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:

@@ -53,6 +53,7 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
         "specd.verify.batch_size": record.verify_batch.size,
         "specd.verify.batch_tokens": record.verify_batch.tokens,
         "specd.verify.queue_ms": record.verify_batch.queue_ms,
+        "specd.pre_drafted": record.pre_drafted,
     }
     if record.draft_batch.size:
         attributes.update({"specd.draft.batch_size": record.draft_batch.size,

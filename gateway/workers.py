@@ -19,7 +19,8 @@ from typing import Callable
 import grpc
 
 from specd.batching import BatchStats
-from specd.runtime import Proposal, Scores
+from specd.jobs import Proposal, Scores
+from specd.predraft import PreDraftRequest
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
 from specd.wire import unpack_distributions
@@ -163,16 +164,21 @@ class DraftLink(WorkerLink):
 
     async def propose(self, committed: list[int], draft_length: int, transform: Transform,
                       seed: int, draft_model: str, min_confidence: float, vocab_limit: int,
-                      trace_carrier: dict[str, str]) -> Proposal:
+                      trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None) -> Proposal:
+        """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
-            return worker_pb2.ProposeRequest(
+            message = worker_pb2.ProposeRequest(
                 delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
                 draft_model=draft_model, min_confidence=min_confidence, vocab_limit=vocab_limit,
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+            if pre_draft is not None:
+                message.pre_draft.draft_length, message.pre_draft.seed = pre_draft.draft_length, pre_draft.seed
+            return message
 
         response = await self.exchange(committed, build)
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
-        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=_batch(response.batch))
+        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=_batch(response.batch),
+                        pre_drafted=response.pre_drafted)
 
 
 class VerifierLink(WorkerLink):

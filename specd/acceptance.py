@@ -154,6 +154,7 @@ class AcceptanceStats:
         self._segments: set[str] = set()
         self._costs: dict[str, StepCosts] = {}
         self._load: dict[str, LoadCounts] = {}
+        self._pre_drafts: dict[Labels, list[int]] = {}  # labels → [steps that could hit, hits]
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
         self._by_pair_task: dict[tuple[str, str], Counts] = {}
@@ -193,6 +194,18 @@ class AcceptanceStats:
             load.batch_size += batch_size
             load.batch_tokens += batch_tokens
             load.queue_ms += queue_ms
+
+    def record_pre_draft(self, labels: Labels, hit: bool) -> None:
+        """Count one step whose proposal was pre-drafted for (overlap), and whether it hit."""
+        with self._lock:
+            counts = self._pre_drafts.setdefault(labels, [0, 0])
+            counts[0] += 1
+            counts[1] += hit
+
+    def pre_draft_snapshot(self) -> dict[Labels, tuple[int, int]]:
+        """(steps, hits) of overlapped speculation by label set."""
+        with self._lock:
+            return {labels: (steps, hits) for labels, (steps, hits) in self._pre_drafts.items()}
 
     def load_snapshot(self) -> dict[str, LoadCounts]:
         """A copy of the batching counters by model pair."""

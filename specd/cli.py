@@ -57,6 +57,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
     parser.add_argument("--device", default="cpu", help="torch device of the model(s): cpu, cuda, cuda:1")
+    parser.add_argument("--cpus", default="", metavar="LIST",
+                        help="pin the worker to these CPUs (e.g. 0 or 2-3), as it would own a GPU; torch threads "
+                             "default to one per CPU")
     _batch_args(parser)
     parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -151,11 +154,32 @@ def _serve(create, settings, what: str, port_file: Path | None) -> int:
     return 0
 
 
-def _set_threads(threads: int) -> None:
+def _set_threads(threads: int, cpus: str = "") -> None:
+    """Pin the process to `cpus` (e.g. "0" or "2-3,6"), as a model owns its GPU; torch threads
+    default to one per pinned CPU."""
+    if cpus:
+        pinned = _parse_cpus(cpus)
+        os.sched_setaffinity(0, pinned)
+        threads = threads or len(pinned)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def _parse_cpus(value: str) -> set[int]:
+    """"0,2-3" → {0, 2, 3}; a CPU this machine lacks is a clear error."""
+    cpus: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise SystemExit(f"specd: --cpus {value!r}: use CPU numbers and ranges like 0,2-3")
+        cpus.update(range(int(first), int(last or first) + 1))
+    unknown = cpus - os.sched_getaffinity(0)
+    if unknown:
+        raise SystemExit(f"specd: --cpus {value!r}: CPUs {sorted(unknown)} are not available here "
+                         f"(available: {sorted(os.sched_getaffinity(0))})")
+    return cpus
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
@@ -164,9 +188,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     setup_tracing("specd-draft")
 
-    _set_threads(args.threads)
+    _set_threads(args.threads, args.cpus)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
-                             _model_settings(args), args.metrics_host, args.metrics_port)
+                             _model_settings(args), args.metrics_host, args.metrics_port, args.pre_draft_branches)
     return _serve(create_server, settings, "draft", args.port_file)
 
 
@@ -176,7 +200,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
     setup_tracing("specd-verifier")
 
-    _set_threads(args.threads)
+    _set_threads(args.threads, args.cpus)
     settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args),
                                 args.metrics_host, args.metrics_port)
     return _serve(create_server, settings, "verifier", args.port_file)
@@ -195,7 +219,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         draft_address=args.draft_address, verifier_service=args.verifier_service,
         draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
-        worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
+        worker_timeout_s=args.worker_timeout, auto_policy=args.policy, overlap=args.overlap,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         max_concurrent_requests=args.max_concurrent_requests)
@@ -328,10 +352,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         workers = [
             me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files[0]),
                   "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads), *worker_tls,
-                  *_batch_flags(args)],
+                  *_batch_flags(args), *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
             me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files[1]),
                   *[f"--draft={n}={p}" for n, p in drafts.items()],
-                  "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args)],
+                  "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
+                  "--pre-draft-branches", args.pre_draft_branches,
+                  *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         ]
         try:
             procs += [subprocess.Popen(cmd, env=env) for cmd in workers]
@@ -345,7 +371,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--verifier-address", f"127.0.0.1:{verifier_port}",
                 "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
                 "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
-                "--policy", args.policy, "--metrics-host", args.metrics_host,
+                "--policy", args.policy, *(["--overlap"] if args.overlap else []), "--metrics-host", args.metrics_host,
                 "--metrics-port", str(args.metrics_port),
                 *[f"--task-draft={v}" for v in args.task_draft or []]]))
             if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout, client_tls):
@@ -423,6 +449,9 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                         help="γ policy of SPECULATION_MODE_AUTO (default: cost)")
     parser.add_argument("--task-draft", action="append", metavar="TASK=DRAFT",
                         help="use this draft model for requests of this task type (repeatable)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlapped speculation by default: the draft pre-drafts the next step while "
+                             "the target verifies (requests may still set speculation.overlap)")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
@@ -456,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.add_argument("--draft-cpus", default="", metavar="LIST",
+                       help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
+    serve.add_argument("--verifier-cpus", default="", metavar="LIST",
+                       help="pin the verifier worker to these CPUs (e.g. 1)")
+    serve.add_argument("--pre-draft-branches", choices=["all", "bonus"], default="all",
+                       help="with --overlap: pre-draft for every accepted length, or only all-accepted")
     _batch_args(serve)
     _gateway_policy_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -465,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
                        help="a draft model directory; repeat to host several (the first is the default)")
     _model_args(draft)
+    draft.add_argument("--pre-draft-branches", choices=["all", "bonus"], default="all",
+                       help="overlapped speculation: pre-draft for every accepted length (all) or only for "
+                            "everything accepted (bonus: fewer draft forwards)")
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")

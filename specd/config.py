@@ -115,6 +115,9 @@ class DraftSettings:
     model: ModelSettings = ModelSettings()
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
+    # Overlapped speculation: which verdicts to pre-draft for (specd.predraft): "all"
+    # accepted lengths, or only "bonus" (everything accepted; fewer draft forwards).
+    pre_draft_branches: str = "all"
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class GatewaySettings:
     worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
     max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
+    overlap: bool = False  # overlapped speculation unless a request says otherwise (specd.predraft)
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (the seed's table by default)
     task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))

@@ -70,6 +70,18 @@ class SessionKV:
             self.keys[i] = torch.cat([k, pad], dim=1)
             self.values[i] = torch.cat([v, pad.clone()], dim=1)
 
+    def fork(self, keep: int) -> SessionKV:
+        """A copy of this session's first `keep` cached positions and tokens (a branch)."""
+        layers, (heads, _, dim) = len(self.keys), self.keys[0].shape
+        fork = SessionKV(layers, heads, dim, self.keys[0].dtype, self.keys[0].device, self.block_tokens, self.stream)
+        fork.reserve(keep + self.block_tokens)
+        for i in range(layers):
+            fork.keys[i][:, :keep] = self.keys[i][:, :keep]
+            fork.values[i][:, :keep] = self.values[i][:, :keep]
+        fork.length = keep
+        fork.tokens = self.tokens[:keep]
+        return fork
+
     def nbytes(self) -> int:
         """Bytes held by this session's keys and values (capacity, not just length)."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()

@@ -9,6 +9,7 @@ that has taken the session out of the store. No gRPC here.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import OrderedDict
@@ -20,12 +21,14 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specd.batching import BatchStats, Job, Scheduler
-from specd.config import BatchSettings
 from specd import kvstore
-from specd.kvstore import BatchRow, SessionKV
+from specd.batching import Job, Scheduler
+from specd.config import BatchSettings
 from specd.identity import weights_digest
-from specd.sampling import Transform, probs_from_logits
+from specd.jobs import Proposal, ProposeJob, Scores, ScoreJob
+from specd.kvstore import BatchRow, SessionKV
+from specd.predraft import Branch, PreDraftRequest, PreDrafts
+from specd.sampling import Transform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,12 +102,15 @@ class SessionStore:
         """A taken session's step is over (put back or dropped)."""
         self.in_use -= 1
 
-    def drop(self, session_id: str, stream: str | None = None) -> None:
+    def drop(self, session_id: str, stream: str | None = None) -> bool:
         """Forget a session; with `stream`, only if that stream opened it (a request that
-        re-opened its session on a new stream must not lose it to the old one's end)."""
+        re-opened its session on a new stream must not lose it to the old one's end).
+        True when it was forgotten."""
         session = self._sessions.get(session_id)
         if session is not None and (stream is None or session.stream == stream):
             del self._sessions[session_id]
+            return True
+        return False
 
     def kv_bytes(self) -> int:
         """Bytes of KV storage held by the idle sessions (steps in progress hold theirs)."""
@@ -114,97 +120,12 @@ class SessionStore:
         return len(self._sessions) + self.in_use
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None
-    forward_ms: float
-    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
-    # the draft service reports them on its trace spans.
-    token_probs: tuple[float, ...] = ()
-    batch: BatchStats = BatchStats()
-
-
-@dataclass(frozen=True)
-class Scores:
-    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
-
-    argmax: list[int] | None
-    probs: torch.Tensor | None
-    forward_ms: float
-    batch: BatchStats = BatchStats()
-
-
-class _ProposeJob(Job):
-    """A draft step: feed the delta, then sample one token per forward up to γ."""
-
-    def __init__(self, session: SessionKV, feed: list[int], draft_length: int, transform: Transform,
-                 seed: int, min_confidence: float, vocab_limit: int) -> None:
-        super().__init__(session, feed, keep=1)
-        self.draft_length = draft_length
-        self.transform = transform
-        self.generator = torch.Generator().manual_seed(seed)
-        self.min_confidence = min_confidence
-        self.vocab_limit = vocab_limit
-        self.drafted: list[int] = []
-        self.probs: list[torch.Tensor] = []
-        self.token_probs: list[float] = []
-
-    def consume(self, logits: torch.Tensor) -> bool:
-        if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
-            return False
-        if self.vocab_limit:
-            logits = logits[:, :self.vocab_limit]
-        greedy = self.transform.greedy
-        q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, self.transform)[0]
-        if self.drafted and float(q.max()) < self.min_confidence:
-            return True
-        token = int(logits[0].argmax()) if greedy else int(torch.multinomial(q, 1, generator=self.generator))
-        if not greedy:
-            self.probs.append(q)
-        self.drafted.append(token)
-        self.token_probs.append(float(q[token]))
-        if len(self.drafted) == self.draft_length:
-            return True
-        # The last proposal is not fed: nothing needs its logits yet; it stays known, so
-        # the next step feeds it if it was accepted.
-        self.pending = [token]
-        return False
-
-    def result(self) -> Proposal:
-        self.session.tokens.extend(self.drafted)
-        return Proposal(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
-                        tuple(self.token_probs), self.batch_stats())
-
-
-class _ScoreJob(Job):
-    """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions."""
-
-    def __init__(self, session: SessionKV, feed: list[int], positions: int, transform: Transform) -> None:
-        super().__init__(session, feed, keep=positions)
-        self.transform = transform
-        self.scores: Scores | None = None
-
-    def consume(self, logits: torch.Tensor) -> bool:
-        if logits.shape[0] == 0:
-            return False
-        if self.transform.greedy:
-            self.scores = Scores(logits.argmax(dim=-1).tolist(), None, 0.0)
-        else:
-            self.scores = Scores(None, probs_from_logits(logits, self.transform), 0.0)
-        return True
-
-    def result(self) -> Scores:
-        return Scores(self.scores.argmax, self.scores.probs, self.forward_ms, self.batch_stats())
-
-
 class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
-                 max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings()) -> None:
+                 max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
+                 pre_draft_branches: str = "all") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -228,14 +149,16 @@ class ModelRunner:
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
         self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
+        self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
 
     async def close(self) -> None:
         await self.scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def end_session(self, session_id: str, stream: str) -> None:
-        """Forget a session once the stream that opened it ends."""
-        self.sessions.drop(session_id, stream)
+        """Forget a session once the stream that opened it ends (and any branches pre-drafted for it)."""
+        if self.sessions.drop(session_id, stream):
+            self.pre_drafts.cancel(session_id)
 
     def tokenizer_files(self) -> list[str]:
         """Names of the tokenizer files in the model directory (what the gateway needs)."""
@@ -292,22 +215,55 @@ class ModelRunner:
 
     async def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
                       transform: Transform, seed: int, min_confidence: float = 0.0, stream: str = "",
-                      vocab_limit: int = 0) -> Proposal:
+                      vocab_limit: int = 0, pre_draft: PreDraftRequest | None = None) -> Proposal:
         """Draft side: bring the session up to date and propose up to `draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
         With min_confidence, proposing stops early (after at least one token) when the
         draft's top probability for the next token falls below it. vocab_limit > 0 keeps
-        proposals below that id (the target's vocabulary).
+        proposals below that id (the target's vocabulary). With pre_draft, the next
+        step's proposal is drafted for the likely verdicts once this one is answered
+        (`specd.predraft`); a request matching one is answered from it.
         """
         if draft_length < 1:
             raise ValueError("draft_length must be >= 1")
-        session, feed = self._sync(session_id, start, tokens, stream)
-        if not feed:
-            self.sessions.release()
-            raise ValueError("nothing to feed: a step must carry at least one new committed token")
-        job = _ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
-        return await self._step(session_id, session, job)
+        branch = self.pre_drafts.take(session_id, start, tokens, draft_length, transform, seed, min_confidence,
+                                      vocab_limit)
+        proposal = job = None
+        if branch is not None:
+            proposal, job = await self._adopt(session_id, branch, draft_length, stream)
+        if proposal is None:
+            session, feed = self._sync(session_id, start, tokens, stream)
+            if not feed:
+                self.sessions.release()
+                raise ValueError("nothing to feed: a step must carry at least one new committed token")
+            job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
+            proposal = await self._step(session_id, session, job)
+        if pre_draft is not None and proposal.tokens:
+            committed = len(job.session.tokens) - len(proposal.tokens)
+            self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence, vocab_limit)
+        return proposal
+
+    async def _adopt(self, session_id: str, branch: Branch, draft_length: int,
+                     stream: str) -> tuple[Proposal | None, ProposeJob | None]:
+        """Answer from a pre-drafted branch: its session becomes the session's (None: it failed)."""
+        try:
+            full = await branch.task
+        except (Exception, asyncio.CancelledError):
+            return None, None
+        session = branch.job.session
+        session.stream = stream
+        cut = len(full.tokens) - min(draft_length, len(full.tokens))  # a shorter γ takes a prefix
+        if cut:
+            session.tokens = session.tokens[:-cut]
+            del branch.job.drafted[-cut:], branch.job.alternatives[-cut:]
+        session.crop(len(session.tokens) - 1)  # the last proposal is known, not cached
+        self.sessions.drop(session_id)
+        self.sessions.put(session_id, session)
+        kept = len(full.tokens) - cut
+        probs = None if full.probs is None else full.probs[:kept]
+        return Proposal(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
+                        pre_drafted=True), branch.job
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, stream: str = "") -> Scores:
@@ -325,7 +281,7 @@ class ModelRunner:
             self.sessions.release()
             raise ValueError("nothing to score: a step must carry at least one new committed token")
         session.tokens.extend(draft_tokens)
-        job = _ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
+        job = ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
         return await self._step(session_id, session, job)
 
 

@@ -30,11 +30,15 @@ class WorkerCollector(Collector):
         queued = GaugeMetricFamily(PREFIX + "queued_steps", "Steps waiting for a batched forward.",
                                    labels=labels)
         kv_bytes = GaugeMetricFamily(PREFIX + "kv_bytes", "Bytes of KV storage held by idle sessions.", labels=labels)
+        pre_drafts = GaugeMetricFamily(PREFIX + "pre_drafted_sessions",
+                                       "Sessions with branches pre-drafted for their next step (overlap).",
+                                       labels=labels)
         for name, runner in self.runners.items():
             sessions.add_metric([name, self.role], len(runner.sessions))
+            pre_drafts.add_metric([name, self.role], len(runner.pre_drafts))
             queued.add_metric([name, self.role], runner.scheduler.queued)
             kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
-        return [sessions, queued, kv_bytes]
+        return [sessions, queued, kv_bytes, pre_drafts]
 
 
 def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:
