@@ -86,8 +86,10 @@ class CostPolicy:
 
     def __init__(self, costs: StepCosts, profile: TaskProfile,
                  curve: Callable[[], list[float] | None] = lambda: None,
-                 probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0) -> None:
+                 probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0,
+                 overlap: bool = False) -> None:
         self.costs = costs
+        self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
         self.curve = curve
         self.probe_every = probe_every
@@ -115,7 +117,7 @@ class CostPolicy:
 
     def next_draft_length(self) -> int:
         span = range(self.profile.min_draft_length, self.profile.max_draft_length + 1)
-        best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve())
+        best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve(), self.overlap)
         if best > 0:
             self.plain_steps = 0
             return best

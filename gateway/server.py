@@ -138,7 +138,8 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
         if measured is not None:
             profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
-                          curve=lambda: stats.position_curve(model_pair, parsed.task_type))
+                          curve=lambda: stats.position_curve(model_pair, parsed.task_type),
+                          overlap=parsed.generation.overlap)
     if parsed.policy == "confidence":
         return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
     return FixedPolicy(parsed.draft_length)
@@ -217,7 +218,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The first step also prefills the prompt: its time says nothing about a step's cost.
             self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
                               generated_before, record.draft_ms, record.verify_ms,
-                              measure_cost=record.index > 0, batch_size=record.verify_batch.size)
+                              measure_cost=record.index > 0, batch_size=record.verify_batch.size,
+                              pre_draft_asked=record.pre_draft_asked, pre_drafted=record.pre_drafted)
             batch = record.verify_batch
             self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
             if record.pre_draft_asked and record.draft_length:

@@ -173,7 +173,8 @@ class AcceptanceStats:
             return self._costs.setdefault(model_pair, StepCosts())
 
     def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int,
-               draft_ms: float, verify_ms: float, measure_cost: bool = True, batch_size: int = 1) -> None:
+               draft_ms: float, verify_ms: float, measure_cost: bool = True, batch_size: int = 1,
+               pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
         """Count one step (hot path). measure_cost=False: its time is not a step's cost
         (the first step of a request also prefills the prompt). batch_size: sessions that
         shared the step's verify forward (the load its costs were measured at)."""
@@ -184,7 +185,8 @@ class AcceptanceStats:
             self._window.append((labels, *step))
             if measure_cost:
                 self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms,
-                                                                                batch_size)
+                                                                                batch_size, pre_draft_asked,
+                                                                                pre_drafted)
 
     def record_load(self, model_pair: str, batch_size: int, batch_tokens: int, queue_ms: float) -> None:
         """Count how one step's verify forward was batched (hot path)."""

@@ -53,6 +53,7 @@ class Config:
     mode: str  # auto | fixed | off
     policy: str = ""
     draft_length: int = 0
+    overlap: bool = False  # overlapped speculation ("+overlap")
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Result:
     gamma_trace: list[int] = field(default_factory=list)  # γ per step of the longest request
     outputs: list[list[int]] = field(default_factory=list)  # token ids of every request, in order
     same_as_target_only: int = 0  # requests whose output equals target-only's (greedy: all)
+    pre_draft_steps: int = 0  # overlap: steps pre-drafted for, and hits among them
+    pre_draft_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,17 +89,20 @@ class Result:
 
 
 def parse_configs(spec: str) -> list[Config]:
-    """"off,fixed:4,ema,cost" → configurations (target-only is always included first)."""
+    """"off,fixed:4,ema,cost,cost+overlap" → configurations (target-only is always first)."""
     configs = [Config("target-only", "off")]
     for item in spec.split(","):
         item = item.strip()
         if not item or item == "off":
             continue
+        item, plus, _ = item.partition("+overlap")
+        suffix = " +overlap" if plus else ""
         name, _, gamma = item.partition(":")
         if name == "fixed":
-            configs.append(Config(f"fixed γ={gamma}", "fixed", "fixed", int(gamma)))
+            configs.append(Config(f"fixed γ={gamma}{suffix}", "fixed", "fixed", int(gamma), bool(plus)))
         else:
-            configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}", "auto", name))
+            configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}{suffix}", "auto", name,
+                                  overlap=bool(plus)))
     return configs
 
 
@@ -104,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
-                        help="comma list of fixed:γ, ema, cost, confidence (target-only always runs)")
+                        help="comma list of fixed:γ, ema, cost, confidence, each optionally +overlap "
+                             "(e.g. fixed:4+overlap; target-only always runs)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the workload")
@@ -133,7 +140,7 @@ def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, s
                                             max_new_tokens=args.max_new_tokens),
         speculation=gateway_pb2.SpeculationParams(mode=mode, policy=config.policy,
                                                   draft_length=config.draft_length,
-                                                  draft_model=args.draft_model))
+                                                  draft_model=args.draft_model, overlap=config.overlap))
 
 
 def _add(result: Result, task: str, stats, seconds: float) -> None:
@@ -142,6 +149,8 @@ def _add(result: Result, task: str, stats, seconds: float) -> None:
     result.proposed += stats.proposed_tokens
     result.accepted += stats.accepted_tokens
     result.steps += stats.steps
+    result.pre_draft_steps += stats.pre_draft_steps
+    result.pre_draft_hits += stats.pre_draft_hits
     for mine, theirs in ((result.proposed_per_position, stats.proposed_per_position),
                          (result.accepted_per_position, stats.accepted_per_position)):
         mine.extend([0] * (len(theirs) - len(mine)))
@@ -246,7 +255,7 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
     """The side-by-side table, plain text; with costs, the speedup the cost model predicts."""
     base = results[0].tokens_per_s
     lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"
-             f" {'same output':>12} {'predicted ×':>11}"]
+             f" {'same output':>12} {'predicted ×':>11} {'hit rate':>8}"]
     for r in results:
         accept = f"{r.acceptance:.3f}" if r.proposed else "—"
         predicted = None
@@ -254,7 +263,8 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
             predicted = costs.predicted_speedup(r.tokens_per_step, r.config.draft_length)
         lines.append(f"{r.config.label:<26} {accept:>10} {r.tokens_per_step:>11.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.tokens_per_s / base:>13.2f} {r.same_as_target_only:>5}/{len(r.outputs):<6} "
-                     f"{f'{predicted:.2f}' if predicted else '':>11}")
+                     f"{f'{predicted:.2f}' if predicted else '':>11} "
+                     f"{f'{r.pre_draft_hits / r.pre_draft_steps:.2f}' if r.pre_draft_steps else '':>8}")
     for label, rate in extra.items():
         lines.append(f"{label:<26} {'':>10} {'':>11} {rate:>9.1f} {rate / base:>13.2f}")
     if costs is not None:

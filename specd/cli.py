@@ -184,10 +184,16 @@ def _parse_cpus(value: str) -> set[int]:
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import create_server
+    from specd.predraft import check_branches
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-draft")
 
+    try:
+        check_branches(args.pre_draft_branches)
+    except ValueError as exc:
+        print(f"specd draft: --pre-draft-branches: {exc}", file=sys.stderr)
+        return 2
     _set_threads(args.threads, args.cpus)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
                              _model_settings(args), args.metrics_host, args.metrics_port, args.pre_draft_branches)
@@ -489,8 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
     serve.add_argument("--verifier-cpus", default="", metavar="LIST",
                        help="pin the verifier worker to these CPUs (e.g. 1)")
-    serve.add_argument("--pre-draft-branches", choices=["all", "bonus"], default="all",
-                       help="with --overlap: pre-draft for every accepted length, or only all-accepted")
+    serve.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+                       help="with --overlap: which verdicts the draft pre-drafts for (see specd draft --help)")
     _batch_args(serve)
     _gateway_policy_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -500,9 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
                        help="a draft model directory; repeat to host several (the first is the default)")
     _model_args(draft)
-    draft.add_argument("--pre-draft-branches", choices=["all", "bonus"], default="all",
-                       help="overlapped speculation: pre-draft for every accepted length (all) or only for "
-                            "everything accepted (bonus: fewer draft forwards)")
+    draft.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+                       help="overlapped speculation: pre-draft for every accepted length (all), only for everything "
+                            "accepted (bonus), or for the K verdicts the draft finds most likely (default "
+                            f"{DraftSettings.pre_draft_branches})")
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")

@@ -116,8 +116,9 @@ class DraftSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
     # Overlapped speculation: which verdicts to pre-draft for (specd.predraft): "all"
-    # accepted lengths, or only "bonus" (everything accepted; fewer draft forwards).
-    pre_draft_branches: str = "all"
+    # accepted lengths, only "bonus" (everything accepted), or the K the draft finds
+    # most likely (fewer branches: fewer draft forwards competing with the gateway).
+    pre_draft_branches: str = "3"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ Pure Python; no gRPC.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 
@@ -173,13 +173,26 @@ class StepCosts:
         self.prior_draft_ratio = prior_draft_ratio
         self._tables: dict[int, CostTable] = {}
         self.load = 1  # the load bucket of the last step observed
+        # Overlapped speculation: how often a pre-drafted step hits, and what its draft hop
+        # costs then (the wait for a branch still drafting, plus the hop).
+        self.hit_rate = _Ema(weight)
+        self.hit_draft_ms = _Ema(weight)
 
-    def observe(self, draft_length: int, draft_ms: float, verify_ms: float, batch_size: int = 1) -> None:
-        """One step's hop times, at the load its verify forward reported."""
+    def observe(self, draft_length: int, draft_ms: float, verify_ms: float, batch_size: int = 1,
+                pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
+        """One step's hop times, at the load its verify forward reported.
+
+        A step answered from a pre-drafted branch says what a hit costs, not what drafting
+        γ tokens costs; it goes to the hit figures instead of the draft table."""
         self.load = load_bucket(batch_size)
         table = self._tables.get(self.load)
         if table is None:
             table = self._tables[self.load] = CostTable(self._weight, self.prior_draft_ratio)
+        if pre_draft_asked and draft_length:
+            self.hit_rate.add(1.0 if pre_drafted else 0.0)
+        if pre_drafted:
+            self.hit_draft_ms.add(draft_ms)
+            draft_length, draft_ms = 0, 0.0  # keeps the verify measurement only
         table.observe(draft_length, draft_ms, verify_ms)
 
     def table(self, load: int | None = None) -> CostTable | None:
@@ -189,10 +202,21 @@ class StepCosts:
         load = self.load if load is None else load
         return self._tables[min(self._tables, key=lambda bucket: (abs(bucket - load), bucket))]
 
-    def estimate(self, gamma: int) -> CostEstimate | None:
-        """Predicted milliseconds of a step at γ under the current load; None before any measurement."""
+    def estimate(self, gamma: int, overlap: bool = False) -> CostEstimate | None:
+        """Predicted milliseconds of a step at γ under the current load; None before any measurement.
+
+        With overlap, the draft hop is a hit's cost with the measured hit rate h and a full
+        proposal otherwise: h·hit + (1 − h)·draft(γ) — about max(draft, verify) on a hit
+        and their sum on a miss, as measured.
+        """
         table = self.table()
-        return table.estimate(gamma) if table else None
+        if table is None:
+            return None
+        estimate = table.estimate(gamma)
+        h, hit_ms = self.hit_rate.value, self.hit_draft_ms.value
+        if not overlap or gamma == 0 or h is None or hit_ms is None:
+            return estimate
+        return replace(estimate, draft_ms=h * hit_ms + (1.0 - h) * estimate.draft_ms)
 
     def _summary_table(self) -> CostTable | None:
         return self.table(1)
@@ -211,7 +235,7 @@ class StepCosts:
 
 
 def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
-                      curve: list[float] | None = None) -> int:
+                      curve: list[float] | None = None, overlap: bool = False) -> int:
     """The γ among candidates that maximises expected tokens per millisecond.
 
     Before any cost is measured, the middle candidate: a first step to measure from.
@@ -221,7 +245,7 @@ def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
     best, best_rate = candidates[0], -1.0
     for gamma in candidates:
         tokens = expected_tokens_from_curve(curve, gamma) if curve else expected_tokens(alpha, gamma)
-        rate = tokens / costs.estimate(gamma).step_ms
+        rate = tokens / costs.estimate(gamma, overlap).step_ms
         if rate > best_rate:
             best, best_rate = gamma, rate
     return best

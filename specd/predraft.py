@@ -26,7 +26,12 @@ from specd.jobs import Proposal, ProposeJob
 from specd.kvstore import SessionKV
 from specd.sampling import Transform
 
-BRANCHES = ("all", "bonus")  # every accepted length, or only "all accepted" (cheaper)
+def check_branches(mode: str) -> str:
+    """Which verdicts to pre-draft for: "all" (every accepted length), "bonus" (only all
+    accepted), or a number K: the K verdicts the draft itself finds most likely."""
+    if mode in ("all", "bonus") or (mode.isdigit() and int(mode) >= 1):
+        return mode
+    raise ValueError(f"pre-draft branches must be all, bonus or a number >= 1, got {mode!r}")
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,9 @@ class PendingPreDraft:
 class PreDrafts:
     """Pending branches by session, on the event loop; `submit` queues a job on the model."""
 
-    def __init__(self, submit: Callable[[ProposeJob], Awaitable[Proposal]], mode: str = "all") -> None:
-        if mode not in BRANCHES:
-            raise ValueError(f"pre-draft branches must be one of {list(BRANCHES)}, got {mode!r}")
+    def __init__(self, submit: Callable[[ProposeJob], Awaitable[Proposal]], mode: str = "3") -> None:
         self._submit = submit
-        self.mode = mode
+        self.mode = check_branches(mode)
         self._pending: dict[str, PendingPreDraft] = {}
 
     def start(self, session_id: str, session: SessionKV, committed: int, proposed: ProposeJob,
@@ -89,13 +92,29 @@ class PreDrafts:
         """
         self.cancel(session_id)
         drafted, transform = proposed.drafted, proposed.transform
-        guesses = [] if self.mode == "bonus" else list(enumerate(proposed.alternatives[:len(drafted)]))
         settings = (request, transform, min_confidence, vocab_limit)
-        branches = [self._branch(session, committed + j, token, token, *settings)  # x_{j+1} rejected
-                    for j, token in guesses]
-        # Everything accepted: feed x_m (not cached yet), guess the bonus, go on from it.
-        branches.append(self._branch(session, committed + len(drafted) - 1, drafted[-1], None, *settings))
+        branches = []
+        for j in self._verdicts(proposed.token_probs):
+            if j < len(drafted):  # x_{j+1} rejected: the target commits the draft's other guess there
+                token = proposed.alternatives[j]
+                branches.append(self._branch(session, committed + j, token, token, *settings))
+            else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
+                branches.append(self._branch(session, committed + j - 1, drafted[-1], None, *settings))
         self._pending[session_id] = PendingPreDraft(request, transform, min_confidence, vocab_limit, branches)
+
+    def _verdicts(self, token_probs: tuple[float, ...] | list[float]) -> list[int]:
+        """The accepted lengths j to pre-draft for, most likely first by the draft's own
+        reckoning: P(j) = Π_{i≤j} q_i(x_i) · (1 − q_{j+1}(x_{j+1})), P(m) = Π_{i≤m} q_i(x_i)."""
+        m = len(token_probs)
+        if self.mode == "bonus":
+            return [m]
+        likelihood, survive = [], 1.0
+        for j, q in enumerate(token_probs):
+            likelihood.append((survive * (1.0 - q), j))
+            survive *= q
+        likelihood.append((survive, m))
+        ranked = [j for _, j in sorted(likelihood, reverse=True)]
+        return ranked if self.mode == "all" else ranked[:int(self.mode)]
 
     def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None, request: PreDraftRequest,
                 transform: Transform, min_confidence: float, vocab_limit: int) -> Branch:

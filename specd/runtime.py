@@ -125,7 +125,7 @@ class ModelRunner:
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
                  max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
-                 pre_draft_branches: str = "all") -> None:
+                 pre_draft_branches: str = "3") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")

@@ -145,7 +145,7 @@ class Stack:
 
 
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
-                verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "all",
+                verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
                 **gateway_options) -> Stack:
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)

@@ -112,3 +112,20 @@ def test_probes_propose_one_token():
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
     probes = [g for g in (policy.next_draft_length() for _ in range(40)) if g]
     assert probes and set(probes) == {1}
+
+
+def test_overlap_hits_make_longer_drafts_pay():
+    """A draft whose tokens cost more than verifying: sequentially no γ pays, but when
+    most steps are answered from a pre-drafted branch the draft hop is nearly free."""
+    costs = StepCosts(weight=0.1)
+    for gamma in (0, 2, 4):
+        costs.observe(gamma, 6.0 * gamma, 10.0 * (1 + 0.05 * gamma))  # constant: the EMAs hold these
+    sequential = CostPolicy(costs, TaskProfile(0.6, 1, 8))
+    overlapped = CostPolicy(costs, TaskProfile(0.6, 1, 8), overlap=True)
+    assert sequential.next_draft_length() == 0
+    for _ in range(50):  # measured: 9 of 10 pre-drafted steps hit, at 1 ms of draft hop
+        for hit in [True] * 9 + [False]:
+            costs.observe(4, 1.0 if hit else 24.0, 12.0, pre_draft_asked=True, pre_drafted=hit)
+    assert 0.8 < costs.hit_rate.value < 0.95  # an EMA ending on a miss
+    assert overlapped.next_draft_length() >= 2
+    assert sequential.next_draft_length() == 0
