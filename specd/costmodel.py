@@ -81,8 +81,9 @@ class CostTable:
         self._verify: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
         self._weight = weight
 
-    def observe(self, draft_length: int, draft_ms: float, verify_ms: float) -> None:
-        if draft_length > 0:
+    def observe(self, draft_length: int, draft_ms: float | None, verify_ms: float) -> None:
+        """One step's hop times at γ; draft_ms None: the verify hop alone says something."""
+        if draft_length > 0 and draft_ms is not None:
             self._draft[draft_length].add(draft_ms)
         self._verify[draft_length].add(verify_ms)
 
@@ -192,8 +193,7 @@ class StepCosts:
             self.hit_rate.add(1.0 if pre_drafted else 0.0)
         if pre_drafted:
             self.hit_draft_ms.add(draft_ms)
-            draft_length, draft_ms = 0, 0.0  # keeps the verify measurement only
-        table.observe(draft_length, draft_ms, verify_ms)
+        table.observe(draft_length, None if pre_drafted else draft_ms, verify_ms)
 
     def table(self, load: int | None = None) -> CostTable | None:
         """The table of a load bucket (default: the current load), else the nearest measured one."""
