@@ -4,6 +4,7 @@ Thin by design: look up the draft, call the runtime on the model's thread, conve
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import AsyncIterator
 
@@ -16,7 +17,7 @@ from specd.jobs import Proposal
 from specd.predraft import PreDraftRequest
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
-from specd.telemetry import worker_step_span
+from specd.telemetry import start_worker_span, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
@@ -93,6 +94,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft: {exc}")
                     if span is not None and span.is_recording():
                         span.set_attributes(_span_attributes(name, request, proposal))
+                if proposal.pre_draft is not None:
+                    _trace_pre_draft(request, proposal.pre_draft)
                 response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
                                                       batch=batch_to_pb(proposal.batch),
                                                       pre_drafted=proposal.pre_drafted)
@@ -102,6 +105,22 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         finally:
             for name, session_id in opened:
                 self.drafts[name].end_session(session_id, stream)
+
+
+def _trace_pre_draft(request: worker_pb2.ProposeRequest, settled: asyncio.Future) -> None:
+    """A `specd.draft.pre_draft` span from now until the branches settle: in a trace it
+    overlaps the verifier's span of the same step (docs/tracing.md)."""
+    span = start_worker_span(_TRACER, "specd.draft.pre_draft", request.trace_context.carrier)
+    if span is None:
+        return
+
+    def end(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            span.set_attributes({"specd.pre_draft.draft_length": request.pre_draft.draft_length,
+                                 "specd.pre_draft.accepted_lengths": future.result()})
+        span.end()
+
+    settled.add_done_callback(end)
 
 
 async def _check_identity(expected: worker_pb2.ModelIdentity, runner: ModelRunner | None,

@@ -6,6 +6,7 @@ send back. Pure torch on the model's thread (`consume`); no gRPC.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ class Proposal:
     token_probs: tuple[float, ...] = ()
     batch: BatchStats = BatchStats()
     pre_drafted: bool = False  # taken from a branch drafted while the last step was verified
+    # Draft side, overlap: done when the branches pre-drafted after this proposal settle.
+    pre_draft: asyncio.Future | None = None
 
 
 @dataclass(frozen=True)

@@ -85,10 +85,12 @@ class PreDrafts:
         self._pending: dict[str, PendingPreDraft] = {}
 
     def start(self, session_id: str, session: SessionKV, committed: int, proposed: ProposeJob,
-              request: PreDraftRequest, min_confidence: float, vocab_limit: int) -> None:
+              request: PreDraftRequest, min_confidence: float, vocab_limit: int) -> asyncio.Future:
         """Pre-draft the next step of a session that has just proposed `proposed.drafted`.
 
         committed: the committed length the proposal followed (its x₁ is at that index).
+        Returns a future done when every branch has finished or been dropped, with the
+        accepted lengths they assumed.
         """
         self.cancel(session_id)
         drafted, transform = proposed.drafted, proposed.transform
@@ -101,6 +103,9 @@ class PreDrafts:
             else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
                 branches.append(self._branch(session, committed + j - 1, drafted[-1], None, *settings))
         self._pending[session_id] = PendingPreDraft(request, transform, min_confidence, vocab_limit, branches)
+        assumed = [branch.start - committed for branch in branches]
+        settled = asyncio.gather(*(branch.task for branch in branches), return_exceptions=True)
+        return asyncio.ensure_future(_then(settled, assumed))
 
     def _verdicts(self, token_probs: tuple[float, ...] | list[float]) -> list[int]:
         """The accepted lengths j to pre-draft for, most likely first by the draft's own
@@ -152,6 +157,11 @@ class PreDrafts:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+async def _then(settled: Awaitable, value):
+    await settled
+    return value
 
 
 def _consume_error(task: asyncio.Task) -> None:

@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -241,7 +241,9 @@ class ModelRunner:
             proposal = await self._step(session_id, session, job)
         if pre_draft is not None and proposal.tokens:
             committed = len(job.session.tokens) - len(proposal.tokens)
-            self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence, vocab_limit)
+            settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence,
+                                            vocab_limit)
+            proposal = replace(proposal, pre_draft=settled)
         return proposal
 
     async def _adopt(self, session_id: str, branch: Branch, draft_length: int,
