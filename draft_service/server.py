@@ -16,7 +16,8 @@ from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.workerproto import model_info_to_pb, transform_from_pb
+from specd.interceptors import clip
+from specd.workerproto import MAX_DRAFT_LENGTH, model_info_to_pb, session_lost, step_problems, transform_from_pb
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -63,10 +64,15 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                 runner = self.drafts.get(name)
                 if runner is None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"unknown draft model {name!r}; this service hosts {sorted(self.drafts)}")
+                                        f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
                 delta = request.delta
-                opened.add((name, delta.session_id))
                 transform = transform_from_pb(request.transform)
+                problems = step_problems(runner.info, delta, transform, request.draft_length)
+                if request.draft_length > MAX_DRAFT_LENGTH:
+                    problems.append(f"draft_length {request.draft_length} is over {MAX_DRAFT_LENGTH}")
+                if problems:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+                opened.add((name, delta.session_id))
                 with worker_step_span(_TRACER, "specd.draft.propose",
                                       request.trace_context.carrier) as span:
                     try:
@@ -75,7 +81,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                                                     request.seed, request.min_confidence, stream,
                                                     request.vocab_limit)
                     except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
+                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("draft", exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if span is not None and span.is_recording():

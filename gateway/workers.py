@@ -9,6 +9,7 @@ This is the only gateway module that speaks the worker protobufs.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +39,15 @@ class LinkSettings:
     step_timeout_s: float
     max_reopens: int
     connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
+    deadline: float | None = None  # the client's deadline (time.monotonic()); None: none
+
+    def remaining(self) -> float | None:
+        """Seconds left before the client's deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+def _sooner(timeout_s: float, remaining: float | None) -> float:
+    return timeout_s if remaining is None else min(timeout_s, remaining)
 
 
 def _transform_pb(transform: Transform) -> worker_pb2.Transform:
@@ -48,13 +58,14 @@ def _transform_pb(transform: Transform) -> worker_pb2.Transform:
 class WorkerLink:
     """One request's session on one worker service, over one bidi stream at a time.
 
-    `open_stream(moved)` opens the session's stream on the endpoint its router picks;
-    moved=True after the endpoint failed it (unreachable, restarted, too slow), so the
-    router moves the session when another endpoint is ready. `release()` is called once
-    the request is over (the router forgets the session).
+    `open_stream(moved, timeout)` opens the session's stream on the endpoint its router
+    picks; moved=True after the endpoint failed it (unreachable, restarted, too slow), so
+    the router moves the session when another endpoint is ready; timeout is what is left
+    of the client's deadline (None: none). `release()` is called once the request is over
+    (the router forgets the session).
     """
 
-    def __init__(self, name: str, open_stream: Callable[[bool], grpc.aio.StreamStreamCall],
+    def __init__(self, name: str, open_stream: Callable[[bool, float | None], grpc.aio.StreamStreamCall],
                  release: Callable[[], None], settings: LinkSettings) -> None:
         self.name = name
         self._open_stream = open_stream
@@ -74,18 +85,26 @@ class WorkerLink:
     async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], object]):
         """Send one step built around the delta the worker lacks; return its response."""
         while True:
+            remaining = self.settings.remaining()
+            if remaining is not None and remaining <= 0:
+                # Past the client's deadline nothing is re-opened: the request is over.
+                self._drop_call()
+                raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"{self.name}: the request's deadline passed")
             delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
                                              tokens=committed[self.position:])
             try:
                 message = build(delta)
                 if self._call is None:
-                    self._call = self._open_stream(self._moved)
+                    self._call = self._open_stream(self._moved, remaining)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
-                    await asyncio.wait_for(self._call.write(message), self.settings.connect_timeout_s)
+                    await asyncio.wait_for(self._call.write(message),
+                                           _sooner(self.settings.connect_timeout_s, remaining))
                 else:
                     await self._call.write(message)
-                response = await asyncio.wait_for(self._call.read(), self.settings.step_timeout_s)
+                response = await asyncio.wait_for(self._call.read(),
+                                                  _sooner(self.settings.step_timeout_s, remaining))
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended

@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from specd.config import ServerSettings
+from specd.interceptors import ErrorMappingInterceptor
 from specd.telemetry import server_interceptors
 
 # Probabilities of a whole vocabulary for γ+1 positions exceed gRPC's 4 MB default.
@@ -55,13 +56,19 @@ async def start_server(
     service_names: Sequence[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     on_stop: Callable[[], Awaitable[None] | None] | None = None,
+    options: Sequence[tuple[str, int | str]] = (),
 ) -> RunningServer:
     """Build, register and start a server on settings.address; report SERVING.
 
     With tracing on, every RPC but health checks also gets an OpenTelemetry server span.
+    Every server maps errors to real statuses (`specd.interceptors`), outside `interceptors`.
+    `options` (gRPC channel arguments) replace the internal defaults they name: the public
+    gateway takes small limits, the workers keep the large ones distributions need.
     """
-    server = grpc.aio.server(interceptors=[*server_interceptors(), *interceptors],
-                             options=CHANNEL_OPTIONS[:2])
+    merged = {**dict(CHANNEL_OPTIONS[:2]), **dict(options)}
+    server = grpc.aio.server(
+        interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *interceptors],
+        options=list(merged.items()))
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

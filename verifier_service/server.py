@@ -16,7 +16,7 @@ from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.workerproto import model_info_to_pb, transform_from_pb
+from specd.workerproto import model_info_to_pb, session_lost, step_problems, transform_from_pb
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -38,8 +38,11 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         try:
             async for request in request_iterator:
                 delta = request.delta
-                opened.add(delta.session_id)
                 transform = transform_from_pb(request.transform)
+                problems = step_problems(self.target.info, delta, transform, len(request.draft_tokens))
+                if problems:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+                opened.add(delta.session_id)
                 with worker_step_span(_TRACER, "specd.verifier.verify",
                                       request.trace_context.carrier) as span:
                     try:
@@ -47,7 +50,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                                                        list(delta.tokens), list(request.draft_tokens),
                                                        transform, stream)
                     except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
+                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("verifier", exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if span is not None and span.is_recording():
