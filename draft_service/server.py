@@ -107,6 +107,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
         for runner in runners.values():
             runner.close()
 
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s),
         [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], on_stop=close)
+    running.servicer = servicer
+    return running

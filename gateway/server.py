@@ -387,10 +387,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
             metrics.server_close()
         await backend.close()
 
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], interceptors=interceptors,
         on_stop=stop, options=edge_options(settings))
+    running.servicer = servicer
+    return running
 
 
 def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerInterceptor]:

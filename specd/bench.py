@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,8 @@ def parse_configs(spec: str) -> list[Config]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
+    parser.add_argument("--api-key-env", metavar="VAR", default="",
+                        help="send the API key held in this environment variable (authorization: Bearer)")
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
                         help="comma list of fixed:γ, ema, cost, confidence (target-only always runs)")
@@ -184,11 +187,12 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
+    from specd.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]
     with grpc.insecure_channel(args.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         # Warm-up: one request per configuration (first-call costs; the cost policy's model).
         first_task, first_prompts = next(iter(workload.items()))
@@ -308,9 +312,15 @@ def plots(results: list[Result], out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specd.clientauth import MissingApiKey
+
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
-    results, costs = run_gateway(args, workload, configs)
+    try:
+        results, costs = run_gateway(args, workload, configs)
+    except MissingApiKey as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 2
     extra = run_transformers(args, workload) if args.target else {}
     text = table(results, extra, costs)
     print(text)

@@ -104,6 +104,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.auth import KeyFileError
     from gateway.backend import IncompatibleDraft
     from gateway.server import create_server
     from specd.telemetry import setup_tracing
@@ -117,10 +118,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        max_concurrent_requests=args.max_concurrent_requests)
+        max_concurrent_requests=args.max_concurrent_requests,
+        api_keys_file=Path(args.api_keys) if args.api_keys else None,
+        protect_reflection=args.protect_reflection, key_max_in_flight=args.key_max_in_flight,
+        max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
+        max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection)
     try:
         asyncio.run(_run_service(create_server, settings, "gateway"))
-    except (IncompatibleDraft, ConnectionError) as exc:
+    except (IncompatibleDraft, ConnectionError, KeyFileError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -159,6 +164,14 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.kill()
 
 
+def _edge_flags(args: argparse.Namespace) -> list[str]:
+    """serve's API-key flags, passed on to its gateway."""
+    flags = ["--api-keys", args.api_keys] if args.api_keys else []
+    if args.protect_reflection:
+        flags.append("--protect-reflection")
+    return flags + ["--key-max-in-flight", str(args.key_max_in_flight)]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     target = Path(args.target or DEMO_TARGET)
     drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
@@ -187,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "--draft-address", f"127.0.0.1:{args.draft_port}",
         "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
         "--policy", args.policy, "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
-        *[f"--task-draft={v}" for v in args.task_draft or []]]))
+        *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)]))
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -229,8 +242,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
+    from specd.clientauth import MissingApiKey, with_api_key
+
     with grpc.insecure_channel(args.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
+        except MissingApiKey as exc:
+            print(f"specd generate: {exc}", file=sys.stderr)
+            return 2
         if args.wait:
             try:
                 grpc.channel_ready_future(channel).result(timeout=args.wait)
@@ -272,6 +291,22 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
 
 
+def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
+    """API keys (gateway and serve): see docs/reliability.md."""
+    parser.add_argument("--api-keys", metavar="FILE",
+                        help="require API keys: one 'SEGMENT KEY' or 'SEGMENT sha256:HEX' a line; the key "
+                             "decides the request's user segment")
+    parser.add_argument("--protect-reflection", action="store_true",
+                        help="with --api-keys, server reflection needs a key too (health checks never do)")
+    parser.add_argument("--key-max-in-flight", type=int, default=0,
+                        help="requests in flight per API key; more get RESOURCE_EXHAUSTED (0: no limit)")
+
+
+def _api_key_env_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key-env", metavar="VAR", default="",
+                        help="send the API key held in this environment variable (authorization: Bearer)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
     _gateway_policy_args(serve)
+    _gateway_edge_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("draft", help="run the draft service")
@@ -330,6 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--worker-timeout", type=float, default=60.0,
                          help="seconds to wait for a worker at start-up and for each step")
     _gateway_policy_args(gateway)
+    _gateway_edge_args(gateway)
+    defaults = GatewaySettings(ServerSettings())
+    gateway.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                         help=f"largest request message accepted (default {defaults.max_request_bytes})")
+    gateway.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes,
+                         help=f"largest prompt in UTF-8 bytes, checked before tokenizing "
+                              f"(default {defaults.max_prompt_bytes})")
+    gateway.add_argument("--max-new-tokens-cap", type=int, default=defaults.max_new_tokens_cap,
+                         help=f"largest max_new_tokens a request may ask (default {defaults.max_new_tokens_cap})")
+    gateway.add_argument("--max-streams-per-connection", type=int, default=defaults.max_streams_per_connection,
+                         help=f"concurrent requests one client connection may carry "
+                              f"(default {defaults.max_streams_per_connection})")
     gateway.set_defaults(func=cmd_gateway)
 
     generate = sub.add_parser("generate", help="generate from a running gateway")
@@ -350,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the request, seconds")
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
+    _api_key_env_arg(generate)
     generate.set_defaults(func=cmd_generate)
 
     from specd.tracecli import add_parser as add_trace_parser

@@ -41,6 +41,7 @@ class RunningServer:
     port: int
     health: health_aio.HealthServicer
     on_stop: Callable[[], Awaitable[None] | None] | None = None
+    servicer: object | None = None  # the service's servicer (tests read the workers' sessions)
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING first, then let in-flight requests finish for up to grace_s."""

@@ -80,6 +80,8 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
                          max_sessions=settings.model.max_sessions,
                          device=settings.model.device)
     servicer = VerifierServicer(target)
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
         [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=target.close)
+    running.servicer = servicer
+    return running
