@@ -152,18 +152,6 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float)
     return False
 
 
-def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def _edge_flags(args: argparse.Namespace) -> list[str]:
     """serve's API-key flags, passed on to its gateway."""
     flags = ["--api-keys", args.api_keys] if args.api_keys else []
@@ -183,24 +171,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     me = [sys.executable, "-m", "specd.cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
-    workers = [
-        me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
-              "--dtype", args.dtype, "--threads", str(args.threads)],
-        me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
-              "--dtype", args.dtype, "--threads", str(draft_threads)],
-    ]
+    workers = {
+        "verifier": me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
+                          "--dtype", args.dtype, "--threads", str(args.threads)],
+        "draft": me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
+                       "--dtype", args.dtype, "--threads", str(draft_threads)],
+    }
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
     # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    procs = [subprocess.Popen(cmd, env=env) for cmd in workers]
-    procs.append(subprocess.Popen(env=env, args=me + [
+    from specd.supervisor import Supervisor
+
+    supervisor = Supervisor(env)
+    for name, argv in workers.items():
+        supervisor.start(name, argv)  # restarted with the same command (same port) when it dies
+    supervisor.start("gateway", restart=False, argv=me + [
         "gateway", "--host", args.host, "--port", str(args.port),
         "--verifier-address", f"127.0.0.1:{args.verifier_port}",
         "--draft-address", f"127.0.0.1:{args.draft_port}",
         "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
         "--policy", args.policy, "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
-        *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)]))
+        *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -209,20 +201,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout):
+        if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout):
             print("specd serve: the services did not become healthy; see the messages above",
                   file=sys.stderr)
             return 1
         print(f"specd serve: ready on {args.host}:{args.port} (target {target}, drafts {list(drafts)}); "
               f"try: specd generate \"def fibonacci(n):\"", flush=True)
+        # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
         while not stop["now"]:
-            if any(p.poll() is not None for p in procs):
-                print("specd serve: a service exited; stopping the others", file=sys.stderr)
+            if not supervisor.check():
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(procs, grace_s=15.0)
+        supervisor.stop(grace_s=15.0)
 
 
 # -- generate: the client -------------------------------------------------------------------
