@@ -12,6 +12,7 @@ key's requests in flight (RESOURCE_EXHAUSTED). Keys are compared as sha256 diges
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import re
@@ -184,8 +185,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 if (refusal := self._admit(key)) is not None:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
                 try:
-                    async for response in behavior(request, context):
-                        yield response
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
                 finally:
                     self._leave(key)
 

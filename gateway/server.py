@@ -22,7 +22,7 @@ from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError
+from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
 from specd.acceptance import AcceptanceStats, Counts
 from specd.config import GatewaySettings
 from specd.interceptors import clip
@@ -291,9 +291,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(exc.code, str(exc))
         finally:
             request_trace.end()
-            for link in (draft, verifier):
-                if link is not None:
-                    await link.close(finished)
+            await close_links([draft, verifier], finished)
 
     def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                   model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
@@ -351,8 +349,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
     async def GenerateStream(self, request, context):
-        async for chunk in self._chunks(request, context):
-            yield chunk
+        # aclosing: a cancelled call closes the request's worker streams now, not at garbage collection.
+        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         response = gateway_pb2.GenerateResponse()

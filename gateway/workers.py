@@ -147,14 +147,35 @@ class WorkerLink:
         self._release()
         if self._call is None:
             return
-        if finished:
-            try:
-                await self._call.done_writing()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass
-        else:
-            self._call.cancel()
-        self._call = None
+        call, self._call = self._call, None
+        if not finished:
+            call.cancel()
+            return
+        try:
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        except asyncio.CancelledError:
+            call.cancel()  # interrupted half-way: never leave the worker's stream (and session) open
+            raise
+
+
+async def close_links(links: list[WorkerLink | None], finished: bool) -> None:
+    """Close every link of a request, even when the request is cancelled while closing one.
+
+    Soak-tested: a client that cancels just as its request finishes used to interrupt the
+    draft's close, skip the verifier's, and leave the verifier's session open for good.
+    """
+    interrupted: asyncio.CancelledError | None = None
+    for link in links:
+        if link is None:
+            continue
+        try:
+            await link.close(finished and interrupted is None)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 class DraftLink(WorkerLink):

@@ -8,6 +8,7 @@ with their own codes; those pass through untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import uuid
@@ -80,8 +81,11 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
 
         async def stream_stream(requests, context):
             try:
-                async for response in behavior(requests, context):
-                    yield response
+                # aclosing: when this wrapper is closed (the call ended), the servicer's own
+                # generator is closed now, running its finally (session clean-up) at once.
+                async with contextlib.aclosing(behavior(requests, context)) as responses:
+                    async for response in responses:
+                        yield response
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
                 await _map(exc, method, context)
 
@@ -107,8 +111,9 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
             if isinstance(request, Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(method, request))
             try:
-                async for response in behavior(request, context):
-                    yield response
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
             except Exception as exc:  # noqa: BLE001
                 await _map(exc, method, context)
 
