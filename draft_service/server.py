@@ -20,9 +20,10 @@ from specd.serving import RunningServer, start_server
 from specd.telemetry import start_worker_span, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
+from specd.interceptors import clip
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb,
-                               transform_from_pb)
+from specd.workerproto import (MAX_DRAFT_LENGTH, batch_span_attributes, batch_to_pb, identity_mismatch,
+                               model_info_to_pb, session_lost, step_problems, transform_from_pb)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -73,10 +74,18 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                     await _check_identity(request.expected_model, runner, context)
                 if runner is None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"unknown draft model {name!r}; this service hosts {sorted(self.drafts)}")
+                                        f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
                 delta = request.delta
-                opened.add((name, delta.session_id))
                 transform = transform_from_pb(request.transform)
+                problems = step_problems(runner.info, delta, transform, request.draft_length)
+                if request.draft_length > MAX_DRAFT_LENGTH:
+                    problems.append(f"draft_length {request.draft_length} is over {MAX_DRAFT_LENGTH}")
+                if request.pre_draft.draft_length > MAX_DRAFT_LENGTH:
+                    problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over "
+                                    f"{MAX_DRAFT_LENGTH}")
+                if problems:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+                opened.add((name, delta.session_id))
                 with worker_step_span(_TRACER, "specd.draft.propose",
                                       request.trace_context.carrier) as span:
                     try:
@@ -87,7 +96,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                                                         request.min_confidence, stream, request.vocab_limit,
                                                         pre_draft)
                     except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, f"draft session lost: {exc}")
+                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("draft", exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     except Overloaded as exc:
@@ -148,6 +157,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
         for runner in runners.values():
             await runner.close()
 
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s),
         [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], on_stop=close)
+    running.servicer = servicer
+    return running

@@ -56,11 +56,12 @@ class WorkerPool:
             self._channels[address] = (channel, self._stub_class(channel))
         return self._channels[address][1]
 
-    def open_stream(self, session_id: str, rpc: str, moved: bool, metadata=()):
+    def open_stream(self, session_id: str, rpc: str, moved: bool, metadata=(), timeout: float | None = None):
         """Open a session's stream on the endpoint the router picks for it.
 
         moved=True: the session's endpoint failed it (dead or unreachable), so the router
         moves it to another endpoint when there is one; otherwise the session stays put.
+        timeout: the stream's deadline in seconds (the client's, so the worker sees it too).
         """
         try:
             address = self.router.replace(session_id) if moved else self.router.place(session_id)
@@ -72,7 +73,7 @@ class WorkerPool:
                                        grpc.aio.Metadata(), str(exc)) from exc
         # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
         # the step timeout) instead of failing at once.
-        return getattr(stub, rpc)(metadata=metadata, wait_for_ready=True)
+        return getattr(stub, rpc)(metadata=metadata, wait_for_ready=True, timeout=timeout)
 
     def _close_unlisted(self) -> None:
         """Close the channels of endpoints that left the service (pods come and go)."""

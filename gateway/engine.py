@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
+import grpc
 import torch
 
 from gateway.workers import DraftLink, VerifierLink, WorkerError
@@ -240,6 +241,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
                 proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
                                                policy.min_confidence, limits.vocab_size, carrier, pre_draft)
             except WorkerError as exc:
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise  # the client's deadline passed: the request is over, not just the draft
                 log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
                 await draft.close(finished=False)
                 draft = None

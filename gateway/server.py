@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from gateway.auth import ApiKeyInterceptor, KeyRing
 from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
                             speculate)
@@ -21,9 +22,10 @@ from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError
+from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
 from specd.acceptance import AcceptanceStats, Counts
 from specd.config import GatewaySettings
+from specd.interceptors import clip
 from specd.sampling import Transform
 from specd.serving import RunningServer, start_server
 from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
@@ -60,22 +62,34 @@ class ParsedRequest:
 
 def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
                   settings: GatewaySettings) -> ParsedRequest:
-    """Validate a public request against the models and settings; collect every problem."""
-    problems: list[str] = []
+    """Validate a public request against the models and settings; collect every problem.
+
+    Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
+    tokenized at all. Values echoed back are clipped (`specd.interceptors.clip`).
+    """
     sampling, speculation = request.sampling, request.speculation
     transform = Transform(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
-    problems += transform.problems()
+    problems = transform.problems() + _size_problems(request, settings)
 
-    prompt_ids = backend.tokenizer(request.prompt)["input_ids"]
+    prompt_bytes = len(request.prompt.encode("utf-8"))
+    if prompt_bytes > settings.max_prompt_bytes:
+        problems.append(f"prompt is {prompt_bytes} bytes, over this gateway's limit of {settings.max_prompt_bytes}; "
+                        f"shorten it")
+        prompt_ids = []
+    else:
+        prompt_ids = backend.tokenizer(request.prompt)["input_ids"]
+        if not prompt_ids:
+            problems.append("prompt is empty after tokenization; send some text")
     context = backend.target.max_context
-    if not prompt_ids:
-        problems.append("prompt is empty after tokenization; send some text")
-    elif len(prompt_ids) >= context:
+    if len(prompt_ids) >= context:
         problems.append(f"prompt is {len(prompt_ids)} tokens but the target's context window is "
                         f"{context}; shorten the prompt to at most {context - 1} tokens")
     room = max(context - len(prompt_ids), 0)
-    max_new = sampling.max_new_tokens or min(settings.default_max_new_tokens, room)
-    if sampling.max_new_tokens and len(prompt_ids) + max_new > context:
+    max_new = sampling.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap, room)
+    if sampling.max_new_tokens > settings.max_new_tokens_cap:
+        problems.append(f"max_new_tokens={sampling.max_new_tokens} exceeds this gateway's cap of "
+                        f"{settings.max_new_tokens_cap}")
+    if prompt_ids and sampling.max_new_tokens and len(prompt_ids) + max_new > context:
         problems.append(f"max_new_tokens={max_new} with a {len(prompt_ids)}-token prompt exceeds the "
                         f"target's context window of {context}; ask for at most {room}")
 
@@ -90,10 +104,10 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
         problems.append("min_draft_length must not exceed max_draft_length")
     policy = speculation.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
     if mode is Mode.FIXED and policy != "fixed":
-        problems.append(f"policy {policy!r} chooses γ itself: use it with mode AUTO; mode FIXED proposes "
+        problems.append(f"policy {clip(policy)} chooses γ itself: use it with mode AUTO; mode FIXED proposes "
                         f"draft_length tokens every step")
     elif policy not in POLICIES:
-        problems.append(f"unknown policy {speculation.policy!r}; use one of {list(POLICIES)}")
+        problems.append(f"unknown policy {clip(speculation.policy)}; use one of {list(POLICIES)}")
     if not 0.0 <= speculation.min_draft_confidence < 1.0:
         problems.append(f"min_draft_confidence must be in [0, 1), got {speculation.min_draft_confidence}")
 
@@ -101,7 +115,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     draft_model = (speculation.draft_model or settings.task_drafts.get(task_type, "")
                    or backend.default_draft)
     if speculation.draft_model and speculation.draft_model not in backend.drafts:
-        problems.append(f"unknown draft model {speculation.draft_model!r}; available: "
+        problems.append(f"unknown draft model {clip(speculation.draft_model)}; available: "
                         f"{sorted(backend.drafts) or 'none (no draft service configured)'}")
     if mode is Mode.FIXED and not backend.drafts:
         problems.append("speculation mode FIXED needs a draft service, and this gateway has none; "
@@ -122,6 +136,22 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
         speculation.min_draft_confidence or settings.default_min_confidence, task_type,
         request.user_segment, list(sampling.stop))
+
+
+def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettings) -> list[str]:
+    """What is too large in a request, apart from its prompt (labels, stop strings)."""
+    problems = []
+    for name, value in (("task_type", request.task_type), ("user_segment", request.user_segment),
+                        ("draft_model", request.speculation.draft_model), ("policy", request.speculation.policy)):
+        if len(value.encode("utf-8")) > settings.max_label_bytes:
+            problems.append(f"{name} is {len(value.encode('utf-8'))} bytes; at most {settings.max_label_bytes}")
+    stop = request.sampling.stop
+    if len(stop) > settings.max_stop_strings:
+        problems.append(f"{len(stop)} stop strings; at most {settings.max_stop_strings}")
+    longest = max((len(s.encode("utf-8")) for s in stop), default=0)
+    if longest > settings.max_stop_bytes:
+        problems.append(f"a stop string is {longest} bytes; at most {settings.max_stop_bytes} each")
+    return problems
 
 
 def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str) -> DraftLengthPolicy:
@@ -146,14 +176,19 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
 
 
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
-               metadata: tuple[tuple[str, str], ...] = ()) -> tuple[DraftLink | None, VerifierLink]:
-    """One request's links to its workers (no draft link when it decodes plainly)."""
+               metadata: tuple[tuple[str, str], ...] = (),
+               deadline: float | None = None) -> tuple[DraftLink | None, VerifierLink]:
+    """One request's links to its workers (no draft link when it decodes plainly).
+
+    `deadline` (time.monotonic()) is the client's: each worker stream carries what is
+    left of it, so a worker ends the session by itself when the request expires.
+    """
     session_id = uuid.uuid4().hex
     link = LinkSettings(session_id, settings.worker_timeout_s, settings.max_session_reopens,
-                        settings.worker_connect_timeout_s)
+                        settings.worker_connect_timeout_s, deadline)
 
     def on(pool: WorkerPool, rpc: str):
-        return (lambda moved: pool.open_stream(session_id, rpc, moved, metadata),
+        return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
                 lambda: pool.router.release(session_id))
 
     verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
@@ -230,7 +265,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
                                            policy=parsed.policy)
         # The trace context also rides on the worker streams, so their RPC spans join the trace.
-        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, request_trace.metadata)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, request_trace.metadata,
+                                     deadline)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         finish = Finish.LENGTH
@@ -261,9 +299,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(exc.code, str(exc))
         finally:
             request_trace.end()
-            for link in (draft, verifier):
-                if link is not None:
-                    await link.close(finished)
+            await close_links([draft, verifier], finished)
 
     def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                   model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
@@ -326,8 +362,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
     async def GenerateStream(self, request, context):
-        async for chunk in self._chunks(request, context):
-            yield chunk
+        # aclosing: a cancelled call closes the request's worker streams now, not at garbage collection.
+        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         response = gateway_pb2.GenerateResponse()
@@ -344,7 +382,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 
 async def create_server(settings: GatewaySettings) -> RunningServer:
-    """Connect to the workers (checking their models) and start serving the public API."""
+    """Connect to the workers (checking their models) and start serving the public API.
+
+    A malformed API key file raises `gateway.auth.KeyFileError` before any worker is contacted.
+    """
+    interceptors = edge_interceptors(settings)
     backend = await connect(settings)
     stats = AcceptanceStats(window_steps=settings.window_steps)
     servicer = GatewayServicer(backend, settings, stats)
@@ -358,6 +400,36 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
             metrics.server_close()
         await backend.close()
 
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], on_stop=stop)
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], interceptors=interceptors,
+        on_stop=stop, options=edge_options(settings))
+    running.servicer = servicer
+    return running
+
+
+def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerInterceptor]:
+    """API keys, when the gateway has a key file (KeyFileError when it is malformed)."""
+    if settings.api_keys_file is None:
+        return []
+    return [ApiKeyInterceptor(KeyRing.load(settings.api_keys_file), settings.protect_reflection,
+                              settings.key_max_in_flight)]
+
+
+def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:
+    """The public server's small limits; the worker channels keep `specd.serving`'s large ones."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_request_bytes),
+        ("grpc.max_send_message_length", 16 * 1024 * 1024),  # replies are text and ids, never distributions
+        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+        ("grpc.max_metadata_size", 16 * 1024),
+        # Keepalive policy: clients may ping every min_client_ping_interval_s, with or
+        # without calls in flight; a client pinging faster gets GOAWAY after 2 strikes.
+        ("grpc.http2.min_ping_interval_without_data_ms", int(settings.min_client_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # The server pings an idle connection every 2 minutes and drops it when no answer
+        # comes within 20 s: a vanished client does not hold its streams for ever.
+        ("grpc.keepalive_time_ms", 120_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]

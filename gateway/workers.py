@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,15 @@ class LinkSettings:
     step_timeout_s: float
     max_reopens: int
     connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
+    deadline: float | None = None  # the client's deadline (time.monotonic()); None: none
+
+    def remaining(self) -> float | None:
+        """Seconds left before the client's deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+def _sooner(timeout_s: float, remaining: float | None) -> float:
+    return timeout_s if remaining is None else min(timeout_s, remaining)
 
 
 def _batch(message: worker_pb2.BatchInfo) -> BatchStats:
@@ -61,13 +71,14 @@ def _transform_pb(transform: Transform) -> worker_pb2.Transform:
 class WorkerLink:
     """One request's session on one worker service, over one bidi stream at a time.
 
-    `open_stream(moved)` opens the session's stream on the endpoint its router picks;
-    moved=True after the endpoint failed it (unreachable, restarted, too slow), so the
-    router moves the session when another endpoint is ready. `release()` is called once
-    the request is over (the router forgets the session).
+    `open_stream(moved, timeout)` opens the session's stream on the endpoint its router
+    picks; moved=True after the endpoint failed it (unreachable, restarted, too slow), so
+    the router moves the session when another endpoint is ready; timeout is what is left
+    of the client's deadline (None: none). `release()` is called once the request is over
+    (the router forgets the session).
     """
 
-    def __init__(self, name: str, open_stream: Callable[[bool], grpc.aio.StreamStreamCall],
+    def __init__(self, name: str, open_stream: Callable[[bool, float | None], grpc.aio.StreamStreamCall],
                  release: Callable[[], None], settings: LinkSettings,
                  identity: worker_pb2.ModelIdentity | None = None) -> None:
         self.name = name
@@ -90,6 +101,12 @@ class WorkerLink:
     async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], object]):
         """Send one step built around the delta the worker lacks; return its response."""
         while True:
+            remaining = self.settings.remaining()
+            if remaining is not None and remaining <= 0:
+                # Past the client's deadline nothing is re-opened: the request is over.
+                self._drop_call()
+                raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"{self.name}: the request's deadline passed")
             delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
                                              tokens=committed[self.position:])
             try:
@@ -97,13 +114,15 @@ class WorkerLink:
                 if self._call is None:
                     if self.identity is not None:
                         message.expected_model.CopyFrom(self.identity)
-                    self._call = self._open_stream(self._moved)
+                    self._call = self._open_stream(self._moved, remaining)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
-                    await asyncio.wait_for(self._call.write(message), self.settings.connect_timeout_s)
+                    await asyncio.wait_for(self._call.write(message),
+                                           _sooner(self.settings.connect_timeout_s, remaining))
                 else:
                     await self._call.write(message)
-                response = await asyncio.wait_for(self._call.read(), self.settings.step_timeout_s)
+                response = await asyncio.wait_for(self._call.read(),
+                                                  _sooner(self.settings.step_timeout_s, remaining))
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
@@ -149,14 +168,35 @@ class WorkerLink:
         self._release()
         if self._call is None:
             return
-        if finished:
-            try:
-                await self._call.done_writing()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass
-        else:
-            self._call.cancel()
-        self._call = None
+        call, self._call = self._call, None
+        if not finished:
+            call.cancel()
+            return
+        try:
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        except asyncio.CancelledError:
+            call.cancel()  # interrupted half-way: never leave the worker's stream (and session) open
+            raise
+
+
+async def close_links(links: list[WorkerLink | None], finished: bool) -> None:
+    """Close every link of a request, even when the request is cancelled while closing one.
+
+    Soak-tested: a client that cancels just as its request finishes used to interrupt the
+    draft's close, skip the verifier's, and leave the verifier's session open for good.
+    """
+    interrupted: asyncio.CancelledError | None = None
+    for link in links:
+        if link is None:
+            continue
+        try:
+            await link.close(finished and interrupted is None)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 class DraftLink(WorkerLink):

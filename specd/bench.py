@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,8 @@ def parse_configs(spec: str) -> list[Config]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
+    parser.add_argument("--api-key-env", metavar="VAR", default="",
+                        help="send the API key held in this environment variable (authorization: Bearer)")
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
                         help="comma list of fixed:γ, ema, cost, confidence, each optionally +overlap "
@@ -201,11 +204,12 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
+    from specd.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         # Warm-up: one request per configuration (first-call costs; the cost policy's model).
         first_task, first_prompts = next(iter(workload.items()))
@@ -330,14 +334,14 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
     import grpc
 
     from specd import loadbench
+    from specd.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
 
     levels = [int(n) for n in args.concurrency.split(",")]
     tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
     results = []
-    # Enough HTTP/2 streams on one channel for every client thread.
-    with grpc.insecure_channel(args.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
             stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1))
@@ -376,11 +380,17 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
 
 
 def run(args: argparse.Namespace) -> int:
+    from specd.clientauth import MissingApiKey
+
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
-    if args.concurrency:
-        return run_load(args, workload, configs)
-    results, costs = run_gateway(args, workload, configs)
+    try:
+        if args.concurrency:
+            return run_load(args, workload, configs)
+        results, costs = run_gateway(args, workload, configs)
+    except MissingApiKey as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 2
     extra = run_transformers(args, workload) if args.target else {}
     text = table(results, extra, costs)
     print(text)

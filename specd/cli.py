@@ -213,6 +213,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.auth import KeyFileError
     from gateway.backend import IncompatibleDraft
     from gateway.server import create_server
     from specd.telemetry import setup_tracing
@@ -228,10 +229,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         worker_timeout_s=args.worker_timeout, auto_policy=args.policy, overlap=args.overlap,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        max_concurrent_requests=args.max_concurrent_requests)
+        max_concurrent_requests=args.max_concurrent_requests,
+        api_keys_file=Path(args.api_keys) if args.api_keys else None,
+        protect_reflection=args.protect_reflection, key_max_in_flight=args.key_max_in_flight,
+        max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
+        max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
-    except (IncompatibleDraft, ConnectionError) as exc:
+    except (IncompatibleDraft, ConnectionError, KeyFileError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
 
@@ -310,6 +315,14 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.kill()
 
 
+def _edge_flags(args: argparse.Namespace) -> list[str]:
+    """serve's API-key flags, passed on to its gateway."""
+    flags = ["--api-keys", args.api_keys] if args.api_keys else []
+    if args.protect_reflection:
+        flags.append("--protect-reflection")
+    return flags + ["--key-max-in-flight", str(args.key_max_in_flight)]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     target = Path(args.target or DEMO_TARGET)
     drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
@@ -343,7 +356,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # verifier): OpenMP threads that spin after a forward would steal the next
     # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    procs: list[subprocess.Popen] = []
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -351,36 +363,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from specd.supervisor import Supervisor
+
+    supervisor = Supervisor(env)
     with tempfile.TemporaryDirectory(prefix="specd-serve-") as run_dir:
         # Workers bind port 0 by default (the OS picks a free one) and report it in a file:
         # two `specd serve` on one host never meet on a worker port.
-        port_files = [Path(run_dir) / "verifier.port", Path(run_dir) / "draft.port"]
-        workers = [
-            me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files[0]),
-                  "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads), *worker_tls,
-                  *_batch_flags(args), *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
-            me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files[1]),
-                  *[f"--draft={n}={p}" for n, p in drafts.items()],
-                  "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
-                  "--pre-draft-branches", args.pre_draft_branches,
-                  *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
-        ]
+        port_files = {"verifier": Path(run_dir) / "verifier.port", "draft": Path(run_dir) / "draft.port"}
+        workers = {
+            "verifier": me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files["verifier"]),
+                              "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads),
+                              *worker_tls, *_batch_flags(args),
+                              *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
+            "draft": me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files["draft"]),
+                           *[f"--draft={n}={p}" for n, p in drafts.items()],
+                           "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
+                           "--pre-draft-branches", args.pre_draft_branches,
+                           *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
+        }
         try:
-            procs += [subprocess.Popen(cmd, env=env) for cmd in workers]
-            ports = _wait_port_files(port_files, procs, args.startup_timeout)
+            children = {name: supervisor.start(name, argv) for name, argv in workers.items()}
+            ports = _wait_port_files(list(port_files.values()), supervisor.processes, args.startup_timeout)
             if ports is None:
                 print("specd serve: the workers did not start; see the messages above", file=sys.stderr)
                 return 1
             verifier_port, draft_port = ports
-            procs.append(subprocess.Popen(env=env, args=me + [
+            # A worker that dies is restarted on the port the gateway already dials.
+            for child, port in ((children["verifier"], verifier_port), (children["draft"], draft_port)):
+                child.argv[child.argv.index("--port") + 1] = str(port)
+            supervisor.start("gateway", restart=False, argv=me + [
                 "gateway", "--host", args.host, "--port", str(args.port),
                 "--verifier-address", f"127.0.0.1:{verifier_port}",
                 "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
                 "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
-                "--policy", args.policy, *(["--overlap"] if args.overlap else []), "--metrics-host", args.metrics_host,
-                "--metrics-port", str(args.metrics_port),
-                *[f"--task-draft={v}" for v in args.task_draft or []]]))
-            if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout, client_tls):
+                "--policy", args.policy, *(["--overlap"] if args.overlap else []),
+                "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
+                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
+            if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
                       file=sys.stderr)
                 return 1
@@ -389,14 +408,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"draft on 127.0.0.1:{draft_port}); try: specd generate "
                   f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
                   flush=True)
+            # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
             while not stop["now"]:
-                if any(p.poll() is not None for p in procs):
-                    print("specd serve: a service exited; stopping the others", file=sys.stderr)
+                if not supervisor.check():
                     return 1
                 time.sleep(0.2)
             return 0
         finally:
-            _stop_all(procs, grace_s=15.0)
+            supervisor.stop(grace_s=15.0)
 
 
 # -- generate: the client -------------------------------------------------------------------
@@ -417,8 +436,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
+    from specd.clientauth import MissingApiKey, with_api_key
+
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
+        except MissingApiKey as exc:
+            print(f"specd generate: {exc}", file=sys.stderr)
+            return 2
         if args.wait:
             try:
                 grpc.channel_ready_future(channel).result(timeout=args.wait)
@@ -463,6 +488,22 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
 
 
+def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
+    """API keys (gateway and serve): see docs/reliability.md."""
+    parser.add_argument("--api-keys", metavar="FILE",
+                        help="require API keys: one 'SEGMENT KEY' or 'SEGMENT sha256:HEX' a line; the key "
+                             "decides the request's user segment")
+    parser.add_argument("--protect-reflection", action="store_true",
+                        help="with --api-keys, server reflection needs a key too (health checks never do)")
+    parser.add_argument("--key-max-in-flight", type=int, default=0,
+                        help="requests in flight per API key; more get RESOURCE_EXHAUSTED (0: no limit)")
+
+
+def _api_key_env_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key-env", metavar="VAR", default="",
+                        help="send the API key held in this environment variable (authorization: Bearer)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -499,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --overlap: which verdicts the draft pre-drafts for (see specd draft --help)")
     _batch_args(serve)
     _gateway_policy_args(serve)
+    _gateway_edge_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("draft", help="run the draft service")
@@ -545,6 +587,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="name to check in the workers' certificates (default: the dialled host, "
                               "or the Service name with --verifier-service/--draft-service)")
     _gateway_policy_args(gateway)
+    _gateway_edge_args(gateway)
+    defaults = GatewaySettings(ServerSettings())
+    gateway.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                         help=f"largest request message accepted (default {defaults.max_request_bytes})")
+    gateway.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes,
+                         help=f"largest prompt in UTF-8 bytes, checked before tokenizing "
+                              f"(default {defaults.max_prompt_bytes})")
+    gateway.add_argument("--max-new-tokens-cap", type=int, default=defaults.max_new_tokens_cap,
+                         help=f"largest max_new_tokens a request may ask (default {defaults.max_new_tokens_cap})")
+    gateway.add_argument("--max-streams-per-connection", type=int, default=defaults.max_streams_per_connection,
+                         help=f"concurrent requests one client connection may carry "
+                              f"(default {defaults.max_streams_per_connection})")
     gateway.set_defaults(func=cmd_gateway)
 
     generate = sub.add_parser("generate", help="generate from a running gateway")
@@ -566,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
     add_client_arguments(generate)
+    _api_key_env_arg(generate)
     generate.set_defaults(func=cmd_generate)
 
     from specd.tracecli import add_parser as add_trace_parser

@@ -160,3 +160,15 @@ class GatewaySettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     window_steps: int = 2000  # steps in the acceptance sliding window
+    # The edge (docs/reliability.md): who may call, and how much one call may ask.
+    api_keys_file: Path | None = None  # `SEGMENT KEY` / `SEGMENT sha256:HEX` lines; None: no keys needed
+    protect_reflection: bool = False  # with keys: reflection needs a key too (health never does)
+    key_max_in_flight: int = 0  # requests in flight per API key; 0: no per-key limit
+    max_request_bytes: int = 1024 * 1024  # largest request message the public API receives
+    max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
+    max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 256  # per stop string
+    max_label_bytes: int = 64  # task_type, draft_model and policy names
+    max_streams_per_connection: int = 100  # HTTP/2 concurrent streams one client connection may open
+    min_client_ping_interval_s: float = 10.0  # client keepalive pings closer than this are strikes

@@ -6,9 +6,15 @@ Pure torch; no gRPC.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+# Logits are divided by the temperature: below this, float32 logits of ordinary size
+# overflow to inf and softmax returns NaN. Sampling this cold is greedy in all but name.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,11 @@ class Transform:
         found = []
         if not self.temperature >= 0.0:  # also catches NaN
             found.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        elif 0.0 < self.temperature < MIN_TEMPERATURE:
+            found.append(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature:g}; "
+                         f"use 0 for the most likely token")
+        elif not math.isfinite(self.temperature):
+            found.append("temperature must be finite")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -20,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from specd.config import ServerSettings
+from specd.interceptors import ErrorMappingInterceptor
 from specd.telemetry import server_interceptors
 from specd.tls import server_credentials
 
@@ -59,6 +60,7 @@ class RunningServer:
     health: health_aio.HealthServicer
     on_stop: Callable[[], Awaitable[None] | None] | None = None
     health_server: grpc.aio.Server | None = None  # the plaintext health-only port, if any
+    servicer: object | None = None  # the service's servicer (tests read the workers' sessions)
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING first, then let in-flight requests finish for up to grace_s."""
@@ -76,14 +78,21 @@ async def start_server(
     service_names: Sequence[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     on_stop: Callable[[], Awaitable[None] | None] | None = None,
+    options: Sequence[tuple[str, int | str]] = (),
 ) -> RunningServer:
     """Build, register and start a server on settings.address; report SERVING.
 
     TLS per settings.tls. The port is bound exclusively: a taken one raises PortInUse.
     With settings.health_port, grpc.health.v1 is also served alone, in plaintext, there.
     With tracing on, every RPC but health checks also gets an OpenTelemetry server span.
+    Every server maps errors to real statuses (`specd.interceptors`), outside `interceptors`.
+    `options` (gRPC channel arguments) replace the internal defaults they name: the public
+    gateway takes small limits, the workers keep the large ones distributions need.
     """
-    server = grpc.aio.server(interceptors=[*server_interceptors(), *interceptors], options=SERVER_OPTIONS)
+    merged = {**dict(SERVER_OPTIONS), **dict(options)}
+    server = grpc.aio.server(
+        interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *interceptors],
+        options=list(merged.items()))
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

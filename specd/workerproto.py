@@ -5,6 +5,7 @@ Shared by draft_service and verifier_service so the two stay symmetrical.
 from __future__ import annotations
 
 from specd.batching import BatchStats
+from specd.interceptors import clip
 from specd.runtime import ModelInfo, ModelRunner
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
@@ -23,6 +24,31 @@ def batch_span_attributes(batch: BatchStats) -> dict:
     """The batching attributes every worker step span carries (docs/tracing.md)."""
     return {"specd.batch.size": batch.size, "specd.batch.tokens": batch.tokens,
             "specd.batch.queue_ms": batch.queue_ms, "specd.batch.forwards": batch.forwards}
+
+
+# Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
+# low enough that a bad message cannot keep a model thread busy for long.
+MAX_DRAFT_LENGTH = 128
+
+
+def step_problems(info: ModelInfo, delta: worker_pb2.SequenceDelta, transform: Transform,
+                  extra_positions: int) -> list[str]:
+    """Why a step message cannot run (empty when it can), checked before touching the session.
+
+    extra_positions: positions the step adds beyond the delta (γ, or the draft tokens).
+    """
+    problems = transform.problems()
+    end = delta.start + len(delta.tokens) + extra_positions
+    if end > info.max_context:
+        problems.append(f"the step reaches position {end}, beyond {info.name}'s context of {info.max_context}")
+    if len(delta.session_id) > 256:
+        problems.append(f"session_id is {len(delta.session_id)} characters; at most 256")
+    return problems
+
+
+def session_lost(role: str, error: Exception) -> str:
+    """The NOT_FOUND message of a lost session (the id clipped: it is the caller's value)."""
+    return f"{role} session lost: {clip(str(error), 200)}"
 
 
 def model_info_to_pb(runner: ModelRunner, with_tokenizer: bool) -> worker_pb2.ModelInfo:

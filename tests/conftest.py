@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -137,6 +138,18 @@ class Stack:
                            server=replace(self.verifier_settings.server, port=self.verifier.port))
         self.verifier = self.loop.run(create_verifier(settings))
 
+    def open_sessions(self) -> int:
+        """KV-cache sessions the draft and verifier hold right now."""
+        runners = [*self.draft.servicer.drafts.values(), self.verifier.servicer.target]
+        return sum(len(runner.sessions) for runner in runners)
+
+    def wait_no_sessions(self, within_s: float = 20.0) -> int:
+        """Sessions left once the workers have had `within_s` to drop those of ended streams."""
+        deadline = time.monotonic() + within_s
+        while self.open_sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.open_sessions()
+
     def close(self) -> None:
         self.channel.close()
         for server in (self.gateway, self.draft, self.verifier):
@@ -146,7 +159,9 @@ class Stack:
 
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
-                **gateway_options) -> Stack:
+                front=None, **gateway_options) -> Stack:
+    """The three servers on loopback. front(loop, role, port) -> port: what the gateway
+    dials for a worker ("draft", "verifier") instead of its port (a proxy, in fault tests)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
     model = ModelSettings(max_sessions=max_sessions, batching=batching)
@@ -156,8 +171,9 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
-    gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{verifier.port}",
-                                       draft_address=f"127.0.0.1:{draft.port}",
+    front = front or (lambda loop, role, port: port)
+    gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{front(loop, 'verifier', verifier.port)}",
+                                       draft_address=f"127.0.0.1:{front(loop, 'draft', draft.port)}",
                                        **{"worker_timeout_s": 30.0, **gateway_options})
     gateway = loop.run(create_gateway(gateway_settings))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")

@@ -18,8 +18,8 @@ from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb,
-                               transform_from_pb)
+from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb, session_lost,
+                               step_problems, transform_from_pb)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -45,15 +45,18 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                     if problem is not None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
                 delta = request.delta
-                opened.add(delta.session_id)
                 transform = transform_from_pb(request.transform)
+                problems = step_problems(self.target.info, delta, transform, len(request.draft_tokens))
+                if problems:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+                opened.add(delta.session_id)
                 with worker_step_span(_TRACER, "specd.verifier.verify",
                                       request.trace_context.carrier) as span:
                     try:
                         scores = await self.target.score(delta.session_id, delta.start, list(delta.tokens),
                                                          list(request.draft_tokens), transform, stream)
                     except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, f"verifier session lost: {exc}")
+                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("verifier", exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     except Overloaded as exc:
@@ -93,6 +96,8 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
         stop_metrics()
         await target.close()
 
-    return await start_server(
+    running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
         [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=close)
+    running.servicer = servicer
+    return running

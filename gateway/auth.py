@@ -1,0 +1,221 @@
+"""API keys at the gateway: who may call, and which user segment their traffic counts under.
+
+The key file (`specd gateway --api-keys FILE`) has one key a line, `SEGMENT KEY` or
+`SEGMENT sha256:HEX` (the hex sha256 of the key, so the file need not hold it in
+clear); blank lines and `#` comments are skipped. Callers send the metadata
+`authorization: Bearer KEY`. `ApiKeyInterceptor` refuses a missing or unknown key with
+UNAUTHENTICATED before any handler runs, sets the request's `user_segment` to the key's
+segment (a tenant cannot label its traffic as another's), and optionally caps each
+key's requests in flight (RESOURCE_EXHAUSTED). Keys are compared as sha256 digests with
+`hmac.compare_digest` and are never logged or echoed.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import grpc
+
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+_HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+
+
+class KeyFileError(ValueError):
+    """The API key file cannot be used; the message names the file and line (never a key)."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A caller: the segment its traffic counts under and the sha256 of its key."""
+
+    segment: str
+    digest: bytes
+    line: int  # where the key file lists it (for messages; the key itself is never shown)
+
+
+def digest(key: str) -> bytes:
+    """sha256 of a key as sent by a client."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    """The keys a gateway accepts."""
+
+    def __init__(self, keys: Iterable[ApiKey]) -> None:
+        self.keys = tuple(keys)
+
+    @classmethod
+    def parse(cls, text: str, source: str = "API key file") -> KeyRing:
+        """Keys from the file's text; KeyFileError names the first bad line."""
+        keys: dict[bytes, ApiKey] = {}
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = line.split()
+            where = f"{source}, line {number}"
+            if len(fields) != 2:
+                raise KeyFileError(f"{where}: expected 'SEGMENT KEY' or 'SEGMENT sha256:HEX' "
+                                   f"(two fields), found {len(fields)}")
+            segment, secret = fields
+            if not _SEGMENT.fullmatch(segment):
+                raise KeyFileError(f"{where}: segment must be 1-64 letters, digits or _ . : - "
+                                   f"(starting with a letter or digit)")
+            if secret.lower().startswith("sha256:"):
+                hashed = _HASHED.fullmatch(secret)
+                if hashed is None:
+                    raise KeyFileError(f"{where}: a hashed key is 'sha256:' and 64 hex digits "
+                                       f"(printf %s KEY | sha256sum)")
+                key_digest = bytes.fromhex(hashed.group(1))
+            else:
+                key_digest = digest(secret)
+            if key_digest in keys:
+                raise KeyFileError(f"{where}: the same key is already listed on line {keys[key_digest].line}")
+            keys[key_digest] = ApiKey(segment, key_digest, number)
+        if not keys:
+            raise KeyFileError(f"{source}: no keys in it; every request would be refused")
+        return cls(keys.values())
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyRing:
+        """Read a key file; KeyFileError when it is missing or malformed."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeyFileError(f"cannot read the API key file {path}: {exc}") from exc
+        return cls.parse(text, str(path))
+
+    def find(self, key: str) -> ApiKey | None:
+        """The entry of `key`, or None. Compares against every entry, in constant time each."""
+        wanted = digest(key)
+        found = None
+        for entry in self.keys:
+            if hmac.compare_digest(wanted, entry.digest):
+                found = entry
+        return found
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The KEY of an `authorization: Bearer KEY` metadata entry, if any."""
+    for name, value in metadata or ():
+        if name.lower() != "authorization" or not isinstance(value, str):
+            continue
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+def _same_kind(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that runs `behavior` on the raw request (no decoding)."""
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behavior)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behavior)
+    return grpc.unary_unary_rpc_method_handler(behavior)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED without a known key; the key's segment on every request it sends.
+
+    Health checks are always open (probes carry no key); reflection is open unless
+    `protect_reflection`. `max_in_flight` > 0 caps each key's concurrent requests.
+    """
+
+    def __init__(self, keys: KeyRing, protect_reflection: bool = False, max_in_flight: int = 0) -> None:
+        self.keys = keys
+        self.open_prefixes = (HEALTH_PREFIX,) if protect_reflection else (HEALTH_PREFIX, *REFLECTION_PREFIXES)
+        self.max_in_flight = max_in_flight
+        self.in_flight: collections.Counter[bytes] = collections.Counter()  # by key digest
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(self.open_prefixes):
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        key = self.keys.find(token) if token is not None else None
+        if key is None:
+            message = ("an API key is required: send metadata 'authorization: Bearer KEY'" if token is None
+                       else "the API key is not valid for this gateway")
+            return _same_kind(handler, _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, message))
+        return self._bind(handler, key)
+
+    def _admit(self, key: ApiKey) -> str | None:
+        """Count a request in for `key`; the refusal message when the key is at its limit."""
+        if self.max_in_flight and self.in_flight[key.digest] >= self.max_in_flight:
+            return (f"this API key (segment {key.segment!r}) has {self.max_in_flight} requests in flight, "
+                    f"its limit; wait for one to finish or retry with backoff")
+        self.in_flight[key.digest] += 1
+        return None
+
+    def _leave(self, key: ApiKey) -> None:
+        self.in_flight[key.digest] -= 1
+        if not self.in_flight[key.digest]:
+            del self.in_flight[key.digest]
+
+    def _bind(self, handler: grpc.RpcMethodHandler, key: ApiKey) -> grpc.RpcMethodHandler:
+        """The handler with the key's segment stamped on each request and its quota held."""
+        if handler.request_streaming:  # the public API has no client streams; stamp nothing
+            return handler
+
+        def stamp(request) -> None:
+            fields = getattr(request, "DESCRIPTOR", None)
+            if fields is not None and "user_segment" in fields.fields_by_name:
+                request.user_segment = key.segment
+            if fields is not None and "filter" in fields.fields_by_name:
+                # Acceptance statistics: a tenant reads its own segment's rows only.
+                request.filter["user_segment"] = key.segment
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            async def unary_stream(request, context):
+                stamp(request)
+                if (refusal := self._admit(key)) is not None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                try:
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
+                finally:
+                    self._leave(key)
+
+            return handler._replace(unary_stream=unary_stream)
+        behavior = handler.unary_unary
+
+        async def unary_unary(request, context):
+            stamp(request)
+            if (refusal := self._admit(key)) is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(key)
+
+        return handler._replace(unary_unary=unary_unary)
+
+
+def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
+    """A behavior of `handler`'s shape that aborts at once with `code`."""
+    if handler.response_streaming:
+        async def refuse_stream(request, context):
+            await context.abort(code, message)
+            yield  # never reached; makes this an async generator like the handler it replaces
+
+        return refuse_stream
+
+    async def refuse(request, context):
+        await context.abort(code, message)
+
+    return refuse

@@ -1,0 +1,145 @@
+"""Server interceptors every specd service shares: every failure leaves with a real status.
+
+gRPC answers `UNKNOWN` for an exception that escapes a handler, and for a request that
+does not deserialize (bad UTF-8 in a string field, random bytes). `ErrorMappingInterceptor`
+maps both: a body that does not decode is `INVALID_ARGUMENT`, and anything unexpected is
+`INTERNAL` with a reference the server logged the traceback under. Handlers still abort
+with their own codes; those pass through untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+log = logging.getLogger(__name__)
+
+ECHO_LIMIT = 64  # characters of a caller's value an error message may repeat
+
+
+def clip(value: object, limit: int = ECHO_LIMIT) -> str:
+    """`repr(value)` cut to about `limit` characters, so an echoed value cannot swell a status.
+
+    A status message travels in HTTP/2 trailers, which clients cap (8 KiB by default):
+    a 10 KB value echoed whole turns the real error into RESOURCE_EXHAUSTED.
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(str(value))} characters)"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not deserialize; the handler is not called."""
+
+    error: Exception
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad body
+            return Undecodable(exc)
+
+    return deserialize
+
+
+def _undecodable_message(method: str, request: Undecodable) -> str:
+    return (f"the request body is not a valid message for {method}: {clip(str(request.error), 200)}; "
+            f"string fields must be UTF-8")
+
+
+async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContext) -> None:
+    """Abort with the status that `exc` stands for (re-raises what is already a status)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, DecodeError):  # a streamed request message that did not decode
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a request message is not valid for {method}: {clip(str(exc), 200)}")
+    reference = uuid.uuid4().hex[:12]
+    log.error("unexpected error in %s (reference %s)", method, reference, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"internal error in {method}, reference {reference}: the server logged it; "
+                        f"please report it")
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """The same handler, with undecodable requests refused and unexpected errors mapped."""
+    if handler.request_streaming and handler.response_streaming:
+        behavior = handler.stream_stream
+
+        async def stream_stream(requests, context):
+            try:
+                # aclosing: when this wrapper is closed (the call ended), the servicer's own
+                # generator is closed now, running its finally (session clean-up) at once.
+                async with contextlib.aclosing(behavior(requests, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
+                await _map(exc, method, context)
+
+        return handler._replace(stream_stream=stream_stream)
+    if handler.request_streaming:
+        behavior = handler.stream_unary
+
+        async def stream_unary(requests, context):
+            try:
+                return await behavior(requests, context)
+            except Exception as exc:  # noqa: BLE001
+                await _map(exc, method, context)
+
+        return handler._replace(stream_unary=stream_unary)
+    deserializer = _tolerant(handler.request_deserializer)
+    if handler.response_streaming:
+        behavior = handler.unary_stream
+        if not inspect.isasyncgenfunction(behavior):  # a coroutine that writes with context.write
+            return handler._replace(request_deserializer=deserializer,
+                                    unary_stream=_unary(behavior, method))
+
+        async def unary_stream(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(method, request))
+            try:
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except Exception as exc:  # noqa: BLE001
+                await _map(exc, method, context)
+
+        return handler._replace(request_deserializer=deserializer, unary_stream=unary_stream)
+    return handler._replace(request_deserializer=deserializer, unary_unary=_unary(handler.unary_unary, method))
+
+
+def _unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def unary(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(method, request))
+        try:
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        except Exception as exc:  # noqa: BLE001
+            await _map(exc, method, context)
+
+    return unary
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Gives every RPC a real status: INVALID_ARGUMENT for a body that does not decode,
+    INTERNAL (logged, with a reference) for an unexpected exception; never UNKNOWN."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
+            return None
+        return wrap_handler(handler, handler_call_details.method)

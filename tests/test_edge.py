@@ -1,0 +1,273 @@
+"""The public edge: API keys, small limits, deadlines, and errors that fit in a status."""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import request, start_stack
+from gateway.auth import KeyFileError, KeyRing
+from tcpproxy import TcpProxy
+from specd.v1 import gateway_pb2
+
+KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-9876543210"}
+
+
+def bearer(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def key_file(tmp_path, protect: bool = False):
+    hashed = hashlib.sha256(KEYS["beta"].encode()).hexdigest()
+    path = tmp_path / "keys.txt"
+    path.write_text(f"# tenants\n\nalpha {KEYS['alpha']}\nbeta sha256:{hashed}\n")
+    return path
+
+
+# -- the key file ---------------------------------------------------------------------------
+
+def test_key_file_lines_clear_and_hashed(tmp_path):
+    ring = KeyRing.load(key_file(tmp_path))
+    assert ring.find(KEYS["alpha"]).segment == "alpha"
+    assert ring.find(KEYS["beta"]).segment == "beta"  # listed only as its sha256
+    assert ring.find("alpha-key-012345678") is None and ring.find("") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("alpha key1\nbeta\n", "line 2: expected 'SEGMENT KEY' or 'SEGMENT sha256:HEX' (two fields), found 1"),
+    ("alpha key1 extra-secret\n", "line 1: expected"),
+    ("alpha sha256:abc\n", "line 1: a hashed key is 'sha256:' and 64 hex digits"),
+    ("# c\nal/pha key1\n", "line 2: segment must be"),
+    ("alpha key1\nbeta key1\n", "line 2: the same key is already listed on line 1"),
+    ("# nothing\n\n", "no keys in it"),
+])
+def test_malformed_key_file_names_the_line_not_the_key(text, message):
+    with pytest.raises(KeyFileError) as err:
+        KeyRing.parse(text, "keys.txt")
+    assert message in str(err.value)
+    assert "key1" not in str(err.value) and "extra-secret" not in str(err.value)
+
+
+def test_gateway_refuses_to_start_with_a_malformed_key_file(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "keys.txt"
+    bad.write_text("alpha k1\noops\n")
+    result = subprocess.run([sys.executable, "-m", "specd.cli", "gateway", "--api-keys", str(bad), "--port", "0",
+                             "--verifier-address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "line 2" in result.stderr and "k1" not in result.stderr
+
+
+# -- keys on a running gateway --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keyed(model_dirs, tmp_path_factory):
+    """A gateway with keys, one request in flight per key, and a proxy before its verifier."""
+    proxies = {}
+
+    def front(loop, role, port):
+        if role != "verifier":
+            return port
+        proxies[role] = loop.run(TcpProxy(port).start())
+        return proxies[role].port
+
+    stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path_factory.mktemp("keys")),
+                        key_max_in_flight=1)
+    stack.verifier_proxy = proxies["verifier"]
+    yield stack
+    stack.loop.run(stack.verifier_proxy.close())
+    stack.close()
+
+
+@pytest.mark.parametrize("metadata, says", [
+    ([], "an API key is required"),
+    (bearer("not-a-key"), "not valid"),
+    ([("authorization", KEYS["alpha"])], "an API key is required"),  # no "Bearer"
+])
+def test_missing_or_wrong_key_is_unauthenticated(keyed, metadata, says):
+    for call in (keyed.stub.Generate, lambda r, metadata: list(keyed.stub.GenerateStream(r, metadata=metadata)),
+                 lambda r, metadata: keyed.stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest(),
+                                                                   metadata=metadata)):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request("def f():", max_new_tokens=2), metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and says in err.value.details()
+        assert "not-a-key" not in err.value.details()
+
+
+def test_unauthenticated_bad_body_is_still_unauthenticated(keyed):
+    raw = keyed.channel.unary_unary("/specd.v1.Gateway/Generate")
+    with pytest.raises(grpc.RpcError) as err:
+        raw(b"\x0a\x02\xff\xfe")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_and_reflection_stay_open(keyed):
+    health = health_pb2_grpc.HealthStub(keyed.channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(keyed.channel)
+    replies = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert "specd.v1.Gateway" in {s.name for s in replies[0].list_services_response.service}
+
+
+def test_the_key_decides_the_segment(keyed):
+    claimed = request("def fibonacci(n):", max_new_tokens=4)
+    claimed.user_segment = "beta"  # alpha's key, claiming to be beta
+    assert len(keyed.stub.Generate(claimed, metadata=bearer(KEYS["alpha"])).token_ids) == 4
+    stats = keyed.stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest(group_by=["user_segment"]),
+                                          metadata=bearer(KEYS["beta"]))
+    assert [dict(row.labels) for row in stats.rows] == []  # beta sees only its own rows: none yet
+    segments = {labels["user_segment"] for labels, _ in keyed.gateway.servicer.stats.query(["user_segment"], {})}
+    assert segments == {"alpha"}
+
+
+def test_per_key_in_flight_quota(keyed):
+    held = keyed.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=60), metadata=bearer(KEYS["alpha"]))
+    next(held)
+    keyed.verifier_proxy.pause()  # alpha's request now waits on the verifier: still in flight
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            keyed.stub.Generate(request("x", max_new_tokens=2), metadata=bearer(KEYS["alpha"]))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "alpha" in err.value.details()
+    finally:
+        keyed.verifier_proxy.resume()
+    assert list(held)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+    assert len(keyed.stub.Generate(request("x", max_new_tokens=2), metadata=bearer(KEYS["alpha"])).token_ids) == 2
+
+
+def test_protected_reflection_needs_a_key(model_dirs, tmp_path):
+    stack = start_stack(model_dirs, api_keys_file=key_file(tmp_path), protect_reflection=True)
+    try:
+        reflection = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as err:
+            list(reflection.ServerReflectionInfo(iter([ask])))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert list(reflection.ServerReflectionInfo(iter([ask]), metadata=bearer(KEYS["beta"])))
+        health = health_pb2_grpc.HealthStub(stack.channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stack.close()
+
+
+# -- limits ---------------------------------------------------------------------------------
+
+def test_message_over_the_public_limit_is_refused_by_grpc(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(request("x" * (2 * 1024 * 1024)))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(stack.stub.Generate(request("def f():", max_new_tokens=2)).token_ids) == 2
+
+
+def test_prompt_bytes_are_checked_before_tokenizing(stack):
+    backend = stack.gateway.servicer.backend
+    tokenizer, calls = backend.tokenizer, []
+
+    def counting(text, *args, **kwargs):
+        calls.append(len(text))
+        return tokenizer(text, *args, **kwargs)
+
+    backend.tokenizer = counting
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stack.stub.Generate(request("é" * (150 * 1024)))  # 300 KiB in UTF-8, under the message limit
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt is 307200 bytes, over this gateway's limit of 262144" in err.value.details()
+        assert calls == []
+    finally:
+        backend.tokenizer = tokenizer
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda r: setattr(r.sampling, "max_new_tokens", 5000), "exceeds this gateway's cap of 4096"),
+    (lambda r: r.sampling.stop.extend(["s"] * 17), "17 stop strings; at most 16"),
+    (lambda r: r.sampling.stop.append("s" * 300), "a stop string is 300 bytes; at most 256"),
+    (lambda r: setattr(r.sampling, "temperature", 1.4e-45), "temperature must be 0 (greedy) or at least 0.001"),
+    (lambda r: setattr(r.sampling, "temperature", float("inf")), "temperature must be finite"),
+    (lambda r: setattr(r, "task_type", "t" * 100), "task_type is 100 bytes; at most 64"),
+])
+def test_limits_are_invalid_argument(stack, mutate, says):
+    bad = request("def f():", max_new_tokens=4)
+    mutate(bad)
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
+
+
+def test_a_huge_invalid_value_is_not_echoed_whole(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(request("def f():", draft_model="d" * 10_000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not "metadata size exceeds soft limit"
+    assert "unknown draft model 'dddd" in err.value.details() and "(10000 characters)" in err.value.details()
+    assert len(err.value.details()) < 600
+
+
+def test_bad_utf8_is_invalid_argument(stack):
+    raw = stack.channel.unary_unary("/specd.v1.Gateway/Generate")
+    raw_stream = stack.channel.unary_stream("/specd.v1.Gateway/GenerateStream")
+    body = b"\x0a\x03\xff\xfe\xfd"  # field 1 (prompt), 3 bytes that are not UTF-8
+    for call in (raw, lambda b: list(raw_stream(b))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(body)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+    assert len(stack.stub.Generate(request("def f():", max_new_tokens=2)).token_ids) == 2
+
+
+# -- deadlines and streams per connection ---------------------------------------------------
+
+@pytest.fixture()
+def stalled(model_dirs):
+    """A stack whose gateway reaches the draft through a proxy the test can stall."""
+    proxies = {}
+
+    def front(loop, role, port):
+        if role != "draft":
+            return port
+        proxies[role] = loop.run(TcpProxy(port).start())
+        return proxies[role].port
+
+    stack = start_stack(model_dirs, front=front, max_streams_per_connection=2)
+    stack.draft_proxy = proxies["draft"]
+    yield stack
+    stack.draft_proxy.resume()
+    stack.loop.run(stack.draft_proxy.close())
+    stack.close()
+
+
+def test_deadline_travels_to_the_workers_and_frees_their_sessions(stalled):
+    stream = stalled.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=200), timeout=3.0)
+    next(stream)
+    stalled.draft_proxy.pause()  # the draft hears nothing more, not even the gateway's cancel
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Still stalled: the draft drops its session because its stream carried the deadline.
+    assert stalled.wait_no_sessions() == 0
+    stalled.draft_proxy.resume()
+    assert len(stalled.stub.Generate(request("def f():", max_new_tokens=4)).token_ids) == 4
+
+
+def test_streams_per_connection_are_capped(stalled):
+    held = [stalled.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=200)) for _ in range(2)]
+    for stream in held:
+        next(stream)
+    stalled.draft_proxy.pause()  # both requests wait on the draft, their streams open
+    try:
+        with pytest.raises(grpc.RpcError) as err:  # a third stream on the same connection waits its turn
+            stalled.stub.Generate(request("x", max_new_tokens=2), timeout=2.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert stalled.gateway.servicer._in_flight == 2  # it never reached the gateway's handler
+        # Another connection (its own subchannel, not the shared one) is served meanwhile.
+        with grpc.insecure_channel(stalled.gateway_address, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+            from specd.v1 import gateway_pb2_grpc
+
+            assert gateway_pb2_grpc.GatewayStub(other).Generate(
+                request("x", max_new_tokens=2, mode="OFF"), timeout=60).token_ids
+    finally:
+        stalled.draft_proxy.resume()
+    for stream in held:
+        assert list(stream)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
