@@ -9,17 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-.venv/bin/python - <<'PY'
-from pathlib import Path
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-out = Path("runs/unrelated-draft")
-if not (out / "config.json").exists():
-    config = AutoConfig.from_pretrained("models/demo/draft-generic")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained("models/demo/draft-generic").save_pretrained(out)
-PY
+.venv/bin/python scripts/make_unrelated_draft.py
 .venv/bin/specd serve --port 50071 --draft-port 50072 --verifier-port 50073 \
   --draft distilled=models/demo/draft-distilled --draft unrelated=runs/unrelated-draft &
 server=$!
