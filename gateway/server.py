@@ -19,7 +19,7 @@ from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
                             speculate)
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
+from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode, ProbeSchedule
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
@@ -154,8 +154,9 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
     return problems
 
 
-def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str) -> DraftLengthPolicy:
-    """The γ policy object of one request."""
+def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
+                 probes: ProbeSchedule | None = None) -> DraftLengthPolicy:
+    """The γ policy object of one request (probes: the pair and task's shared probe spacing)."""
     profile = parsed.profile
     if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
         return FixedPolicy(0)
@@ -169,7 +170,7 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
             profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
                           curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                          overlap=parsed.generation.overlap)
+                          overlap=parsed.generation.overlap, probes=probes)
     if parsed.policy == "confidence":
         return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
     return FixedPolicy(parsed.draft_length)
@@ -207,6 +208,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.settings = settings
         self.stats = stats
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
+        # (model pair, task type) → probe spacing of the cost policy, shared across requests
+        self._probes: dict[tuple[str, str], ProbeSchedule] = {}
 
     def _model_pair(self, draft_model: str) -> str:
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
@@ -245,7 +248,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
-        policy = build_policy(parsed, self.stats, model_pair)
+        probes = self._probes.setdefault((model_pair, parsed.task_type), ProbeSchedule())
+        policy = build_policy(parsed, self.stats, model_pair, probes)
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
 
