@@ -257,9 +257,10 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
             verify_bytes=verifier.last_exchange_bytes, draft_batch=draft_batch, verify_batch=scores.batch)
         stats.records.append(record)
         policy.observe(record)
-        tracer.end_step(record)
         if on_step is not None:
+            # Before the step's span ends, so what on_step notices (drift) can be an event on it.
             on_step(record, generated_before)
+        tracer.end_step(record)
         yield Emission(emitted, finish)
         if finish is not None:
             return

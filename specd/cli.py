@@ -28,8 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, ClientTLS, DraftSettings,
-                          GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, BatchSettings, ClientTLS,
+                          DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.drift import DriftSettings
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
@@ -198,10 +199,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        max_concurrent_requests=args.max_concurrent_requests)
+        max_concurrent_requests=args.max_concurrent_requests, draft_selection=args.draft_selection,
+        drift=DriftSettings(min_drop=args.drift_min_drop), acceptance_baseline=args.acceptance_baseline)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
-    except (IncompatibleDraft, ConnectionError) as exc:
+    except (IncompatibleDraft, ConnectionError, ValueError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
 
@@ -346,7 +348,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
                 "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
                 "--policy", args.policy, "--metrics-host", args.metrics_host,
-                "--metrics-port", str(args.metrics_port),
+                "--metrics-port", str(args.metrics_port), "--draft-selection", args.draft_selection,
+                "--drift-min-drop", str(args.drift_min_drop),
+                *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
                 *[f"--task-draft={v}" for v in args.task_draft or []]]))
             if not _wait_healthy(f"127.0.0.1:{args.port}", procs, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
@@ -426,6 +430,15 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
+    parser.add_argument("--draft-selection", choices=DRAFT_SELECTIONS, default="goodput",
+                        help="draft of a request that names none: goodput (the best measured tokens/ms per "
+                             "task type and user segment, starting from --task-draft) or task-map")
+    parser.add_argument("--drift-min-drop", type=float, default=DriftSettings().min_drop, metavar="POINTS",
+                        help="acceptance drop (0..1) of the sliding window below its reference that raises "
+                             "the drift flag when significant (default %(default)s)")
+    parser.add_argument("--acceptance-baseline", type=Path, metavar="FILE",
+                        help="judge drift against this pinned acceptance per model pair and task type "
+                             "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -533,6 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare γ policies and target-only against a running gateway")
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run)
+
+    from specd import doctor as doctor_module
+
+    doctor = sub.add_parser("doctor", help="run the acceptance checklist against a running gateway "
+                                           "(exit 0 healthy, 1 warnings, 2 speculation hurting)")
+    doctor_module.add_arguments(doctor)
+    doctor.set_defaults(func=doctor_module.run)
 
     distill = sub.add_parser("distill", help="train a draft to agree with its target")
     distill_module.add_arguments(distill)

@@ -145,12 +145,14 @@ class Stack:
 
 
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
-                verifier_metrics_port: int = 0, **gateway_options) -> Stack:
+                verifier_metrics_port: int = 0, drafts: tuple[str, ...] = ("close", "unrelated", "padded"),
+                **gateway_options) -> Stack:
+    """The three services on loopback; `drafts` names the model_dirs the draft service hosts
+    (the first is the default draft)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
     model = ModelSettings(max_sessions=max_sessions, batching=batching)
-    draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"],
-                                            "padded": model_dirs["padded"]}, model)
+    draft_settings = DraftSettings(server, {name: model_dirs[name] for name in drafts}, model)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
