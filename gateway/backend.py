@@ -211,7 +211,7 @@ async def connect(settings: GatewaySettings) -> Backend:
             drafts = await draft.model_infos(timeout)
             problems = check_drafts(target, drafts, settings.task_drafts)
             for problem in problems.values():
-                log.error("%s; this draft is never used", problem)
+                log.error("%s This draft is never used.", problem)
         unknown = {task: name for task, name in settings.task_drafts.items()
                    if name not in {d.name for d in drafts}}
         if unknown:
