@@ -61,6 +61,7 @@ class ParsedRequest:
     task_type: str
     user_segment: str
     stop: list[str]
+    selected: bool = False  # the draft was chosen by goodput selection (the request named none)
 
 
 def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
@@ -122,8 +123,9 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
 
     if mode is Mode.OFF or not backend.drafts:
         draft_model = ""
-    elif not speculation.draft_model and choose is not None:
-        draft_model = choose(task_type, request.user_segment)
+    selected = False
+    if mode is not Mode.OFF and backend.drafts and not speculation.draft_model and choose is not None:
+        draft_model, selected = choose(task_type, request.user_segment), True
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
     highest = min(speculation.max_draft_length or prior.max_draft_length, settings.max_draft_length)
     lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
@@ -133,7 +135,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
         speculation.min_draft_confidence or settings.default_min_confidence, task_type,
-        request.user_segment, list(sampling.stop))
+        request.user_segment, list(sampling.stop), selected)
 
 
 def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str) -> DraftLengthPolicy:
@@ -299,7 +301,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if emission.finish is None and not text.stopped:
                         yield gateway_pb2.GenerateChunk(text=delta, token_ids=kept)
                         continue
-                    if self.selector is not None and draft is not None and not diagnostic:
+                    # Only the selector's own choices teach it: a request that names its draft
+                    # may do so for reasons goodput does not see.
+                    if parsed.selected and draft is not None and not diagnostic:
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
                                               *goodput)
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specd.acceptance import DIAGNOSTIC_SEGMENT
+from specd.acceptance import DIAGNOSTIC_SEGMENT, Counts
 from specd.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd.drift import baseline_document
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
@@ -106,6 +106,15 @@ class Prober:
 
 # -- the checks: pure functions of what was measured ----------------------------------------
 
+def alpha(run: Run) -> float:
+    """α as the geometric model and the model cards mean it: P(a draft token is accepted |
+    the ones before it were), pooled over draft positions. (accepted / proposed is lower:
+    it also counts the proposals after a rejection, which never had a chance.)"""
+    counts = Counts(proposed_per_position=list(run.result.proposed_per_position),
+                    accepted_per_position=list(run.result.accepted_per_position))
+    return counts.conditional_acceptance()
+
+
 def check_tokenizers(info) -> list[Finding]:
     """Every hosted draft's tokenizer fingerprint against the target's."""
     target = info.target
@@ -154,7 +163,7 @@ def check_sampling(greedy: Run, top1: Run, target_only: Run) -> list[Finding]:
     if aligned == n and same_acceptance == n:
         findings.append(Finding(
             "sampling alignment", "ok",
-            f"temperature 1, top-k 1 reproduces greedy on {n}/{n} prompts with the same acceptance "
+            f"temperature 1, top-k 1 reproduces greedy on {n}/{n} prompts with the same accepted/proposed "
             f"({top1.result.acceptance:.3f} vs {greedy.result.acceptance:.3f}): draft and target apply the same "
             f"transforms", figures=figures))
     else:
@@ -169,7 +178,8 @@ def check_sampling(greedy: Run, top1: Run, target_only: Run) -> list[Finding]:
 
 
 def card_expectation(card_json: str, tasks: list[str], temperature: float) -> tuple[float, int] | None:
-    """The α a draft's model card promises for these task types, and the γ it was measured at."""
+    """The α a draft's model card promises for these task types, and the γ it was measured at
+    (greedy: the card's greedy match rate; sampled: its α)."""
     if not card_json:
         return None
     try:
@@ -195,17 +205,19 @@ def distill_command(target_path: str, draft_path: str, prompts_file: str) -> str
 def check_acceptance(measured: Run, card: tuple[float, int] | None, draft, target, prompts_file: str,
                      temperature: float) -> Finding:
     """Measured α and tokens/step at the card's γ against the card; distill below 0.6."""
-    alpha = measured.result.acceptance
-    figures = {"alpha": alpha, "tokens_per_step": measured.result.tokens_per_step,
+    a = alpha(measured)
+    figures = {"alpha": a, "acceptance_rate": measured.result.acceptance,
+               "tokens_per_step": measured.result.tokens_per_step,
                "gamma": measured.result.config.draft_length, "card_alpha": card[0] if card else None}
-    against = f", card {card[0]:.3f}" if card else ", no model card"
-    evidence = (f"draft {draft.name!r}: α {alpha:.3f}, {measured.result.tokens_per_step:.2f} tokens/step at "
-                f"γ={measured.result.config.draft_length}, temperature {temperature}{against}")
-    if alpha < DISTILL_BELOW:
-        return Finding("acceptance", "hurting" if alpha < TOO_POOR else "warn",
+    against = f", card α {card[0]:.3f}" if card else ", no model card"
+    evidence = (f"draft {draft.name!r}: α {a:.3f} (accepted/proposed {measured.result.acceptance:.3f}), "
+                f"{measured.result.tokens_per_step:.2f} tokens/step at γ={measured.result.config.draft_length}, "
+                f"temperature {temperature}{against}")
+    if a < DISTILL_BELOW:
+        return Finding("acceptance", "hurting" if a < TOO_POOR else "warn",
                        evidence + f"; below {DISTILL_BELOW}: the draft does not imitate this target",
                        distill_command(target.model_path, draft.model_path, prompts_file), figures)
-    if card and alpha < card[0] - 0.1:
+    if card and a < card[0] - 0.1:
         return Finding("acceptance", "warn", evidence + "; more than 10 points under the card: this workload "
                        "differs from the card's evaluation data", "distill on this workload: "
                        + distill_command(target.model_path, draft.model_path, prompts_file), figures)
@@ -238,7 +250,7 @@ def check_gamma(sweep: list[Run], auto: Run, configured_policy: str, max_gamma: 
                      for row in rows)
     evidence = (f"best γ={best['gamma']} ({best['tokens_per_s']:.1f} tokens/s, {best['tokens_per_step']:.2f} "
                 f"tokens/step) of 1..{max_gamma}; policy {configured_policy!r} used mean γ {mean_gamma:.1f} at "
-                f"{auto.result.tokens_per_s:.1f} tokens/s ({gap:.0%} below the best) [{table}]")
+                f"{auto.result.tokens_per_s:.1f} tokens/s ({_gap_words(gap)}) [{table}]")
     if gap > 0.15:
         return Finding("draft length", "warn", evidence,
                        f"pin it: SpeculationParams{{mode: FIXED, draft_length: {best['gamma']}}} for this task, "
@@ -246,23 +258,27 @@ def check_gamma(sweep: list[Run], auto: Run, configured_policy: str, max_gamma: 
     return Finding("draft length", "ok", evidence, figures=figures)
 
 
+def _gap_words(gap: float) -> str:
+    return f"{gap:.0%} below the best" if gap > 0 else f"{-gap:.0%} above the best fixed γ: within noise or better"
+
+
 def check_quality(auto: Run, target_only: Run, draft, policy: str) -> Finding | None:
     """α > 0.95: the draft may do the target's job; α < 0.4: speculation costs more than it saves."""
-    alpha = auto.result.acceptance
+    a = alpha(auto)
     speedup = auto.result.tokens_per_s / target_only.result.tokens_per_s if target_only.result.tokens_per_s else 0
-    figures = {"alpha": alpha, "speedup": speedup}
-    if alpha > TOO_GOOD:
+    figures = {"alpha": a, "speedup": speedup}
+    if a > TOO_GOOD:
         whole = sum(s.accepted_tokens == s.proposed_tokens for s in auto.stats)
         return Finding("quality", "warn",
-                       f"α {alpha:.3f} > {TOO_GOOD}: draft {draft.name!r} alone reproduced the target's output "
+                       f"α {a:.3f} > {TOO_GOOD}: draft {draft.name!r} alone reproduced the target's output "
                        f"on {whole}/{len(auto.stats)} prompts",
                        f"compare `specd generate --draft-model {draft.name}` outputs with the target's on real "
                        f"traffic; if they hold, serve the draft alone for this task (cheaper)", figures)
     plain = sum(g == 0 for s in auto.stats for g in s.draft_lengths)
     steps = sum(len(s.draft_lengths) for s in auto.stats)
-    if alpha < TOO_POOR:
+    if a < TOO_POOR:
         return Finding("quality", "hurting",
-                       f"α {alpha:.3f} < {TOO_POOR}: speculation is slowing you down ({speedup:.2f}× target-only); "
+                       f"α {a:.3f} < {TOO_POOR}: speculation is slowing you down ({speedup:.2f}× target-only); "
                        f"AUTO (policy {policy!r}) took {plain}/{steps} steps plainly"
                        + (" — the cost policy drops to γ=0 when E[tokens/step]/(γc+v) < 1" if policy == "cost" else
                           f" — policy {policy!r} never falls back to plain decoding"),
@@ -270,15 +286,14 @@ def check_quality(auto: Run, target_only: Run, draft, policy: str) -> Finding | 
                        + ("" if policy == "cost" else ", or start the gateway with --policy cost"),
                        figures)
     if speedup < 1:
-        return Finding("quality", "hurting", f"α {alpha:.3f} but AUTO runs at {speedup:.2f}× target-only",
+        return Finding("quality", "hurting", f"α {a:.3f} but AUTO runs at {speedup:.2f}× target-only",
                        "use SPECULATION_MODE_OFF for this task; check the draft's cost (memory finding)", figures)
     return None
 
 
 def check_temperature(rows: list[tuple[float, Run]], workload_temperature: float) -> Finding:
     """Acceptance and tokens/s at the workload's temperature and lower ones, as a table."""
-    table = [{"temperature": t, "acceptance": r.result.acceptance, "tokens_per_s": r.result.tokens_per_s}
-             for t, r in rows]
+    table = [{"temperature": t, "acceptance": alpha(r), "tokens_per_s": r.result.tokens_per_s} for t, r in rows]
     base = table[0]
     cells = "; ".join(f"T={row['temperature']:.1f}: α {row['acceptance']:.3f}, {row['tokens_per_s']:.1f} tokens/s"
                       for row in table)
@@ -313,7 +328,7 @@ def check_position(auto: Run, max_new_tokens: int) -> Finding:
     half = max(max_new_tokens // 2, 1)
     early, late, n_early, n_late = position_acceptance(auto.stats, half)
     figures = {"early": early, "late": late, "early_tokens": n_early, "late_tokens": n_late, "split": half}
-    evidence = (f"α {early:.3f} over the first {half} generated tokens ({n_early} draft tokens), "
+    evidence = (f"accepted/proposed {early:.3f} over the first {half} generated tokens ({n_early} draft tokens), "
                 f"{late:.3f} after ({n_late})")
     if n_late and late < early - 0.1:
         return Finding("position", "warn", evidence + ": acceptance falls as the generation grows",
@@ -356,10 +371,15 @@ def lower_temperatures(temperature: float) -> list[float]:
 
 @dataclass
 class Diagnosis:
+    """The findings, and what a drift baseline needs: the acceptance rate (accepted /
+    proposed, as the gateway's drift detection counts it) under the configured policy."""
+
     findings: list[Finding]
     draft: str
     target: str
     task_types: list[str]
+    acceptance_rate: float = 0.0
+    draft_tokens: int = 0
 
     @property
     def exit_code(self) -> int:
@@ -428,7 +448,7 @@ def diagnose(stub, workload: list[tuple[str, str]], *, temperature: float, max_n
     findings.append(check_position(auto, max_new_tokens))
     findings.append(check_short_outputs(target_only, max_new_tokens))
     findings.append(check_memory(info, draft))
-    return Diagnosis(findings, draft.name, info.target.name, tasks)
+    return Diagnosis(findings, draft.name, info.target.name, tasks, auto.result.acceptance, auto.result.proposed)
 
 
 def load_workload(path: str | None, task: str) -> list[tuple[str, str]]:
@@ -495,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     document = {"gateway": args.gateway, "target": diagnosis.target, "draft": diagnosis.draft,
                 "task_types": diagnosis.task_types, "temperature": args.temperature,
-                "exit_code": diagnosis.exit_code, "findings": [asdict(f) for f in diagnosis.findings]}
+                "acceptance_rate": diagnosis.acceptance_rate, "exit_code": diagnosis.exit_code, "findings": [asdict(f) for f in diagnosis.findings]}
     if args.json:
         print(json.dumps(document, indent=2))
     else:
@@ -511,10 +531,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_baseline(path: Path, diagnosis: Diagnosis) -> None:
-    """The measured acceptance (the configured policy's) as the gateway's pinned drift baseline."""
-    acceptance = next(f for f in diagnosis.findings if f.check == "acceptance")
+    """The measured acceptance rate under the configured policy (what production runs) as
+    the gateway's pinned drift baseline, for each diagnosed task type."""
     pair = f"{diagnosis.draft}->{diagnosis.target}"
-    rows = [(pair, task, acceptance.figures["alpha"], 0) for task in diagnosis.task_types]
+    rows = [(pair, task, diagnosis.acceptance_rate, diagnosis.draft_tokens) for task in diagnosis.task_types]
     path.write_text(json.dumps(baseline_document(rows), indent=2))
 
 
