@@ -7,9 +7,11 @@ so a cheap draft that agrees less can beat a costly one that agrees more.
 Per (task type, user segment) every draft is an arm of a bandit. Each arm keeps the
 mean and spread of the goodput of the requests it served (recent ones weigh more, so a
 change of load or traffic moves the choice). Choosing is Thompson sampling: draw each
-arm's mean from a normal posterior (mean, sd/√n) and take the largest draw. Arms with
-fewer than `min_trials` requests go first, the task map's draft before the others, so
-selection starts where the configuration points and every draft gets measured.
+arm's mean from a normal posterior (mean, sd/√n, sd pooled over the key's arms) and take
+the largest draw. Arms with fewer than `min_trials` requests go first, the task map's
+draft before the others, so selection starts where the configuration points and every
+draft gets measured. Only the selector's own choices are observed (the gateway does not
+feed it requests that name their draft).
 
 Output stays exact whichever draft is chosen: rejection sampling keeps the target's
 distribution for any draft (DESIGN.md §2). No gRPC here.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import threading
 from dataclasses import dataclass
 
@@ -41,18 +44,30 @@ class Arm:
             self.m2 *= (self.n - 1) / self.n
         self.m2 += delta * (goodput - self.mean)
 
-    def sd(self) -> float:
-        """The spread of one request's goodput, never below 5% of the mean (a floor, so
-        two identical early samples do not freeze the choice)."""
-        variance = self.m2 / (self.n - 1) if self.n > 1 else 0.0
-        return max(math.sqrt(max(variance, 0.0)), 0.05 * abs(self.mean), 1e-9)
+    def variance(self) -> float:
+        return max(self.m2 / (self.n - 1), 0.0) if self.n > 1 else 0.0
+
+
+def _pooled_sd(arms) -> float:
+    """One request's goodput spread, pooled over the arms of a key.
+
+    The spread comes mostly from the prompts and the machine, not from the draft, so
+    pooling lets an arm measured once or twice borrow the others' estimate instead of
+    trusting (or fearing) its own few samples. Before any arm has two samples: a quarter
+    of the mean goodput, a wide prior that keeps exploring.
+    """
+    arms = list(arms)
+    weight = sum(arm.n - 1 for arm in arms if arm.n > 1)
+    if weight == 0:
+        return max(0.25 * statistics.fmean(arm.mean for arm in arms), 1e-9)
+    return max(math.sqrt(sum(arm.variance() * (arm.n - 1) for arm in arms if arm.n > 1) / weight), 1e-9)
 
 
 class DraftSelector:
     """Thompson sampling over hosted drafts, per (task type, user segment); thread-safe."""
 
     def __init__(self, drafts: list[str], task_drafts: dict[str, str] | None = None, *,
-                 min_trials: int = 2, memory: int = 200, rng: random.Random | None = None) -> None:
+                 min_trials: int = 1, memory: int = 200, rng: random.Random | None = None) -> None:
         """drafts: the usable drafts, the default first; task_drafts: task type → draft."""
         if not drafts:
             raise ValueError("draft selection needs at least one draft")
@@ -78,7 +93,8 @@ class DraftSelector:
             if young:
                 name = min(young, key=lambda d: (arms[d].pulls, d != first, self.drafts.index(d)))
             else:
-                name = max(arms, key=lambda d: self._rng.gauss(arms[d].mean, arms[d].sd() / math.sqrt(arms[d].n)))
+                sd = _pooled_sd(arms.values())
+                name = max(arms, key=lambda d: self._rng.gauss(arms[d].mean, sd / math.sqrt(arms[d].n)))
             arms[name].pulls += 1
             return name
 

@@ -25,9 +25,9 @@ def serve(selector: DraftSelector, goodput: dict[str, float], rng: random.Random
 
 def test_bandit_starts_from_the_task_map_then_measures_every_draft():
     selector = DraftSelector(["general", "coder", "tiny"], {"code": "coder"}, rng=random.Random(0))
-    chosen = serve(selector, {"general": 1.0, "coder": 1.2, "tiny": 0.5}, random.Random(1), 6)
+    chosen = serve(selector, {"general": 1.0, "coder": 1.2, "tiny": 0.5}, random.Random(1), 3)
     assert chosen[0] == "coder"
-    assert sorted(chosen) == sorted(["general", "coder", "tiny"] * 2)
+    assert sorted(chosen) == ["coder", "general", "tiny"]
 
 
 def test_bandit_converges_to_the_better_draft():
