@@ -515,7 +515,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     document = {"gateway": args.gateway, "target": diagnosis.target, "draft": diagnosis.draft,
                 "task_types": diagnosis.task_types, "temperature": args.temperature,
-                "acceptance_rate": diagnosis.acceptance_rate, "exit_code": diagnosis.exit_code, "findings": [asdict(f) for f in diagnosis.findings]}
+                "acceptance_rate": diagnosis.acceptance_rate, "exit_code": diagnosis.exit_code,
+                "findings": [asdict(f) for f in diagnosis.findings]}
     if args.json:
         print(json.dumps(document, indent=2))
     else:
