@@ -3,9 +3,10 @@
 Each worker service (draft, verifier) is a `WorkerPool`: a `gateway.router.Router` that
 places sessions on the service's endpoints — a static address list, or the EndpointSlices
 of a Kubernetes Service watched live — and one channel per endpoint. At start-up the
-gateway asks each service for its models, refuses a draft whose tokenizer differs from
-the target's, and builds the target's tokenizer from the files the verifier ships, so
-the gateway never mounts or loads a model. The identities it validated there (name,
+gateway asks each service for its models, sets aside a draft whose tokenizer differs from
+the target's (and refuses to start when no draft fits), and builds the target's
+tokenizer from the files the verifier ships, so the gateway never mounts or loads a
+model. The identities it validated there (name,
 weights digest, tokenizer fingerprint) open every worker stream afterwards, so a worker
 swapped behind an address refuses the stream instead of answering for another model.
 Channels are TLS (mutual with a client certificate) when `GatewaySettings.worker_tls` is.
@@ -13,8 +14,9 @@ Channels are TLS (mutual with a client certificate) when `GatewaySettings.worker
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +28,8 @@ from specd.config import ClientTLS, GatewaySettings
 from specd.serving import CHANNEL_OPTIONS
 from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class IncompatibleDraft(RuntimeError):
@@ -130,7 +134,9 @@ class Backend:
     target: worker_pb2.ModelInfo
     tokenizer: PreTrainedTokenizerBase
     draft: WorkerPool | None
-    drafts: dict[str, worker_pb2.ModelInfo]  # name → info; the first is the default
+    drafts: dict[str, worker_pb2.ModelInfo]  # name → info of the usable drafts; the first is the default
+    # Drafts the draft service hosts but the gateway never uses: name → (info, why).
+    unusable: dict[str, tuple[worker_pb2.ModelInfo, str]] = field(default_factory=dict)
 
     @property
     def default_draft(self) -> str:
@@ -164,15 +170,30 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(tmp)
 
 
-def check_drafts(target: worker_pb2.ModelInfo, drafts: list[worker_pb2.ModelInfo]) -> None:
-    """Raise IncompatibleDraft naming every draft whose vocabulary differs from the target's."""
-    bad = [d for d in drafts if d.tokenizer_fingerprint != target.tokenizer_fingerprint]
-    if bad:
-        names = ", ".join(f"{d.name!r} (vocab {d.vocab_size})" for d in bad)
-        raise IncompatibleDraft(
-            f"draft {names} does not share the target {target.name!r}'s tokenizer "
-            f"(vocab {target.vocab_size}): speculative decoding exchanges token ids, so the draft "
+def tokenizer_problem(target: worker_pb2.ModelInfo, draft: worker_pb2.ModelInfo) -> str | None:
+    """Why a draft cannot speculate for the target (a different tokenizer); None if it can."""
+    if draft.tokenizer_fingerprint == target.tokenizer_fingerprint:
+        return None
+    return (f"draft {draft.name!r} (vocab {draft.vocab_size}, tokenizer {draft.tokenizer_fingerprint[:12]}) "
+            f"does not share the target {target.name!r}'s tokenizer (vocab {target.vocab_size}, tokenizer "
+            f"{target.tokenizer_fingerprint[:12]}): speculative decoding exchanges token ids, so the draft "
             f"must use exactly the target's tokenizer. Train or pick a draft with the same tokenizer.")
+
+
+def check_drafts(target: worker_pb2.ModelInfo, drafts: list[worker_pb2.ModelInfo],
+                 task_drafts: dict[str, str] | None = None) -> dict[str, str]:
+    """The drafts set aside (name → why), because their tokenizer differs from the target's.
+
+    A draft service hosting several drafts, one of them wrong, still serves with the
+    others: the wrong one is never used and `GetGatewayInfo` (so `specd doctor`) reports
+    it. Raises IncompatibleDraft when no hosted draft fits, or --task-draft names one that
+    does not: then nothing sensible can be served as configured.
+    """
+    problems = {d.name: p for d in drafts if (p := tokenizer_problem(target, d)) is not None}
+    named = {task: name for task, name in (task_drafts or {}).items() if name in problems}
+    if problems and (len(problems) == len(drafts) or named):
+        raise IncompatibleDraft("; ".join(problems.values()) + (f" (named by --task-draft {named})" if named else ""))
+    return problems
 
 
 async def connect(settings: GatewaySettings) -> Backend:
@@ -184,11 +205,14 @@ async def connect(settings: GatewaySettings) -> Backend:
     try:
         (target,) = await verifier.model_infos(timeout)
         drafts: list[worker_pb2.ModelInfo] = []
+        problems: dict[str, str] = {}
         if settings.draft_address or settings.draft_service:
             draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
                                 worker_pb2_grpc.DraftStub, timeout, settings.worker_tls)
             drafts = await draft.model_infos(timeout)
-            check_drafts(target, drafts)
+            problems = check_drafts(target, drafts, settings.task_drafts)
+            for problem in problems.values():
+                log.error("%s This draft is never used.", problem)
         unknown = {task: name for task, name in settings.task_drafts.items()
                    if name not in {d.name for d in drafts}}
         if unknown:
@@ -200,4 +224,5 @@ async def connect(settings: GatewaySettings) -> Backend:
         if draft is not None:
             await draft.close()
         raise
-    return Backend(verifier, target, tokenizer, draft, {d.name: d for d in drafts})
+    return Backend(verifier, target, tokenizer, draft, {d.name: d for d in drafts if d.name not in problems},
+                   {d.name: (d, problems[d.name]) for d in drafts if d.name in problems})

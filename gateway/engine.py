@@ -288,9 +288,10 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
             pre_draft_asked=asked, pre_drafted=pre_drafted)
         stats.records.append(record)
         policy.observe(record)
-        tracer.end_step(record)
         if on_step is not None:
+            # Before the step's span ends, so what on_step notices (drift) can be an event on it.
             on_step(record, generated_before)
+        tracer.end_step(record)
         yield Emission(emitted, finish)
         if finish is not None:
             return

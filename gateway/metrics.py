@@ -10,7 +10,19 @@ model_pair, task_type, user_segment, prompt_bucket. PromQL:
     mean accept length  1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
                           / sum(rate(specd_spec_decode_num_drafts_total[5m]))
 
-The collector reads a snapshot of `AcceptanceStats` at scrape time; it never writes.
+Drift (`specd.drift`), per model_pair, task_type, user_segment and reference
+("lifetime" or "baseline"): `specd_spec_decode_acceptance_drift` is the drop in
+acceptance points (reference − window; negative when it rose) and
+`specd_spec_decode_acceptance_drift_flagged` is 1 while the drop is large and
+significant (k8s/prometheus/specd-rules.yaml alerts on it). Draft selection by goodput:
+`specd_draft_selected_total{task_type,user_segment,draft_model}` counts each draft's
+requests, so each draft's share is
+
+    sum by (draft_model) (rate(specd_draft_selected_total[5m]))
+      / ignoring(draft_model) group_left sum(rate(specd_draft_selected_total[5m]))
+
+The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
+time; it never writes.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, Gaug
 from prometheus_client.registry import Collector
 
 from specd.acceptance import LABEL_NAMES, AcceptanceStats
+from specd.selection import DraftSelector
 
 PREFIX = "specd_spec_decode_"
 
@@ -29,8 +42,9 @@ PREFIX = "specd_spec_decode_"
 class AcceptanceCollector(Collector):
     """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
 
-    def __init__(self, stats: AcceptanceStats) -> None:
+    def __init__(self, stats: AcceptanceStats, selector: DraftSelector | None = None) -> None:
         self.stats = stats
+        self.selector = selector
 
     def collect(self):
         labels = list(LABEL_NAMES)
@@ -76,6 +90,8 @@ class AcceptanceCollector(Collector):
         yield from self._costs()
         yield from self._load()
         yield from self._pre_drafts()
+        yield from self._drift()
+        yield from self._selection()
 
     def _pre_drafts(self):
         """Overlapped speculation: hit rate = rate(…hits_total) / rate(…steps_total)."""
@@ -88,6 +104,34 @@ class AcceptanceCollector(Collector):
             steps.add_metric(list(astuple(key)), n)
             hits.add_metric(list(astuple(key)), hit)
         return [steps, hits]
+
+    def _drift(self):
+        labels = ["model_pair", "task_type", "user_segment", "reference"]
+        drop = GaugeMetricFamily(PREFIX + "acceptance_drift",
+                                 "Acceptance points lost: reference (lifetime or pinned baseline) minus the "
+                                 "sliding window.", labels=labels)
+        flagged = GaugeMetricFamily(PREFIX + "acceptance_drift_flagged",
+                                    "1 while the drop is at least the configured points and significant.",
+                                    labels=labels)
+        for key, verdict in self.stats.drift_table():
+            values = [*key, verdict.reference]
+            drop.add_metric(values, verdict.drop)
+            flagged.add_metric(values, float(verdict.flagged))
+        return [drop, flagged]
+
+    def _selection(self):
+        if self.selector is None:
+            return []
+        labels = ["task_type", "user_segment", "draft_model"]
+        chosen = CounterMetricFamily("specd_draft_selected", "Requests given each draft by goodput selection.",
+                                     labels=labels)
+        goodput = GaugeMetricFamily("specd_draft_goodput_tokens_per_ms",
+                                    "Measured goodput of each draft (tokens per ms of step time).", labels=labels)
+        for key, arm in sorted(self.selector.snapshot().items()):
+            chosen.add_metric(list(key), arm.pulls)
+            if arm.n:
+                goodput.add_metric(list(key), arm.mean)
+        return [chosen, goodput]
 
     def _load(self):
         """How the verifier batched this gateway's steps; mean = rate(_sum) / rate(_count)."""
@@ -121,8 +165,8 @@ class AcceptanceCollector(Collector):
         return [target, draft, verify]
 
 
-def start_metrics_server(stats: AcceptanceStats, host: str, port: int):
+def start_metrics_server(stats: AcceptanceStats, host: str, port: int, selector: DraftSelector | None = None):
     """Serve /metrics on host:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats))
+    registry.register(AcceptanceCollector(stats, selector))
     return start_http_server(port, addr=host, registry=registry)

@@ -6,11 +6,12 @@ session on each worker, run `gateway.engine.speculate`, turn tokens into text, r
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -23,13 +24,17 @@ from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, Fi
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
-from specd.acceptance import AcceptanceStats, Counts
-from specd.config import GatewaySettings
+from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Counts, Labels
+from specd.config import DRAFT_SELECTIONS, GatewaySettings
+from specd.drift import load_baseline
 from specd.interceptors import clip
 from specd.sampling import Transform
+from specd.selection import DraftSelector
 from specd.serving import RunningServer, start_server
 from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 _MODES = {
     gateway_pb2.SPECULATION_MODE_AUTO: Mode.AUTO,
@@ -58,14 +63,17 @@ class ParsedRequest:
     task_type: str
     user_segment: str
     stop: list[str]
+    selected: bool = False  # the draft was chosen by goodput selection (the request named none)
 
 
-def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
-                  settings: GatewaySettings) -> ParsedRequest:
+def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
+                  choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
     """Validate a public request against the models and settings; collect every problem.
 
     Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
     tokenized at all. Values echoed back are clipped (`specd.interceptors.clip`).
+    choose(task type, user segment): picks the draft of a request that names none
+    (`specd.selection`); None: the task map, else the default draft.
     """
     sampling, speculation = request.sampling, request.speculation
     transform = Transform(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
@@ -114,7 +122,9 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     task_type = request.task_type or classify(request.prompt)
     draft_model = (speculation.draft_model or settings.task_drafts.get(task_type, "")
                    or backend.default_draft)
-    if speculation.draft_model and speculation.draft_model not in backend.drafts:
+    if speculation.draft_model in backend.unusable:
+        problems.append(f"{backend.unusable[speculation.draft_model][1]} Use one of {sorted(backend.drafts)}")
+    elif speculation.draft_model and speculation.draft_model not in backend.drafts:
         problems.append(f"unknown draft model {clip(speculation.draft_model)}; available: "
                         f"{sorted(backend.drafts) or 'none (no draft service configured)'}")
     if mode is Mode.FIXED and not backend.drafts:
@@ -125,6 +135,9 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
 
     if mode is Mode.OFF or not backend.drafts:
         draft_model = ""
+    selected = False
+    if mode is not Mode.OFF and backend.drafts and not speculation.draft_model and choose is not None:
+        draft_model, selected = choose(task_type, request.user_segment), True
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
     highest = min(speculation.max_draft_length or prior.max_draft_length, settings.max_draft_length)
     lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
@@ -135,7 +148,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
         speculation.min_draft_confidence or settings.default_min_confidence, task_type,
-        request.user_segment, list(sampling.stop))
+        request.user_segment, list(sampling.stop), selected)
 
 
 def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettings) -> list[str]:
@@ -203,13 +216,45 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats) -> None:
+    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats,
+                 selector: DraftSelector | None = None) -> None:
+        """selector: picks the draft of requests that name none (None: the task map)."""
         self.backend = backend
         self.settings = settings
         self.stats = stats
+        self.selector = selector
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         # (model pair, task type) → probe spacing of the cost policy, shared across requests
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
+        self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
+
+    def _choose(self, task_type: str, user_segment: str) -> str:
+        """The draft of a request that names none, under --draft-selection goodput."""
+        if user_segment == DIAGNOSTIC_SEGMENT:  # a diagnosis must not move the bandit either
+            return self.selector.start(task_type)
+        return self.selector.choose(task_type, self.stats.segment(user_segment))
+
+    def _check_drift(self, labels: Labels, request_trace: RequestTrace) -> None:
+        """Log and mark on the step span when a segment's drift flag goes up or down."""
+        verdict = self.stats.drift(labels)
+        key = (labels.model_pair, labels.task_type, labels.user_segment)
+        flagged = verdict is not None and verdict.flagged
+        if flagged == (key in self._drifting):
+            return
+        if not flagged:
+            self._drifting.discard(key)
+            log.info("acceptance drift cleared: pair %s, task %s, segment %r", *key)
+            return
+        self._drifting.add(key)
+        log.warning("acceptance drift: pair %s, task %s, segment %r: window acceptance %.3f vs %s %.3f "
+                    "(drop %.1f points, z=%.1f); run `specd doctor --gateway ... --task %s`",
+                    *key, verdict.window_rate, verdict.reference, verdict.reference_rate,
+                    100 * verdict.drop, verdict.z, labels.task_type)
+        request_trace.step_event("specd.acceptance_drift", {
+            "specd.drift.window_acceptance": verdict.window_rate,
+            "specd.drift.reference_acceptance": verdict.reference_rate,
+            "specd.drift.reference": verdict.reference, "specd.drift.drop": verdict.drop,
+            "specd.drift.z": verdict.z})
 
     def _model_pair(self, draft_model: str) -> str:
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
@@ -228,7 +273,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
         try:
-            parsed = parse_request(request, self.backend, self.settings)
+            parsed = parse_request(request, self.backend, self.settings,
+                                   self._choose if self.selector is not None else None)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._in_flight >= self.settings.max_concurrent_requests:
@@ -253,7 +299,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
 
+        diagnostic = parsed.user_segment == DIAGNOSTIC_SEGMENT
+        goodput = [0, 0.0]  # tokens and ms of the steps after the first (which also prefills)
+
         def count_step(record: StepRecord, generated_before: int) -> None:
+            if record.index > 0:
+                goodput[0] += len(record.emitted)
+                goodput[1] += record.draft_ms + record.verify_ms
+            if diagnostic:
+                return
             # The first step also prefills the prompt: its time says nothing about a step's cost.
             self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
                               generated_before, record.draft_ms, record.verify_ms,
@@ -263,6 +317,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
             if record.pre_draft_asked and record.draft_length:
                 self.stats.record_pre_draft(labels, record.pre_drafted)
+            if record.draft_length:
+                self._check_drift(labels, request_trace)
 
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -290,6 +346,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if emission.finish is None and not text.stopped:
                         yield gateway_pb2.GenerateChunk(text=delta, token_ids=kept)
                         continue
+                    # Only the selector's own choices teach it: a request that names its draft
+                    # may do so for reasons goodput does not see.
+                    if parsed.selected and draft is not None and not diagnostic:
+                        self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
+                                              *goodput)
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
@@ -365,6 +426,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                verify_cost_ratio=row.verify_cost_ratio)
         return response
 
+    async def GetGatewayInfo(self, request, context) -> gateway_pb2.GatewayInfoResponse:
+        backend, settings = self.backend, self.settings
+        drafts = [(info, "") for info in backend.drafts.values()] + list(backend.unusable.values())
+        return gateway_pb2.GatewayInfoResponse(
+            target=_served_model(backend.target, ""),
+            drafts=[_served_model(info, problem) for info, problem in drafts],
+            max_draft_length=settings.max_draft_length, default_draft_length=settings.default_draft_length,
+            auto_policy=settings.auto_policy, task_drafts=settings.task_drafts,
+            draft_selection="goodput" if self.selector is not None else "task-map",
+            diagnostic_segment=DIAGNOSTIC_SEGMENT, drift_min_drop=settings.drift.min_drop,
+            drift_baseline_pinned=bool(self.stats.baseline))
+
     async def GenerateStream(self, request, context):
         # aclosing: a cancelled call closes the request's worker streams now, not at garbage collection.
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
@@ -385,18 +458,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
 
+def _served_model(info, problem: str) -> gateway_pb2.ServedModel:
+    """A worker's ModelInfo as the public API shows it (no tokenizer files)."""
+    return gateway_pb2.ServedModel(
+        name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
+        tokenizer_fingerprint=info.tokenizer_fingerprint, weights_digest=info.weights_digest,
+        parameter_bytes=info.parameter_bytes, card_json=info.card_json, model_path=info.model_path,
+        usable=not problem, problem=problem)
+
+
 async def create_server(settings: GatewaySettings) -> RunningServer:
     """Connect to the workers (checking their models) and start serving the public API.
 
-    A malformed API key file raises `gateway.auth.KeyFileError` before any worker is contacted.
+    A malformed API key file raises `gateway.auth.KeyFileError`, a bad baseline file or
+    drift setting ValueError, before any worker is contacted.
     """
     interceptors = edge_interceptors(settings)
+    problems = settings.drift.problems()
+    if settings.draft_selection not in DRAFT_SELECTIONS:
+        problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
     backend = await connect(settings)
-    stats = AcceptanceStats(window_steps=settings.window_steps)
-    servicer = GatewayServicer(backend, settings, stats)
+    stats = AcceptanceStats(window_steps=settings.window_steps, drift=settings.drift, baseline=baseline)
+    selector = None
+    if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
+        selector = DraftSelector(list(backend.drafts), settings.task_drafts)
+    servicer = GatewayServicer(backend, settings, stats, selector)
     metrics = None
     if settings.metrics_port:
-        metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port)
+        metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port, selector)
 
     async def stop() -> None:
         if metrics is not None:

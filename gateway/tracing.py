@@ -81,6 +81,11 @@ class StepSpans:
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         return carrier
 
+    def add_event(self, name: str, attributes: dict[str, int | float | str]) -> None:
+        """An event on the open step's span (drift noticed while counting the step)."""
+        if self._open is not None:
+            self._open.add_event(name, attributes)
+
     def end_step(self, record: StepRecord) -> None:
         if self._open is None:
             return
@@ -121,6 +126,11 @@ class RequestTrace:
             propagate.inject(carrier, context=trace.set_span_in_context(span))
             self.metadata = tuple(carrier.items())
         self._ended = False
+
+    def step_event(self, name: str, attributes: dict[str, int | float | str]) -> None:
+        """An event on the current step's span; nothing when the request is not traced."""
+        if isinstance(self.step_tracer, StepSpans):
+            self.step_tracer.add_event(name, attributes)
 
     @classmethod
     def start(cls, generation: GenerationRequest, *, target_model: str, model_pair: str, task_type: str,

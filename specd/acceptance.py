@@ -5,19 +5,25 @@ tokens, keyed by labels — model pair, task type, user segment, prompt-length b
 with per-draft-position and per-generation-position breakdowns; kept for the lifetime
 of the process and over a sliding window of the most recent steps; plus the measured
 step costs of each model pair (`specd.costmodel.StepCosts`). The Prometheus exporter and
-the GetAcceptanceStats RPC read it; neither writes it. No gRPC here.
+the GetAcceptanceStats RPC read it; neither writes it. Per segment (model pair, task
+type, user segment) it also keeps window and lifetime sums, updated per step, from which
+`specd.drift` judges whether recent acceptance dropped. No gRPC here.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 
 from specd.costmodel import StepCosts
+from specd.drift import Drift, DriftSettings, Sample, judge
 
 PROMPT_BUCKETS = (32, 128, 512, 2048)
 GENERATION_BUCKETS = (32, 64, 128, 256, 512)
 LABEL_NAMES = ("model_pair", "task_type", "user_segment", "prompt_bucket")
+# The user segment of diagnostic requests (`specd doctor`): served like any other, never
+# counted here, so a diagnosis does not skew production statistics, costs or drift.
+DIAGNOSTIC_SEGMENT = "specd-doctor"
 
 
 def bucket(value: int, edges: tuple[int, ...]) -> str:
@@ -138,6 +144,21 @@ def _grow(values: list[int], length: int) -> None:
     values.extend([0] * (length - len(values)))
 
 
+def _segment(labels: Labels) -> tuple[str, str, str]:
+    return labels.model_pair, labels.task_type, labels.user_segment
+
+
+def _add_sums(sums: dict[tuple[str, str, str], list[int]], labels: Labels, draft_length: int, accepted: int,
+              sign: int) -> None:
+    """Add (sign=1) or remove (sign=-1) one step's draft counts to its segment's sums."""
+    if draft_length == 0:
+        return
+    row = sums.setdefault(_segment(labels), [0, 0, 0])
+    row[0] += sign
+    row[1] += sign * draft_length
+    row[2] += sign * accepted
+
+
 class AcceptanceStats:
     """Lifetime and windowed acceptance counters by label set, and costs by model pair.
 
@@ -145,8 +166,13 @@ class AcceptanceStats:
     `max_user_segments` caps label cardinality: later segments are counted as "other".
     """
 
-    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50) -> None:
+    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50,
+                 drift: DriftSettings = DriftSettings(), baseline: dict[tuple[str, str], float] | None = None) -> None:
+        """baseline: pinned acceptance per (model pair, task type), replacing lifetime
+        acceptance as the drift reference of the segments it covers."""
         self.window_steps = window_steps
+        self.drift_settings = drift
+        self.baseline = dict(baseline or {})
         self.max_user_segments = max_user_segments
         self._lock = threading.Lock()
         self._lifetime: dict[Labels, Counts] = {}
@@ -158,14 +184,23 @@ class AcceptanceStats:
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
         self._by_pair_task: dict[tuple[str, str], Counts] = {}
+        # segment → [drafts, draft tokens, accepted tokens], in the window and lifetime;
+        # kept per step so drift is judged in O(1) on the hot path.
+        self._window_sums: dict[tuple[str, str, str], list[int]] = {}
+        self._lifetime_sums: dict[tuple[str, str, str], list[int]] = {}
 
-    def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
-        """The labels of a request, with the user segment capped."""
+    def segment(self, user_segment: str) -> str:
+        """The user segment as counted: past `max_user_segments` distinct ones, "other"."""
         with self._lock:
             if user_segment not in self._segments and len(self._segments) >= self.max_user_segments:
                 user_segment = "other"
             self._segments.add(user_segment)
-        return Labels(model_pair, task_type or "general", user_segment, bucket(prompt_tokens, PROMPT_BUCKETS))
+        return user_segment
+
+    def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
+        """The labels of a request, with the user segment capped."""
+        return Labels(model_pair, task_type or "general", self.segment(user_segment),
+                      bucket(prompt_tokens, PROMPT_BUCKETS))
 
     def costs(self, model_pair: str) -> StepCosts:
         """The measured step costs of a model pair (created on first use)."""
@@ -182,11 +217,38 @@ class AcceptanceStats:
         with self._lock:
             self._lifetime.setdefault(labels, Counts()).add(*step)
             self._by_pair_task.setdefault((labels.model_pair, labels.task_type), Counts()).add(*step)
+            if len(self._window) == self._window.maxlen:
+                evicted, length, kept, *_ = self._window[0]
+                _add_sums(self._window_sums, evicted, length, kept, -1)
             self._window.append((labels, *step))
+            _add_sums(self._window_sums, labels, draft_length, accepted, 1)
+            _add_sums(self._lifetime_sums, labels, draft_length, accepted, 1)
             if measure_cost:
                 self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms,
                                                                                 batch_size, pre_draft_asked,
                                                                                 pre_drafted)
+
+    def drift(self, labels: Labels) -> Drift | None:
+        """The drift verdict of a request's segment now (None until it can be judged)."""
+        with self._lock:
+            return self._judge(_segment(labels))
+
+    def drift_table(self) -> list[tuple[tuple[str, str, str], Drift]]:
+        """Every judgeable segment's drift verdict, by (model pair, task type, user segment)."""
+        with self._lock:
+            verdicts = [(key, self._judge(key)) for key in sorted(self._window_sums)]
+        return [(key, verdict) for key, verdict in verdicts if verdict is not None]
+
+    def _judge(self, key: tuple[str, str, str]) -> Drift | None:
+        """(called with the lock held)"""
+        window = Sample(*self._window_sums.get(key, (0, 0, 0)))
+        pinned = self.baseline.get(key[:2])
+        if pinned is not None:
+            return judge(window, pinned, self.drift_settings)
+        lifetime = self._lifetime_sums.get(key, (0, 0, 0))
+        # The window's own steps are left out of the reference: two independent samples.
+        earlier = Sample(*(total - recent for total, recent in zip(lifetime, astuple(window))))
+        return judge(window, earlier, self.drift_settings)
 
     def record_load(self, model_pair: str, batch_size: int, batch_tokens: int, queue_ms: float) -> None:
         """Count how one step's verify forward was batched (hot path)."""

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.clientauth import add_api_key_argument
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 # Built-in workload for the shipped demo pair (Python source and English prose). These
@@ -48,13 +49,14 @@ DEMO_WORKLOAD = {
 
 @dataclass
 class Config:
-    """One column of the benchmark: a speculation mode and γ policy."""
+    """One column of the benchmark: a speculation mode, γ policy and (optionally) draft."""
 
     label: str
     mode: str  # auto | fixed | off
     policy: str = ""
     draft_length: int = 0
     overlap: bool = False  # overlapped speculation ("+overlap")
+    draft_model: str = ""  # empty: --draft-model, else the gateway's choice
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Result:
     same_as_target_only: int = 0  # requests whose output equals target-only's (greedy: all)
     pre_draft_steps: int = 0  # overlap: steps pre-drafted for, and hits among them
     pre_draft_hits: int = 0
+    drafts: dict[str, int] = field(default_factory=dict)  # draft model → requests it served
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,27 +93,32 @@ class Result:
 
 
 def parse_configs(spec: str) -> list[Config]:
-    """"off,fixed:4,ema,cost,cost+overlap" → configurations (target-only is always first)."""
+    """"off,fixed:4,ema,cost,cost+overlap,cost@DRAFT" → configurations (target-only is always first).
+
+    `+overlap` turns overlapped speculation on; `@DRAFT` pins a configuration to one
+    hosted draft; without it the request names --draft-model, or no draft at all (the
+    gateway's task map or goodput selection).
+    """
     configs = [Config("target-only", "off")]
     for item in spec.split(","):
-        item = item.strip()
+        plus = "+overlap" in item
+        item, _, draft = item.replace("+overlap", "").strip().partition("@")
         if not item or item == "off":
             continue
-        item, plus, _ = item.partition("+overlap")
-        suffix = " +overlap" if plus else ""
         name, _, gamma = item.partition(":")
+        suffix = (" +overlap" if plus else "") + (f" @{draft}" if draft else "")
         if name == "fixed":
-            configs.append(Config(f"fixed γ={gamma}{suffix}", "fixed", "fixed", int(gamma), bool(plus)))
+            configs.append(Config(f"fixed γ={gamma}{suffix}", "fixed", "fixed", int(gamma), overlap=plus,
+                                  draft_model=draft))
         else:
             configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}{suffix}", "auto", name,
-                                  overlap=bool(plus)))
+                                  overlap=plus, draft_model=draft))
     return configs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
-    parser.add_argument("--api-key-env", metavar="VAR", default="",
-                        help="send the API key held in this environment variable (authorization: Bearer)")
+    add_api_key_argument(parser)
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
                         help="comma list of fixed:γ, ema, cost, confidence, each optionally +overlap "
@@ -132,21 +140,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
 
 
-def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
+def build_request(prompt: str, task: str, config: Config, *, temperature: float, max_new_tokens: int, seed: int,
+                  draft_model: str = "", user_segment: str = "", top_k: int = 0):
+    """The GenerateRequest of one prompt under one configuration (the config's draft wins)."""
     from specd.v1 import gateway_pb2
 
     mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
             "off": gateway_pb2.SPECULATION_MODE_OFF}[config.mode]
     return gateway_pb2.GenerateRequest(
-        prompt=prompt, task_type=task,
-        sampling=gateway_pb2.SamplingParams(temperature=args.temperature, seed=seed,
-                                            max_new_tokens=args.max_new_tokens),
+        prompt=prompt, task_type=task, user_segment=user_segment,
+        sampling=gateway_pb2.SamplingParams(temperature=temperature, top_k=top_k, seed=seed,
+                                            max_new_tokens=max_new_tokens),
         speculation=gateway_pb2.SpeculationParams(mode=mode, policy=config.policy,
                                                   draft_length=config.draft_length,
-                                                  draft_model=args.draft_model, overlap=config.overlap))
+                                                  draft_model=config.draft_model or draft_model,
+                                                  overlap=config.overlap))
 
 
-def _add(result: Result, task: str, stats, seconds: float) -> None:
+def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
+    return build_request(prompt, task, config, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                         seed=seed, draft_model=args.draft_model)
+
+
+def add_stats(result: Result, task: str, stats, seconds: float) -> None:
+    """Add one request's GenerationStats (and its wall time) to a configuration's result."""
     result.tokens += stats.generated_tokens
     result.seconds += seconds
     result.proposed += stats.proposed_tokens
@@ -164,6 +181,8 @@ def _add(result: Result, task: str, stats, seconds: float) -> None:
     row[1] += seconds
     row[2] += stats.proposed_tokens
     row[3] += stats.accepted_tokens
+    if stats.draft_model:
+        result.drafts[stats.draft_model] = result.drafts.get(stats.draft_model, 0) + 1
     if len(stats.draft_lengths) > len(result.gamma_trace):
         result.gamma_trace = list(stats.draft_lengths)
 
@@ -223,7 +242,7 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
                     for result in results:
                         began = time.perf_counter()
                         response = stub.Generate(_request(prompt, task, result.config, args, seed))
-                        _add(result, task, response.stats, time.perf_counter() - began)
+                        add_stats(result, task, response.stats, time.perf_counter() - began)
                         result.outputs.append(list(response.token_ids))
         costs = fetch_costs(stub, args.draft_model)
     for result in results:
@@ -286,7 +305,42 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
                 tokens, seconds, proposed, accepted = r.by_task.get(t, [0, 0.0, 0, 0])
                 cells.append(f"{(accepted / proposed if proposed else 0):>9.3f} / {tokens / seconds if seconds else 0:>8.1f}")
             lines.append(f"{r.config.label:<26} " + " ".join(f"{c:>20}" for c in cells))
+    lines += selection_summary(results)
     return "\n".join(lines)
+
+
+def best_assignment(results: list[Result], policy: str) -> tuple[float, dict[str, str]]:
+    """tokens/s of the best fixed draft per task type among configurations pinned to a draft
+    with this policy (an oracle that knows each task's best draft), and that assignment."""
+    pinned = [r for r in results if r.config.draft_model and r.config.policy == policy]
+    tokens = seconds = 0.0
+    choice = {}
+    for task in sorted({t for r in pinned for t in r.by_task}):
+        rows = [(r.by_task[task][0] / r.by_task[task][1], r) for r in pinned if r.by_task.get(task, [0, 0])[1]]
+        if not rows:
+            continue
+        _, best = max(rows, key=lambda row: row[0])
+        tokens += best.by_task[task][0]
+        seconds += best.by_task[task][1]
+        choice[task] = best.config.draft_model
+    return (tokens / seconds if seconds else 0.0), choice
+
+
+def selection_summary(results: list[Result]) -> list[str]:
+    """For configurations that let the gateway pick the draft: each draft's share, and their
+    tokens/s against the best fixed assignment of drafts to task types."""
+    lines = []
+    for r in results:
+        if r.config.mode == "off" or r.config.draft_model or len(r.drafts) < 2:
+            continue
+        best, choice = best_assignment(results, r.config.policy)
+        total = sum(r.drafts.values())
+        shares = ", ".join(f"{d} {n / total:.0%}" for d, n in sorted(r.drafts.items()))
+        lines.append(f"\n{r.config.label}, draft chosen by the gateway: {shares}")
+        if best:
+            lines.append(f"  {r.tokens_per_s:.1f} tokens/s = {r.tokens_per_s / best:.1%} of the best fixed assignment "
+                         f"{choice} ({best:.1f} tokens/s)")
+    return lines
 
 
 def plots(results: list[Result], out: Path) -> list[str]:

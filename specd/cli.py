@@ -28,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, ClientTLS, DraftSettings,
-                          GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, BatchSettings, ClientTLS,
+                          DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.drift import DriftSettings
+from specd.clientauth import add_api_key_argument
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
@@ -233,10 +235,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         api_keys_file=Path(args.api_keys) if args.api_keys else None,
         protect_reflection=args.protect_reflection, key_max_in_flight=args.key_max_in_flight,
         max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
-        max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection)
+        max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection,
+        draft_selection=args.draft_selection, drift=DriftSettings(min_drop=args.drift_min_drop),
+        acceptance_baseline=args.acceptance_baseline)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
-    except (IncompatibleDraft, ConnectionError, KeyFileError) as exc:
+    except (IncompatibleDraft, ConnectionError, KeyFileError, ValueError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
 
@@ -398,6 +402,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
                 "--policy", args.policy, *(["--overlap"] if args.overlap else []),
                 "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
+                "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
+                *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
                 *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
             if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
@@ -486,6 +492,15 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
+    parser.add_argument("--draft-selection", choices=DRAFT_SELECTIONS, default="goodput",
+                        help="draft of a request that names none: goodput (the best measured tokens/ms per "
+                             "task type and user segment, starting from --task-draft) or task-map")
+    parser.add_argument("--drift-min-drop", type=float, default=DriftSettings().min_drop, metavar="POINTS",
+                        help="acceptance drop (0..1) of the sliding window below its reference that raises "
+                             "the drift flag when significant (default %(default)s)")
+    parser.add_argument("--acceptance-baseline", type=Path, metavar="FILE",
+                        help="judge drift against this pinned acceptance per model pair and task type "
+                             "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
 
 
 def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
@@ -497,11 +512,6 @@ def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
                         help="with --api-keys, server reflection needs a key too (health checks never do)")
     parser.add_argument("--key-max-in-flight", type=int, default=0,
                         help="requests in flight per API key; more get RESOURCE_EXHAUSTED (0: no limit)")
-
-
-def _api_key_env_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key-env", metavar="VAR", default="",
-                        help="send the API key held in this environment variable (authorization: Bearer)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -620,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
     add_client_arguments(generate)
-    _api_key_env_arg(generate)
+    add_api_key_argument(generate)
     generate.set_defaults(func=cmd_generate)
 
     from specd.tracecli import add_parser as add_trace_parser
@@ -633,6 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare γ policies and target-only against a running gateway")
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run)
+
+    from specd import doctor as doctor_module
+
+    doctor = sub.add_parser("doctor", help="run the acceptance checklist against a running gateway "
+                                           "(exit 0 healthy, 1 warnings, 2 speculation hurting)")
+    doctor_module.add_arguments(doctor)
+    doctor.set_defaults(func=doctor_module.run)
 
     distill = sub.add_parser("distill", help="train a draft to agree with its target")
     distill_module.add_arguments(distill)

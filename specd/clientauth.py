@@ -1,4 +1,4 @@
-"""The client side of API keys (`specd generate/bench --api-key-env VAR`).
+"""The client side of API keys (`specd generate/bench/doctor --api-key-env VAR`).
 
 The key is read from an environment variable, never from a flag, so it does not show in
 `ps` or shell history, and it rides on every call as `authorization: Bearer KEY`.
@@ -59,3 +59,9 @@ def with_api_key(channel: grpc.Channel, variable: str) -> grpc.Channel:
     if not variable:
         return channel
     return grpc.intercept_channel(channel, BearerKey(api_key_from_env(variable)))
+
+
+def add_api_key_argument(parser) -> None:
+    """--api-key-env VAR, the same on every client command."""
+    parser.add_argument("--api-key-env", metavar="VAR", default="",
+                        help="send the API key held in this environment variable (authorization: Bearer)")

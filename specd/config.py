@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.drift import DriftSettings
 from specd.tasks import DEFAULT_PROFILES, TaskProfile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,7 @@ class ServerSettings:
         return f"{self.host}:{self.port}"
 
 
+DRAFT_SELECTIONS = ("task-map", "goodput")
 BATCH_LAYOUTS = ("ragged", "padded")  # specd.kvstore
 
 
@@ -172,3 +174,12 @@ class GatewaySettings:
     max_label_bytes: int = 64  # task_type, draft_model and policy names
     max_streams_per_connection: int = 100  # HTTP/2 concurrent streams one client connection may open
     min_client_ping_interval_s: float = 10.0  # client keepalive pings closer than this are strikes
+    # How a request that names no draft gets one: "task-map" (--task-draft, else the
+    # default draft) or "goodput" (specd.selection: the best measured tokens/ms per task
+    # type and user segment, starting from the task map). `specd gateway` defaults to
+    # goodput; this object keeps the task map so embedding code opts in.
+    draft_selection: str = "task-map"
+    drift: DriftSettings = DriftSettings()  # when a drop in acceptance raises a flag
+    # A pinned acceptance per (model pair, task type) to judge drift against instead of
+    # lifetime acceptance (`specd doctor --write-baseline` writes one).
+    acceptance_baseline: Path | None = None

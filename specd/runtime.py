@@ -47,6 +47,9 @@ class ModelInfo:
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
     weights_digest: str = ""  # specd.identity.weights_digest of the model directory
+    parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
+    card_json: str = ""  # the directory's card.json, verbatim, when it has one
+    model_path: str = ""  # the directory the model was loaded from
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -142,6 +145,9 @@ class ModelRunner:
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
             weights_digest=weights_digest(path),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            card_json=(path / "card.json").read_text() if (path / "card.json").is_file() else "",
+            model_path=str(path.resolve()),
         )
         self._kv_shape = _kv_shape(config)
         kvstore.use_layout(self.model, batching.layout)

@@ -57,7 +57,8 @@ def model_info_to_pb(runner: ModelRunner, with_tokenizer: bool) -> worker_pb2.Mo
     message = worker_pb2.ModelInfo(
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
         tokenizer_fingerprint=info.tokenizer_fingerprint, eos_token_ids=info.eos_token_ids,
-        weights_digest=info.weights_digest)
+        weights_digest=info.weights_digest, parameter_bytes=info.parameter_bytes, card_json=info.card_json,
+        model_path=info.model_path)
     if with_tokenizer:
         for name in runner.tokenizer_files():
             message.tokenizer_files[name] = (runner.path / name).read_bytes()

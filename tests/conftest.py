@@ -159,14 +159,15 @@ class Stack:
 
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
-                front=None, **gateway_options) -> Stack:
-    """The three servers on loopback. front(loop, role, port) -> port: what the gateway
+                drafts: tuple[str, ...] = ("close", "unrelated", "padded"), front=None,
+                **gateway_options) -> Stack:
+    """The three services on loopback; `drafts` names the model_dirs the draft service hosts
+    (the first is the default draft). front(loop, role, port) -> port: what the gateway
     dials for a worker ("draft", "verifier") instead of its port (a proxy, in fault tests)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
     model = ModelSettings(max_sessions=max_sessions, batching=batching)
-    draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"],
-                                            "padded": model_dirs["padded"]}, model,
+    draft_settings = DraftSettings(server, {name: model_dirs[name] for name in drafts}, model,
                                    metrics_port=draft_metrics_port, pre_draft_branches=pre_draft_branches)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
     draft = loop.run(create_draft(draft_settings))

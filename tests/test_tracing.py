@@ -25,6 +25,7 @@ from conftest import request, start_stack
 from gateway.engine import GenerationRequest, NoTracer
 from gateway.tracing import RequestTrace
 from specd.cli import _stop_all, _wait_healthy
+from specd.drift import DriftSettings, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
 from specd.tracecli import load_spans, pick_trace, render, step_rows
@@ -206,6 +207,31 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_drift_is_an_event_on_the_step_span_that_raised_it(model_dirs, memory_spans, tmp_path):
+    # A baseline the close draft cannot meet: the first step after enough drafts raises the flag.
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(baseline_document([("close->target", "code", 0.99, 1000)])))
+    stack = start_stack(model_dirs, drafts=("close",), acceptance_baseline=baseline,
+                        drift=DriftSettings(min_drafts=10))
+    try:
+        memory_spans.clear()
+        req = request("def fibonacci(n):", max_new_tokens=48, draft_model="close")
+        req.task_type = "code"
+        response = stack.stub.Generate(req, timeout=60)
+    finally:
+        stack.close()
+    steps = [s for s in memory_spans.get_finished_spans()
+             if s.name == "specd.step" and format(s.context.trace_id, "032x") == response.trace_id]
+    events = [(s.attributes["specd.step.index"], e) for s in steps for e in s.events
+              if e.name == "specd.acceptance_drift"]
+    assert len(events) == 1, "raised once, on the step that crossed the threshold"
+    index, event = events[0]
+    assert index >= 9  # not before min_drafts drafts were seen
+    assert event.attributes["specd.drift.reference"] == "baseline"
+    assert event.attributes["specd.drift.reference_acceptance"] == pytest.approx(0.99)
+    assert event.attributes["specd.drift.drop"] >= 0.1
 
 
 def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path):

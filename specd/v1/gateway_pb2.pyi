@@ -246,3 +246,62 @@ class AcceptanceStatsResponse(_message.Message):
     costs: _containers.RepeatedCompositeFieldContainer[CostRow]
     window_steps: int
     def __init__(self, rows: _Optional[_Iterable[_Union[AcceptanceRow, _Mapping]]] = ..., costs: _Optional[_Iterable[_Union[CostRow, _Mapping]]] = ..., window_steps: _Optional[int] = ...) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "weights_digest", "parameter_bytes", "card_json", "model_path", "usable", "problem")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CARD_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    max_context: int
+    tokenizer_fingerprint: str
+    weights_digest: str
+    parameter_bytes: int
+    card_json: str
+    model_path: str
+    usable: bool
+    problem: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ..., usable: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class GatewayInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GatewayInfoResponse(_message.Message):
+    __slots__ = ("target", "drafts", "max_draft_length", "default_draft_length", "auto_policy", "task_drafts", "draft_selection", "diagnostic_segment", "drift_min_drop", "drift_baseline_pinned")
+    class TaskDraftsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    AUTO_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TASK_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SELECTION_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSTIC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_MIN_DROP_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_BASELINE_PINNED_FIELD_NUMBER: _ClassVar[int]
+    target: ServedModel
+    drafts: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    max_draft_length: int
+    default_draft_length: int
+    auto_policy: str
+    task_drafts: _containers.ScalarMap[str, str]
+    draft_selection: str
+    diagnostic_segment: str
+    drift_min_drop: float
+    drift_baseline_pinned: bool
+    def __init__(self, target: _Optional[_Union[ServedModel, _Mapping]] = ..., drafts: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., max_draft_length: _Optional[int] = ..., default_draft_length: _Optional[int] = ..., auto_policy: _Optional[str] = ..., task_drafts: _Optional[_Mapping[str, str]] = ..., draft_selection: _Optional[str] = ..., diagnostic_segment: _Optional[str] = ..., drift_min_drop: _Optional[float] = ..., drift_baseline_pinned: _Optional[bool] = ...) -> None: ...

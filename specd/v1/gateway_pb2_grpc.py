@@ -50,6 +50,11 @@ class GatewayStub:
                 request_serializer=specd_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_gateway__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GetGatewayInfo = channel.unary_unary(
+                '/specd.v1.Gateway/GetGatewayInfo',
+                request_serializer=specd_dot_v1_dot_gateway__pb2.GatewayInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_gateway__pb2.GatewayInfoResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -77,6 +82,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetGatewayInfo(self, request, context):
+        """The models this gateway speculates with (tokenizer fingerprints, bytes, cards) and
+        its speculation settings. Changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=specd_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=specd_dot_v1_dot_gateway__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GetGatewayInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGatewayInfo,
+                    request_deserializer=specd_dot_v1_dot_gateway__pb2.GatewayInfoRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_gateway__pb2.GatewayInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Gateway:
             '/specd.v1.Gateway/GenerateStream',
             specd_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             specd_dot_v1_dot_gateway__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGatewayInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Gateway/GetGatewayInfo',
+            specd_dot_v1_dot_gateway__pb2.GatewayInfoRequest.SerializeToString,
+            specd_dot_v1_dot_gateway__pb2.GatewayInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
