@@ -5,6 +5,7 @@ session on each worker, run `gateway.engine.speculate`, turn tokens into text, r
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -222,7 +223,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
         try:
-            parsed = parse_request(request, self.backend, self.settings)
+            # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
+            # and the other requests' steps must not wait for it.
+            parsed = await asyncio.to_thread(parse_request, request, self.backend, self.settings)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._in_flight >= self.settings.max_concurrent_requests:
