@@ -132,28 +132,37 @@ class AcceptanceStats:
     """Lifetime and windowed acceptance counters by label set, and costs by model pair.
 
     Written from the gateway's event loop, read from the metrics thread: one lock.
-    `max_user_segments` caps label cardinality: later segments are counted as "other".
+    `max_user_segments` and `max_task_types` cap label cardinality: later segments and
+    task types (free text a caller sends) are counted as "other".
     """
 
-    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50) -> None:
+    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50, max_task_types: int = 50) -> None:
         self.window_steps = window_steps
         self.max_user_segments = max_user_segments
+        self.max_task_types = max_task_types
         self._lock = threading.Lock()
         self._lifetime: dict[Labels, Counts] = {}
         self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
         self._segments: set[str] = set()
+        self._task_types: set[str] = set()
         self._costs: dict[str, StepCosts] = {}
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
         self._by_pair_task: dict[tuple[str, str], Counts] = {}
 
     def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
-        """The labels of a request, with the user segment capped."""
+        """The labels of a request, with the user segment and the task type capped."""
+        task_type = task_type or "general"
         with self._lock:
             if user_segment not in self._segments and len(self._segments) >= self.max_user_segments:
                 user_segment = "other"
             self._segments.add(user_segment)
-        return Labels(model_pair, task_type or "general", user_segment, bucket(prompt_tokens, PROMPT_BUCKETS))
+            # A client that sends a new task_type on every request must not grow the
+            # counters (and the /metrics page) without bound.
+            if task_type not in self._task_types and len(self._task_types) >= self.max_task_types:
+                task_type = "other"
+            self._task_types.add(task_type)
+        return Labels(model_pair, task_type, user_segment, bucket(prompt_tokens, PROMPT_BUCKETS))
 
     def costs(self, model_pair: str) -> StepCosts:
         """The measured step costs of a model pair (created on first use)."""
