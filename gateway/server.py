@@ -10,6 +10,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
@@ -205,6 +206,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.settings = settings
         self.stats = stats
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
 
     def _model_pair(self, draft_model: str) -> str:
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
@@ -224,8 +226,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         began = time.perf_counter()
         try:
             # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
-            # and the other requests' steps must not wait for it.
-            parsed = await asyncio.to_thread(parse_request, request, self.backend, self.settings)
+            # and the other requests' steps must not wait for it. One thread: a fast
+            # tokenizer is not safe to call from several threads at once.
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._parser, parse_request, request, self.backend, self.settings)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._in_flight >= self.settings.max_concurrent_requests:
@@ -385,6 +389,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port)
 
     async def stop() -> None:
+        servicer._parser.shutdown(wait=False, cancel_futures=True)
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
