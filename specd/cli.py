@@ -25,6 +25,8 @@ from pathlib import Path
 
 from specd.config import (DEMO_DRAFT, DEMO_TARGET, DraftSettings, GatewaySettings, ModelSettings,
                           ServerSettings, VerifierSettings)
+from specd.supervisor import Supervisor
+from specd.supervisor import stop_all as _stop_all  # noqa: F401 - tests stop their processes with it
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 
@@ -181,8 +183,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # verifier): OpenMP threads that spin after a forward would steal the next
     # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    from specd.supervisor import Supervisor
-
     supervisor = Supervisor(env)
     for name, argv in workers.items():
         supervisor.start(name, argv)  # restarted with the same command (same port) when it dies
