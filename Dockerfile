@@ -45,7 +45,7 @@ RUN pip install --no-deps . && python -c "import specd, gateway, draft_service, 
 # Files stay root-owned: the service user reads, never writes (the root filesystem is
 # read-only in the pods; /tmp is an emptyDir).
 USER 10001:10001
-EXPOSE 50051 50052 50053 9400
+EXPOSE 50051 50052 50053 8081 9400
 ENTRYPOINT ["specd"]
 CMD ["serve", "--host", "0.0.0.0", \
      "--target", "/app/models/demo/target", "--draft", "/app/models/demo/draft-distilled"]

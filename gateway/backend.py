@@ -5,7 +5,10 @@ places sessions on the service's endpoints — a static address list, or the End
 of a Kubernetes Service watched live — and one channel per endpoint. At start-up the
 gateway asks each service for its models, refuses a draft whose tokenizer differs from
 the target's, and builds the target's tokenizer from the files the verifier ships, so
-the gateway never mounts or loads a model.
+the gateway never mounts or loads a model. The identities it validated there (name,
+weights digest, tokenizer fingerprint) open every worker stream afterwards, so a worker
+swapped behind an address refuses the stream instead of answering for another model.
+Channels are TLS (mutual with a client certificate) when `GatewaySettings.worker_tls` is.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.router import EndpointSliceWatcher, NoEndpoint, Router, parse_addresses
-from specd.config import GatewaySettings
+from specd.config import ClientTLS, GatewaySettings
 from specd.serving import CHANNEL_OPTIONS
+from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -32,10 +36,15 @@ class WorkerPool:
     """One worker service: its router and a channel to each of its endpoints."""
 
     def __init__(self, name: str, router: Router, stub_class: Callable,
-                 watcher: EndpointSliceWatcher | None = None) -> None:
+                 watcher: EndpointSliceWatcher | None = None, tls: ClientTLS = ClientTLS(),
+                 server_name: str = "") -> None:
         self.name = name
         self.router = router
         self.watcher = watcher
+        self.tls = tls
+        # The name the endpoints' certificates are checked against when dialled by IP
+        # (pods of a Kubernetes Service); empty: the dialled host.
+        self.server_name = server_name
         self._stub_class = stub_class
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
 
@@ -43,7 +52,7 @@ class WorkerPool:
         """The stub for an endpoint (its channel is made on first use and kept while listed)."""
         if address not in self._channels:
             self._close_unlisted()
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = aio_channel(address, self.tls, CHANNEL_OPTIONS, self.server_name)
             self._channels[address] = (channel, self._stub_class(channel))
         return self._channels[address][1]
 
@@ -56,12 +65,15 @@ class WorkerPool:
         """
         try:
             address = self.router.replace(session_id) if moved else self.router.place(session_id)
-        except NoEndpoint as exc:
+            # A channel to a new endpoint reads the client certificate files then; caught
+            # mid-renewal they may not load, and the step is retried like any lost worker.
+            stub = self.stub(address)
+        except (NoEndpoint, TLSConfigError) as exc:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), str(exc)) from exc
         # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
         # the step timeout) instead of failing at once.
-        return getattr(self.stub(address), rpc)(metadata=metadata, wait_for_ready=True, timeout=timeout)
+        return getattr(stub, rpc)(metadata=metadata, wait_for_ready=True, timeout=timeout)
 
     def _close_unlisted(self) -> None:
         """Close the channels of endpoints that left the service (pods come and go)."""
@@ -81,7 +93,12 @@ class WorkerPool:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
             response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=timeout_s)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
-            raise ConnectionError(f"no {self.name} answered at {address} within {timeout_s} s") from exc
+            hint = ""
+            if self.tls.enabled:  # a failed handshake looks the same as no answer at all
+                hint = (" over TLS: check that --worker-ca signed the worker's certificate, that it names "
+                        f"{self.server_name or address.rpartition(':')[0]!r}, and that the worker's "
+                        f"--tls-client-ca signed --worker-cert")
+            raise ConnectionError(f"no {self.name} answered at {address} within {timeout_s} s{hint}") from exc
         return list(response.models)
 
     async def close(self) -> None:
@@ -92,16 +109,17 @@ class WorkerPool:
 
 
 async def _pool(name: str, addresses: str, service: str, namespace: str, stub_class: Callable,
-                timeout_s: float) -> WorkerPool:
+                timeout_s: float, tls: ClientTLS) -> WorkerPool:
     """A static pool over a comma list of addresses, or one that watches a Kubernetes Service."""
     if not service:
-        return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class)
+        return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class, tls=tls)
     router = Router(name)
     watcher = EndpointSliceWatcher(router, service, namespace or None).start()
     if not await asyncio.to_thread(watcher.wait_synced, timeout_s):
         watcher.stop()
         raise ConnectionError(f"could not list the EndpointSlices of Service {service!r} within {timeout_s} s")
-    return WorkerPool(name, router, stub_class, watcher)
+    # Pods are dialled by IP: their certificates name the Service (`specd certs` does).
+    return WorkerPool(name, router, stub_class, watcher, tls, server_name=service)
 
 
 @dataclass
@@ -118,10 +136,25 @@ class Backend:
     def default_draft(self) -> str:
         return next(iter(self.drafts), "")
 
+    @property
+    def target_identity(self) -> worker_pb2.ModelIdentity:
+        """The target as validated at start-up; every verifier stream names it."""
+        return identity_of(self.target)
+
+    def draft_identity(self, name: str) -> worker_pb2.ModelIdentity:
+        """A hosted draft as validated at start-up; its streams name it."""
+        return identity_of(self.drafts[name])
+
     async def close(self) -> None:
         await self.verifier.close()
         if self.draft is not None:
             await self.draft.close()
+
+
+def identity_of(info: worker_pb2.ModelInfo) -> worker_pb2.ModelIdentity:
+    """The identity a worker stream expects, from what the worker reported at start-up."""
+    return worker_pb2.ModelIdentity(name=info.name, weights_digest=info.weights_digest,
+                                    tokenizer_fingerprint=info.tokenizer_fingerprint)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
@@ -146,14 +179,14 @@ async def connect(settings: GatewaySettings) -> Backend:
     """Reach the workers, fetch their models, check them, build the tokenizer."""
     timeout = settings.worker_timeout_s
     verifier = await _pool("verifier", settings.verifier_address, settings.verifier_service,
-                           settings.namespace, worker_pb2_grpc.VerifierStub, timeout)
+                           settings.namespace, worker_pb2_grpc.VerifierStub, timeout, settings.worker_tls)
     draft = None
     try:
         (target,) = await verifier.model_infos(timeout)
         drafts: list[worker_pb2.ModelInfo] = []
         if settings.draft_address or settings.draft_service:
             draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
-                                worker_pb2_grpc.DraftStub, timeout)
+                                worker_pb2_grpc.DraftStub, timeout, settings.worker_tls)
             drafts = await draft.model_infos(timeout)
             check_drafts(target, drafts)
         unknown = {task: name for task, name in settings.task_drafts.items()

@@ -9,6 +9,7 @@ in `gateway.workers` speak to the workers.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import grpc
 import torch
 
 from gateway.workers import DraftLink, VerifierLink, WorkerError
+from specd.batching import BatchStats
+from specd.predraft import PreDraftRequest
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
 
@@ -40,6 +43,7 @@ class GenerationRequest:
     seed: int
     max_new_tokens: int
     draft_model: str  # empty: no draft (plain decoding)
+    overlap: bool = False  # pre-draft the next step while the target verifies (specd.predraft)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class StepRecord:
     verify_forward_ms: float  # time inside the target's forward (worker-reported)
     draft_bytes: int  # bytes of the draft hop's request + response messages
     verify_bytes: int
+    draft_batch: BatchStats = BatchStats(size=0)  # how the draft batched it (size 0: no draft hop)
+    verify_batch: BatchStats = BatchStats()  # how the verifier batched it (the load it ran at)
+    pre_draft_asked: bool = False  # the previous step asked the draft to pre-draft this one
+    pre_drafted: bool = False  # ...and this step's proposal came from a pre-drafted branch (a hit)
 
     @property
     def first_rejected(self) -> int | None:
@@ -142,6 +150,26 @@ class RequestStats:
     def verify_ms(self) -> float:
         return sum(r.verify_ms for r in self.records)
 
+    @property
+    def pre_draft_hits(self) -> int:
+        return sum(r.pre_drafted for r in self.records)
+
+    @property
+    def pre_draft_steps(self) -> int:
+        return sum(r.pre_draft_asked and r.draft_length > 0 for r in self.records)
+
+    @property
+    def mean_verify_batch_size(self) -> float:
+        return sum(r.verify_batch.size for r in self.records) / len(self.records) if self.records else 0.0
+
+    @property
+    def mean_verify_batch_tokens(self) -> float:
+        return sum(r.verify_batch.tokens for r in self.records) / len(self.records) if self.records else 0.0
+
+    @property
+    def verify_queue_ms(self) -> float:
+        return sum(r.verify_batch.queue_ms for r in self.records)
+
 
 @dataclass(frozen=True)
 class Emission:
@@ -161,9 +189,12 @@ def _widen(probs: torch.Tensor, width: int) -> torch.Tensor:
     return probs if probs.shape[1] == width else torch.nn.functional.pad(probs, (0, width - probs.shape[1]))
 
 
-def step_seed(generator: torch.Generator) -> int:
-    """The seed for the draft's sampler this step, drawn from the request's RNG."""
-    return int(torch.randint(0, 2**62, (1,), generator=generator))
+def draft_seed(request_seed: int, step: int) -> int:
+    """The seed of the draft's sampler at a step: a function of the request's seed and the
+    step's index only, so overlapped speculation can hand it to the draft a step early and
+    the output is the same with overlap on or off."""
+    digest = hashlib.blake2b(f"{request_seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftLink | None,
@@ -174,13 +205,17 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
 
     on_step(record, generated_before) is called after every step (acceptance statistics).
     If the draft service is lost for good, the request goes on decoding plainly: the
-    verifier alone is enough for the same output.
+    verifier alone is enough for the same output. With request.overlap, every proposal
+    also asks the draft to pre-draft the next step while the target verifies this one
+    (`specd.predraft`); the draft seeds depend only on the step index, so the output is
+    the same either way.
     """
     transform = request.transform
     tracer = tracer or NoTracer()
     generator = torch.Generator().manual_seed(request.seed)
     committed = list(request.prompt_ids)
     generated = 0
+    pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
     while True:
         remaining = request.max_new_tokens - generated
         # A step emits up to γ+1 tokens: never more than asked, never past the draft's
@@ -192,12 +227,19 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         draft_probs = torch.zeros(0, limits.vocab_size)
         draft_ms = draft_forward_ms = 0.0
         draft_bytes = 0
+        draft_batch = BatchStats(size=0)
+        asked, pre_draft_asked, pre_drafted = pre_draft_asked, False, False
         if gamma > 0:
             began = time.perf_counter()
-            seed = 0 if transform.greedy else step_seed(generator)
+            seed = 0 if transform.greedy else draft_seed(request.seed, stats.steps)
+            pre_draft = None
+            if request.overlap:
+                # The next step most likely asks for the same γ (a shorter one takes a prefix).
+                next_seed = 0 if transform.greedy else draft_seed(request.seed, stats.steps + 1)
+                pre_draft = PreDraftRequest(gamma, next_seed)
             try:
                 proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
-                                               policy.min_confidence, limits.vocab_size, carrier)
+                                               policy.min_confidence, limits.vocab_size, carrier, pre_draft)
             except WorkerError as exc:
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise  # the client's deadline passed: the request is over, not just the draft
@@ -208,6 +250,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
                 draft_ms = (time.perf_counter() - began) * 1e3
                 draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
                 draft_tokens = proposal.tokens
+                draft_batch = proposal.batch
+                pre_drafted, pre_draft_asked = proposal.pre_drafted, pre_draft is not None
                 if proposal.probs is not None:
                     draft_probs = proposal.probs
         began = time.perf_counter()
@@ -240,7 +284,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
             accepted=outcome.accepted, bonus=outcome.bonus, token=outcome.token, emitted=tuple(emitted),
             draft_ms=draft_ms, verify_ms=verify_ms, draft_forward_ms=draft_forward_ms,
             verify_forward_ms=scores.forward_ms, draft_bytes=draft_bytes,
-            verify_bytes=verifier.last_exchange_bytes)
+            verify_bytes=verifier.last_exchange_bytes, draft_batch=draft_batch, verify_batch=scores.batch,
+            pre_draft_asked=asked, pre_drafted=pre_drafted)
         stats.records.append(record)
         policy.observe(record)
         tracer.end_step(record)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import astuple
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
+                                    SummaryMetricFamily)
 from prometheus_client.registry import Collector
 
 from specd.acceptance import LABEL_NAMES, AcceptanceStats
@@ -73,6 +74,36 @@ class AcceptanceCollector(Collector):
         yield from per_pos.values()
         yield from per_gen.values()
         yield from self._costs()
+        yield from self._load()
+        yield from self._pre_drafts()
+
+    def _pre_drafts(self):
+        """Overlapped speculation: hit rate = rate(…hits_total) / rate(…steps_total)."""
+        steps = CounterMetricFamily(PREFIX + "num_pre_draft_steps",
+                                    "Speculative steps whose proposal the draft pre-drafted for (overlap).",
+                                    labels=list(LABEL_NAMES))
+        hits = CounterMetricFamily(PREFIX + "num_pre_draft_hits",
+                                   "Of those, steps answered from a pre-drafted branch.", labels=list(LABEL_NAMES))
+        for key, (n, hit) in self.stats.pre_draft_snapshot().items():
+            steps.add_metric(list(astuple(key)), n)
+            hits.add_metric(list(astuple(key)), hit)
+        return [steps, hits]
+
+    def _load(self):
+        """How the verifier batched this gateway's steps; mean = rate(_sum) / rate(_count)."""
+        families = (
+            ("batch_size", "Sessions sharing each step's verify forward.", 1.0),
+            ("batch_tokens", "Tokens in each step's verify forward.", 1.0),
+            ("queue_seconds", "Time each step waited in the verifier's queue.", 1e-3),
+        )
+        loads = self.stats.load_snapshot()
+        for name, doc, scale in families:
+            family = SummaryMetricFamily(PREFIX + "verify_" + name, doc, labels=["model_pair"])
+            for pair, load in sorted(loads.items()):
+                value = {"batch_size": load.batch_size, "batch_tokens": load.batch_tokens,
+                         "queue_seconds": load.queue_ms}[name]
+                family.add_metric([pair], count_value=load.steps, sum_value=value * scale)
+            yield family
 
     def _costs(self):
         target = GaugeMetricFamily(PREFIX + "target_step_seconds", "Measured plain target step.",

@@ -7,8 +7,10 @@
   maximises expected tokens per millisecond, from this request's acceptance estimate (an
   EMA seeded with the task's prior) and the measured step costs of the model pair; the
   measured per-position acceptance curve shapes E[tokens] once there is data. When
-  speculation does not pay it decodes plainly and probes again after `probe_every` plain
-  steps, twice as long after each probe the target rejected outright.
+  speculation does not pay it decodes plainly and probes again (one draft token) after
+  `probe_every` plain steps, twice as long after each probe the target rejected outright.
+  The step costs are measured per load level (`specd.costmodel.StepCosts`), so γ follows
+  the load of the target's batched forwards, down to 0 when the target is saturated.
 - `confidence`: proposes up to the maximum γ but the draft stops inside a step as soon
   as its own top probability falls below a threshold.
 """
@@ -84,8 +86,10 @@ class CostPolicy:
 
     def __init__(self, costs: StepCosts, profile: TaskProfile,
                  curve: Callable[[], list[float] | None] = lambda: None,
-                 probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0) -> None:
+                 probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0,
+                 overlap: bool = False) -> None:
         self.costs = costs
+        self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
         self.curve = curve
         self.probe_every = probe_every
@@ -113,15 +117,17 @@ class CostPolicy:
 
     def next_draft_length(self) -> int:
         span = range(self.profile.min_draft_length, self.profile.max_draft_length + 1)
-        best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve())
+        best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve(), self.overlap)
         if best > 0:
             self.plain_steps = 0
             return best
         self.plain_steps += 1
         # Speculation does not pay: decode plainly, but probe now and then, since the
-        # acceptance estimate only moves when something is proposed.
+        # acceptance estimate only moves when something is proposed. A probe proposes one
+        # token: the cheapest question to ask the draft (a γ = 1 step costs little more
+        # than a plain one), and a failed probe costs almost nothing.
         self._probing = self.plain_steps % self.probe_interval == 0
-        return span[0] if self._probing else 0
+        return 1 if self._probing else 0
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_length == 0:

@@ -132,7 +132,8 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend,
     lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
     profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
     seed = sampling.seed or secrets.randbits(63)
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model)
+    overlap = speculation.overlap if speculation.HasField("overlap") else settings.overlap
+    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap)
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
         speculation.min_draft_confidence or settings.default_min_confidence, task_type,
@@ -169,7 +170,8 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
         if measured is not None:
             profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
-                          curve=lambda: stats.position_curve(model_pair, parsed.task_type))
+                          curve=lambda: stats.position_curve(model_pair, parsed.task_type),
+                          overlap=parsed.generation.overlap)
     if parsed.policy == "confidence":
         return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
     return FixedPolicy(parsed.draft_length)
@@ -191,10 +193,11 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
         return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
                 lambda: pool.router.release(session_id))
 
-    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link)
+    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
     draft = None
     if draft_model:
-        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link)
+        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
+                          backend.draft_identity(draft_model))
     return draft, verifier
 
 
@@ -257,7 +260,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The first step also prefills the prompt: its time says nothing about a step's cost.
             self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
                               generated_before, record.draft_ms, record.verify_ms,
-                              measure_cost=record.index > 0)
+                              measure_cost=record.index > 0, batch_size=record.verify_batch.size,
+                              pre_draft_asked=record.pre_draft_asked, pre_drafted=record.pre_drafted)
+            batch = record.verify_batch
+            self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
+            if record.pre_draft_asked and record.draft_length:
+                self.stats.record_pre_draft(labels, record.pre_drafted)
 
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -333,6 +341,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             policy=policy.name,
             draft_cost_ratio=c,
             verify_cost_ratio=v.get(mean_gamma, 0.0),
+            mean_verify_batch_size=stats.mean_verify_batch_size,
+            mean_verify_batch_tokens=stats.mean_verify_batch_tokens,
+            verify_queue_ms=stats.verify_queue_ms,
+            pre_draft_hits=stats.pre_draft_hits,
+            pre_draft_steps=stats.pre_draft_steps,
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:

@@ -50,7 +50,15 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
         "specd.verify.hop_ms": record.verify_ms,
         "specd.verify.forward_ms": record.verify_forward_ms,
         "specd.verify.bytes": record.verify_bytes,
+        "specd.verify.batch_size": record.verify_batch.size,
+        "specd.verify.batch_tokens": record.verify_batch.tokens,
+        "specd.verify.queue_ms": record.verify_batch.queue_ms,
+        "specd.pre_drafted": record.pre_drafted,
     }
+    if record.draft_batch.size:
+        attributes.update({"specd.draft.batch_size": record.draft_batch.size,
+                           "specd.draft.batch_tokens": record.draft_batch.tokens,
+                           "specd.draft.queue_ms": record.draft_batch.queue_ms})
     if record.first_rejected is not None:
         attributes["specd.first_rejected"] = record.first_rejected
     return attributes

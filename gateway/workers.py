@@ -4,25 +4,34 @@ A link knows how much of the committed sequence its worker holds (`position`) an
 only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
 or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
 re-sends the whole committed sequence: workers are caches, the gateway holds the truth.
+The first message of every stream names the model the gateway expects; a worker holding
+another one (FAILED_PRECONDITION: swapped behind the address) is treated as lost: the
+session moves to another endpoint, and no answer from the wrong model is ever used.
 This is the only gateway module that speaks the worker protobufs.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
-from specd.runtime import Proposal, Scores
+from specd.batching import BatchStats
+from specd.jobs import Proposal, Scores
+from specd.predraft import PreDraftRequest
 from specd.sampling import Transform
 from specd.v1 import worker_pb2
 from specd.wire import unpack_distributions
 
+log = logging.getLogger(__name__)
+
 # Codes after which the session can be rebuilt on a (possibly new) worker process.
+# FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
 _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-               grpc.StatusCode.DEADLINE_EXCEEDED}
+               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class WorkerError(Exception):
@@ -50,6 +59,10 @@ def _sooner(timeout_s: float, remaining: float | None) -> float:
     return timeout_s if remaining is None else min(timeout_s, remaining)
 
 
+def _batch(message: worker_pb2.BatchInfo) -> BatchStats:
+    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards)
+
+
 def _transform_pb(transform: Transform) -> worker_pb2.Transform:
     return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
                                 top_p=transform.top_p)
@@ -66,8 +79,11 @@ class WorkerLink:
     """
 
     def __init__(self, name: str, open_stream: Callable[[bool, float | None], grpc.aio.StreamStreamCall],
-                 release: Callable[[], None], settings: LinkSettings) -> None:
+                 release: Callable[[], None], settings: LinkSettings,
+                 identity: worker_pb2.ModelIdentity | None = None) -> None:
         self.name = name
+        # The model validated at start-up; it opens every stream (None: nothing checked).
+        self.identity = identity
         self._open_stream = open_stream
         self._release = release
         self.settings = settings
@@ -96,6 +112,8 @@ class WorkerLink:
             try:
                 message = build(delta)
                 if self._call is None:
+                    if self.identity is not None:
+                        message.expected_model.CopyFrom(self.identity)
                     self._call = self._open_stream(self._moved, remaining)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
@@ -118,6 +136,9 @@ class WorkerLink:
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                log.error("%s refused a stream, it holds another model (moving the session): %s",
+                          self.name, details)
             # NOT_FOUND: the endpoint is fine but evicted the session; re-open it there.
             # Anything else reopenable: the endpoint itself failed; move if possible.
             self._moved = code != grpc.StatusCode.NOT_FOUND
@@ -183,16 +204,21 @@ class DraftLink(WorkerLink):
 
     async def propose(self, committed: list[int], draft_length: int, transform: Transform,
                       seed: int, draft_model: str, min_confidence: float, vocab_limit: int,
-                      trace_carrier: dict[str, str]) -> Proposal:
+                      trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None) -> Proposal:
+        """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
-            return worker_pb2.ProposeRequest(
+            message = worker_pb2.ProposeRequest(
                 delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
                 draft_model=draft_model, min_confidence=min_confidence, vocab_limit=vocab_limit,
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+            if pre_draft is not None:
+                message.pre_draft.draft_length, message.pre_draft.seed = pre_draft.draft_length, pre_draft.seed
+            return message
 
         response = await self.exchange(committed, build)
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
-        return Proposal(list(response.draft_tokens), probs, response.forward_ms)
+        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=_batch(response.batch),
+                        pre_drafted=response.pre_drafted)
 
 
 class VerifierLink(WorkerLink):
@@ -206,7 +232,8 @@ class VerifierLink(WorkerLink):
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
 
         response = await self.exchange(committed, build)
+        batch = _batch(response.batch)
         if response.HasField("target_probs"):
-            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms)
-        return Scores(list(response.target_argmax), None, response.forward_ms)
+            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms, batch)
+        return Scores(list(response.target_argmax), None, response.forward_ms, batch)
 

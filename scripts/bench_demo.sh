@@ -10,18 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-py=.venv/bin/python
-$py - <<'PY'
-from pathlib import Path
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-out = Path("runs/unrelated-draft")
-if not (out / "config.json").exists():
-    config = AutoConfig.from_pretrained("models/demo/draft-generic")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained("models/demo/draft-generic").save_pretrained(out)
-PY
+.venv/bin/python scripts/make_unrelated_draft.py
 dtype=${DTYPE:-float32}
 out=bench-out; [[ $dtype == float32 ]] || out=bench-out/$dtype
 .venv/bin/specd serve --port 50061 --draft-port 50062 --verifier-port 50063 --dtype "$dtype" \

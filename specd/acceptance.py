@@ -124,6 +124,16 @@ class CostSummary:
     verify_cost_ratio: dict[int, float]  # γ → v(γ)
 
 
+@dataclass
+class LoadCounts:
+    """How one model pair's verify steps were batched: sums, so means are rates of two counters."""
+
+    steps: int = 0
+    batch_size: int = 0  # Σ sessions sharing each step's verify forward
+    batch_tokens: int = 0  # Σ tokens in that forward
+    queue_ms: float = 0.0  # Σ time each step waited in the verifier's queue
+
+
 def _grow(values: list[int], length: int) -> None:
     values.extend([0] * (length - len(values)))
 
@@ -146,6 +156,8 @@ class AcceptanceStats:
         self._segments: set[str] = set()
         self._task_types: set[str] = set()
         self._costs: dict[str, StepCosts] = {}
+        self._load: dict[str, LoadCounts] = {}
+        self._pre_drafts: dict[Labels, list[int]] = {}  # labels → [steps that could hit, hits]
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
         self._by_pair_task: dict[tuple[str, str], Counts] = {}
@@ -170,16 +182,46 @@ class AcceptanceStats:
             return self._costs.setdefault(model_pair, StepCosts())
 
     def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int,
-               draft_ms: float, verify_ms: float, measure_cost: bool = True) -> None:
+               draft_ms: float, verify_ms: float, measure_cost: bool = True, batch_size: int = 1,
+               pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
         """Count one step (hot path). measure_cost=False: its time is not a step's cost
-        (the first step of a request also prefills the prompt)."""
+        (the first step of a request also prefills the prompt). batch_size: sessions that
+        shared the step's verify forward (the load its costs were measured at)."""
         step = (draft_length, accepted, emitted, generated_before)
         with self._lock:
             self._lifetime.setdefault(labels, Counts()).add(*step)
             self._by_pair_task.setdefault((labels.model_pair, labels.task_type), Counts()).add(*step)
             self._window.append((labels, *step))
             if measure_cost:
-                self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms)
+                self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms,
+                                                                                batch_size, pre_draft_asked,
+                                                                                pre_drafted)
+
+    def record_load(self, model_pair: str, batch_size: int, batch_tokens: int, queue_ms: float) -> None:
+        """Count how one step's verify forward was batched (hot path)."""
+        with self._lock:
+            load = self._load.setdefault(model_pair, LoadCounts())
+            load.steps += 1
+            load.batch_size += batch_size
+            load.batch_tokens += batch_tokens
+            load.queue_ms += queue_ms
+
+    def record_pre_draft(self, labels: Labels, hit: bool) -> None:
+        """Count one step whose proposal was pre-drafted for (overlap), and whether it hit."""
+        with self._lock:
+            counts = self._pre_drafts.setdefault(labels, [0, 0])
+            counts[0] += 1
+            counts[1] += hit
+
+    def pre_draft_snapshot(self) -> dict[Labels, tuple[int, int]]:
+        """(steps, hits) of overlapped speculation by label set."""
+        with self._lock:
+            return {labels: (steps, hits) for labels, (steps, hits) in self._pre_drafts.items()}
+
+    def load_snapshot(self) -> dict[str, LoadCounts]:
+        """A copy of the batching counters by model pair."""
+        with self._lock:
+            return {pair: LoadCounts(**asdict(load)) for pair, load in self._load.items()}
 
     def snapshot(self, window: bool = False) -> dict[Labels, Counts]:
         """A copy of the counters by label set: lifetime, or just the sliding window."""

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.tls import add_client_arguments, client_channel, client_tls_from_args
+
 # Built-in workload for the shipped demo pair (Python source and English prose). These
 # prompts were written for the benchmark, not cut from the training corpus.
 DEMO_WORKLOAD = {
@@ -52,6 +54,7 @@ class Config:
     mode: str  # auto | fixed | off
     policy: str = ""
     draft_length: int = 0
+    overlap: bool = False  # overlapped speculation ("+overlap")
 
 
 @dataclass
@@ -70,6 +73,8 @@ class Result:
     gamma_trace: list[int] = field(default_factory=list)  # γ per step of the longest request
     outputs: list[list[int]] = field(default_factory=list)  # token ids of every request, in order
     same_as_target_only: int = 0  # requests whose output equals target-only's (greedy: all)
+    pre_draft_steps: int = 0  # overlap: steps pre-drafted for, and hits among them
+    pre_draft_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,17 +90,20 @@ class Result:
 
 
 def parse_configs(spec: str) -> list[Config]:
-    """"off,fixed:4,ema,cost" → configurations (target-only is always included first)."""
+    """"off,fixed:4,ema,cost,cost+overlap" → configurations (target-only is always first)."""
     configs = [Config("target-only", "off")]
     for item in spec.split(","):
         item = item.strip()
         if not item or item == "off":
             continue
+        item, plus, _ = item.partition("+overlap")
+        suffix = " +overlap" if plus else ""
         name, _, gamma = item.partition(":")
         if name == "fixed":
-            configs.append(Config(f"fixed γ={gamma}", "fixed", "fixed", int(gamma)))
+            configs.append(Config(f"fixed γ={gamma}{suffix}", "fixed", "fixed", int(gamma), bool(plus)))
         else:
-            configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}", "auto", name))
+            configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}{suffix}", "auto", name,
+                                  overlap=bool(plus)))
     return configs
 
 
@@ -105,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the API key held in this environment variable (authorization: Bearer)")
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
-                        help="comma list of fixed:γ, ema, cost, confidence (target-only always runs)")
+                        help="comma list of fixed:γ, ema, cost, confidence, each optionally +overlap "
+                             "(e.g. fixed:4+overlap; target-only always runs)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the workload")
@@ -115,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="... and its assisted generation with this draft directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype for transformers' generate; match the services' --dtype")
+    parser.add_argument("--concurrency", default="",
+                        help="comma list of requests in flight, e.g. 1,4,8,16: measure throughput and latency "
+                             "under load (specd.loadbench) instead of one request at a time")
+    parser.add_argument("--requests-per-level", type=int, default=32,
+                        help="with --concurrency: requests per configuration and level")
+    add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
 
 
 def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
@@ -128,7 +143,7 @@ def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, s
                                             max_new_tokens=args.max_new_tokens),
         speculation=gateway_pb2.SpeculationParams(mode=mode, policy=config.policy,
                                                   draft_length=config.draft_length,
-                                                  draft_model=args.draft_model))
+                                                  draft_model=args.draft_model, overlap=config.overlap))
 
 
 def _add(result: Result, task: str, stats, seconds: float) -> None:
@@ -137,6 +152,8 @@ def _add(result: Result, task: str, stats, seconds: float) -> None:
     result.proposed += stats.proposed_tokens
     result.accepted += stats.accepted_tokens
     result.steps += stats.steps
+    result.pre_draft_steps += stats.pre_draft_steps
+    result.pre_draft_hits += stats.pre_draft_hits
     for mine, theirs in ((result.proposed_per_position, stats.proposed_per_position),
                          (result.accepted_per_position, stats.accepted_per_position)):
         mine.extend([0] * (len(theirs) - len(mine)))
@@ -191,7 +208,7 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]
-    with grpc.insecure_channel(args.gateway) as channel:
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         # Warm-up: one request per configuration (first-call costs; the cost policy's model).
@@ -242,7 +259,7 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
     """The side-by-side table, plain text; with costs, the speedup the cost model predicts."""
     base = results[0].tokens_per_s
     lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"
-             f" {'same output':>12} {'predicted ×':>11}"]
+             f" {'same output':>12} {'predicted ×':>11} {'hit rate':>8}"]
     for r in results:
         accept = f"{r.acceptance:.3f}" if r.proposed else "—"
         predicted = None
@@ -250,7 +267,8 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
             predicted = costs.predicted_speedup(r.tokens_per_step, r.config.draft_length)
         lines.append(f"{r.config.label:<26} {accept:>10} {r.tokens_per_step:>11.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.tokens_per_s / base:>13.2f} {r.same_as_target_only:>5}/{len(r.outputs):<6} "
-                     f"{f'{predicted:.2f}' if predicted else '':>11}")
+                     f"{f'{predicted:.2f}' if predicted else '':>11} "
+                     f"{f'{r.pre_draft_hits / r.pre_draft_steps:.2f}' if r.pre_draft_steps else '':>8}")
     for label, rate in extra.items():
         lines.append(f"{label:<26} {'':>10} {'':>11} {rate:>9.1f} {rate / base:>13.2f}")
     if costs is not None:
@@ -311,12 +329,64 @@ def plots(results: list[Result], out: Path) -> list[str]:
     return names
 
 
+def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: list[Config]) -> int:
+    """Every configuration at every concurrency level, and transformers' batched generate beside."""
+    import grpc
+
+    from specd import loadbench
+    from specd.clientauth import with_api_key
+    from specd.v1 import gateway_pb2_grpc
+
+    levels = [int(n) for n in args.concurrency.split(",")]
+    tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
+    results = []
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
+        grpc.channel_ready_future(channel).result(timeout=300)
+        for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
+            stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1))
+        for n in levels:
+            for config in configs:
+                reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1)
+                        for i in range(args.requests_per_level)]
+                results.append(loadbench.run_level(stub, reqs, config.label, n))
+                print(f"  N={n:<3} {config.label:<24} {results[-1].tokens_per_s:8.1f} tokens/s", flush=True)
+    reference = {}
+    if args.target:
+        reference = loadbench.transformers_batched(args.target, [p for _, p in tasks], levels, args.max_new_tokens,
+                                                   args.dtype, args.requests_per_level)
+    text = loadbench.table(results, reference)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = loadbench.plots(results, reference, out)
+    rows = [{"label": r.label, "concurrency": r.concurrency, "tokens": r.tokens, "seconds": r.seconds,
+             "tokens_per_s": r.tokens_per_s, "latency_p50_s": r.percentile(r.latencies, 50),
+             "latency_p95_s": r.percentile(r.latencies, 95),
+             "ttft_p50_s": statistics.median(r.first_token) if r.first_token else None,
+             "tbt_p50_s": statistics.median(r.between_tokens) if r.between_tokens else None,
+             "mean_verify_batch": statistics.fmean(r.batch_sizes) if r.batch_sizes else None,
+             "acceptance": r.accepted / r.proposed if r.proposed else None, "failures": r.failures}
+            for r in [*results, *reference.values()]]
+    (out / "load.json").write_text(json.dumps({
+        "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "requests_per_level": args.requests_per_level, "levels": levels, "rows": rows}, indent=2))
+    (out / "load.md").write_text(
+        f"# specd bench --concurrency {args.concurrency}\n\n{args.requests_per_level} requests per configuration "
+        f"and level, {args.max_new_tokens} new tokens, temperature {args.temperature}.\n\n```\n{text}\n```\n\n"
+        + "".join(f"![{name}]({name})\n\n" for name in images))
+    print(f"\nreport: {out / 'load.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from specd.clientauth import MissingApiKey
 
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
     try:
+        if args.concurrency:
+            return run_load(args, workload, configs)
         results, costs = run_gateway(args, workload, configs)
     except MissingApiKey as exc:
         print(f"specd bench: {exc}", file=sys.stderr)

@@ -8,9 +8,12 @@
     specd bench      compare γ policies and target-only decoding against a running gateway
     specd distill    train a draft to agree with its target (KL to the target's outputs)
     specd trace      collect spans over OTLP into a file; show a request's steps (specd.tracecli)
+    specd certs      write a development CA and server/client certificates (specd.certs)
 
 Settings objects (`specd.config`) are built here from the flags, once, and passed in.
 Tracing is configured by the standard OTEL_* variables only (`specd.telemetry`).
+TLS: every service takes --tls-cert/--tls-key (and --tls-client-ca for mutual TLS), the
+gateway --worker-ca/--worker-cert/--worker-key, clients --ca (docs/tls.md).
 """
 from __future__ import annotations
 
@@ -18,15 +21,16 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (DEMO_DRAFT, DEMO_TARGET, DraftSettings, GatewaySettings, ModelSettings,
-                          ServerSettings, VerifierSettings)
-from specd.supervisor import Supervisor
-from specd.supervisor import stop_all as _stop_all  # noqa: F401 - tests stop their processes with it
+from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, BatchSettings, ClientTLS, DraftSettings,
+                          GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
+from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 
@@ -37,6 +41,15 @@ def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
+                        help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes "
+                             "probes, which cannot speak TLS); 0: off")
+    parser.add_argument("--port-file", type=Path, metavar="FILE",
+                        help="write the port listened on to this file once serving (with --port 0)")
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -44,14 +57,56 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
     parser.add_argument("--device", default="cpu", help="torch device of the model(s): cpu, cuda, cuda:1")
+    parser.add_argument("--cpus", default="", metavar="LIST",
+                        help="pin the worker to these CPUs (e.g. 0 or 2-3), as it would own a GPU; torch threads "
+                             "default to one per CPU")
+    _batch_args(parser)
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics (sessions held, steps queued, KV bytes) at "
+                             "http://HOST:PORT/metrics (0: off)")
+
+
+def _batch_args(parser: argparse.ArgumentParser) -> None:
+    """How a worker batches the steps of all its sessions (specd.batching); defaults from BatchSettings."""
+    d = BatchSettings()
+    parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                        help=f"tokens in one batched forward, all sessions together (default {d.max_batch_tokens})")
+    parser.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                        help=f"feed a long prompt this many tokens per forward, so it does not hold up "
+                             f"other sessions' steps (default {d.prefill_chunk})")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue,
+                        help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
+    parser.add_argument("--batch-layout", default=d.layout, choices=BATCH_LAYOUTS,
+                        help=f"ragged (one row of all sessions' tokens) or padded (default {d.layout})")
+    parser.add_argument("--batch-wait-ms", type=float, default=d.max_wait_ms,
+                        help=f"how long a forward may wait for other open sessions' steps to share it, at most "
+                             f"a quarter of a forward (default {d.max_wait_ms}; 0: start at once)")
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(args.host, args.port, args.grace)
+    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+    check_server_tls(tls)
+    return ServerSettings(args.host, args.port, args.grace, tls, args.health_port)
+
+
+def _batch_settings(args: argparse.Namespace) -> BatchSettings:
+    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue, args.batch_layout,
+                             max_wait_ms=args.batch_wait_ms)
+    if settings.problems():
+        raise SystemExit(f"specd: {'; '.join(settings.problems())}")
+    return settings
 
 
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device)
+    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device, _batch_settings(args))
+
+
+def _batch_flags(args: argparse.Namespace) -> list[str]:
+    """The batching flags of `specd serve`, passed on to both workers."""
+    return ["--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
+            "--max-queue", str(args.max_queue), "--batch-layout", args.batch_layout,
+            "--batch-wait-ms", str(args.batch_wait_ms)]
 
 
 def _parse_drafts(values: list[str]) -> dict[str, Path]:
@@ -65,32 +120,84 @@ def _parse_drafts(values: list[str]) -> dict[str, Path]:
     return drafts
 
 
-async def _run_service(create, settings, what: str) -> None:
+async def _run_service(create, settings, what: str, port_file: Path | None) -> None:
     from specd.serving import serve_until_signalled
 
     running = await create(settings)
-    print(f"specd {what} listening on {settings.server.host}:{running.port}", flush=True)
+    scheme = "TLS" if settings.server.tls.enabled else "plaintext"
+    print(f"specd {what} listening on {settings.server.host}:{running.port} ({scheme})", flush=True)
+    if port_file is not None:
+        # Whole or absent: a supervisor polling the file never reads half a number.
+        partial = port_file.with_name(port_file.name + ".partial")
+        partial.write_text(str(running.port))
+        partial.replace(port_file)
     await serve_until_signalled(running, settings.server.grace_s)
 
 
-def _set_threads(threads: int) -> None:
+def _serve(create, settings, what: str, port_file: Path | None) -> int:
+    """Run a service until signalled; exit status 2 with the reason if its port is taken.
+
+    Checked first, before a model loads or a worker is waited for (minutes, for a large
+    model); the server's exclusive bind is what makes it certain.
+    """
+    from specd.serving import PortInUse
+
+    server = settings.server
+    try:
+        for port, kind in ((server.port, "port"), (server.health_port, "health port")):
+            if _port_taken(server.host, port):
+                raise PortInUse(f"{server.host}:{port}", kind)
+        asyncio.run(_run_service(create, settings, what, port_file))
+    except PortInUse as exc:
+        print(f"specd {what}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _set_threads(threads: int, cpus: str = "") -> None:
+    """Pin the process to `cpus` (e.g. "0" or "2-3,6"), as a model owns its GPU; torch threads
+    default to one per pinned CPU."""
+    if cpus:
+        pinned = _parse_cpus(cpus)
+        os.sched_setaffinity(0, pinned)
+        threads = threads or len(pinned)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
 
 
+def _parse_cpus(value: str) -> set[int]:
+    """"0,2-3" → {0, 2, 3}; a CPU this machine lacks is a clear error."""
+    cpus: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise SystemExit(f"specd: --cpus {value!r}: use CPU numbers and ranges like 0,2-3")
+        cpus.update(range(int(first), int(last or first) + 1))
+    unknown = cpus - os.sched_getaffinity(0)
+    if unknown:
+        raise SystemExit(f"specd: --cpus {value!r}: CPUs {sorted(unknown)} are not available here "
+                         f"(available: {sorted(os.sched_getaffinity(0))})")
+    return cpus
+
+
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import create_server
+    from specd.predraft import check_branches
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-draft")
 
-    _set_threads(args.threads)
+    try:
+        check_branches(args.pre_draft_branches)
+    except ValueError as exc:
+        print(f"specd draft: --pre-draft-branches: {exc}", file=sys.stderr)
+        return 2
+    _set_threads(args.threads, args.cpus)
     settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
-                             _model_settings(args))
-    asyncio.run(_run_service(create_server, settings, "draft"))
-    return 0
+                             _model_settings(args), args.metrics_host, args.metrics_port, args.pre_draft_branches)
+    return _serve(create_server, settings, "draft", args.port_file)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -99,10 +206,10 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
     setup_tracing("specd-verifier")
 
-    _set_threads(args.threads)
-    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args))
-    asyncio.run(_run_service(create_server, settings, "verifier"))
-    return 0
+    _set_threads(args.threads, args.cpus)
+    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args),
+                                args.metrics_host, args.metrics_port)
+    return _serve(create_server, settings, "verifier", args.port_file)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -112,12 +219,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-gateway")
+    worker_tls = ClientTLS(args.worker_ca, args.worker_cert, args.worker_key, args.worker_server_name)
+    check_client_tls(worker_tls, "--worker-ca", "--worker-cert", "--worker-key")
     settings = GatewaySettings(
-        _server_settings(args), verifier_address=args.verifier_address,
+        _server_settings(args), verifier_address=args.verifier_address, worker_tls=worker_tls,
         draft_address=args.draft_address, verifier_service=args.verifier_service,
         draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
-        worker_timeout_s=args.worker_timeout, auto_policy=args.policy,
+        worker_timeout_s=args.worker_timeout, auto_policy=args.policy, overlap=args.overlap,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -126,21 +235,23 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
         max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection)
     try:
-        asyncio.run(_run_service(create_server, settings, "gateway"))
+        return _serve(create_server, settings, "gateway", args.port_file)
     except (IncompatibleDraft, ConnectionError, KeyFileError) as exc:
         print(f"specd gateway: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 # -- serve: the three together --------------------------------------------------------------
 
-def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
+                  tls: ClientTLS = ClientTLS()) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from specd.tls import client_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with client_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -152,6 +263,56 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float)
             except grpc.RpcError:
                 time.sleep(0.2)
     return False
+
+
+def _wait_port_files(files: list[Path], procs: list[subprocess.Popen], timeout_s: float) -> list[int] | None:
+    """The ports the workers wrote once serving; None if one exited or time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return None
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.1)
+    return None
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on (or holds) host:port. Port 0 is never taken."""
+    if not port:
+        return False
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # As gRPC does: a port left in TIME_WAIT by a stopped server is free, a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _tls_dir(directory: Path) -> dict[str, Path]:
+    """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
+    from specd.certs import FILES
+
+    paths = {name: directory / name for name in FILES}
+    missing = [name for name, path in paths.items() if not path.is_file()]
+    if missing:
+        raise TLSConfigError(f"--tls {directory}: missing {', '.join(missing)}; make them with "
+                             f"`specd certs {directory}`")
+    return paths
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _edge_flags(args: argparse.Namespace) -> list[str]:
@@ -171,28 +332,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"(transformers model directories sharing one tokenizer), or make the demo pair "
                   f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
+    # Checked before anything loads; the servers' exclusive binds make it certain.
+    for flag, host, port in (("--port", args.host, args.port), ("--draft-port", "127.0.0.1", args.draft_port),
+                             ("--verifier-port", "127.0.0.1", args.verifier_port)):
+        if _port_taken(host, port):
+            print(f"specd serve: port {port} on {host} is taken (another specd serve?); pass {flag} "
+                  f"with a free port", file=sys.stderr)
+            return 2
+    worker_tls: list[str] = []
+    gateway_tls: list[str] = []
+    client_tls = ClientTLS()
+    if args.tls:
+        # Mutual TLS among the three processes; TLS without client certificates at the edge.
+        files = {name: str(path) for name, path in _tls_dir(Path(args.tls)).items()}
+        server = ["--tls-cert", files["server.pem"], "--tls-key", files["server-key.pem"]]
+        worker_tls = [*server, "--tls-client-ca", files["ca.pem"]]
+        gateway_tls = [*server, "--worker-ca", files["ca.pem"], "--worker-cert", files["client.pem"],
+                       "--worker-key", files["client-key.pem"]]
+        client_tls = ClientTLS(ca=Path(files["ca.pem"]))
     me = [sys.executable, "-m", "specd.cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
-    workers = {
-        "verifier": me + ["verifier", "--port", str(args.verifier_port), "--target", str(target),
-                          "--dtype", args.dtype, "--threads", str(args.threads)],
-        "draft": me + ["draft", "--port", str(args.draft_port), *[f"--draft={n}={p}" for n, p in drafts.items()],
-                       "--dtype", args.dtype, "--threads", str(draft_threads)],
-    }
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
     # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    supervisor = Supervisor(env)
-    for name, argv in workers.items():
-        supervisor.start(name, argv)  # restarted with the same command (same port) when it dies
-    supervisor.start("gateway", restart=False, argv=me + [
-        "gateway", "--host", args.host, "--port", str(args.port),
-        "--verifier-address", f"127.0.0.1:{args.verifier_port}",
-        "--draft-address", f"127.0.0.1:{args.draft_port}",
-        "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
-        "--policy", args.policy, "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
-        *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -200,21 +363,59 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    try:
-        if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout):
-            print("specd serve: the services did not become healthy; see the messages above",
-                  file=sys.stderr)
-            return 1
-        print(f"specd serve: ready on {args.host}:{args.port} (target {target}, drafts {list(drafts)}); "
-              f"try: specd generate \"def fibonacci(n):\"", flush=True)
-        # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
-        while not stop["now"]:
-            if not supervisor.check():
+    from specd.supervisor import Supervisor
+
+    supervisor = Supervisor(env)
+    with tempfile.TemporaryDirectory(prefix="specd-serve-") as run_dir:
+        # Workers bind port 0 by default (the OS picks a free one) and report it in a file:
+        # two `specd serve` on one host never meet on a worker port.
+        port_files = {"verifier": Path(run_dir) / "verifier.port", "draft": Path(run_dir) / "draft.port"}
+        workers = {
+            "verifier": me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files["verifier"]),
+                              "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads),
+                              *worker_tls, *_batch_flags(args),
+                              *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
+            "draft": me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files["draft"]),
+                           *[f"--draft={n}={p}" for n, p in drafts.items()],
+                           "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
+                           "--pre-draft-branches", args.pre_draft_branches,
+                           *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
+        }
+        try:
+            children = {name: supervisor.start(name, argv) for name, argv in workers.items()}
+            ports = _wait_port_files(list(port_files.values()), supervisor.processes, args.startup_timeout)
+            if ports is None:
+                print("specd serve: the workers did not start; see the messages above", file=sys.stderr)
                 return 1
-            time.sleep(0.2)
-        return 0
-    finally:
-        supervisor.stop(grace_s=15.0)
+            verifier_port, draft_port = ports
+            # A worker that dies is restarted on the port the gateway already dials.
+            for child, port in ((children["verifier"], verifier_port), (children["draft"], draft_port)):
+                child.argv[child.argv.index("--port") + 1] = str(port)
+            supervisor.start("gateway", restart=False, argv=me + [
+                "gateway", "--host", args.host, "--port", str(args.port),
+                "--verifier-address", f"127.0.0.1:{verifier_port}",
+                "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
+                "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
+                "--policy", args.policy, *(["--overlap"] if args.overlap else []),
+                "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
+                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
+            if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
+                print("specd serve: the services did not become healthy; see the messages above",
+                      file=sys.stderr)
+                return 1
+            print(f"specd serve: ready on {args.host}:{args.port}{' (TLS)' if args.tls else ''} "
+                  f"(target {target}, drafts {list(drafts)}; verifier on 127.0.0.1:{verifier_port}, "
+                  f"draft on 127.0.0.1:{draft_port}); try: specd generate "
+                  f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
+                  flush=True)
+            # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
+            while not stop["now"]:
+                if not supervisor.check():
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            supervisor.stop(grace_s=15.0)
 
 
 # -- generate: the client -------------------------------------------------------------------
@@ -222,6 +423,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
+    from specd.tls import client_channel
     from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
     mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
@@ -236,7 +438,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         task_type=args.task_type, user_segment=args.user_segment)
     from specd.clientauth import MissingApiKey, with_api_key
 
-    with grpc.insecure_channel(args.gateway) as channel:
+    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         try:
             stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         except MissingApiKey as exc:
@@ -278,6 +480,9 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                         help="γ policy of SPECULATION_MODE_AUTO (default: cost)")
     parser.add_argument("--task-draft", action="append", metavar="TASK=DRAFT",
                         help="use this draft model for requests of this task type (repeatable)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlapped speculation by default: the draft pre-drafts the next step while "
+                             "the target verifies (requests may still set speculation.overlap)")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
@@ -310,8 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default: the demo draft, {DEMO_DRAFT})")
     serve.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
-    serve.add_argument("--draft-port", type=int, default=DEFAULT_DRAFT_PORT)
-    serve.add_argument("--verifier-port", type=int, default=DEFAULT_VERIFIER_PORT)
+    serve.add_argument("--draft-port", type=int, default=0,
+                       help="port of the draft worker on 127.0.0.1 (default 0: a free one)")
+    serve.add_argument("--verifier-port", type=int, default=0,
+                       help="port of the verifier worker on 127.0.0.1 (default 0: a free one)")
+    serve.add_argument("--tls", metavar="DIR",
+                       help="a `specd certs` directory: mutual TLS among the three processes, TLS "
+                            "(no client certificates) for clients of the gateway")
     serve.add_argument("--draft-length", type=int, default=4, help="default γ")
     serve.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -322,6 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.add_argument("--draft-cpus", default="", metavar="LIST",
+                       help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
+    serve.add_argument("--verifier-cpus", default="", metavar="LIST",
+                       help="pin the verifier worker to these CPUs (e.g. 1)")
+    serve.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+                       help="with --overlap: which verdicts the draft pre-drafts for (see specd draft --help)")
+    _batch_args(serve)
     _gateway_policy_args(serve)
     _gateway_edge_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -331,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
                        help="a draft model directory; repeat to host several (the first is the default)")
     _model_args(draft)
+    draft.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+                       help="overlapped speculation: pre-draft for every accepted length (all), only for everything "
+                            "accepted (bonus), or for the K verdicts the draft finds most likely (default "
+                            f"{DraftSettings.pre_draft_branches})")
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")
@@ -357,6 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
     gateway.add_argument("--worker-timeout", type=float, default=60.0,
                          help="seconds to wait for a worker at start-up and for each step")
+    gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
+                         help="reach the workers over TLS, trusting certificates signed by this CA")
+    gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
+                         help="client certificate presented to the workers (mutual TLS)")
+    gateway.add_argument("--worker-key", type=Path, metavar="FILE", help="the client certificate's private key")
+    gateway.add_argument("--worker-server-name", default="",
+                         help="name to check in the workers' certificates (default: the dialled host, "
+                              "or the Service name with --verifier-service/--draft-service)")
     _gateway_policy_args(gateway)
     _gateway_edge_args(gateway)
     defaults = GatewaySettings(ServerSettings())
@@ -390,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the request, seconds")
     generate.add_argument("--wait", type=float, default=0.0,
                           help="seconds to wait for the gateway to come up (e.g. right after specd serve)")
+    add_client_arguments(generate)
     _api_key_env_arg(generate)
     generate.set_defaults(func=cmd_generate)
 
@@ -407,12 +637,22 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser("distill", help="train a draft to agree with its target")
     distill_module.add_arguments(distill)
     distill.set_defaults(func=distill_module.run)
+
+    from specd import certs as certs_module
+
+    certs = sub.add_parser("certs", help="write a development CA and server/client certificates")
+    certs_module.add_arguments(certs)
+    certs.set_defaults(func=certs_module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except TLSConfigError as exc:
+        print(f"specd {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,16 +15,85 @@ DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
 
 
 @dataclass(frozen=True)
+class ServerTLS:
+    """The certificate a server presents, and whose clients it accepts (PEM files).
+
+    No cert: plaintext. With client_ca: mutual TLS, clients must present a certificate
+    signed by that CA (how the workers accept only their gateways).
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client (the gateway towards its workers, `specd generate`) trusts a server.
+
+    No CA and no cert: plaintext. ca: trust servers signed by it (None: the system's
+    roots); cert/key: present this client certificate (mutual TLS). server_name: the
+    name checked in the server's certificate instead of the dialled host, for endpoints
+    dialled by IP (pods found through EndpointSlices present their Service's name).
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
-    """Where a service listens and how it shuts down."""
+    """Where a service listens, how it shuts down, and its TLS."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port (tests)
     grace_s: float = 10.0  # how long in-flight requests may finish after SIGTERM
+    tls: ServerTLS = ServerTLS()
+    # > 0: also serve grpc.health.v1 alone, in plaintext, on this port: Kubernetes' gRPC
+    # probes cannot speak TLS, so a TLS server needs a plaintext door for its probes.
+    health_port: int = 0
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+BATCH_LAYOUTS = ("ragged", "padded")  # specd.kvstore
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How a worker batches its model's forwards."""
+
+    max_batch_tokens: int = 1024  # tokens in one forward (a job's chunk always fits)
+    prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
+    max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
+    layout: str = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
+    block_tokens: int = 32  # KV storage grows by this many positions at a time
+    # How long a forward may wait for the steps of other open sessions to arrive, so that
+    # they share it, at most a quarter of a recent forward's time; 0: start at once.
+    max_wait_ms: float = 3.0
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.layout not in BATCH_LAYOUTS:
+            found.append(f"batch layout must be one of {list(BATCH_LAYOUTS)}, got {self.layout!r}")
+        for name in ("max_batch_tokens", "prefill_chunk", "max_queue", "block_tokens"):
+            if getattr(self, name) < 1:
+                found.append(f"{name} must be >= 1")
+        if not self.max_wait_ms >= 0:
+            found.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        return found
 
 
 @dataclass(frozen=True)
@@ -35,6 +104,7 @@ class ModelSettings:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
     device: str = "cpu"  # "cuda", "cuda:1", ...
+    batching: BatchSettings = BatchSettings()
 
 
 @dataclass(frozen=True)
@@ -43,6 +113,12 @@ class DraftSettings:
     # name → model directory; the first is the default draft.
     drafts: dict[str, Path] = field(default_factory=dict)
     model: ModelSettings = ModelSettings()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
+    # Overlapped speculation: which verdicts to pre-draft for (specd.predraft): "all"
+    # accepted lengths, only "bonus" (everything accepted), or the K the draft finds
+    # most likely (fewer branches: fewer draft forwards competing with the gateway).
+    pre_draft_branches: str = "3"
 
 
 @dataclass(frozen=True)
@@ -50,6 +126,8 @@ class VerifierSettings:
     server: ServerSettings
     target: Path = DEMO_TARGET
     model: ModelSettings = ModelSettings()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
 
 
 @dataclass(frozen=True)
@@ -62,6 +140,9 @@ class GatewaySettings:
     verifier_service: str = ""
     draft_service: str = ""
     namespace: str = ""  # empty: the pod's own namespace
+    # TLS towards the workers (mutual with a client cert). Without a server_name, pods
+    # found through a Service are checked against that Service's name.
+    worker_tls: ClientTLS = ClientTLS()
     default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128
@@ -70,6 +151,7 @@ class GatewaySettings:
     worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
     max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
+    overlap: bool = False  # overlapped speculation unless a request says otherwise (specd.predraft)
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (the seed's table by default)
     task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))

@@ -7,12 +7,20 @@
 c is the draft's cost per token and v(γ) the verify cost, both relative to one plain
 target step (DESIGN.md §4). `StepCosts` measures them from real steps, as wall time
 seen by the gateway (network hops included: they are part of what a step costs).
+
+Workers batch the steps of every session (DESIGN.md §8), so what a step costs depends
+on the load: with eight sessions in the target's forward, each extra draft token makes
+everyone's forward longer. `StepCosts` therefore keeps one cost table per load level
+(the number of sessions in the verifier's forward, bucketed) and answers for the load
+seen last, so γ follows the load: as the target fills up, verifying more positions
+costs more, and the best γ shrinks — to 0 (plain decoding) once speculation no longer
+pays, as in vLLM's K*(bs) = argmax_K (1 + Σ_{i<K} a_i) / ITL(bs, K).
 Pure Python; no gRPC.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 
@@ -58,8 +66,8 @@ class CostEstimate:
         return self.draft_ms + self.verify_ms
 
 
-class StepCosts:
-    """Measured step costs of one model pair, learned from every step the gateway runs.
+class CostTable:
+    """Measured step costs of one model pair at one load level.
 
     Keeps an EMA of the draft hop's and the verify hop's wall time for each γ seen and
     fits a line through them (cost = a + b·γ), so an unseen γ — including γ = 0, the
@@ -73,8 +81,9 @@ class StepCosts:
         self._verify: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
         self._weight = weight
 
-    def observe(self, draft_length: int, draft_ms: float, verify_ms: float) -> None:
-        if draft_length > 0:
+    def observe(self, draft_length: int, draft_ms: float | None, verify_ms: float) -> None:
+        """One step's hop times at γ; draft_ms None: the verify hop alone says something."""
+        if draft_length > 0 and draft_ms is not None:
             self._draft[draft_length].add(draft_ms)
         self._verify[draft_length].add(verify_ms)
 
@@ -143,8 +152,90 @@ class StepCosts:
         return sum(self._draft[g].value / g for g in seen) / len(seen) if seen else 0.0
 
 
+LOAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # upper bounds of sessions sharing the target's forward
+
+
+def load_bucket(batch_size: int) -> int:
+    """The load level of a forward shared by `batch_size` sessions (the bucket's upper bound)."""
+    return next((edge for edge in LOAD_BUCKETS if batch_size <= edge), LOAD_BUCKETS[-1] * 2)
+
+
+class StepCosts:
+    """Measured step costs of one model pair, learned from every step the gateway runs.
+
+    One `CostTable` per load level (`load_bucket` of the verifier's batch size reported
+    with each step); `estimate` answers for the load seen last, from that level's table
+    or, before it has any, the nearest level's. `ratios` and the other summaries
+    describe the pair running alone when that was measured (the pair's own speed).
+    """
+
+    def __init__(self, weight: float = 0.1, prior_draft_ratio: float = 0.2) -> None:
+        self._weight = weight
+        self.prior_draft_ratio = prior_draft_ratio
+        self._tables: dict[int, CostTable] = {}
+        self.load = 1  # the load bucket of the last step observed
+        # Overlapped speculation: how often a pre-drafted step hits, and what its draft hop
+        # costs then (the wait for a branch still drafting, plus the hop).
+        self.hit_rate = _Ema(weight)
+        self.hit_draft_ms = _Ema(weight)
+
+    def observe(self, draft_length: int, draft_ms: float, verify_ms: float, batch_size: int = 1,
+                pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
+        """One step's hop times, at the load its verify forward reported.
+
+        A step answered from a pre-drafted branch says what a hit costs, not what drafting
+        γ tokens costs; it goes to the hit figures instead of the draft table."""
+        self.load = load_bucket(batch_size)
+        table = self._tables.get(self.load)
+        if table is None:
+            table = self._tables[self.load] = CostTable(self._weight, self.prior_draft_ratio)
+        if pre_draft_asked and draft_length:
+            self.hit_rate.add(1.0 if pre_drafted else 0.0)
+        if pre_drafted:
+            self.hit_draft_ms.add(draft_ms)
+        table.observe(draft_length, None if pre_drafted else draft_ms, verify_ms)
+
+    def table(self, load: int | None = None) -> CostTable | None:
+        """The table of a load bucket (default: the current load), else the nearest measured one."""
+        if not self._tables:
+            return None
+        load = self.load if load is None else load
+        return self._tables[min(self._tables, key=lambda bucket: (abs(bucket - load), bucket))]
+
+    def estimate(self, gamma: int, overlap: bool = False) -> CostEstimate | None:
+        """Predicted milliseconds of a step at γ under the current load; None before any measurement.
+
+        With overlap, the draft hop is a hit's cost with the measured hit rate h and a full
+        proposal otherwise: h·hit + (1 − h)·draft(γ) — about max(draft, verify) on a hit
+        and their sum on a miss, as measured.
+        """
+        table = self.table()
+        if table is None:
+            return None
+        estimate = table.estimate(gamma)
+        h, hit_ms = self.hit_rate.value, self.hit_draft_ms.value
+        if not overlap or gamma == 0 or h is None or hit_ms is None:
+            return estimate
+        return replace(estimate, draft_ms=h * hit_ms + (1.0 - h) * estimate.draft_ms)
+
+    def _summary_table(self) -> CostTable | None:
+        return self.table(1)
+
+    def target_step_ms(self) -> float | None:
+        table = self._summary_table()
+        return table.target_step_ms() if table else None
+
+    def ratios(self) -> tuple[float, dict[int, float]]:
+        table = self._summary_table()
+        return table.ratios() if table else (0.0, {})
+
+    def draft_ms_per_token(self) -> float:
+        table = self._summary_table()
+        return table.draft_ms_per_token() if table else 0.0
+
+
 def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
-                      curve: list[float] | None = None) -> int:
+                      curve: list[float] | None = None, overlap: bool = False) -> int:
     """The γ among candidates that maximises expected tokens per millisecond.
 
     Before any cost is measured, the middle candidate: a first step to measure from.
@@ -154,7 +245,7 @@ def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
     best, best_rate = candidates[0], -1.0
     for gamma in candidates:
         tokens = expected_tokens_from_curve(curve, gamma) if curve else expected_tokens(alpha, gamma)
-        rate = tokens / costs.estimate(gamma).step_ms
+        rate = tokens / costs.estimate(gamma, overlap).step_ms
         if rate > best_rate:
             best, best_rate = gamma, rate
     return best

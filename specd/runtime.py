@@ -1,27 +1,34 @@
 """Model runtime shared by the draft and verifier services.
 
 Loads any transformers causal LM and its tokenizer from a local directory, keeps one
-KV cache per session (cropped to the committed length each step) and runs every
-forward on one executor thread per model, never on the event loop. No gRPC here.
+KV cache per session (`specd.kvstore`; cropped to the committed length each step) and
+runs the steps of all sessions through one batch scheduler per model
+(`specd.batching`), whose forwards run on the model's own thread, never on the event
+loop. Session state is touched only on the event loop, or by the forward of a step
+that has taken the session out of the store. No gRPC here.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specd.sampling import Transform, probs_from_logits
-
-T = TypeVar("T")
+from specd import kvstore
+from specd.batching import Job, Scheduler
+from specd.config import BatchSettings
+from specd.identity import weights_digest
+from specd.jobs import Proposal, ProposeJob, Scores, ScoreJob
+from specd.kvstore import BatchRow, SessionKV
+from specd.predraft import Branch, PreDraftRequest, PreDrafts
+from specd.sampling import Transform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +46,7 @@ class ModelInfo:
     max_context: int
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
+    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -60,89 +68,72 @@ def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-@dataclass
-class KVSession:
-    """One session's KV cache and the tokens it knows.
-
-    `tokens` is the sequence as this worker knows it; the cache covers the first
-    `cache.get_seq_length()` of them (a draft's last proposal is known but not cached).
-    """
-
-    cache: DynamicCache
-    tokens: list[int] = field(default_factory=list)
-    stream: str = ""  # the worker stream that opened it; only that stream's end drops it
-
-    @property
-    def cached(self) -> int:
-        return self.cache.get_seq_length()
-
-
 class SessionStore:
     """The sessions of one model, least recently used first; the only owner of them.
 
     Steps take a session out (`take`) and put it back when they succeed (`put`), so a
-    step that fails leaves nothing stale behind: the gateway re-opens the session.
+    step that fails leaves nothing stale behind (the gateway re-opens the session), and a
+    second stream cannot touch a session while a step of it is in a batch.
     """
 
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, KVSession] = OrderedDict()
+        self._sessions: OrderedDict[str, SessionKV] = OrderedDict()
+        self.in_use = 0  # sessions taken out by steps in progress
 
-    def take(self, session_id: str) -> KVSession:
+    def take(self, session_id: str) -> SessionKV:
         try:
-            return self._sessions.pop(session_id)
+            session = self._sessions.pop(session_id)
         except KeyError:
             raise SessionNotFound(session_id) from None
+        self.in_use += 1
+        return session
 
-    def put(self, session_id: str, session: KVSession) -> None:
+    def put(self, session_id: str, session: SessionKV) -> None:
         self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)  # evict the least recently used
 
-    def drop(self, session_id: str, stream: str | None = None) -> None:
+    def adopt(self) -> None:
+        """A step opened a new session: it counts as taken until the step ends."""
+        self.in_use += 1
+
+    def release(self) -> None:
+        """A taken session's step is over (put back or dropped)."""
+        self.in_use -= 1
+
+    def drop(self, session_id: str, stream: str | None = None) -> bool:
         """Forget a session; with `stream`, only if that stream opened it (a request that
-        re-opened its session on a new stream must not lose it to the old one's end)."""
+        re-opened its session on a new stream must not lose it to the old one's end).
+        True when it was forgotten."""
         session = self._sessions.get(session_id)
         if session is not None and (stream is None or session.stream == stream):
             del self._sessions[session_id]
+            return True
+        return False
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV storage held by the idle sessions (steps in progress hold theirs)."""
+        return sum(s.nbytes() for s in self._sessions.values())
 
     def __len__(self) -> int:
-        return len(self._sessions)
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None
-    forward_ms: float
-    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
-    # the draft service reports them on its trace spans.
-    token_probs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class Scores:
-    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
-
-    argmax: list[int] | None
-    probs: torch.Tensor | None
-    forward_ms: float
+        return len(self._sessions) + self.in_use
 
 
 class ModelRunner:
-    """One causal LM with its tokenizer, its sessions and the one thread its forwards use."""
+    """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
-                 max_sessions: int = 64, device: str = "cpu") -> None:
+                 max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
+                 pre_draft_branches: str = "3") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.dtype = DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,
@@ -150,23 +141,24 @@ class ModelRunner:
             max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
+            weights_digest=weights_digest(path),
         )
+        self._kv_shape = _kv_shape(config)
+        kvstore.use_layout(self.model, batching.layout)
         self.sessions = SessionStore(max_sessions)
+        self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
+        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
+        self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn(*args) on this model's thread and await it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def end_session(self, session_id: str, stream: str) -> None:
-        """Forget a session once the stream that opened it ends (on the model's thread, its owner)."""
-        try:
-            self._executor.submit(self.sessions.drop, session_id, stream)
-        except RuntimeError:  # the executor is shut down: the sessions go with it
-            pass
+        """Forget a session once the stream that opened it ends (and any branches pre-drafted for it)."""
+        if self.sessions.drop(session_id, stream):
+            self.pre_drafts.cancel(session_id)
 
     def tokenizer_files(self) -> list[str]:
         """Names of the tokenizer files in the model directory (what the gateway needs)."""
@@ -174,98 +166,133 @@ class ModelRunner:
                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"}
         return sorted(p.name for p in self.path.iterdir() if p.name in names)
 
-    # -- session bookkeeping ------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """The arithmetic: layers × 2 × KV heads × head dim × bytes per element."""
+        layers, heads, dim = self._kv_shape
+        return layers * 2 * heads * dim * torch.finfo(self.dtype).bits // 8
 
-    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str) -> tuple[KVSession, list[int]]:
+    # -- session bookkeeping (on the event loop) ----------------------------------------
+
+    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str) -> tuple[SessionKV, list[int]]:
         """Take the session, crop it to `start` known tokens, and return what to feed next.
 
         start == 0 (re)opens the session from `tokens`. The returned feed is the known
         tokens the cache lacks up to `start`, then `tokens`.
         """
+        bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside {self.info.name}'s vocabulary of {self.info.vocab_size}")
         if start == 0:
             self.sessions.drop(session_id)
-            session = KVSession(DynamicCache(config=self.model.config), stream=stream)
+            layers, heads, dim = self._kv_shape
+            session = SessionKV(layers, heads, dim, self.dtype, self.device, self.batching.block_tokens, stream)
+            self.sessions.adopt()
         else:
             session = self.sessions.take(session_id)
             if start > len(session.tokens):
+                self.sessions.release()
                 raise SessionNotFound(
                     f"{session_id}: asked to keep {start} tokens but only {len(session.tokens)} are known")
-        keep = min(start, session.cached)
-        if session.cached > keep:
-            session.cache.crop(keep - session.cached)  # negative: drop that many from the end
-        feed = session.tokens[keep:start] + list(tokens)
+        session.crop(start)
+        feed = session.tokens[session.length:start] + list(tokens)
         session.tokens = session.tokens[:start] + list(tokens)
         return session, feed
 
-    @torch.inference_mode()
-    def _forward(self, session: KVSession, feed: list[int], keep: int) -> torch.Tensor:
-        """Append `feed` to the session's cache; return logits [keep, V] of its last positions."""
-        if max(feed) >= self.info.vocab_size or min(feed) < 0:
-            raise ValueError(f"token id {max(feed) if max(feed) >= self.info.vocab_size else min(feed)} is "
-                             f"outside {self.info.name}'s vocabulary of {self.info.vocab_size}")
-        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=keep)
-        # The math after the forward is a few small vectors: it runs on the CPU.
-        return out.logits[0, -keep:].float().cpu()
+    async def _step(self, session_id: str, session: SessionKV, job: Job):
+        """Run a job through the scheduler; put the session back only if it succeeded."""
+        try:
+            result = await self.scheduler.submit(job)
+        finally:
+            self.sessions.release()
+        self.sessions.put(session_id, session)
+        return result
+
+    def _forward_batch(self, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
+        """One forward over every row (on the model's thread); logits [keep, V] per row."""
+        return kvstore.forward(self.model, rows, self.batching.layout, self.dtype, self.device)
 
     # -- the two operations the services expose -----------------------------------------
 
-    def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
-                transform: Transform, seed: int, min_confidence: float = 0.0, stream: str = "",
-                vocab_limit: int = 0) -> Proposal:
+    async def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
+                      transform: Transform, seed: int, min_confidence: float = 0.0, stream: str = "",
+                      vocab_limit: int = 0, pre_draft: PreDraftRequest | None = None) -> Proposal:
         """Draft side: bring the session up to date and propose up to `draft_length` tokens.
 
-        The last proposal is sampled but not fed to the model (nothing needs its
-        logits yet); it stays known, so the next step feeds it if it was accepted.
+        The draft forwards are shared with every session proposing at the same time.
         With min_confidence, proposing stops early (after at least one token) when the
         draft's top probability for the next token falls below it. vocab_limit > 0 keeps
-        proposals below that id (the target's vocabulary).
+        proposals below that id (the target's vocabulary). With pre_draft, the next
+        step's proposal is drafted for the likely verdicts once this one is answered
+        (`specd.predraft`); a request matching one is answered from it.
         """
         if draft_length < 1:
             raise ValueError("draft_length must be >= 1")
-        began = time.perf_counter()
-        session, feed = self._sync(session_id, start, tokens, stream)
-        if not feed:
-            raise ValueError("nothing to feed: a step must carry at least one new committed token")
-        generator = torch.Generator().manual_seed(seed)
-        drafted: list[int] = []
-        probs = []
-        token_probs: list[float] = []
-        for _ in range(draft_length):
-            logits = self._forward(session, feed, 1)
-            if vocab_limit:
-                logits = logits[:, :vocab_limit]
-            q = torch.softmax(logits[0], -1) if transform.greedy else probs_from_logits(logits, transform)[0]
-            if drafted and float(q.max()) < min_confidence:
-                break
-            if transform.greedy:
-                token = int(logits[0].argmax())
-            else:
-                token = int(torch.multinomial(q, 1, generator=generator))
-                probs.append(q)
-            drafted.append(token)
-            token_probs.append(float(q[token]))
-            feed = [token]
-        session.tokens.extend(drafted)
-        self.sessions.put(session_id, session)
-        return Proposal(drafted, torch.stack(probs) if probs else None,
-                        (time.perf_counter() - began) * 1e3, tuple(token_probs))
+        branch = self.pre_drafts.take(session_id, start, tokens, draft_length, transform, seed, min_confidence,
+                                      vocab_limit)
+        proposal = job = None
+        if branch is not None:
+            proposal, job = await self._adopt(session_id, branch, draft_length, stream)
+        if proposal is None:
+            session, feed = self._sync(session_id, start, tokens, stream)
+            if not feed:
+                self.sessions.release()
+                raise ValueError("nothing to feed: a step must carry at least one new committed token")
+            job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
+            proposal = await self._step(session_id, session, job)
+        if pre_draft is not None and proposal.tokens:
+            committed = len(job.session.tokens) - len(proposal.tokens)
+            settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence,
+                                            vocab_limit)
+            proposal = replace(proposal, pre_draft=settled)
+        return proposal
 
-    def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
-              transform: Transform, stream: str = "") -> Scores:
+    async def _adopt(self, session_id: str, branch: Branch, draft_length: int,
+                     stream: str) -> tuple[Proposal | None, ProposeJob | None]:
+        """Answer from a pre-drafted branch: its session becomes the session's (None: it failed)."""
+        try:
+            full = await branch.task
+        except (Exception, asyncio.CancelledError):
+            return None, None
+        session = branch.job.session
+        session.stream = stream
+        cut = len(full.tokens) - min(draft_length, len(full.tokens))  # a shorter γ takes a prefix
+        if cut:
+            session.tokens = session.tokens[:-cut]
+            del branch.job.drafted[-cut:], branch.job.alternatives[-cut:]
+        session.crop(len(session.tokens) - 1)  # the last proposal is known, not cached
+        self.sessions.drop(session_id)
+        self.sessions.put(session_id, session)
+        kept = len(full.tokens) - cut
+        probs = None if full.probs is None else full.probs[:kept]
+        return Proposal(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
+                        pre_drafted=True), branch.job
+
+    async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
+                    transform: Transform, stream: str = "") -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
-        With no draft tokens this is one plain decoding step (one position).
+        The forward is shared with every session verifying at the same time. With no
+        draft tokens this is one plain decoding step (one position).
         """
-        began = time.perf_counter()
+        bad = [t for t in draft_tokens if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
+                             f"{self.info.vocab_size}")
         session, feed = self._sync(session_id, start, tokens, stream)
         if not feed:
+            self.sessions.release()
             raise ValueError("nothing to score: a step must carry at least one new committed token")
-        feed = feed + list(draft_tokens)
         session.tokens.extend(draft_tokens)
-        logits = self._forward(session, feed, len(draft_tokens) + 1)
-        self.sessions.put(session_id, session)
-        elapsed = (time.perf_counter() - began) * 1e3
-        if transform.greedy:
-            return Scores(logits.argmax(dim=-1).tolist(), None, elapsed)
-        return Scores(None, probs_from_logits(logits, transform), elapsed)
+        job = ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
+        return await self._step(session_id, session, job)
+
+
+def _kv_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a full-attention decoder; refuse what BatchCache cannot hold."""
+    if getattr(config, "sliding_window", None) or getattr(config, "layer_types", None) and any(
+            t != "full_attention" for t in config.layer_types):
+        raise ValueError(f"{config.model_type}: only full-attention decoders are supported by the batched "
+                         f"KV store (this one has sliding-window or linear-attention layers)")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim

@@ -1,12 +1,14 @@
-"""What every specd service shares as a gRPC server: health, reflection, graceful stop.
+"""What every specd service shares as a gRPC server: health, reflection, TLS, graceful stop.
 
-`start_server` builds and starts a `grpc.aio` server; `serve_until_signalled` runs it
-until SIGTERM/SIGINT, flipping health to NOT_SERVING first (so a Kubernetes readiness
-probe takes the pod out of rotation) and then draining in-flight requests.
+`start_server` builds and starts a `grpc.aio` server on a port it holds exclusively
+(TLS or mutual TLS when configured, `specd.tls`); `serve_until_signalled` runs it until
+SIGTERM/SIGINT, flipping health to NOT_SERVING first (so a Kubernetes readiness probe
+takes the pod out of rotation) and then draining in-flight requests.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import signal
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from specd.config import ServerSettings
 from specd.interceptors import ErrorMappingInterceptor
 from specd.telemetry import server_interceptors
+from specd.tls import server_credentials
 
 # Probabilities of a whole vocabulary for γ+1 positions exceed gRPC's 4 MB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -31,6 +34,21 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port then binds
+# without error and the kernel splits connections between the two (two `specd serve` on
+# one host served each other's models). A port is one server's, or start-up fails.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS[:2], ("grpc.so_reuseport", 0)]
+
+
+class PortInUse(OSError):
+    """The address a server was told to listen on is taken (or cannot be bound)."""
+
+    def __init__(self, address: str, what: str = "port") -> None:
+        super().__init__(errno.EADDRINUSE,
+                         f"cannot listen on {address}: the {what} is taken by another process "
+                         f"(another specd?) or the address is not this host's; stop that process "
+                         f"or choose another {what}")
+        self.address = address
 
 
 @dataclass
@@ -41,12 +59,15 @@ class RunningServer:
     port: int
     health: health_aio.HealthServicer
     on_stop: Callable[[], Awaitable[None] | None] | None = None
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only port, if any
     servicer: object | None = None  # the service's servicer (tests read the workers' sessions)
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING first, then let in-flight requests finish for up to grace_s."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.on_stop is not None and inspect.isawaitable(result := self.on_stop()):
             await result
 
@@ -61,12 +82,14 @@ async def start_server(
 ) -> RunningServer:
     """Build, register and start a server on settings.address; report SERVING.
 
+    TLS per settings.tls. The port is bound exclusively: a taken one raises PortInUse.
+    With settings.health_port, grpc.health.v1 is also served alone, in plaintext, there.
     With tracing on, every RPC but health checks also gets an OpenTelemetry server span.
     Every server maps errors to real statuses (`specd.interceptors`), outside `interceptors`.
     `options` (gRPC channel arguments) replace the internal defaults they name: the public
     gateway takes small limits, the workers keep the large ones distributions need.
     """
-    merged = {**dict(CHANNEL_OPTIONS[:2]), **dict(options)}
+    merged = {**dict(SERVER_OPTIONS), **dict(options)}
     server = grpc.aio.server(
         interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *interceptors],
         options=list(merged.items()))
@@ -76,13 +99,33 @@ async def start_server(
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(settings.address)
-    if port == 0:
-        raise OSError(f"could not bind {settings.address}")
+    port = _bind(server, settings.address, server_credentials(settings.tls))
+    health_server = None
+    if settings.health_port:
+        health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        _bind(health_server, f"{settings.host}:{settings.health_port}", None, what="health port")
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for name in ("", *service_names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health, on_stop)
+    return RunningServer(server, port, health, on_stop, health_server)
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,
+          what: str = "port") -> int:
+    """Add the listening port; PortInUse naming the address if it cannot be had."""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+        raise PortInUse(address, what) from exc
+    if port == 0:  # older grpc releases report a failed bind this way
+        raise PortInUse(address, what)
+    return port
 
 
 async def serve_until_signalled(running: RunningServer, grace_s: float) -> None:

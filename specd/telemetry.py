@@ -76,6 +76,14 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     return [aio_server_interceptor(filter_=filters.negate(filters.health_check()))]
 
 
+def start_worker_span(tracer: trace.Tracer, span_name: str, carrier: Mapping[str, str]) -> Span | None:
+    """A worker span under the gateway's step span in `carrier`, ended by the caller
+    (for work that outlives the RPC that started it); None without a trace context."""
+    if not carrier:
+        return None
+    return tracer.start_span(span_name, context=propagate.extract(carrier), kind=SpanKind.INTERNAL)
+
+
 @contextlib.contextmanager
 def worker_step_span(tracer: trace.Tracer, span_name: str, carrier: Mapping[str, str]) -> Iterator[Span | None]:
     """A worker's span for one step, the child of the gateway's step span in `carrier`.

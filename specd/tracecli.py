@@ -81,11 +81,15 @@ def start_collector(out: Path, port: int = 0, host: str = "127.0.0.1"):
                 sink.write(lines)
             return trace_service_pb2.ExportTraceServiceResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    # Exclusive port, as every specd server (specd.serving.SERVER_OPTIONS says why).
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind to address ..."
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port}: the port is taken; choose another")
     server.start()
     return server, bound
 
@@ -144,6 +148,14 @@ class StepRow:
     step: dict
     draft: dict | None
     verify: dict | None
+    pre_draft: dict | None = None  # overlap: the draft's pre-drafting of the next step
+
+    @property
+    def overlap_ms(self) -> float | None:
+        """How long the draft pre-drafted the next step while the target verified this one."""
+        if self.pre_draft is None or self.verify is None:
+            return None
+        return max(0.0, (min(self.pre_draft["end_ns"], self.verify["end_ns"]) - self.pre_draft["start_ns"]) / 1e6)
 
     def attr(self, key: str, default: Any = 0) -> Any:
         return self.step["attributes"].get(key, default)
@@ -160,7 +172,8 @@ def step_rows(spans: list[dict]) -> list[StepRow]:
     steps = sorted((s for s in spans if s["name"] == "specd.step"),
                    key=lambda s: s["attributes"].get("specd.step.index", 0))
     return [StepRow(s, children.get((s["span_id"], "specd.draft.propose")),
-                    children.get((s["span_id"], "specd.verifier.verify"))) for s in steps]
+                    children.get((s["span_id"], "specd.verifier.verify")),
+                    children.get((s["span_id"], "specd.draft.pre_draft"))) for s in steps]
 
 
 def _ms(value: float | None) -> str:
@@ -199,8 +212,13 @@ def render(spans: list[dict]) -> str:
         return "\n".join(out)
 
     out.append("")
+    overlapped = any(row.pre_draft is not None or row.attr("specd.pre_drafted", False) for row in rows)
     header = (f"{'step':>4} {'γ':>3} {'acc':>4} {'rej':>4} {'token':>9} {'draft ms':>9} {'(fwd)':>7} "
               f"{'verify ms':>10} {'(fwd)':>7} {'gateway ms':>11} {'bytes':>9}")
+    if overlapped:
+        # "hit": this step's proposal was pre-drafted; "‖ N ms": the next step was being
+        # drafted for N ms while the target verified this one.
+        header += f" {'overlap':>14}"
     out += [header, "-" * len(header)]
     for row in rows:
         rejected = row.attr("specd.first_rejected", None)
@@ -210,9 +228,16 @@ def render(spans: list[dict]) -> str:
             f"{'-' if rejected is None else rejected:>4} {row.attr('specd.token.kind', '?'):>9} "
             f"{_ms(row.attr('specd.draft.hop_ms')):>9} {_ms(_forward(row.draft)) if drafted else '-':>7} "
             f"{_ms(row.attr('specd.verify.hop_ms')):>10} {_ms(_forward(row.verify)):>7} "
-            f"{_ms(row.gateway_ms):>11} {row.attr('specd.draft.bytes') + row.attr('specd.verify.bytes'):>9,}")
+            f"{_ms(row.gateway_ms):>11} {row.attr('specd.draft.bytes') + row.attr('specd.verify.bytes'):>9,}"
+            + (f" {_overlap_cell(row):>14}" if overlapped else ""))
     out += ["", *summary(rows, request)]
     return "\n".join(out)
+
+
+def _overlap_cell(row: StepRow) -> str:
+    hit = "hit" if row.attr("specd.pre_drafted", False) else ""
+    during = row.overlap_ms
+    return f"{hit} ‖ {during:.1f} ms".strip() if during is not None else hit
 
 
 def summary(rows: list[StepRow], request: dict | None) -> list[str]:

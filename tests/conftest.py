@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
-from specd.config import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
+from specd.config import BatchSettings, DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
 from specd.serving import RunningServer
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from verifier_service.server import create_server as create_verifier
@@ -157,15 +157,18 @@ class Stack:
         self.loop.close()
 
 
-def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, front=None, **gateway_options) -> Stack:
+def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
+                verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
+                front=None, **gateway_options) -> Stack:
     """The three servers on loopback. front(loop, role, port) -> port: what the gateway
     dials for a worker ("draft", "verifier") instead of its port (a proxy, in fault tests)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
-    model = ModelSettings(max_sessions=max_sessions)
+    model = ModelSettings(max_sessions=max_sessions, batching=batching)
     draft_settings = DraftSettings(server, {"close": model_dirs["close"], "unrelated": model_dirs["unrelated"],
-                                            "padded": model_dirs["padded"]}, model)
-    verifier_settings = VerifierSettings(server, model_dirs["target"], model)
+                                            "padded": model_dirs["padded"]}, model,
+                                   metrics_port=draft_metrics_port, pre_draft_branches=pre_draft_branches)
+    verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
     front = front or (lambda loop, role, port: port)

@@ -52,7 +52,51 @@ def test_serve_generate_and_stop_together(model_dirs):
 
 
 @pytest.mark.parametrize("command", ["serve", "draft", "verifier", "gateway", "generate", "bench", "distill",
-                                     "trace"])
+                                     "trace", "certs"])
 def test_every_command_has_help(command):
     result = specd(command, "--help")
     assert result.returncode == 0 and "usage: specd" in result.stdout
+
+
+def test_two_serves_side_by_side_answer_with_their_own_models(model_dirs, tmp_path):
+    """Workers on free ports by default: neither instance reaches the other's models. One
+    runs with --tls (mutual TLS inside, TLS to clients)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_pipeline import reference_greedy
+
+    certs = tmp_path / "certs"
+    assert specd("certs", str(certs)).returncode == 0
+    pairs = {"a": ("target", "close", ["--tls", str(certs)]), "b": ("unrelated", "padded", [])}
+    ports = {name: free_port() for name in pairs}
+    serves = {name: subprocess.Popen(
+        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs[target]),
+         "--draft", f"{draft}={model_dirs[draft]}", "--port", str(ports[name]), "--startup-timeout", "300", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, (target, draft, extra) in pairs.items()}
+    prompt = "def fibonacci(n):"
+    try:
+        for name, (target, draft, _) in pairs.items():
+            client_tls = ["--ca", str(certs / "ca.pem")] if name == "a" else []
+            result = specd("generate", prompt, "--gateway", f"127.0.0.1:{ports[name]}", "--max-new-tokens", "16",
+                           "--mode", "fixed", "--wait", "170", *client_tls)
+            assert result.returncode == 0, result.stderr
+            tokenizer = AutoTokenizer.from_pretrained(model_dirs[target])
+            model = AutoModelForCausalLM.from_pretrained(model_dirs[target]).eval()
+            expected = tokenizer.decode(reference_greedy(model, tokenizer, prompt, 16), skip_special_tokens=True)
+            assert result.stdout == prompt + expected, name
+            assert f"draft {draft}," in result.stderr
+        plaintext = specd("generate", prompt, "--gateway", f"127.0.0.1:{ports['a']}", "--max-new-tokens", "4")
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr  # a TLS gateway only speaks TLS
+    finally:
+        for serve in serves.values():
+            serve.send_signal(signal.SIGTERM)
+        outputs = {name: serve.communicate(timeout=60)[0] for name, serve in serves.items()}
+    for name, serve in serves.items():
+        assert serve.returncode == 0, outputs[name]
+
+
+def test_serve_tls_without_certificates_says_how_to_make_them(model_dirs, tmp_path):
+    result = specd("serve", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["close"]),
+                   "--port", str(free_port()), "--tls", str(tmp_path))
+    assert result.returncode == 2
+    assert "missing ca.pem, server.pem" in result.stderr and f"specd certs {tmp_path}" in result.stderr

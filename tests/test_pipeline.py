@@ -1,6 +1,8 @@
 """End to end through the three services on loopback: exactness, seeds, streaming."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -103,16 +105,19 @@ def test_confidence_threshold_stops_the_draft_early(model_dirs):
     from specd.runtime import ModelRunner
     from specd.sampling import Transform
 
-    runner = ModelRunner(model_dirs["close"])
-    prompt = [5, 6, 7]
-    full = runner.propose("a", 0, prompt, 6, Transform(), seed=0)
-    assert len(full.tokens) == 6
-    cautious = runner.propose("b", 0, prompt, 6, Transform(), seed=0, min_confidence=1.0)
-    assert cautious.tokens == full.tokens[:1]  # at least one token, then stop
-    # The session stays consistent after an early stop: continue from it.
-    after = runner.propose("b", len(prompt) + 1, [9], 2, Transform(), seed=0)
-    assert len(after.tokens) == 2
-    runner.close()
+    async def scenario():
+        runner = ModelRunner(model_dirs["close"])
+        prompt = [5, 6, 7]
+        full = await runner.propose("a", 0, prompt, 6, Transform(), seed=0)
+        assert len(full.tokens) == 6
+        cautious = await runner.propose("b", 0, prompt, 6, Transform(), seed=0, min_confidence=1.0)
+        assert cautious.tokens == full.tokens[:1]  # at least one token, then stop
+        # The session stays consistent after an early stop: continue from it.
+        after = await runner.propose("b", len(prompt) + 1, [9], 2, Transform(), seed=0)
+        assert len(after.tokens) == 2
+        await runner.close()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("policy", ["fixed", "ema", "confidence"])

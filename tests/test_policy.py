@@ -90,3 +90,42 @@ def test_cost_policy_probes_less_often_while_probes_fail():
         policy.observe(step(gamma, 0))
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], probes
+
+
+def test_cost_policy_shrinks_gamma_as_the_target_fills_up():
+    """The same pair and acceptance, measured at two loads: alone, verifying more positions
+    is nearly free; in a saturated batch every extra position costs as much as a plain
+    step, so no γ can pay (DESIGN.md §8)."""
+    costs = StepCosts(weight=1.0)
+    for gamma in (0, 2, 4, 6):
+        costs.observe(gamma, 1.0 * gamma, 10.0 * (1 + 0.03 * gamma), batch_size=1)  # alone
+        costs.observe(gamma, 1.5 * gamma, 40.0 * (1 + gamma), batch_size=16)  # saturated: compute-bound
+    policy = CostPolicy(costs, TaskProfile(0.7, 1, 8))
+    costs.observe(4, 4.0, 11.2, batch_size=1)
+    alone = policy.next_draft_length()
+    costs.observe(4, 6.0, 200.0, batch_size=16)
+    saturated = policy.next_draft_length()
+    assert alone >= 3 and saturated == 0, (alone, saturated)
+
+
+def test_probes_propose_one_token():
+    policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
+    probes = [g for g in (policy.next_draft_length() for _ in range(40)) if g]
+    assert probes and set(probes) == {1}
+
+
+def test_overlap_hits_make_longer_drafts_pay():
+    """A draft whose tokens cost more than verifying: sequentially no γ pays, but when
+    most steps are answered from a pre-drafted branch the draft hop is nearly free."""
+    costs = StepCosts(weight=0.1)
+    for gamma in (0, 2, 4):
+        costs.observe(gamma, 6.0 * gamma, 10.0 * (1 + 0.05 * gamma))  # constant: the EMAs hold these
+    sequential = CostPolicy(costs, TaskProfile(0.6, 1, 8))
+    overlapped = CostPolicy(costs, TaskProfile(0.6, 1, 8), overlap=True)
+    assert sequential.next_draft_length() == 0
+    for _ in range(50):  # measured: 9 of 10 pre-drafted steps hit, at 1 ms of draft hop
+        for hit in [True] * 9 + [False]:
+            costs.observe(4, 1.0 if hit else 24.0, 12.0, pre_draft_asked=True, pre_drafted=hit)
+    assert 0.8 < costs.hit_rate.value < 0.95  # an EMA ending on a miss
+    assert overlapped.next_draft_length() >= 2
+    assert sequential.next_draft_length() == 0

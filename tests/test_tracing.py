@@ -179,6 +179,27 @@ def test_show_renders_the_step_table(traced_stack, memory_spans):
     assert "acceptance by draft position: 1:" in text and "worker spans missing" not in text
 
 
+def test_overlap_shows_the_next_draft_during_verification(traced_stack, memory_spans):
+    memory_spans.clear()
+    req = request("def fibonacci(n):", max_new_tokens=32, draft_model="close")
+    req.speculation.overlap = True
+    response = traced_stack.stub.Generate(req)
+    assert response.stats.pre_draft_hits > 0
+    # The pre-draft spans end when their branches settle, after the response: wait for them.
+    for _ in range(100):
+        records = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
+        rows = step_rows(records)
+        if sum(r.pre_draft is not None for r in rows) == response.stats.pre_draft_steps + 1:
+            break
+        time.sleep(0.05)
+    check_trace(records, response)
+    # Step k+1 was being drafted while the target verified step k.
+    assert any(r.overlap_ms and r.overlap_ms > 0 for r in rows)
+    assert sum(r.attr("specd.pre_drafted", False) for r in rows) == response.stats.pre_draft_hits
+    text = render(records)
+    assert "overlap" in text and " hit" in text
+
+
 # -- three processes over OTLP ---------------------------------------------------------------
 
 def _free_port() -> int:

@@ -11,12 +11,15 @@ import grpc
 from opentelemetry import trace
 
 from specd.config import VerifierSettings
+from specd.batching import Overloaded
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.workerproto import model_info_to_pb, session_lost, step_problems, transform_from_pb
+from specd.workermetrics import start_worker_metrics
+from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb, session_lost,
+                               step_problems, transform_from_pb)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -37,6 +40,10 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         stream = uuid.uuid4().hex  # tags the sessions this stream opens
         try:
             async for request in request_iterator:
+                if request.HasField("expected_model"):  # the first message of the stream
+                    problem = identity_mismatch(request.expected_model, self.target.info)
+                    if problem is not None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
                 delta = request.delta
                 transform = transform_from_pb(request.transform)
                 problems = step_problems(self.target.info, delta, transform, len(request.draft_tokens))
@@ -46,13 +53,14 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                 with worker_step_span(_TRACER, "specd.verifier.verify",
                                       request.trace_context.carrier) as span:
                     try:
-                        scores = await self.target.run(self.target.score, delta.session_id, delta.start,
-                                                       list(delta.tokens), list(request.draft_tokens),
-                                                       transform, stream)
+                        scores = await self.target.score(delta.session_id, delta.start, list(delta.tokens),
+                                                         list(request.draft_tokens), transform, stream)
                     except SessionNotFound as exc:
                         await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("verifier", exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    except Overloaded as exc:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier: {exc}")
                     if span is not None and span.is_recording():
                         span.set_attributes({
                             "gen_ai.request.model": self.target.info.name,
@@ -62,8 +70,9 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                             "specd.draft_length": len(request.draft_tokens),
                             "specd.positions_scored": len(request.draft_tokens) + 1,
                             "specd.forward_ms": scores.forward_ms,
+                            **batch_span_attributes(scores.batch),
                         })
-                response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms)
+                response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=batch_to_pb(scores.batch))
                 if scores.argmax is not None:
                     response.target_argmax.extend(scores.argmax)
                 else:
@@ -78,10 +87,17 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
     target = ModelRunner(settings.target, dtype=settings.model.dtype,
                          max_sessions=settings.model.max_sessions,
-                         device=settings.model.device)
+                         device=settings.model.device, batching=settings.model.batching)
     servicer = VerifierServicer(target)
+    stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
+                                        settings.metrics_port)
+
+    async def close() -> None:
+        stop_metrics()
+        await target.close()
+
     running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-        [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=target.close)
+        [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=close)
     running.servicer = servicer
     return running

@@ -44,7 +44,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy", "min_draft_confidence")
+    __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy", "min_draft_confidence", "overlap")
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class SpeculationParams(_message.Message):
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     draft_length: int
     min_draft_length: int
@@ -59,7 +60,8 @@ class SpeculationParams(_message.Message):
     draft_model: str
     policy: str
     min_draft_confidence: float
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., draft_length: _Optional[int] = ..., min_draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., draft_model: _Optional[str] = ..., policy: _Optional[str] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., draft_length: _Optional[int] = ..., min_draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., draft_model: _Optional[str] = ..., policy: _Optional[str] = ..., min_draft_confidence: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "speculation", "task_type", "user_segment")
@@ -76,7 +78,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., task_type: _Optional[str] = ..., user_segment: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio")
+    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio", "mean_verify_batch_size", "mean_verify_batch_tokens", "verify_queue_ms", "pre_draft_hits", "pre_draft_steps")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,11 @@ class GenerationStats(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MEAN_VERIFY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_VERIFY_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     proposed_tokens: int
     accepted_tokens: int
@@ -119,7 +126,12 @@ class GenerationStats(_message.Message):
     policy: str
     draft_cost_ratio: float
     verify_cost_ratio: float
-    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ...) -> None: ...
+    mean_verify_batch_size: float
+    mean_verify_batch_tokens: float
+    verify_queue_ms: float
+    pre_draft_hits: int
+    pre_draft_steps: int
+    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ..., mean_verify_batch_size: _Optional[float] = ..., mean_verify_batch_tokens: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., pre_draft_hits: _Optional[int] = ..., pre_draft_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "trace_id")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/worker.proto\x12\x08specd.v1\">\n\tTransform\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"q\n\rDistributions\x12\x11\n\tpositions\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\r\n\x05probs\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x17\n\x0fsupport_offsets\x18\x05 \x01(\x0c\"B\n\rSequenceDelta\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"t\n\x0cTraceContext\x12\x34\n\x07\x63\x61rrier\x18\x01 \x03(\x0b\x32#.specd.v1.TraceContext.CarrierEntry\x1a.\n\x0c\x43\x61rrierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf5\x01\n\x0eProposeRequest\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specd.v1.SequenceDelta\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12&\n\ttransform\x18\x03 \x01(\x0b\x32\x13.specd.v1.Transform\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12-\n\rtrace_context\x18\x06 \x01(\x0b\x32\x16.specd.v1.TraceContext\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12\x13\n\x0bvocab_limit\x18\x08 \x01(\r\"i\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12,\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x17.specd.v1.Distributions\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\"\xa4\x01\n\rVerifyRequest\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specd.v1.SequenceDelta\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12&\n\ttransform\x18\x03 \x01(\x0b\x32\x13.specd.v1.Transform\x12-\n\rtrace_context\x18\x04 \x01(\x0b\x32\x16.specd.v1.TraceContext\"j\n\x0eVerifyResponse\x12\x15\n\rtarget_argmax\x18\x01 \x03(\x05\x12-\n\x0ctarget_probs\x18\x02 \x01(\x0b\x32\x17.specd.v1.Distributions\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xf1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12@\n\x0ftokenizer_files\x18\x05 \x03(\x0b\x32\'.specd.v1.ModelInfo.TokenizerFilesEntry\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"8\n\x11ModelInfoResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.specd.v1.ModelInfo2\x94\x01\n\x05\x44raft\x12\x42\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1a.specd.v1.ModelInfoRequest\x1a\x1b.specd.v1.ModelInfoResponse2\x94\x01\n\x08Verifier\x12?\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1a.specd.v1.ModelInfoRequest\x1a\x1b.specd.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/worker.proto\x12\x08specd.v1\">\n\tTransform\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\"q\n\rDistributions\x12\x11\n\tpositions\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\r\n\x05probs\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x17\n\x0fsupport_offsets\x18\x05 \x01(\x0c\"B\n\rSequenceDelta\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"t\n\x0cTraceContext\x12\x34\n\x07\x63\x61rrier\x18\x01 \x03(\x0b\x32#.specd.v1.TraceContext.CarrierEntry\x1a.\n\x0c\x43\x61rrierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\rModelIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\"\xcd\x02\n\x0eProposeRequest\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specd.v1.SequenceDelta\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12&\n\ttransform\x18\x03 \x01(\x0b\x32\x13.specd.v1.Transform\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12-\n\rtrace_context\x18\x06 \x01(\x0b\x32\x16.specd.v1.TraceContext\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12\x13\n\x0bvocab_limit\x18\x08 \x01(\r\x12/\n\x0e\x65xpected_model\x18\x14 \x01(\x0b\x32\x17.specd.v1.ModelIdentity\x12%\n\tpre_draft\x18\t \x01(\x0b\x32\x12.specd.v1.PreDraft\".\n\x08PreDraft\x12\x14\n\x0c\x64raft_length\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\xa2\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12,\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x17.specd.v1.Distributions\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\"\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x13.specd.v1.BatchInfo\x12\x13\n\x0bpre_drafted\x18\x05 \x01(\x08\"\xd5\x01\n\rVerifyRequest\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specd.v1.SequenceDelta\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12&\n\ttransform\x18\x03 \x01(\x0b\x32\x13.specd.v1.Transform\x12-\n\rtrace_context\x18\x04 \x01(\x0b\x32\x16.specd.v1.TraceContext\x12/\n\x0e\x65xpected_model\x18\x14 \x01(\x0b\x32\x17.specd.v1.ModelIdentity\"\x8e\x01\n\x0eVerifyResponse\x12\x15\n\rtarget_argmax\x18\x01 \x03(\x05\x12-\n\x0ctarget_probs\x18\x02 \x01(\x0b\x32\x17.specd.v1.Distributions\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\"\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x13.specd.v1.BatchInfo\"M\n\tBatchInfo\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x10\n\x08\x66orwards\x18\x04 \x01(\r\"\x12\n\x10ModelInfoRequest\"\x89\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12@\n\x0ftokenizer_files\x18\x05 \x03(\x0b\x32\'.specd.v1.ModelInfo.TokenizerFilesEntry\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0eweights_digest\x18\x14 \x01(\t\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"8\n\x11ModelInfoResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.specd.v1.ModelInfo2\x94\x01\n\x05\x44raft\x12\x42\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1a.specd.v1.ModelInfoRequest\x1a\x1b.specd.v1.ModelInfoResponse2\x94\x01\n\x08Verifier\x12?\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse(\x01\x30\x01\x12G\n\x0cGetModelInfo\x12\x1a.specd.v1.ModelInfoRequest\x1a\x1b.specd.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,24 +45,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRACECONTEXT']._serialized_end=398
   _globals['_TRACECONTEXT_CARRIERENTRY']._serialized_start=352
   _globals['_TRACECONTEXT_CARRIERENTRY']._serialized_end=398
-  _globals['_PROPOSEREQUEST']._serialized_start=401
-  _globals['_PROPOSEREQUEST']._serialized_end=646
-  _globals['_PROPOSERESPONSE']._serialized_start=648
-  _globals['_PROPOSERESPONSE']._serialized_end=753
-  _globals['_VERIFYREQUEST']._serialized_start=756
-  _globals['_VERIFYREQUEST']._serialized_end=920
-  _globals['_VERIFYRESPONSE']._serialized_start=922
-  _globals['_VERIFYRESPONSE']._serialized_end=1028
-  _globals['_MODELINFOREQUEST']._serialized_start=1030
-  _globals['_MODELINFOREQUEST']._serialized_end=1048
-  _globals['_MODELINFO']._serialized_start=1051
-  _globals['_MODELINFO']._serialized_end=1292
-  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_start=1239
-  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_end=1292
-  _globals['_MODELINFORESPONSE']._serialized_start=1294
-  _globals['_MODELINFORESPONSE']._serialized_end=1350
-  _globals['_DRAFT']._serialized_start=1353
-  _globals['_DRAFT']._serialized_end=1501
-  _globals['_VERIFIER']._serialized_start=1504
-  _globals['_VERIFIER']._serialized_end=1652
+  _globals['_MODELIDENTITY']._serialized_start=400
+  _globals['_MODELIDENTITY']._serialized_end=484
+  _globals['_PROPOSEREQUEST']._serialized_start=487
+  _globals['_PROPOSEREQUEST']._serialized_end=820
+  _globals['_PREDRAFT']._serialized_start=822
+  _globals['_PREDRAFT']._serialized_end=868
+  _globals['_PROPOSERESPONSE']._serialized_start=871
+  _globals['_PROPOSERESPONSE']._serialized_end=1033
+  _globals['_VERIFYREQUEST']._serialized_start=1036
+  _globals['_VERIFYREQUEST']._serialized_end=1249
+  _globals['_VERIFYRESPONSE']._serialized_start=1252
+  _globals['_VERIFYRESPONSE']._serialized_end=1394
+  _globals['_BATCHINFO']._serialized_start=1396
+  _globals['_BATCHINFO']._serialized_end=1473
+  _globals['_MODELINFOREQUEST']._serialized_start=1475
+  _globals['_MODELINFOREQUEST']._serialized_end=1493
+  _globals['_MODELINFO']._serialized_start=1496
+  _globals['_MODELINFO']._serialized_end=1761
+  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_start=1708
+  _globals['_MODELINFO_TOKENIZERFILESENTRY']._serialized_end=1761
+  _globals['_MODELINFORESPONSE']._serialized_start=1763
+  _globals['_MODELINFORESPONSE']._serialized_end=1819
+  _globals['_DRAFT']._serialized_start=1822
+  _globals['_DRAFT']._serialized_end=1970
+  _globals['_VERIFIER']._serialized_start=1973
+  _globals['_VERIFIER']._serialized_end=2121
 # @@protoc_insertion_point(module_scope)

@@ -53,8 +53,18 @@ class TraceContext(_message.Message):
     carrier: _containers.ScalarMap[str, str]
     def __init__(self, carrier: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class ModelIdentity(_message.Message):
+    __slots__ = ("name", "weights_digest", "tokenizer_fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weights_digest: str
+    tokenizer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit")
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model", "pre_draft")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +73,8 @@ class ProposeRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_length: int
     transform: Transform
@@ -71,46 +83,76 @@ class ProposeRequest(_message.Message):
     trace_context: TraceContext
     min_confidence: float
     vocab_limit: int
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ...) -> None: ...
+    expected_model: ModelIdentity
+    pre_draft: PreDraft
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., pre_draft: _Optional[_Union[PreDraft, _Mapping]] = ...) -> None: ...
+
+class PreDraft(_message.Message):
+    __slots__ = ("draft_length", "seed")
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    draft_length: int
+    seed: int
+    def __init__(self, draft_length: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "forward_ms")
+    __slots__ = ("draft_tokens", "draft_probs", "forward_ms", "batch", "pre_drafted")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Distributions
     forward_ms: float
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    batch: BatchInfo
+    pre_drafted: bool
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "transform", "trace_context")
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     transform: Transform
     trace_context: TraceContext
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+    expected_model: ModelIdentity
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("target_argmax", "target_probs", "forward_ms")
+    __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch")
     TARGET_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     target_argmax: _containers.RepeatedScalarFieldContainer[int]
     target_probs: Distributions
     forward_ms: float
-    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    batch: BatchInfo
+    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ...) -> None: ...
+
+class BatchInfo(_message.Message):
+    __slots__ = ("size", "tokens", "queue_ms", "forwards")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    tokens: int
+    queue_ms: float
+    forwards: int
+    def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids")
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids", "weights_digest")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,13 +166,15 @@ class ModelInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
     tokenizer_fingerprint: str
     tokenizer_files: _containers.ScalarMap[str, bytes]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    weights_digest: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
     __slots__ = ("models",)

@@ -1,0 +1,237 @@
+"""Continuous batching of one model's forwards across sessions (DESIGN.md §8).
+
+Every step a worker is asked for becomes a `Job` in one bounded queue. Whenever the
+model is free, the `Scheduler` takes the jobs at the head of the queue, up to
+`max_batch_tokens`, and runs ONE batched forward over all of them (`specd.kvstore`) on
+the model's thread. A job may need several forwards — a draft proposing γ tokens needs
+γ, a long prompt is fed `prefill_chunk` tokens at a time so it never holds up the
+others for long — and goes back to the head of the queue until it is done; new jobs
+join at any forward. Each job keeps its own state (its session, its generator), so what
+a request gets does not depend on what shares its batch, up to floating-point rounding.
+
+No gRPC here: `Overloaded` is what the servicers turn into RESOURCE_EXHAUSTED.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specd.config import BatchSettings
+from specd.kvstore import BatchRow, SessionKV
+
+
+class Overloaded(RuntimeError):
+    """The queue is full; `retry_after_ms` is the scheduler's estimate of when it will not be."""
+
+    def __init__(self, message: str, retry_after_ms: float) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """How one step was batched: the largest forward it shared, and how long it waited."""
+
+    size: int = 1  # sessions in that forward
+    tokens: int = 0  # tokens in that forward
+    queue_ms: float = 0.0  # from arrival to its first forward
+    forwards: int = 0  # forwards the step took part in
+
+
+class Job:
+    """One session's step: feeds tokens over one or more forwards, then has a result.
+
+    Subclasses say what to do with each forward's logits (`consume`, on the model's
+    thread) and what the result is. `pending` holds the tokens still to feed.
+    """
+
+    def __init__(self, session: SessionKV, feed: list[int], keep: int) -> None:
+        self.session = session
+        self.pending = feed
+        self.keep = keep  # logits wanted from the forward that feeds the last pending token
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self.forward_ms = 0.0  # time of the forwards this job took part in
+        self.forwards = 0
+        self.largest = (0, 0)  # (sessions, tokens) of the largest forward it shared
+        self.future: asyncio.Future | None = None
+
+    def batch_stats(self) -> BatchStats:
+        queue_ms = ((self.started or self.submitted) - self.submitted) * 1e3
+        return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards)
+
+    def next_row(self, chunk: int) -> BatchRow:
+        """The tokens this job feeds in the next forward (logits only with its last tokens)."""
+        if len(self.pending) <= max(chunk, self.keep):
+            row = BatchRow(self.session, self.pending, self.keep)
+            self.pending = []
+        else:
+            # Leave at least `keep` tokens for the last forward: their logits are the result.
+            take = min(chunk, len(self.pending) - self.keep)
+            row = BatchRow(self.session, self.pending[:take], 0)
+            self.pending = self.pending[take:]
+        return row
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        """Use the logits [keep, V] of a forward (empty mid-prefill); True when the step is done."""
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+
+class Scheduler:
+    """One model's queue of jobs and the loop that batches them; lives on the event loop.
+
+    `forward(rows) -> [logits per row]` runs on `executor` (the model's one thread).
+    `open_sessions()` says how many sessions could send a step; while fewer steps are
+    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive.
+    """
+
+    def __init__(self, forward: Callable[[Sequence[BatchRow]], list[torch.Tensor]], executor: Executor,
+                 settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0) -> None:
+        self._forward = forward
+        self._open_sessions = open_sessions
+        self._executor = executor
+        self.settings = settings
+        self._queue: collections.deque[Job] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._forward_ms = 10.0  # EMA of one forward, for retry hints
+        self.busy = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, job: Job) -> Any:
+        """Queue a job and wait for its result; raises Overloaded when the queue is full."""
+        if len(self._queue) >= self.settings.max_queue:
+            waves = len(self._queue) / max(1, self.settings.max_batch_tokens // 8) + 1
+            retry = self._forward_ms * waves
+            raise Overloaded(f"{len(self._queue)} steps are waiting for this model (limit "
+                             f"{self.settings.max_queue}); retry in about {retry:.0f} ms", retry)
+        self._ensure_running()
+        job.future = asyncio.get_running_loop().create_future()
+        self._queue.append(job)
+        self._wake.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancelled = True  # leaves the batch at its next forward
+            raise
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="specd-batch-loop")
+
+    def _next_batch(self) -> tuple[list[Job], list[BatchRow]]:
+        """Jobs from the head of the queue whose next chunks fit in max_batch_tokens."""
+        jobs: list[Job] = []
+        rows: list[BatchRow] = []
+        tokens = 0
+        chunk = self.settings.prefill_chunk
+        while self._queue:
+            job = self._queue[0]
+            if job.cancelled:
+                self._queue.popleft()
+                continue
+            size = min(len(job.pending), max(chunk, job.keep))
+            if rows and tokens + size > self.settings.max_batch_tokens:
+                break
+            self._queue.popleft()
+            row = job.next_row(chunk)
+            jobs.append(job)
+            rows.append(row)
+            tokens += len(row.tokens)
+        return jobs, rows
+
+    def _run_on_thread(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
+        """One forward and each job's use of its logits; errors stay with their job."""
+        began = time.perf_counter()
+        try:
+            logits = self._forward(rows)
+        except Exception as exc:  # the whole forward failed: every job in it fails
+            return [exc] * len(jobs)
+        elapsed = (time.perf_counter() - began) * 1e3
+        outcomes: list[BaseException | bool] = []
+        shared = (len(rows), sum(len(r.tokens) for r in rows))
+        for job, row_logits in zip(jobs, logits):
+            job.forward_ms += elapsed
+            job.forwards += 1
+            job.largest = max(job.largest, shared)
+            try:
+                outcomes.append(job.consume(row_logits))
+            except Exception as exc:
+                outcomes.append(exc)
+        self._forward_ms += 0.1 * (elapsed - self._forward_ms)
+        return outcomes
+
+    async def _gather(self) -> None:
+        """Wait briefly for the steps of other open sessions, so that they share this forward.
+
+        Why: the gateway answers its sessions one after another, so their next steps reach
+        the worker a little apart; starting at the first one splits them over two forwards.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
+        while len(self._queue) < self._open_sessions():
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._gather()
+            jobs, rows = self._next_batch()
+            if not jobs:
+                continue
+            now = time.perf_counter()
+            for job in jobs:
+                job.started = job.started or now
+            self.busy = True
+            try:
+                outcomes = await loop.run_in_executor(self._executor, self._run_on_thread, jobs, rows)
+            finally:
+                self.busy = False
+            unfinished = []
+            for job, outcome in zip(jobs, outcomes):
+                if job.future.done():  # cancelled while its forward ran
+                    continue
+                if isinstance(outcome, BaseException):
+                    job.future.set_exception(outcome)
+                elif outcome:
+                    job.future.set_result(job.result())
+                else:
+                    unfinished.append(job)
+            # Jobs in progress go first: a step already started finishes before new ones start.
+            self._queue.extendleft(reversed(unfinished))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for job in self._queue:
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(RuntimeError("the model is shutting down"))
+        self._queue.clear()

@@ -1,0 +1,124 @@
+"""One step of one session as the batch scheduler runs it: a draft proposal or a verification.
+
+`ProposeJob` samples up to γ draft tokens, one per batched forward; `ScoreJob` scores
+γ+1 positions in one. Their results, `Proposal` and `Scores`, are what the services
+send back. Pure torch on the model's thread (`consume`); no gRPC.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from specd.batching import BatchStats, Job
+from specd.kvstore import SessionKV
+from specd.sampling import Transform, probs_from_logits
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    forward_ms: float
+    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
+    # the draft service reports them on its trace spans.
+    token_probs: tuple[float, ...] = ()
+    batch: BatchStats = BatchStats()
+    pre_drafted: bool = False  # taken from a branch drafted while the last step was verified
+    # Draft side, overlap: done when the branches pre-drafted after this proposal settle.
+    pre_draft: asyncio.Future | None = None
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
+
+    argmax: list[int] | None
+    probs: torch.Tensor | None
+    forward_ms: float
+    batch: BatchStats = BatchStats()
+
+
+class ProposeJob(Job):
+    """A draft step: feed the delta, then sample one token per forward up to γ.
+
+    It also notes, at every position, the draft's best token other than the one it
+    proposed: its guess at the token the target would commit there if it rejected the
+    proposal (what overlapped speculation pre-drafts from). With `guess_first`, the
+    first forward's argmax is such a guess (`self.guess`), fed on without being proposed:
+    the branch that assumes every proposal was accepted starts from the draft's guess at
+    the bonus token.
+    """
+
+    def __init__(self, session: SessionKV, feed: list[int], draft_length: int, transform: Transform,
+                 seed: int, min_confidence: float, vocab_limit: int, guess_first: bool = False) -> None:
+        super().__init__(session, feed, keep=1)
+        self.draft_length = draft_length
+        self.transform = transform
+        self.generator = torch.Generator().manual_seed(seed)
+        self.min_confidence = min_confidence
+        self.vocab_limit = vocab_limit
+        self.guessing = guess_first
+        self.guess: int | None = None
+        self.drafted: list[int] = []
+        self.alternatives: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.token_probs: list[float] = []
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
+            return False
+        if self.vocab_limit:
+            logits = logits[:, :self.vocab_limit]
+        if self.guessing:
+            self.guessing = False
+            self.guess = int(logits[0].argmax())
+            self.session.tokens.append(self.guess)
+            self.pending = [self.guess]
+            return False
+        greedy = self.transform.greedy
+        q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, self.transform)[0]
+        if self.drafted and float(q.max()) < self.min_confidence:
+            return True
+        token = int(logits[0].argmax()) if greedy else int(torch.multinomial(q, 1, generator=self.generator))
+        if not greedy:
+            self.probs.append(q)
+        self.drafted.append(token)
+        self.alternatives.append(int(logits[0].topk(2).indices[1]) if token == int(logits[0].argmax())
+                                 else int(logits[0].argmax()))
+        self.token_probs.append(float(q[token]))
+        if len(self.drafted) == self.draft_length:
+            return True
+        # The last proposal is not fed: nothing needs its logits yet; it stays known, so
+        # the next step feeds it if it was accepted.
+        self.pending = [token]
+        return False
+
+    def result(self) -> Proposal:
+        self.session.tokens.extend(self.drafted)
+        return Proposal(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
+                        tuple(self.token_probs), self.batch_stats())
+
+
+class ScoreJob(Job):
+    """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions."""
+
+    def __init__(self, session: SessionKV, feed: list[int], positions: int, transform: Transform) -> None:
+        super().__init__(session, feed, keep=positions)
+        self.transform = transform
+        self.scores: Scores | None = None
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        if logits.shape[0] == 0:
+            return False
+        if self.transform.greedy:
+            self.scores = Scores(logits.argmax(dim=-1).tolist(), None, 0.0)
+        else:
+            self.scores = Scores(None, probs_from_logits(logits, self.transform), 0.0)
+        return True
+
+    def result(self) -> Scores:
+        return Scores(self.scores.argmax, self.scores.probs, self.forward_ms, self.batch_stats())

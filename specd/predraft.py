@@ -1,0 +1,170 @@
+"""Overlapped speculation, draft side: branches pre-drafted while the target verifies.
+
+After answering a proposal x₁..x_m, the draft service keeps drafting the NEXT step's
+proposal for the verdicts it can guess, one branch each, while the gateway has the
+target verify this one (PEARL's post-verify; "speculative speculative decoding"):
+
+- branch j < m assumes x₁..x_j accepted and x_{j+1} rejected, and that the target then
+  commits the draft's best other token at position j+1;
+- branch m assumes everything accepted and a bonus token equal to the draft's own next
+  token (its guess, `ProposeJob(guess_first=True)`).
+
+Each branch is an ordinary `ProposeJob` on a fork of the session's KV cache, sampling
+with the seed the next request will carry, so its tokens and q are exactly what that
+request would get (up to batched floating point). The next request either matches a
+branch — same committed length and token, seed, transform, γ at most the branch's — and
+is answered from it at once, or every branch is dropped and it is proposed as usual.
+Nothing pre-drafted reaches the committed sequence except through a matching request.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from specd.jobs import Proposal, ProposeJob
+from specd.kvstore import SessionKV
+from specd.sampling import Transform
+
+def check_branches(mode: str) -> str:
+    """Which verdicts to pre-draft for: "all" (every accepted length), "bonus" (only all
+    accepted), or a number K: the K verdicts the draft itself finds most likely."""
+    if mode in ("all", "bonus") or (mode.isdigit() and int(mode) >= 1):
+        return mode
+    raise ValueError(f"pre-draft branches must be all, bonus or a number >= 1, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class PreDraftRequest:
+    """What to pre-draft: the next step's γ and the seed it will carry."""
+
+    draft_length: int
+    seed: int
+
+
+@dataclass
+class Branch:
+    """One guessed verdict: the committed length `start` it assumes and the token the target
+    commits there (`token`; None for the all-accepted branch: its job's guess, once made)."""
+
+    start: int
+    token: int | None
+    job: ProposeJob
+    task: asyncio.Task
+
+    def assumes(self, start: int, token: int) -> bool:
+        guessed = self.token if self.token is not None else self.job.guess
+        return self.start == start and guessed == token
+
+    def cancel(self) -> None:
+        self.job.cancelled = True
+        self.task.cancel()
+
+
+@dataclass
+class PendingPreDraft:
+    """The branches of one session and the request settings they were drafted under."""
+
+    request: PreDraftRequest
+    transform: Transform
+    min_confidence: float
+    vocab_limit: int
+    branches: list[Branch]
+
+    def cancel(self) -> None:
+        for branch in self.branches:
+            branch.cancel()
+
+
+class PreDrafts:
+    """Pending branches by session, on the event loop; `submit` queues a job on the model."""
+
+    def __init__(self, submit: Callable[[ProposeJob], Awaitable[Proposal]], mode: str = "3") -> None:
+        self._submit = submit
+        self.mode = check_branches(mode)
+        self._pending: dict[str, PendingPreDraft] = {}
+
+    def start(self, session_id: str, session: SessionKV, committed: int, proposed: ProposeJob,
+              request: PreDraftRequest, min_confidence: float, vocab_limit: int) -> asyncio.Future:
+        """Pre-draft the next step of a session that has just proposed `proposed.drafted`.
+
+        committed: the committed length the proposal followed (its x₁ is at that index).
+        Returns a future done when every branch has finished or been dropped, with the
+        accepted lengths they assumed.
+        """
+        self.cancel(session_id)
+        drafted, transform = proposed.drafted, proposed.transform
+        settings = (request, transform, min_confidence, vocab_limit)
+        branches = []
+        for j in self._verdicts(proposed.token_probs):
+            if j < len(drafted):  # x_{j+1} rejected: the target commits the draft's other guess there
+                token = proposed.alternatives[j]
+                branches.append(self._branch(session, committed + j, token, token, *settings))
+            else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
+                branches.append(self._branch(session, committed + j - 1, drafted[-1], None, *settings))
+        self._pending[session_id] = PendingPreDraft(request, transform, min_confidence, vocab_limit, branches)
+        assumed = [branch.start - committed for branch in branches]
+        settled = asyncio.gather(*(branch.task for branch in branches), return_exceptions=True)
+        return asyncio.ensure_future(_then(settled, assumed))
+
+    def _verdicts(self, token_probs: tuple[float, ...] | list[float]) -> list[int]:
+        """The accepted lengths j to pre-draft for, most likely first by the draft's own
+        reckoning: P(j) = Π_{i≤j} q_i(x_i) · (1 − q_{j+1}(x_{j+1})), P(m) = Π_{i≤m} q_i(x_i)."""
+        m = len(token_probs)
+        if self.mode == "bonus":
+            return [m]
+        likelihood, survive = [], 1.0
+        for j, q in enumerate(token_probs):
+            likelihood.append((survive * (1.0 - q), j))
+            survive *= q
+        likelihood.append((survive, m))
+        ranked = [j for _, j in sorted(likelihood, reverse=True)]
+        return ranked if self.mode == "all" else ranked[:int(self.mode)]
+
+    def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None, request: PreDraftRequest,
+                transform: Transform, min_confidence: float, vocab_limit: int) -> Branch:
+        """A job proposing from the first `keep` cached tokens plus `feed` (then a guess if token is None)."""
+        fork = session.fork(keep)
+        fork.tokens.append(feed)
+        job = ProposeJob(fork, [feed], request.draft_length, transform, request.seed, min_confidence, vocab_limit,
+                         guess_first=token is None)
+        task = asyncio.get_running_loop().create_task(self._submit(job))
+        task.add_done_callback(_consume_error)
+        start = keep if token is not None else keep + 1
+        return Branch(start, token, job, task)
+
+    def take(self, session_id: str, start: int, tokens: list[int], draft_length: int, transform: Transform,
+             seed: int, min_confidence: float, vocab_limit: int) -> Branch | None:
+        """The branch matching a session's next request, if any; every other branch is dropped."""
+        pending = self._pending.pop(session_id, None)
+        if pending is None:
+            return None
+        hit = None
+        settings_match = (pending.request.seed == seed and pending.transform == transform
+                          and pending.min_confidence == min_confidence and pending.vocab_limit == vocab_limit
+                          and 0 < draft_length <= pending.request.draft_length and len(tokens) == 1)
+        for branch in pending.branches:
+            if hit is None and settings_match and branch.assumes(start, tokens[0]):
+                hit = branch
+            else:
+                branch.cancel()
+        return hit
+
+    def cancel(self, session_id: str) -> None:
+        pending = self._pending.pop(session_id, None)
+        if pending is not None:
+            pending.cancel()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+async def _then(settled: Awaitable, value):
+    await settled
+    return value
+
+
+def _consume_error(task: asyncio.Task) -> None:
+    """A branch nobody takes may fail or be cancelled: that is not an error to report."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,56 @@
+"""Prometheus exposition of a worker's load: sessions held, steps queued, KV memory.
+
+The gauge of open sessions is how a leak shows: once every request is over, it returns
+to 0 (tests/test_batching.py checks it). Read at scrape time from the runners; the
+collector never writes. No gRPC here.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specd.runtime import ModelRunner
+
+PREFIX = "specd_worker_"
+
+
+class WorkerCollector(Collector):
+    """Gauges of every model a worker hosts, labelled by model name and role (draft, verifier)."""
+
+    def __init__(self, runners: dict[str, ModelRunner], role: str) -> None:
+        self.runners = runners
+        self.role = role
+
+    def collect(self):
+        labels = ["model", "role"]
+        sessions = GaugeMetricFamily(PREFIX + "sessions", "Sessions (KV caches) the worker holds.", labels=labels)
+        queued = GaugeMetricFamily(PREFIX + "queued_steps", "Steps waiting for a batched forward.",
+                                   labels=labels)
+        kv_bytes = GaugeMetricFamily(PREFIX + "kv_bytes", "Bytes of KV storage held by idle sessions.", labels=labels)
+        pre_drafts = GaugeMetricFamily(PREFIX + "pre_drafted_sessions",
+                                       "Sessions with branches pre-drafted for their next step (overlap).",
+                                       labels=labels)
+        for name, runner in self.runners.items():
+            sessions.add_metric([name, self.role], len(runner.sessions))
+            pre_drafts.add_metric([name, self.role], len(runner.pre_drafts))
+            queued.add_metric([name, self.role], runner.scheduler.queued)
+            kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
+        return [sessions, queued, kv_bytes, pre_drafts]
+
+
+def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:
+    """Serve /metrics on host:port from a background thread (port 0: off); returns its stop."""
+    if not port:
+        return lambda: None
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(runners, role))
+    server, _ = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return stop

@@ -1,0 +1,186 @@
+"""Batching across sessions: exactness whatever shares the batch, backpressure, no leaks.
+
+Real servers on loopback, tiny real models (tests/conftest.py). Requests run from
+several client threads at once, so the workers' forwards are shared; each test checks
+from the responses' stats that they were.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import request, start_stack
+from specd.config import BatchSettings
+from specd.kvstore import BatchRow, SessionKV, forward, use_layout
+from specd.runtime import ModelRunner
+from specd.sampling import Transform
+from specd.v1 import gateway_pb2
+from test_cli import free_port
+from test_pipeline import reference_greedy
+
+PROMPTS = ["def fibonacci(n):", "The acceptance rate is", "class Cache:", "Speculative decoding lets",
+           "    a, b = 0, 1", "the target model verifies", "def __init__(self, size):", "When it is high,"]
+
+
+def in_flight(stub, requests: list[gateway_pb2.GenerateRequest]) -> list[gateway_pb2.GenerateResponse]:
+    """Send every request at once, one client thread each; responses in request order."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(stub.Generate, requests))
+
+
+@pytest.mark.parametrize("mode,draft_model", [("FIXED", "close"), ("FIXED", "unrelated"), ("OFF", ""),
+                                              ("AUTO", "close")])
+def test_greedy_with_eight_in_flight_equals_generate(stack, target_model, tokenizer, mode, draft_model):
+    reqs = [request(p, max_new_tokens=32, mode=mode, draft_model=draft_model) for p in PROMPTS]
+    responses = in_flight(stack.stub, reqs)
+    for prompt, response in zip(PROMPTS, responses):
+        assert list(response.token_ids) == reference_greedy(target_model, tokenizer, prompt, 32), prompt
+    # The point of the test: the verifier's forwards were shared.
+    assert max(r.stats.mean_verify_batch_size for r in responses) > 1.5
+
+
+def test_greedy_in_flight_equals_each_request_alone(stack):
+    reqs = [request(p, max_new_tokens=24, draft_model="close", draft_length=3) for p in PROMPTS]
+    alone = [list(stack.stub.Generate(r).token_ids) for r in reqs]
+    together = in_flight(stack.stub, reqs)
+    assert [list(r.token_ids) for r in together] == alone
+
+
+@pytest.mark.parametrize("mode", ["FIXED", "OFF"])
+def test_seed_reproduces_whatever_shares_the_batch(stack, mode):
+    seeded = request(PROMPTS[0], temperature=1.0, top_k=40, seed=1234, max_new_tokens=24, mode=mode,
+                     draft_model="close" if mode == "FIXED" else "")
+    alone = list(stack.stub.Generate(seeded).token_ids)
+    # The same request among seven others with other seeds and prompts, twice.
+    others = [request(p, temperature=0.8, seed=i + 1, max_new_tokens=24, draft_model="unrelated")
+              for i, p in enumerate(PROMPTS[1:])]
+    for _ in range(2):
+        responses = in_flight(stack.stub, [seeded, *others])
+        assert list(responses[0].token_ids) == alone
+        assert responses[0].stats.mean_verify_batch_size > 1.0
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(model_dirs, target_model, tokenizer):
+    running = start_stack(model_dirs, batching=BatchSettings(prefill_chunk=8, max_batch_tokens=24))
+    try:
+        long_prompt = " ".join(PROMPTS) * 2
+        reqs = [request(long_prompt, max_new_tokens=16, draft_model="close")] + [
+            request(p, max_new_tokens=16, draft_model="close") for p in PROMPTS[:3]]
+        responses = in_flight(running.stub, reqs)
+        for prompt, response in zip([long_prompt, *PROMPTS[:3]], responses):
+            assert list(response.token_ids) == reference_greedy(target_model, tokenizer, prompt, 16)
+        # No forward held more than max_batch_tokens, however long the prompt.
+        assert max(r.stats.mean_verify_batch_tokens for r in responses) <= 24
+    finally:
+        running.close()
+
+
+def worker_sessions(port: int) -> float:
+    """specd_worker_sessions summed over the models of the worker serving /metrics on port."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith("specd_worker_sessions{"))
+
+
+def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_dirs):
+    metrics_port = free_port()
+    running = start_stack(model_dirs, batching=BatchSettings(max_queue=1), verifier_metrics_port=metrics_port)
+    try:
+        reqs = [request(p, max_new_tokens=24, mode="OFF") for p in PROMPTS * 2]
+
+        def outcome(req):
+            try:
+                return running.stub.Generate(req)
+            except grpc.RpcError as exc:
+                return exc
+
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            outcomes = list(pool.map(outcome, reqs))
+        refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+        assert refused, "16 requests against a queue of 1 should overflow it"
+        for exc in refused:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry in about" in exc.details()
+        # The service keeps serving, and nothing is left behind.
+        assert len(running.stub.Generate(request(PROMPTS[0], max_new_tokens=8, mode="OFF")).token_ids) == 8
+        assert worker_sessions(metrics_port) == 0
+    finally:
+        running.close()
+
+
+def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
+    metrics_port = free_port()
+    running = start_stack(model_dirs, verifier_metrics_port=metrics_port)
+    try:
+        streams = [running.stub.GenerateStream(request(p, max_new_tokens=200, draft_model="close"))
+                   for p in PROMPTS]
+        for stream in streams:
+            next(stream)  # each request is in the batch
+        for stream in streams:
+            stream.cancel()
+        # The gateway closes the worker streams of a cancelled request at once; allow the
+        # workers a moment to see the streams end.
+        for _ in range(100):
+            if worker_sessions(metrics_port) == 0:
+                break
+            time.sleep(0.05)
+        assert worker_sessions(metrics_port) == 0
+        assert len(running.stub.Generate(request(PROMPTS[0], max_new_tokens=8)).token_ids) == 8
+    finally:
+        running.close()
+
+
+# -- the KV store --------------------------------------------------------------------------
+
+def _rows_match_unbatched(model, layout: str) -> None:
+    cfg = model.config
+    sessions = [SessionKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                          torch.float32, torch.device("cpu"), block_tokens=8) for _ in range(3)]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 21, 9)]
+    steps = [[1, 2], [3], [4, 5, 6, 7]]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        logits = forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], layout, torch.float32, cpu)
+        for got, p in zip(logits, prompts):
+            torch.testing.assert_close(got, model(input_ids=torch.tensor([p])).logits[0, -2:])
+        # Roll back the last prompt token of each session (a rejected draft token), go on.
+        for s, p in zip(sessions, prompts):
+            s.crop(len(p) - 1)
+        logits = forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], layout, torch.float32, cpu)
+        for got, p, e in zip(logits, prompts, steps):
+            torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e])).logits[0, -len(e):])
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_batched_forward_equals_each_session_alone(model_dirs, layout):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    use_layout(model, layout)
+    _rows_match_unbatched(model, layout)
+
+
+def test_kv_memory_is_the_arithmetic(model_dirs):
+    """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
+    runner = ModelRunner(model_dirs["target"], max_sessions=64)
+
+    async def fill() -> None:
+        for i in range(64):
+            await runner.score(f"s{i}", 0, [5] * 511, [], Transform())
+        await runner.close()
+
+    asyncio.run(fill())
+    arithmetic = 64 * 512 * runner.kv_bytes_per_token()
+    assert len(runner.sessions) == 64
+    assert arithmetic <= runner.sessions.kv_bytes() <= 1.1 * arithmetic
+
+
+def test_bad_batch_settings_are_named():
+    assert "batch layout" in " ".join(BatchSettings(layout="sideways").problems())
+    assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()
