@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Callable
 
 from gateway.engine import StepRecord
@@ -78,6 +79,20 @@ class EmaPolicy:
             self.draft_length = max(self.draft_length - 1, self.lowest)
 
 
+@dataclass
+class ProbeSchedule:
+    """How many plain steps pass between probes; shared by the requests of one model pair and
+    task, so a draft that keeps failing is asked less and less often across requests too."""
+
+    every: int = 16
+    interval: int = 16  # doubles after each probe the target rejected outright, up to MAX_PROBE_INTERVAL
+
+    def record(self, failed: bool) -> None:
+        """A probe's outcome. One lucky acceptance only halves the spacing: a draft that is
+        right 1% of the time still gets a token accepted now and then."""
+        self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL) if failed else max(self.interval // 2, self.every)
+
+
 class CostPolicy:
     """Maximise expected tokens per unit time; fall back to γ = 0 when speculation does not pay."""
 
@@ -87,13 +102,12 @@ class CostPolicy:
     def __init__(self, costs: StepCosts, profile: TaskProfile,
                  curve: Callable[[], list[float] | None] = lambda: None,
                  probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, probes: ProbeSchedule | None = None) -> None:
         self.costs = costs
         self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
         self.curve = curve
-        self.probe_every = probe_every
-        self.probe_interval = probe_every  # doubles while probes fail, up to MAX_PROBE_INTERVAL
+        self.probes = probes or ProbeSchedule(probe_every, probe_every)
         self._probing = False
         self.decay = 1.0 - 1.0 / memory_steps
         # Acceptance as an EMA of pseudo-counts: the task's prior is worth prior_weight tokens.
@@ -126,15 +140,14 @@ class CostPolicy:
         # acceptance estimate only moves when something is proposed. A probe proposes one
         # token: the cheapest question to ask the draft (a γ = 1 step costs little more
         # than a plain one), and a failed probe costs almost nothing.
-        self._probing = self.plain_steps % self.probe_interval == 0
+        self._probing = self.plain_steps % self.probes.interval == 0
         return 1 if self._probing else 0
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_length == 0:
             return
         if self._probing:
-            failed = record.accepted == 0
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL) if failed else self.probe_every
+            self.probes.record(failed=record.accepted == 0)
             self._probing = False
         self.accepted = self.decay * self.accepted + record.accepted
         self.trials = self.decay * self.trials + record.accepted + (0 if record.bonus else 1)

@@ -21,7 +21,7 @@ from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
                             speculate)
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode
+from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode, ProbeSchedule
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
@@ -156,8 +156,9 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
     return problems
 
 
-def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str) -> DraftLengthPolicy:
-    """The γ policy object of one request."""
+def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
+                 probes: ProbeSchedule | None = None) -> DraftLengthPolicy:
+    """The γ policy object of one request (probes: the pair and task's shared probe spacing)."""
     profile = parsed.profile
     if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
         return FixedPolicy(0)
@@ -171,7 +172,7 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str)
             profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
                           curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                          overlap=parsed.generation.overlap)
+                          overlap=parsed.generation.overlap, probes=probes)
     if parsed.policy == "confidence":
         return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
     return FixedPolicy(parsed.draft_length)
@@ -210,6 +211,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.stats = stats
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
+        # (model pair, task type) → probe spacing of the cost policy, shared across requests
+        self._probes: dict[tuple[str, str], ProbeSchedule] = {}
 
     def _model_pair(self, draft_model: str) -> str:
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
@@ -252,9 +255,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
-        policy = build_policy(parsed, self.stats, model_pair)
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
+        # Keyed by the capped label: task_type is free text, and a new one per request
+        # must not grow this table without bound.
+        probes = self._probes.setdefault((model_pair, labels.task_type), ProbeSchedule())
+        policy = build_policy(parsed, self.stats, model_pair, probes)
 
         def count_step(record: StepRecord, generated_before: int) -> None:
             # The first step also prefills the prompt: its time says nothing about a step's cost.

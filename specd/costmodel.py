@@ -123,19 +123,28 @@ class CostTable:
             return None
         # Noisy points can put the fitted intercept near or below zero; a plain step
         # cannot cost much less than the cheapest verify step seen.
-        cheapest = min(e.value for e in self._verify.values() if e.value is not None)
-        return max(self._at(self._verify, fit, 0), 0.5 * cheapest)
+        return max(self._at(self._verify, fit, 0), 0.5 * self._cheapest_verify())
+
+    def _cheapest_verify(self) -> float:
+        return min(e.value for e in self._verify.values() if e.value is not None)
 
     def estimate(self, gamma: int) -> CostEstimate | None:
-        """Predicted milliseconds of a step at γ; None before any measurement."""
+        """Predicted milliseconds of a step at γ, from the fitted lines; None before any measurement.
+
+        The lines, not each γ's own average: under load one step's hop time varies by more
+        than a few draft tokens change it, and comparing γs by their own noisy averages
+        lets a lucky sample win. The lines pool every γ seen and keep a longer draft at
+        least as costly as a shorter one.
+        """
         target = self.target_step_ms()
         if target is None:
             return None
+        intercept, slope = self._fit(self._verify, through_origin=False)
+        plain = max(intercept, self._cheapest_verify() * 0.5)
         if gamma == 0:
-            return CostEstimate(target, 0.0, target)
-        verify = max(self._at(self._verify, self._fit(self._verify, through_origin=False), gamma), target)
+            return CostEstimate(target, 0.0, plain)
         draft_fit = self._fit(self._draft, through_origin=True) or (0.0, self.prior_draft_ratio * target)
-        return CostEstimate(target, self._at(self._draft, draft_fit, gamma), verify)
+        return CostEstimate(target, max(draft_fit[0] + draft_fit[1] * gamma, 0.0), plain + slope * gamma)
 
     def ratios(self) -> tuple[float, dict[int, float]]:
         """(c, {γ: v(γ)}) for the γ values seen, relative to one plain target step."""

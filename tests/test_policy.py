@@ -129,3 +129,21 @@ def test_overlap_hits_make_longer_drafts_pay():
     assert 0.8 < costs.hit_rate.value < 0.95  # an EMA ending on a miss
     assert overlapped.next_draft_length() >= 2
     assert sequential.next_draft_length() == 0
+
+
+def test_probe_spacing_is_shared_across_requests():
+    """A draft the target never agrees with: each new request of the pair starts from the
+    spacing the last one reached, so probes thin out across requests, not just within one."""
+    from gateway.policy import ProbeSchedule
+
+    costs, schedule = measured_costs(3.0), ProbeSchedule(4, 4)
+    probes_per_request = []
+    for _ in range(4):
+        policy = CostPolicy(costs, TaskProfile(0.0, 1, 8), probes=schedule)
+        probes = 0
+        for _ in range(48):
+            gamma = policy.next_draft_length()
+            probes += gamma > 0
+            policy.observe(step(gamma, 0))
+        probes_per_request.append(probes)
+    assert probes_per_request[-1] < probes_per_request[0] and probes_per_request[-1] <= 1, probes_per_request
