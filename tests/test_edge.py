@@ -286,3 +286,14 @@ def test_streams_per_connection_are_capped(stalled):
         stalled.draft_proxy.resume()
     for stream in held:
         assert list(stream)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+
+def test_free_text_task_types_do_not_grow_the_gateway_without_bound(stack):
+    servicer = stack.gateway.servicer
+    for n in range(60):
+        req = request("def f():", max_new_tokens=1, mode="AUTO", draft_length=0)
+        req.task_type = f"made-up-{n}"
+        stack.stub.Generate(req)
+    task_types = {labels["task_type"] for labels, _ in servicer.stats.query(["task_type"], {})}
+    assert len(task_types) <= servicer.stats.max_task_types + 1 and "other" in task_types
+    assert len(servicer._probes) <= servicer.stats.max_task_types + 1
