@@ -5,11 +5,13 @@ session on each worker, run `gateway.engine.speculate`, turn tokens into text, r
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -224,6 +226,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.stats = stats
         self.selector = selector
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
         # (model pair, task type) → probe spacing of the cost policy, shared across requests
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
@@ -273,8 +276,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
         try:
-            parsed = parse_request(request, self.backend, self.settings,
-                                   self._choose if self.selector is not None else None)
+            # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
+            # and the other requests' steps must not wait for it. One thread: a fast
+            # tokenizer is not safe to call from several threads at once.
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._parser, parse_request, request, self.backend, self.settings,
+                self._choose if self.selector is not None else None)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._in_flight >= self.settings.max_concurrent_requests:
@@ -294,10 +301,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
-        probes = self._probes.setdefault((model_pair, parsed.task_type), ProbeSchedule())
-        policy = build_policy(parsed, self.stats, model_pair, probes)
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
+        # Keyed by the capped label: task_type is free text, and a new one per request
+        # must not grow this table without bound.
+        probes = self._probes.setdefault((model_pair, labels.task_type), ProbeSchedule())
+        policy = build_policy(parsed, self.stats, model_pair, probes)
 
         diagnostic = parsed.user_segment == DIAGNOSTIC_SEGMENT
         goodput = [0, 0.0]  # tokens and ms of the steps after the first (which also prefills)
@@ -491,6 +500,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port, selector)
 
     async def stop() -> None:
+        servicer._parser.shutdown(wait=False, cancel_futures=True)
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()

@@ -163,10 +163,11 @@ class AcceptanceStats:
     """Lifetime and windowed acceptance counters by label set, and costs by model pair.
 
     Written from the gateway's event loop, read from the metrics thread: one lock.
-    `max_user_segments` caps label cardinality: later segments are counted as "other".
+    `max_user_segments` and `max_task_types` cap label cardinality: later segments and
+    task types (free text a caller sends) are counted as "other".
     """
 
-    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50,
+    def __init__(self, window_steps: int = 2000, max_user_segments: int = 50, max_task_types: int = 50,
                  drift: DriftSettings = DriftSettings(), baseline: dict[tuple[str, str], float] | None = None) -> None:
         """baseline: pinned acceptance per (model pair, task type), replacing lifetime
         acceptance as the drift reference of the segments it covers."""
@@ -174,10 +175,12 @@ class AcceptanceStats:
         self.drift_settings = drift
         self.baseline = dict(baseline or {})
         self.max_user_segments = max_user_segments
+        self.max_task_types = max_task_types
         self._lock = threading.Lock()
         self._lifetime: dict[Labels, Counts] = {}
         self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
         self._segments: set[str] = set()
+        self._task_types: set[str] = set()
         self._costs: dict[str, StepCosts] = {}
         self._load: dict[str, LoadCounts] = {}
         self._pre_drafts: dict[Labels, list[int]] = {}  # labels → [steps that could hit, hits]
@@ -197,9 +200,20 @@ class AcceptanceStats:
             self._segments.add(user_segment)
         return user_segment
 
+    def task_type(self, task_type: str) -> str:
+        """The task type as counted: past `max_task_types` distinct ones, "other"."""
+        task_type = task_type or "general"
+        with self._lock:
+            # A client that sends a new task_type on every request must not grow the
+            # counters (and the /metrics page) without bound.
+            if task_type not in self._task_types and len(self._task_types) >= self.max_task_types:
+                task_type = "other"
+            self._task_types.add(task_type)
+        return task_type
+
     def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
-        """The labels of a request, with the user segment capped."""
-        return Labels(model_pair, task_type or "general", self.segment(user_segment),
+        """The labels of a request, with the user segment and the task type capped."""
+        return Labels(model_pair, self.task_type(task_type), self.segment(user_segment),
                       bucket(prompt_tokens, PROMPT_BUCKETS))
 
     def costs(self, model_pair: str) -> StepCosts:

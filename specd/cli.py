@@ -308,15 +308,10 @@ def _tls_dir(directory: Path) -> dict[str, Path]:
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """SIGTERM the processes, SIGKILL what is left after grace_s (what `specd serve` does)."""
+    from specd.supervisor import stop_all
+
+    stop_all(procs, grace_s)
 
 
 def _edge_flags(args: argparse.Namespace) -> list[str]:

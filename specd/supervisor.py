@@ -109,13 +109,18 @@ class Supervisor:
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM every live child, then SIGKILL what is left after grace_s."""
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for proc in live:
-            proc.send_signal(signal.SIGTERM)
-        deadline = self.clock() + grace_s
-        for proc in live:
-            try:
-                proc.wait(max(0.1, deadline - self.clock()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.processes, grace_s)
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every live process, then SIGKILL what is left after grace_s."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -43,13 +43,22 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
     (AGENTIC, re.compile(r"\b(plan|steps? to|tools?|agent|subtasks?|action:|thought:|next action|"
                          r"break (it|this) down)\b", re.I)),
     (CODE, re.compile(r"^\s*(def |class |import |from \S+ import|#include|function |@|for .* in .*:)|"
-                      r"[{};]\s*$|\bdef \w+\(|\breturn\b|\w+\(.*\)\s*:|```|\bself\.", re.I | re.M)),
+                      r"[{};]\s*$|\bdef \w+\(|\breturn\b|\b\w+\(.*\)\s*:|```|\bself\.", re.I | re.M)),
     (QA, re.compile(r"\?\s*$|^\s*(what|why|how|when|where|who|which|is|are|does|do|can)\b", re.I | re.M)),
 ]
 
 
+# The rules look at a prompt's head and tail only: the instruction is at one end or the
+# other ("Summarize the text below:" / a long document, then "Summarize the above."), and
+# some rules backtrack quadratically (a 256 KiB run of letters took minutes, on the
+# gateway's event loop; 2 KiB takes milliseconds).
+CLASSIFIED_CHARS = 1024
+
+
 def classify(prompt: str) -> str:
     """The task type of a prompt by the first matching rule; "general" when none does."""
+    if len(prompt) > 2 * CLASSIFIED_CHARS:
+        prompt = f"{prompt[:CLASSIFIED_CHARS]}\n{prompt[-CLASSIFIED_CHARS:]}"
     for task, pattern in _RULES:
         if pattern.search(prompt):
             return task

@@ -154,3 +154,10 @@ def test_conditional_acceptance_and_measured_prior():
         stats.record(labels, 4, 4, 5, 0, 1.0, 10.0)
         stats.record(labels, 4, 0, 1, 0, 1.0, 10.0)
     assert stats.measured_acceptance("d->t", "code") == pytest.approx(4 / 5)
+
+
+def test_task_types_are_capped_like_segments():
+    stats = AcceptanceStats(max_task_types=2)
+    labels = [stats.labels("d->t", f"role-{n}", "s", 10).task_type for n in range(5)]
+    assert labels == ["role-0", "role-1", "other", "other", "other"]
+    assert stats.labels("d->t", "role-1", "s", 10).task_type == "role-1"  # known ones keep their name

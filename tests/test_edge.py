@@ -182,6 +182,21 @@ def test_prompt_bytes_are_checked_before_tokenizing(stack):
         backend.tokenizer = tokenizer
 
 
+def test_a_prompt_at_the_byte_limit_is_answered_promptly(stack):
+    # 256 KiB of one letter: the task classifier used to backtrack on it for minutes,
+    # blocking the gateway's event loop; the deadline here is generous, not a benchmark.
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(request("a" * (256 * 1024)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context window" in err.value.details()
+
+
+def test_a_long_prompt_is_classified_by_its_ends():
+    from specd.tasks import classify
+
+    assert classify("The meeting notes. " * 2000 + "Summarize the above in a few sentences.") == "summarization"
+    assert classify("Translate into French: " + "the cat sat on the mat. " * 2000) == "translation"
+
+
 @pytest.mark.parametrize("mutate, says", [
     (lambda r: setattr(r.sampling, "max_new_tokens", 5000), "exceeds this gateway's cap of 4096"),
     (lambda r: r.sampling.stop.extend(["s"] * 17), "17 stop strings; at most 16"),
@@ -271,3 +286,14 @@ def test_streams_per_connection_are_capped(stalled):
         stalled.draft_proxy.resume()
     for stream in held:
         assert list(stream)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+
+def test_free_text_task_types_do_not_grow_the_gateway_without_bound(stack):
+    servicer = stack.gateway.servicer
+    for n in range(60):
+        req = request("def f():", max_new_tokens=1, mode="AUTO", draft_length=0)
+        req.task_type = f"made-up-{n}"
+        stack.stub.Generate(req)
+    task_types = {labels["task_type"] for labels, _ in servicer.stats.query(["task_type"], {})}
+    assert len(task_types) <= servicer.stats.max_task_types + 1 and "other" in task_types
+    assert len({task for _, task in servicer._probes}) <= servicer.stats.max_task_types + 1  # per model pair
