@@ -434,17 +434,11 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from specd.clientauth import MissingApiKey
-
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
-    try:
-        if args.concurrency:
-            return run_load(args, workload, configs)
-        results, costs = run_gateway(args, workload, configs)
-    except MissingApiKey as exc:
-        print(f"specd bench: {exc}", file=sys.stderr)
-        return 2
+    if args.concurrency:
+        return run_load(args, workload, configs)
+    results, costs = run_gateway(args, workload, configs)
     extra = run_transformers(args, workload) if args.target else {}
     text = table(results, extra, costs)
     print(text)

@@ -31,7 +31,7 @@ from pathlib import Path
 from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, BatchSettings, ClientTLS,
                           DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
 from specd.drift import DriftSettings
-from specd.clientauth import add_api_key_argument
+from specd.clientauth import MissingApiKey, add_api_key_argument
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
@@ -437,14 +437,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
-    from specd.clientauth import MissingApiKey, with_api_key
+    from specd.clientauth import with_api_key
 
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
-        try:
-            stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
-        except MissingApiKey as exc:
-            print(f"specd generate: {exc}", file=sys.stderr)
-            return 2
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         if args.wait:
             try:
                 grpc.channel_ready_future(channel).result(timeout=args.wait)
@@ -662,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except TLSConfigError as exc:
+    except (TLSConfigError, MissingApiKey) as exc:  # a client or server set up wrongly: say which flag
         print(f"specd {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from specd.acceptance import DIAGNOSTIC_SEGMENT, Counts
 from specd.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd.drift import baseline_document
-from specd.clientauth import MissingApiKey, add_api_key_argument, with_api_key
+from specd.clientauth import add_api_key_argument, with_api_key
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 SEVERITY_EXIT = {"ok": 0, "info": 0, "warn": 1, "hurting": 2}
@@ -504,11 +504,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress = (lambda text: print(text, file=sys.stderr)) if not args.json else None
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
-        try:
-            stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
-        except MissingApiKey as exc:
-            print(f"specd doctor: {exc}", file=sys.stderr)
-            return 2
+        stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         try:
             diagnosis = diagnose(stub, workload, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                  draft_model=args.draft_model, prompts_file=args.prompts or "PROMPTS.txt",

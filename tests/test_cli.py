@@ -100,3 +100,11 @@ def test_serve_tls_without_certificates_says_how_to_make_them(model_dirs, tmp_pa
                    "--port", str(free_port()), "--tls", str(tmp_path))
     assert result.returncode == 2
     assert "missing ca.pem, server.pem" in result.stderr and f"specd certs {tmp_path}" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "doctor"])
+def test_a_missing_api_key_variable_is_named(command):
+    args = ["x"] if command == "generate" else []
+    result = specd(command, *args, "--gateway", "127.0.0.1:1", "--api-key-env", "SPECD_TEST_NO_SUCH_KEY")
+    assert result.returncode == 2
+    assert "SPECD_TEST_NO_SUCH_KEY is unset or empty" in result.stderr
