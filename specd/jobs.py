@@ -83,12 +83,12 @@ class ProposeJob(Job):
         q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, self.transform)[0]
         if self.drafted and float(q.max()) < self.min_confidence:
             return True
-        token = int(logits[0].argmax()) if greedy else int(torch.multinomial(q, 1, generator=self.generator))
+        best, second = logits[0].topk(2).indices.tolist()
+        token = best if greedy else int(torch.multinomial(q, 1, generator=self.generator))
         if not greedy:
             self.probs.append(q)
         self.drafted.append(token)
-        self.alternatives.append(int(logits[0].topk(2).indices[1]) if token == int(logits[0].argmax())
-                                 else int(logits[0].argmax()))
+        self.alternatives.append(second if token == best else best)
         self.token_probs.append(float(q[token]))
         if len(self.drafted) == self.draft_length:
             return True

@@ -38,9 +38,12 @@ class LoadResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
-    def percentile(self, values: list[float], q: float) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else \
-            (values[0] if values else 0.0)
+    @staticmethod
+    def percentile(values: list[float], q: int) -> float:
+        """The q-th percentile (0 without values)."""
+        if len(values) < 2:
+            return values[0] if values else 0.0
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def _one(stub, req, result: LoadResult, lock: threading.Lock) -> None:

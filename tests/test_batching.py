@@ -55,16 +55,20 @@ def test_greedy_in_flight_equals_each_request_alone(stack):
 
 @pytest.mark.parametrize("mode", ["FIXED", "OFF"])
 def test_seed_reproduces_whatever_shares_the_batch(stack, mode):
+    # The unrelated draft: nearly every proposal is rejected, so the seeded request takes
+    # about one step per token and is still running while the others join its batches.
     seeded = request(PROMPTS[0], temperature=1.0, top_k=40, seed=1234, max_new_tokens=24, mode=mode,
-                     draft_model="close" if mode == "FIXED" else "")
+                     draft_model="unrelated" if mode == "FIXED" else "")
     alone = list(stack.stub.Generate(seeded).token_ids)
     # The same request among seven others with other seeds and prompts, twice.
     others = [request(p, temperature=0.8, seed=i + 1, max_new_tokens=24, draft_model="unrelated")
               for i, p in enumerate(PROMPTS[1:])]
+    shared = []
     for _ in range(2):
         responses = in_flight(stack.stub, [seeded, *others])
         assert list(responses[0].token_ids) == alone
-        assert responses[0].stats.mean_verify_batch_size > 1.0
+        shared.append(responses[0].stats.mean_verify_batch_size)
+    assert max(shared) > 1.0, "the seeded request never shared a forward: the test proved nothing"
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(model_dirs, target_model, tokenizer):
