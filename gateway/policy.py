@@ -9,23 +9,26 @@
   measured per-position acceptance curve shapes E[tokens] once there is data. When
   speculation does not pay it decodes plainly and probes again (one draft token) after
   `probe_every` plain steps, twice as long after each probe the target rejected outright.
-  The step costs are measured per load level (`specd.costmodel.StepCosts`), so γ follows
-  the load of the target's batched forwards, down to 0 when the target is saturated.
+  The step costs are measured per load level (`specd.costmodel.StepCosts`), and a
+  `LoadCap` shared by the pair's requests caps γ at each load level by measured goodput,
+  so γ follows the load of the target's batched forwards, down to 0 when the target is
+  saturated.
 - `confidence`: proposes up to the maximum γ but the draft stops inside a step as soon
   as its own top probability falls below a threshold.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from gateway.engine import StepRecord
-from specd.costmodel import StepCosts, best_draft_length
+from specd.costmodel import StepCosts, best_draft_length, load_bucket
 from specd.tasks import TaskProfile
 
 POLICIES = ("fixed", "ema", "cost", "confidence")
 MAX_PROBE_INTERVAL = 256
+MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 
 
 class Mode(enum.Enum):
@@ -93,6 +96,125 @@ class ProbeSchedule:
         self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL) if failed else max(self.interval // 2, self.every)
 
 
+@dataclass
+class _LevelArms:
+    """The caps tried at one load level, and the one in force."""
+
+    best: int
+    trial: int | None = None  # a neighbour of best, on trial for one epoch
+    rates: dict[int, float] = field(default_factory=dict)  # cap -> tokens per ms per session (EMA of epochs)
+    tokens: float = 0.0  # the running epoch's emitted tokens and step milliseconds
+    ms: float = 0.0
+    steps: int = 0
+    settle: int = 0  # steps still to leave out after the cap changed
+    epochs: int = 0  # since the last trial
+    explore_every: int = 8  # epochs between trials; doubles after each trial that lost
+    downward: bool = True  # which neighbour the next trial takes
+
+    @property
+    def arm(self) -> int:
+        return self.best if self.trial is None else self.trial
+
+
+class LoadCap:
+    """The largest γ any AUTO request of one model pair may propose at each load level.
+
+    Why a shared cap: a request choosing γ alone sees what its step costs it, not what its
+    draft tokens cost the other sessions in the target's batched forward. When every
+    session speculates, every forward carries γ+1 tokens per session; on hardware where
+    the forward's time grows with its tokens, decoding plainly can then serve more tokens
+    per second than speculating, although each request alone would still gain by it. The
+    cap is decided for everyone at once, like vLLM's K*(bs) = argmax_K (1 + Σ_{i<K} a_i) /
+    ITL(bs, K), but measured online rather than profiled: at each load level (the sessions
+    the verifier holds, bucketed by `load_bucket`) the cap in force runs for an epoch of
+    steps, and its goodput (emitted tokens per millisecond of step, i.e. per session) is
+    compared first with plain decoding's (cap 0), then with a neighbouring cap's, tried for
+    one epoch in every `explore_every` (twice as long after each trial that lost, since a
+    trial costs goodput); a neighbour that wins becomes the cap and the next one along is
+    tried at once.
+    With one session there is no one else to slow down: no cap.
+    """
+
+    def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5) -> None:
+        self.highest = highest
+        self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
+        self.explore_every = explore_every
+        self.weight = weight
+        self.load = 1  # the load bucket the last step reported
+        self.widest = 0  # the longest draft proposed alone: where a new level's cap starts
+        self._levels: dict[int, _LevelArms] = {}
+
+    def cap(self) -> int:
+        """The cap in force at the current load (the largest γ with a single session)."""
+        if self.load <= 1:
+            return self.highest
+        return self._level(self.load).arm
+
+    def rates(self) -> dict[int, dict[int, float]]:
+        """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""
+        return {load: dict(level.rates) for load, level in sorted(self._levels.items())}
+
+    def _level(self, load: int) -> _LevelArms:
+        level = self._levels.get(load)
+        if level is None:
+            # Start from the best cap of the nearest lower load measured (load only makes a
+            # long draft dearer), or from the longest draft a request chose alone.
+            lower = [bucket for bucket in self._levels if bucket < load]
+            start = self._levels[max(lower)].best if lower else min(self.widest or self.highest, self.highest)
+            level = self._levels[load] = _LevelArms(start, settle=load, explore_every=self.explore_every)
+        return level
+
+    def observe(self, cap: int, record: StepRecord) -> None:
+        """A step taken under `cap`; steps from a cap no longer in force are left out."""
+        self.load = load_bucket(max(record.verify_batch.sessions, 1))
+        if self.load <= 1:
+            self.widest = max(self.widest, record.draft_length)
+            return
+        level = self._level(self.load)
+        if cap != level.arm or record.index == 0:  # the first step also prefills the prompt
+            return
+        if level.settle > 0:  # it shared forwards with steps chosen under the previous cap
+            level.settle -= 1
+            return
+        level.tokens += len(record.emitted)
+        level.ms += record.draft_ms + record.verify_ms
+        level.steps += 1
+        if level.steps >= max(32, self.epoch_rounds * self.load):
+            self._end_epoch(level)
+
+    def _end_epoch(self, level: _LevelArms) -> None:
+        rate = level.tokens / level.ms if level.ms > 0 else 0.0
+        previous = level.rates.get(level.arm)
+        level.rates[level.arm] = rate if previous is None else previous + self.weight * (rate - previous)
+        level.tokens = level.ms = 0.0
+        level.steps = 0
+        before = level.arm
+        if level.trial is not None:
+            won = level.rates[level.trial] > level.rates.get(level.best, 0.0)
+            if won:
+                level.best, level.explore_every = level.trial, self.explore_every
+            else:  # a trial costs goodput: the more of them lose, the rarer they get
+                level.downward = not level.downward
+                level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
+            level.trial = self._neighbour(level) if won else None
+        elif len(level.rates) == 1 and level.best > 0:
+            level.trial = 0  # first: does speculating pay at all at this load?
+        else:
+            level.epochs += 1
+            if level.epochs >= level.explore_every:
+                level.epochs = 0
+                level.trial = self._neighbour(level)
+        if level.arm != before:
+            level.settle = self.load
+
+    def _neighbour(self, level: _LevelArms) -> int | None:
+        """The next cap to try beside best, in the level's current direction."""
+        down, up = level.best - 1, level.best + 1
+        if level.downward:
+            return down if down >= 0 else (up if up <= self.highest else None)
+        return up if up <= self.highest else (down if down >= 0 else None)
+
+
 class CostPolicy:
     """Maximise expected tokens per unit time; fall back to γ = 0 when speculation does not pay."""
 
@@ -102,8 +224,11 @@ class CostPolicy:
     def __init__(self, costs: StepCosts, profile: TaskProfile,
                  curve: Callable[[], list[float] | None] = lambda: None,
                  probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0,
-                 overlap: bool = False, probes: ProbeSchedule | None = None) -> None:
+                 overlap: bool = False, probes: ProbeSchedule | None = None,
+                 load_cap: LoadCap | None = None) -> None:
         self.costs = costs
+        self.load_cap = load_cap
+        self._cap = 0  # the load cap the last γ was chosen under
         self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
         self.curve = curve
@@ -130,6 +255,15 @@ class CostPolicy:
         return [min(rate * scale, 0.999) for rate in curve] + [min(self.alpha, 0.999)] * 32
 
     def next_draft_length(self) -> int:
+        if self.load_cap is None:
+            return self._own_draft_length()
+        self._cap = self.load_cap.cap()
+        # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
+        return min(self._own_draft_length(), self._cap) if self._cap else 0
+
+    def _own_draft_length(self) -> int:
+        """The γ this request's own acceptance and the measured step costs call for."""
+        self._probing = False
         span = range(self.profile.min_draft_length, self.profile.max_draft_length + 1)
         best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve(), self.overlap)
         if best > 0:
@@ -144,6 +278,8 @@ class CostPolicy:
         return 1 if self._probing else 0
 
     def observe(self, record: StepRecord) -> None:
+        if self.load_cap is not None:
+            self.load_cap.observe(self._cap, record)
         if record.draft_length == 0:
             return
         if self._probing:

@@ -22,7 +22,8 @@ from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
                             speculate)
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, Mode, ProbeSchedule
+from gateway.policy import (POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode,
+                            ProbeSchedule)
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
@@ -170,8 +171,8 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
 
 
 def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
-                 probes: ProbeSchedule | None = None) -> DraftLengthPolicy:
-    """The γ policy object of one request (probes: the pair and task's shared probe spacing)."""
+                 probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
+    """The γ policy object of one request; `probes` and `load_cap` are shared by the pair and task's requests."""
     profile = parsed.profile
     if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
         return FixedPolicy(0)
@@ -185,7 +186,7 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
             profile = replace(profile, prior_acceptance=measured)
         return CostPolicy(stats.costs(model_pair), profile,
                           curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                          overlap=parsed.generation.overlap, probes=probes)
+                          overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
     if parsed.policy == "confidence":
         return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
     return FixedPolicy(parsed.draft_length)
@@ -227,8 +228,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.selector = selector
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
-        # (model pair, task type) → probe spacing of the cost policy, shared across requests
+        # The cost policy's state shared across requests: probe spacing per (model pair, task
+        # type), the load cap per model pair.
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
+        self._load_caps: dict[str, LoadCap] = {}
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
 
     def _choose(self, task_type: str, user_segment: str) -> str:
@@ -303,12 +306,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         model_pair = self._model_pair(generation.draft_model)
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
-        # Keyed by the capped label: task_type is free text, and a new one per request
-        # must not grow this table without bound.
-        probes = self._probes.setdefault((model_pair, labels.task_type), ProbeSchedule())
-        policy = build_policy(parsed, self.stats, model_pair, probes)
-
         diagnostic = parsed.user_segment == DIAGNOSTIC_SEGMENT
+        # Keyed by the capped label: task_type is free text, and a new one per request
+        # must not grow these tables without bound.
+        shared = (model_pair, labels.task_type)
+        if diagnostic:  # the doctor's requests learn on their own, so they change no serving state
+            probes, load_cap = ProbeSchedule(), None
+        else:
+            probes = self._probes.setdefault(shared, ProbeSchedule())
+            load_cap = self._load_caps.get(model_pair)
+            if load_cap is None:  # one per pair: every task's sessions share the target's forwards
+                load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length)
+        policy = build_policy(parsed, self.stats, model_pair, probes, load_cap)
         goodput = [0, 0.0]  # tokens and ms of the steps after the first (which also prefills)
 
         def count_step(record: StepRecord, generated_before: int) -> None:

@@ -60,7 +60,7 @@ def _sooner(timeout_s: float, remaining: float | None) -> float:
 
 
 def _batch(message: worker_pb2.BatchInfo) -> BatchStats:
-    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards)
+    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards, message.sessions)
 
 
 def _transform_pb(transform: Transform) -> worker_pb2.Transform:

@@ -42,6 +42,7 @@ class BatchStats:
     tokens: int = 0  # tokens in that forward
     queue_ms: float = 0.0  # from arrival to its first forward
     forwards: int = 0  # forwards the step took part in
+    sessions: int = 0  # sessions the worker held when the step ran: the load it serves
 
 
 class Job:
@@ -61,11 +62,12 @@ class Job:
         self.forward_ms = 0.0  # time of the forwards this job took part in
         self.forwards = 0
         self.largest = (0, 0)  # (sessions, tokens) of the largest forward it shared
+        self.open_sessions = 0  # sessions the worker held at the step's first forward
         self.future: asyncio.Future | None = None
 
     def batch_stats(self) -> BatchStats:
         queue_ms = ((self.started or self.submitted) - self.submitted) * 1e3
-        return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards)
+        return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards, self.open_sessions)
 
     def next_row(self, chunk: int) -> BatchRow:
         """The tokens this job feeds in the next forward (logits only with its last tokens)."""
@@ -204,8 +206,10 @@ class Scheduler:
             if not jobs:
                 continue
             now = time.perf_counter()
+            held = self._open_sessions()
             for job in jobs:
-                job.started = job.started or now
+                if job.started is None:
+                    job.started, job.open_sessions = now, held
             self.busy = True
             try:
                 outcomes = await loop.run_in_executor(self._executor, self._run_on_thread, jobs, rows)

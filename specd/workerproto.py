@@ -17,13 +17,14 @@ def transform_from_pb(message: worker_pb2.Transform) -> Transform:
 
 def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:
     return worker_pb2.BatchInfo(size=batch.size, tokens=batch.tokens, queue_ms=batch.queue_ms,
-                                forwards=batch.forwards)
+                                forwards=batch.forwards, sessions=batch.sessions)
 
 
 def batch_span_attributes(batch: BatchStats) -> dict:
     """The batching attributes every worker step span carries (docs/tracing.md)."""
     return {"specd.batch.size": batch.size, "specd.batch.tokens": batch.tokens,
-            "specd.batch.queue_ms": batch.queue_ms, "specd.batch.forwards": batch.forwards}
+            "specd.batch.queue_ms": batch.queue_ms, "specd.batch.forwards": batch.forwards,
+            "specd.batch.sessions": batch.sessions}
 
 
 # Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),

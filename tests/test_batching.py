@@ -185,6 +185,22 @@ def test_kv_memory_is_the_arithmetic(model_dirs):
     assert arithmetic <= runner.sessions.kv_bytes() <= 1.1 * arithmetic
 
 
+def test_a_step_reports_the_sessions_its_worker_holds(model_dirs):
+    """The load the gateway's cap is chosen for: sessions held, not just those in the forward."""
+    runner = ModelRunner(model_dirs["target"], max_sessions=8)
+
+    async def steps() -> list[int]:
+        held = []
+        for i in range(3):
+            scores = await runner.score(f"s{i}", 0, [5, 6, 7], [], Transform())
+            held.append(scores.batch.sessions)
+        await runner.close()
+        return held
+
+    # Each step runs alone, and each finds one more session open than the last.
+    assert asyncio.run(steps()) == [1, 2, 3]
+
+
 def test_bad_batch_settings_are_named():
     assert "batch layout" in " ".join(BatchSettings(layout="sideways").problems())
     assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()

@@ -1,8 +1,11 @@
 """Each γ policy's decisions on scripted acceptance sequences."""
 from __future__ import annotations
 
+import random
+
 from gateway.engine import StepRecord
-from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy
+from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
+from specd.batching import BatchStats
 from specd.costmodel import StepCosts
 from specd.tasks import TaskProfile
 
@@ -147,3 +150,52 @@ def test_probe_spacing_is_shared_across_requests():
             policy.observe(step(gamma, 0))
         probes_per_request.append(probes)
     assert probes_per_request[-1] < probes_per_request[0] and probes_per_request[-1] <= 1, probes_per_request
+
+
+def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: float = 0.7) -> list[int]:
+    """Steps of AUTO requests that all share `cap`, in a world where a step under cap c costs
+    step_ms(c) for everyone (every session in the forward speculates alike); the γ of each step."""
+    rng = random.Random(0)
+    costs = measured_costs(0.5)  # alone, a long draft pays: the request's own choice is γ ≥ 3
+    policy = CostPolicy(costs, TaskProfile(alpha, 1, 8), load_cap=cap)
+    chosen = []
+    for index in range(1, steps + 1):
+        gamma = policy.next_draft_length()
+        accepted = 0
+        while accepted < gamma and rng.random() < alpha:
+            accepted += 1
+        chosen.append(gamma)
+        policy.observe(StepRecord(
+            index=index, position=0, draft_length=gamma, accepted=accepted, bonus=accepted == gamma, token=0,
+            emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma, verify_ms=step_ms(cap.cap()),
+            draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+            verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions)))
+    return chosen
+
+
+def test_load_cap_turns_speculation_off_where_the_forward_is_compute_bound():
+    """Sixteen sessions on a target whose forward's time grows with every token in it: each
+    request alone would still speculate, but all of them doing so is slower than none."""
+    cap = LoadCap(highest=8)
+    chosen = run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=3000)
+    late = chosen[-1000:]
+    assert cap.cap() == 0 and late.count(0) >= 0.9 * len(late), cap.rates()
+    assert cap.rates()[16][0] > max(rate for c, rate in cap.rates()[16].items() if c > 0)
+
+
+def test_load_cap_keeps_speculating_where_verifying_is_nearly_free():
+    """A memory-bound forward (a GPU's, at this batch): more positions cost almost nothing, so
+    the cap stays where the requests' own choice is."""
+    cap = LoadCap(highest=8)
+    chosen = run_under_load(cap, lambda c: 10.0 + 16 * (c + 1) * 0.02, sessions=16, steps=3000)
+    assert cap.cap() >= 3 and sum(chosen[-1000:]) / 1000 >= 2.5, cap.rates()
+
+
+def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_capped():
+    cap = LoadCap(highest=8)
+    chosen = run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=6000)
+    trials = [i for i in range(1, len(chosen)) if chosen[i] > 0 and chosen[i - 1] == 0]
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert len(gaps) >= 2 and gaps[-1] > gaps[0], trials
+    alone = run_under_load(cap, lambda c: 10.0, sessions=1, steps=50)
+    assert cap.cap() == 8 and min(alone[1:]) >= 3

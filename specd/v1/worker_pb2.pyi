@@ -136,16 +136,18 @@ class VerifyResponse(_message.Message):
     def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ...) -> None: ...
 
 class BatchInfo(_message.Message):
-    __slots__ = ("size", "tokens", "queue_ms", "forwards")
+    __slots__ = ("size", "tokens", "queue_ms", "forwards", "sessions")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     size: int
     tokens: int
     queue_ms: float
     forwards: int
-    def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ...) -> None: ...
+    sessions: int
+    def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
