@@ -29,9 +29,10 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from specd.cli import _stop_all, _wait_healthy  # noqa: E402
+from specd.cli.commands import wait_healthy  # noqa: E402
+from specd.cli.supervisor import stop_all  # noqa: E402
 from specd.config import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
-from specd.tracecli import load_spans, start_collector  # noqa: E402
+from specd.cli.trace import load_spans, start_collector  # noqa: E402
 from specd.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 PROMPTS = [
@@ -143,7 +144,7 @@ def main() -> int:
         procs = [p for _, ps in stacks.values() for p in ps]
         try:
             for address, ps in stacks.values():
-                if not _wait_healthy(address, ps, timeout_s=300):
+                if not wait_healthy(address, ps, timeout_s=300):
                     print("a stack did not start; see the messages above", file=sys.stderr)
                     return 1
             channels = {name: grpc.insecure_channel(address) for name, (address, _) in stacks.items()}
@@ -166,7 +167,7 @@ def main() -> int:
             for channel in channels.values():
                 channel.close()
         finally:
-            _stop_all(procs, grace_s=20)  # SIGTERM: the traced stack flushes its spans
+            stop_all(procs, grace_s=20)  # SIGTERM: the traced stack flushes its spans
             collector.stop(grace=2).wait()
 
         spans = load_spans(spans_file)

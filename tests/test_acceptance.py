@@ -121,7 +121,7 @@ def test_classified_task_type_is_reported(stack):
 def test_bench_runs_against_a_gateway(stack, tmp_path):
     import argparse
 
-    from specd import bench
+    from specd.cli import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from conftest import make_model, request, start_stack
 from specd.acceptance import DIAGNOSTIC_SEGMENT
 from specd.cli import main
-from specd.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma
+from specd.cli.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma
 from specd.drift import load_baseline
 from specd.v1 import gateway_pb2
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from conftest import request, start_stack
-from specd.supervisor import Backoff, Supervisor
+from specd.cli.supervisor import Backoff, Supervisor
 from specd.v1 import gateway_pb2_grpc
 from tcpproxy import TcpProxy
 from test_cli import free_port

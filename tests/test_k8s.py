@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specd.certs import K8S_NAMESPACE, K8S_SERVICES, service_dns_names
+from specd.cli.certs import K8S_NAMESPACE, K8S_SERVICES, service_dns_names
 from specd.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,11 +24,12 @@ from opentelemetry.util._once import Once
 from conftest import request, start_stack
 from gateway.engine import GenerationRequest, NoTracer
 from gateway.tracing import RequestTrace
-from specd.cli import _stop_all, _wait_healthy
+from specd.cli.commands import wait_healthy
+from specd.cli.supervisor import stop_all
 from specd.drift import DriftSettings, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
-from specd.tracecli import load_spans, pick_trace, render, step_rows
+from specd.cli.trace import load_spans, pick_trace, render, step_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,7 +256,7 @@ def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path)
                                    "--draft-address", f"127.0.0.1:{draft_port}",
                                    "--verifier-address", f"127.0.0.1:{verifier_port}"], env=env, cwd=REPO),
         ]
-        assert _wait_healthy(f"127.0.0.1:{gateway_port}", procs, timeout_s=120), "services did not start"
+        assert wait_healthy(f"127.0.0.1:{gateway_port}", procs, timeout_s=120), "services did not start"
         import grpc
 
         from specd.v1 import gateway_pb2_grpc
@@ -263,11 +264,11 @@ def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path)
         with grpc.insecure_channel(f"127.0.0.1:{gateway_port}") as channel:
             response = gateway_pb2_grpc.GatewayStub(channel).Generate(
                 request("def fibonacci(n):", temperature=1.0, seed=3, max_new_tokens=16), timeout=60)
-        _stop_all(procs, grace_s=20)  # SIGTERM: each provider flushes its batch on exit
+        stop_all(procs, grace_s=20)  # SIGTERM: each provider flushes its batch on exit
         assert [p.returncode for p in procs] == [0, 0, 0]
     finally:
-        _stop_all(procs, grace_s=5)
-        _stop_all([collector], grace_s=5)
+        stop_all(procs, grace_s=5)
+        stop_all([collector], grace_s=5)
 
     spans = pick_trace(load_spans(out), None)
     assert spans[0]["trace_id"] == response.trace_id, "the latest trace is this request's"

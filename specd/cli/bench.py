@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.clientauth import add_api_key_argument
+from specd.cli.clientauth import add_api_key_argument
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 # Built-in workload for the shipped demo pair (Python source and English prose). These
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype for transformers' generate; match the services' --dtype")
     parser.add_argument("--concurrency", default="",
                         help="comma list of requests in flight, e.g. 1,4,8,16: measure throughput and latency "
-                             "under load (specd.loadbench) instead of one request at a time")
+                             "under load (specd.cli.loadbench) instead of one request at a time")
     parser.add_argument("--requests-per-level", type=int, default=32,
                         help="with --concurrency: requests per configuration and level")
     add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
@@ -222,7 +222,7 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
-    from specd.clientauth import with_api_key
+    from specd.cli.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
 
     results = [Result(c) for c in configs]
@@ -386,8 +386,8 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
     """Every configuration at every concurrency level, and transformers' batched generate beside."""
     import grpc
 
-    from specd import loadbench
-    from specd.clientauth import with_api_key
+    from specd.cli import loadbench
+    from specd.cli.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
 
     levels = [int(n) for n in args.concurrency.split(",")]

@@ -7,8 +7,8 @@
     specd generate   send a prompt to a gateway; print the text and acceptance figures
     specd bench      compare γ policies and target-only decoding against a running gateway
     specd distill    train a draft to agree with its target (KL to the target's outputs)
-    specd trace      collect spans over OTLP into a file; show a request's steps (specd.tracecli)
-    specd certs      write a development CA and server/client certificates (specd.certs)
+    specd trace      collect spans over OTLP into a file; show a request's steps (specd.cli.trace)
+    specd certs      write a development CA and server/client certificates (specd.cli.certs)
 
 Settings objects (`specd.config`) are built here from the flags, once, and passed in.
 Tracing is configured by the standard OTEL_* variables only (`specd.telemetry`).
@@ -31,7 +31,7 @@ from pathlib import Path
 from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, BatchSettings, ClientTLS,
                           DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
 from specd.drift import DriftSettings
-from specd.clientauth import MissingApiKey, add_api_key_argument
+from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
@@ -247,8 +247,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 # -- serve: the three together --------------------------------------------------------------
 
-def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
-                  tls: ClientTLS = ClientTLS()) -> bool:
+def wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
+                 tls: ClientTLS = ClientTLS()) -> bool:
+    """Whether the server at `address` reports SERVING (grpc.health.v1) within timeout_s;
+    False as soon as one of `procs` has exited."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -297,7 +299,7 @@ def _port_taken(host: str, port: int) -> bool:
 
 def _tls_dir(directory: Path) -> dict[str, Path]:
     """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
-    from specd.certs import FILES
+    from specd.cli.certs import FILES
 
     paths = {name: directory / name for name in FILES}
     missing = [name for name, path in paths.items() if not path.is_file()]
@@ -305,13 +307,6 @@ def _tls_dir(directory: Path) -> dict[str, Path]:
         raise TLSConfigError(f"--tls {directory}: missing {', '.join(missing)}; make them with "
                              f"`specd certs {directory}`")
     return paths
-
-
-def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM the processes, SIGKILL what is left after grace_s (what `specd serve` does)."""
-    from specd.supervisor import stop_all
-
-    stop_all(procs, grace_s)
 
 
 def _edge_flags(args: argparse.Namespace) -> list[str]:
@@ -362,7 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from specd.supervisor import Supervisor
+    from specd.cli.supervisor import Supervisor
 
     supervisor = Supervisor(env)
     with tempfile.TemporaryDirectory(prefix="specd-serve-") as run_dir:
@@ -400,7 +395,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
                 *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
                 *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
-            if not _wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
+            if not wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
                       file=sys.stderr)
                 return 1
@@ -437,7 +432,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
-    from specd.clientauth import with_api_key
+    from specd.cli.clientauth import with_api_key
 
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
@@ -624,18 +619,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(generate)
     generate.set_defaults(func=cmd_generate)
 
-    from specd.tracecli import add_parser as add_trace_parser
+    from specd.cli.trace import add_parser as add_trace_parser
 
     add_trace_parser(sub)
 
-    from specd import bench as bench_module
-    from specd import distill as distill_module
+    from specd.cli import bench as bench_module
+    from specd.cli import distill as distill_module
 
     bench = sub.add_parser("bench", help="compare γ policies and target-only against a running gateway")
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run)
 
-    from specd import doctor as doctor_module
+    from specd.cli import doctor as doctor_module
 
     doctor = sub.add_parser("doctor", help="run the acceptance checklist against a running gateway "
                                            "(exit 0 healthy, 1 warnings, 2 speculation hurting)")
@@ -646,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill_module.add_arguments(distill)
     distill.set_defaults(func=distill_module.run)
 
-    from specd import certs as certs_module
+    from specd.cli import certs as certs_module
 
     certs = sub.add_parser("certs", help="write a development CA and server/client certificates")
     certs_module.add_arguments(certs)
@@ -662,6 +657,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specd {args.command}: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -505,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m specd.distill`` (the same options as ``specd distill``)."""
+    """Run as ``python -m specd.cli.distill`` (the same options as ``specd distill``)."""
     parser = argparse.ArgumentParser(prog="specd distill", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,0 +1,19 @@
+"""The application layer: the `specd` command line and the tools behind its commands.
+
+    commands   the parser, `main`, and serve / draft / verifier / gateway / generate
+    supervisor `specd serve`'s process supervisor (restart a worker that dies)
+    bench      `specd bench`: every γ policy and target-only, side by side
+    loadbench  `specd bench --concurrency`: throughput and latency under load
+    doctor     `specd doctor`: the acceptance checklist against a live gateway
+    distill    `specd distill`: train a draft to agree with its target
+    trace      `specd trace collect|show`: spans without a tracing backend
+    certs      `specd certs`: a development CA and certificates
+    clientauth the client side of API keys (--api-key-env)
+
+This package is the only one that may import the services (`draft_service`,
+`verifier_service`, `gateway`); nothing in the core `specd` package or in a service
+imports it (tests/test_layering.py). `python -m specd.cli` is the `specd` command.
+"""
+from specd.cli.commands import build_parser, main
+
+__all__ = ["build_parser", "main"]
