@@ -13,6 +13,8 @@ from specd.tasks import DEFAULT_PROFILES, TaskProfile
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
+# Where each service listens unless told otherwise (`specd gateway|draft|verifier --port`).
+DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,11 @@ class ServerSettings:
 
 
 DRAFT_SELECTIONS = ("task-map", "goodput")
+# The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
+# settings object keeps "task-map" by default so code that embeds the gateway opts in.
+CLI_DRAFT_SELECTION = "goodput"
 BATCH_LAYOUTS = ("ragged", "padded")  # specd.kvstore
+DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.runtime maps them to torch
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,6 @@ class ModelSettings:
     """How a worker runs its model(s)."""
 
     dtype: str = "float32"
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
     device: str = "cpu"  # "cuda", "cuda:1", ...
     batching: BatchSettings = BatchSettings()
@@ -136,8 +141,8 @@ class VerifierSettings:
 class GatewaySettings:
     server: ServerSettings
     # Workers by address: one or a comma list of host:port (sessions are spread over them).
-    verifier_address: str = "127.0.0.1:50053"
-    draft_address: str = "127.0.0.1:50052"  # empty (and no draft_service): every request decodes plainly
+    verifier_address: str = f"127.0.0.1:{DEFAULT_VERIFIER_PORT}"
+    draft_address: str = f"127.0.0.1:{DEFAULT_DRAFT_PORT}"  # empty (and no draft_service): every request decodes plainly
     # Or by Kubernetes Service: watch its EndpointSlices (overrides the address).
     verifier_service: str = ""
     draft_service: str = ""
@@ -148,7 +153,7 @@ class GatewaySettings:
     default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128
-    worker_timeout_s: float = 30.0  # how long to wait for a worker (start-up, reconnect)
+    worker_timeout_s: float = 60.0  # how long to wait for a worker at start-up and for each step
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
     worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
     max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
@@ -177,7 +182,7 @@ class GatewaySettings:
     # How a request that names no draft gets one: "task-map" (--task-draft, else the
     # default draft) or "goodput" (specd.selection: the best measured tokens/ms per task
     # type and user segment, starting from the task map). `specd gateway` defaults to
-    # goodput; this object keeps the task map so embedding code opts in.
+    # goodput (CLI_DRAFT_SELECTION); this object keeps the task map so embedding code opts in.
     draft_selection: str = "task-map"
     drift: DriftSettings = DriftSettings()  # when a drop in acceptance raises a flag
     # A pinned acceptance per (model pair, task type) to judge drift against instead of

@@ -28,43 +28,52 @@ import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (BATCH_LAYOUTS, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, BatchSettings, ClientTLS,
+from specd.config import (BATCH_LAYOUTS, CLI_DRAFT_SELECTION, DEFAULT_DRAFT_PORT, DEFAULT_GATEWAY_PORT,
+                          DEFAULT_VERIFIER_PORT, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, DTYPES, BatchSettings,
+                          ClientTLS,
                           DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
 from specd.drift import DriftSettings
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
-DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
+# Flag defaults come from the settings objects (specd.config), never from literals here.
+SERVER = ServerSettings()
+MODEL = ModelSettings()
+DRAFT = DraftSettings(SERVER)
+VERIFIER = VerifierSettings(SERVER)
+GATEWAY = GatewaySettings(SERVER)
 
 
 # -- the three services ---------------------------------------------------------------------
 
 def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in a container)")
+    parser.add_argument("--host", default=SERVER.host, help="interface to bind (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--grace", type=float, default=SERVER.grace_s, help="seconds to drain on SIGTERM")
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the certificate's private key (PEM)")
     parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
                         help="require client certificates signed by this CA (mutual TLS)")
-    parser.add_argument("--health-port", type=int, default=0,
+    parser.add_argument("--health-port", type=int, default=SERVER.health_port,
                         help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes "
                              "probes, which cannot speak TLS); 0: off")
     parser.add_argument("--port-file", type=Path, metavar="FILE",
                         help="write the port listened on to this file once serving (with --port 0)")
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+def _model_args(parser: argparse.ArgumentParser, defaults: DraftSettings | VerifierSettings) -> None:
+    parser.add_argument("--dtype", default=defaults.model.dtype, choices=DTYPES)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU beyond)")
-    parser.add_argument("--device", default="cpu", help="torch device of the model(s): cpu, cuda, cuda:1")
+    parser.add_argument("--max-sessions", type=int, default=defaults.model.max_sessions,
+                        help="KV caches kept (LRU beyond)")
+    parser.add_argument("--device", default=defaults.model.device,
+                        help="torch device of the model(s): cpu, cuda, cuda:1")
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the worker to these CPUs (e.g. 0 or 2-3), as it would own a GPU; torch threads "
                              "default to one per CPU")
     _batch_args(parser)
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--metrics-host", default=defaults.metrics_host, help="interface of the /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="serve Prometheus metrics (sessions held, steps queued, KV bytes) at "
                              "http://HOST:PORT/metrics (0: off)")
 
@@ -101,7 +110,7 @@ def _batch_settings(args: argparse.Namespace) -> BatchSettings:
 
 
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    return ModelSettings(args.dtype, args.threads, args.max_sessions, args.device, _batch_settings(args))
+    return ModelSettings(args.dtype, args.max_sessions, args.device, _batch_settings(args))
 
 
 def _batch_flags(args: argparse.Namespace) -> list[str]:
@@ -468,25 +477,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     from gateway.policy import POLICIES
 
-    parser.add_argument("--policy", choices=POLICIES, default="cost",
-                        help="γ policy of SPECULATION_MODE_AUTO (default: cost)")
+    parser.add_argument("--policy", choices=POLICIES, default=GATEWAY.auto_policy,
+                        help=f"γ policy of SPECULATION_MODE_AUTO (default: {GATEWAY.auto_policy})")
     parser.add_argument("--task-draft", action="append", metavar="TASK=DRAFT",
                         help="use this draft model for requests of this task type (repeatable)")
     parser.add_argument("--overlap", action="store_true",
                         help="overlapped speculation by default: the draft pre-drafts the next step while "
                              "the target verifies (requests may still set speculation.overlap)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="interface of the /metrics endpoint")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--metrics-host", default=GATEWAY.metrics_host, help="interface of the /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=GATEWAY.metrics_port,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
-    parser.add_argument("--draft-selection", choices=DRAFT_SELECTIONS, default="goodput",
+    parser.add_argument("--draft-selection", choices=DRAFT_SELECTIONS, default=CLI_DRAFT_SELECTION,
                         help="draft of a request that names none: goodput (the best measured tokens/ms per "
                              "task type and user segment, starting from --task-draft) or task-map")
-    parser.add_argument("--drift-min-drop", type=float, default=DriftSettings().min_drop, metavar="POINTS",
+    parser.add_argument("--drift-min-drop", type=float, default=GATEWAY.drift.min_drop, metavar="POINTS",
                         help="acceptance drop (0..1) of the sliding window below its reference that raises "
                              "the drift flag when significant (default %(default)s)")
     parser.add_argument("--acceptance-baseline", type=Path, metavar="FILE",
                         help="judge drift against this pinned acceptance per model pair and task type "
                              "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
+
+
+def _gateway_default_args(parser: argparse.ArgumentParser) -> None:
+    """What a request gets when it does not say (gateway and serve)."""
+    parser.add_argument("--draft-length", type=int, default=GATEWAY.default_draft_length, help="default γ")
+    parser.add_argument("--max-new-tokens", type=int, default=GATEWAY.default_max_new_tokens,
+                        help="default generation length")
 
 
 def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
@@ -496,7 +512,7 @@ def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
                              "decides the request's user segment")
     parser.add_argument("--protect-reflection", action="store_true",
                         help="with --api-keys, server reflection needs a key too (health checks never do)")
-    parser.add_argument("--key-max-in-flight", type=int, default=0,
+    parser.add_argument("--key-max-in-flight", type=int, default=GATEWAY.key_max_in_flight,
                         help="requests in flight per API key; more get RESOURCE_EXHAUSTED (0: no limit)")
 
 
@@ -509,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", action="append", metavar="[NAME=]DIR",
                        help=f"draft model directory; repeat to host several, the first is the default "
                             f"(default: the demo draft, {DEMO_DRAFT})")
-    serve.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
+    serve.add_argument("--host", default=SERVER.host, help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
     serve.add_argument("--draft-port", type=int, default=0,
                        help="port of the draft worker on 127.0.0.1 (default 0: a free one)")
@@ -518,9 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls", metavar="DIR",
                        help="a `specd certs` directory: mutual TLS among the three processes, TLS "
                             "(no client certificates) for clients of the gateway")
-    serve.add_argument("--draft-length", type=int, default=4, help="default γ")
-    serve.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _gateway_default_args(serve)
+    serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
     serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
     # processes on the same cores a second thread only adds wake-ups (measured on 2
@@ -532,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
     serve.add_argument("--verifier-cpus", default="", metavar="LIST",
                        help="pin the verifier worker to these CPUs (e.g. 1)")
-    serve.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+    serve.add_argument("--pre-draft-branches", default=DRAFT.pre_draft_branches, metavar="all|bonus|K",
                        help="with --overlap: which verdicts the draft pre-drafts for (see specd draft --help)")
     _batch_args(serve)
     _gateway_policy_args(serve)
@@ -543,58 +558,57 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(draft, DEFAULT_DRAFT_PORT)
     draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
                        help="a draft model directory; repeat to host several (the first is the default)")
-    _model_args(draft)
-    draft.add_argument("--pre-draft-branches", default=DraftSettings.pre_draft_branches, metavar="all|bonus|K",
+    _model_args(draft, DRAFT)
+    draft.add_argument("--pre-draft-branches", default=DRAFT.pre_draft_branches, metavar="all|bonus|K",
                        help="overlapped speculation: pre-draft for every accepted length (all), only for everything "
                             "accepted (bonus), or for the K verdicts the draft finds most likely (default "
-                            f"{DraftSettings.pre_draft_branches})")
+                            f"{DRAFT.pre_draft_branches})")
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")
     _server_args(verifier, DEFAULT_VERIFIER_PORT)
-    verifier.add_argument("--target", default=str(DEMO_TARGET), help="target model directory")
-    _model_args(verifier)
+    verifier.add_argument("--target", default=str(VERIFIER.target), help="target model directory")
+    _model_args(verifier, VERIFIER)
     verifier.set_defaults(func=cmd_verifier)
 
     gateway = sub.add_parser("gateway", help="run the gateway (the public API)")
     _server_args(gateway, DEFAULT_GATEWAY_PORT)
-    gateway.add_argument("--verifier-address", default=f"127.0.0.1:{DEFAULT_VERIFIER_PORT}",
+    gateway.add_argument("--verifier-address", default=GATEWAY.verifier_address,
                          help="host:port of the verifier, or a comma list (sessions spread over them)")
     gateway.add_argument("--verifier-service", default="",
                          help="Kubernetes Service of the verifiers: watch its EndpointSlices instead")
     gateway.add_argument("--draft-service", default="",
                          help="Kubernetes Service of the drafts: watch its EndpointSlices instead")
-    gateway.add_argument("--namespace", default="", help="namespace of those Services (default: the pod's)")
-    gateway.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_DRAFT_PORT}",
+    gateway.add_argument("--namespace", default=GATEWAY.namespace, help="namespace of those Services (default: the pod's)")
+    gateway.add_argument("--draft-address", default=GATEWAY.draft_address,
                          help="empty: no draft service, every request decodes plainly")
-    gateway.add_argument("--draft-length", type=int, default=4, help="default γ")
-    gateway.add_argument("--max-concurrent-requests", type=int, default=64,
+    _gateway_default_args(gateway)
+    gateway.add_argument("--max-concurrent-requests", type=int, default=GATEWAY.max_concurrent_requests,
                          help="requests served at once; more get RESOURCE_EXHAUSTED (keep ≤ --max-sessions)")
-    gateway.add_argument("--max-draft-length", type=int, default=16, help="largest γ a request may ask")
-    gateway.add_argument("--max-new-tokens", type=int, default=128, help="default generation length")
-    gateway.add_argument("--worker-timeout", type=float, default=60.0,
+    gateway.add_argument("--max-draft-length", type=int, default=GATEWAY.max_draft_length,
+                         help="largest γ a request may ask")
+    gateway.add_argument("--worker-timeout", type=float, default=GATEWAY.worker_timeout_s,
                          help="seconds to wait for a worker at start-up and for each step")
     gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
                          help="reach the workers over TLS, trusting certificates signed by this CA")
     gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
                          help="client certificate presented to the workers (mutual TLS)")
     gateway.add_argument("--worker-key", type=Path, metavar="FILE", help="the client certificate's private key")
-    gateway.add_argument("--worker-server-name", default="",
+    gateway.add_argument("--worker-server-name", default=GATEWAY.worker_tls.server_name,
                          help="name to check in the workers' certificates (default: the dialled host, "
                               "or the Service name with --verifier-service/--draft-service)")
     _gateway_policy_args(gateway)
     _gateway_edge_args(gateway)
-    defaults = GatewaySettings(ServerSettings())
-    gateway.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
-                         help=f"largest request message accepted (default {defaults.max_request_bytes})")
-    gateway.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes,
+    gateway.add_argument("--max-request-bytes", type=int, default=GATEWAY.max_request_bytes,
+                         help=f"largest request message accepted (default {GATEWAY.max_request_bytes})")
+    gateway.add_argument("--max-prompt-bytes", type=int, default=GATEWAY.max_prompt_bytes,
                          help=f"largest prompt in UTF-8 bytes, checked before tokenizing "
-                              f"(default {defaults.max_prompt_bytes})")
-    gateway.add_argument("--max-new-tokens-cap", type=int, default=defaults.max_new_tokens_cap,
-                         help=f"largest max_new_tokens a request may ask (default {defaults.max_new_tokens_cap})")
-    gateway.add_argument("--max-streams-per-connection", type=int, default=defaults.max_streams_per_connection,
+                              f"(default {GATEWAY.max_prompt_bytes})")
+    gateway.add_argument("--max-new-tokens-cap", type=int, default=GATEWAY.max_new_tokens_cap,
+                         help=f"largest max_new_tokens a request may ask (default {GATEWAY.max_new_tokens_cap})")
+    gateway.add_argument("--max-streams-per-connection", type=int, default=GATEWAY.max_streams_per_connection,
                          help=f"concurrent requests one client connection may carry "
-                              f"(default {defaults.max_streams_per_connection})")
+                              f"(default {GATEWAY.max_streams_per_connection})")
     gateway.set_defaults(func=cmd_gateway)
 
     generate = sub.add_parser("generate", help="generate from a running gateway")
