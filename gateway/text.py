@@ -17,7 +17,6 @@ class TextAssembler:
         self.stop = [s for s in stop if s]
         self.token_ids: list[int] = []
         self.released = 0  # characters of text already handed out
-        self._parts: list[str] = []
         self.stopped = False
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
@@ -59,13 +58,7 @@ class TextAssembler:
             return ""
         return self._release(self._decode(self.token_ids))
 
-    @property
-    def text(self) -> str:
-        """Everything released so far (the whole text after finish())."""
-        return "".join(self._parts)
-
     def _release(self, text: str) -> str:
         delta = text[self.released:]
         self.released += len(delta)
-        self._parts.append(delta)
         return delta
