@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import statistics
 import sys
 import sysconfig
@@ -35,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+
+from specd.cli.training import resume, train_for_budget  # noqa: E402
 
 RUNS = REPO / "runs" / "demo"
 MODELS = REPO / "models" / "demo"
@@ -219,13 +219,11 @@ def train(name: str, args: argparse.Namespace) -> None:
     model = make_model(recipe["shape"], tok)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.95),
                             weight_decay=0.1)
-    state = {"elapsed": 0.0, "step": 0, "tokens": 0, "losses": []}
     ck = ckdir / "state.pt"
-    if ck.exists():
-        saved = torch.load(ck, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
+    state = resume(ck, model, opt)
+    if state is None:
+        state = {"elapsed": 0.0, "step": 0, "tokens": 0, "losses": []}
+    else:
         log(f"{name}: resumed at step {state['step']}, {state['elapsed']:.0f}s elapsed")
     # Each run's budget is kept, so the card can say when a schedule was extended
     # (a warm restart: the cosine resumes at the point the longer budget puts it).
@@ -236,49 +234,33 @@ def train(name: str, args: argparse.Namespace) -> None:
     rng = np.random.default_rng(state["step"] + 1)
     nparams = sum(p.numel() for p in model.parameters())
     log(f"{name}: {nparams / 1e6:.2f}M parameters, budget {budget}s")
-    model.train()
-    warmup = 0.04 * budget
-    last_ck = time.monotonic()
-    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc=name,
-               mininterval=10, bar_format="{l_bar}{bar}| {n:.0f}/{total}s [{elapsed}<{remaining}{postfix}]")
-    while state["elapsed"] < budget:
-        t0 = time.monotonic()
-        frac = state["elapsed"]
-        lr_scale = frac / warmup if frac < warmup else \
-            0.1 + 0.45 * (1 + math.cos(math.pi * (frac - warmup) / (budget - warmup)))
-        for g in opt.param_groups:
-            g["lr"] = recipe["lr"] * lr_scale
+
+    def batch_loss() -> torch.Tensor:
         x = sample_batch(rng, data, recipe["batch"])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
                                                  x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        dt = time.monotonic() - t0
-        state["elapsed"] += dt
-        state["step"] += 1
         state["tokens"] += x.numel() - x.size(0)
         state["losses"].append(loss.item())
-        bar.update(min(dt, bar.total - bar.n))
+        return loss
+
+    def on_step(state: dict, bar) -> None:
         if state["step"] % 50 == 0:
             recent = statistics.mean(state["losses"][-50:])
             bar.set_postfix(loss=f"{recent:.3f}", tok_s=f"{state['tokens'] / state['elapsed']:.0f}")
-            log(f"{name} step {state['step']} loss {recent:.3f} lr {recipe['lr'] * lr_scale:.2e} "
+            log(f"{name} step {state['step']} loss {recent:.3f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"{state['tokens'] / state['elapsed']:.0f} tok/s {state['elapsed']:.0f}s")
-        if time.monotonic() - last_ck > 300 or state["elapsed"] >= budget:
-            # Write then rename, so a run killed mid-save keeps its previous checkpoint.
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state},
-                       ck.with_suffix(".tmp"))
-            ck.with_suffix(".tmp").replace(ck)
-            last_ck = time.monotonic()
-            # Held-out loss at each checkpoint: the curve shows whether more budget
-            # still helps or only memorises the small prose split.
-            log(f"{name} step {state['step']} val " +
-                " ".join(f"{t} {val_loss(model, t, windows=32):.3f}" for t in TYPES))
-    bar.close()
+
+    def on_save() -> None:
+        # Held-out loss at each checkpoint: the curve shows whether more budget
+        # still helps or only memorises the small prose split.
+        log(f"{name} step {state['step']} val " +
+            " ".join(f"{t} {val_loss(model, t, windows=32):.3f}" for t in TYPES))
+
+    train_for_budget(model, opt, state, budget=budget, peak_lr=recipe["lr"], warmup_share=0.04,
+                     batch_loss=batch_loss, checkpoint=ck, save_every_s=300, desc=name,
+                     on_step=on_step, on_save=on_save, mininterval=10)
     losses = {t: val_loss(model, t) for t in TYPES}
     summary = {"parameters": nparams, "shape": recipe["shape"], "budget_s": budget,
                "lr": recipe["lr"], "batch": recipe["batch"], "seq_len": SEQ_LEN,

@@ -6,6 +6,7 @@
     loadbench  `specd bench --concurrency`: throughput and latency under load
     doctor     `specd doctor`: the acceptance checklist against a live gateway
     distill    `specd distill`: train a draft to agree with its target
+    training   the time-budgeted training loop of `specd distill` and scripts/make_demo_pair.py
     trace      `specd trace collect|show`: spans without a tracing backend
     certs      `specd certs`: a development CA and certificates
     clientauth the client side of API keys (--api-key-env)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -32,6 +31,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from specd.cli.training import resume, save_atomic, train_for_budget
+from specd.costmodel import expected_tokens
 
 __all__ = ["add_arguments", "run", "measure_acceptance", "check_same_tokenizer",
            "sample_prompts", "speculative_steps"]
@@ -222,8 +224,9 @@ def measure_acceptance(target, draft, prompts_ids, gamma: int = 4, max_new_token
       :func:`speculative_steps`), counting the target's own token each step;
     - ``alpha``: sampled acceptance rate E[sum_v min(p(v), q(v))] at temperature 1,
       averaged over every position of target-sampled continuations (p target, q draft);
-    - ``expected_tokens_per_step_sampled``: (1 - alpha^(gamma+1)) / (1 - alpha), the
-      standard formula for sampled decoding if acceptances were independent;
+    - ``expected_tokens_per_step_sampled``: (1 - alpha^(gamma+1)) / (1 - alpha)
+      (`specd.costmodel.expected_tokens`), the standard formula for sampled decoding if
+      acceptances were independent;
     - ``prompts``, ``new_tokens``, ``gamma``.
 
     Continuations run for ``max_new_tokens`` whether or not the target emits its
@@ -254,9 +257,8 @@ def measure_acceptance(target, draft, prompts_ids, gamma: int = 4, max_new_token
         q = draft(seq[:, :-1]).logits[:, plen - 1:].float().softmax(-1)
         alpha_sum += float(torch.minimum(p, q).sum(-1).sum())
     alpha = alpha_sum / positions
-    expected = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return {"greedy_match": matched / positions, "tokens_per_step": positions / steps,
-            "alpha": alpha, "expected_tokens_per_step_sampled": expected,
+            "alpha": alpha, "expected_tokens_per_step_sampled": expected_tokens(alpha, gamma),
             "prompts": len(prompts_ids), "new_tokens": max_new_tokens, "gamma": gamma}
 
 
@@ -291,22 +293,6 @@ def _distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.
         tvd = 0.5 * ((p - q_top).abs().sum(-1) + (rest_p - rest_q).abs())
         return tvd.mean(), kl
     return ce.mean(), kl
-
-
-def _lr_scale(elapsed: float, budget: float) -> float:
-    # Time-based warm-up and cosine decay: the schedule ends when the budget does,
-    # however fast the machine is and however often the run was resumed.
-    warm = 0.05 * budget
-    if elapsed < warm:
-        return max(elapsed / warm, 0.02)
-    frac = min((elapsed - warm) / max(budget - warm, 1e-9), 1.0)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
-
-
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
 
 
 def _load_causal_lm(path):
@@ -348,12 +334,12 @@ def _sample_target(target, tok, texts: list[str], args, path: Path) -> dict:
         have += n
         bar.update(n)
         if time.monotonic() - last_save > 60:
-            _save_atomic(samples, path)
+            save_atomic(samples, path)
             last_save = time.monotonic()
     bar.close()
     if not samples["done"]:
         samples["done"] = True
-        _save_atomic(samples, path)
+        save_atomic(samples, path)
     return samples
 
 
@@ -365,47 +351,35 @@ def _train_draft(draft, samples: dict, budget: float, args, path: Path) -> dict:
     top_ids = torch.cat(samples["top_ids"])
     top_probs = torch.cat(samples["top_probs"])
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    state = {"elapsed": 0.0, "step": 0, "kl": [], "divergence": args.divergence}
-    if path.exists():
-        saved = torch.load(path, weights_only=False)
+
+    def check(saved: dict) -> None:
         # A checkpoint from before --divergence existed was trained on forward KL.
-        trained_on = saved["state"].get("divergence", "fkl")
+        trained_on = saved.get("divergence", "fkl")
         if trained_on != args.divergence:
             raise ValueError(f"{path} was trained with --divergence {trained_on}; resume with that, "
                              f"or give a new --work folder to train with {args.divergence}")
-        draft.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
-    draft.train()
+
+    state = resume(path, draft, opt, check) or {"elapsed": 0.0, "step": 0, "kl": [], "divergence": args.divergence}
     order: list[int] = []
-    last_save = time.monotonic()
-    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), desc="distilling draft",
-               unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total}s [{elapsed}<{remaining}{postfix}]")
-    while state["elapsed"] < budget:
-        t0 = time.monotonic()
+
+    def batch_loss() -> torch.Tensor:
+        nonlocal order
         if len(order) < args.batch_size:
             order = torch.randperm(len(seqs)).tolist()
         idx = torch.tensor([order.pop() for _ in range(args.batch_size)])
-        for g in opt.param_groups:
-            g["lr"] = args.lr * _lr_scale(state["elapsed"], budget)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = draft(seqs[idx, :-1]).logits
         loss, kl = _distill_loss(logits, top_ids[idx], top_probs[idx], args.divergence)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        dt = time.monotonic() - t0
-        state["elapsed"] += dt
-        state["step"] += 1
         state["kl"].append(float(kl))
-        bar.update(min(dt, bar.total - bar.n))
+        return loss
+
+    def on_step(state: dict, bar: tqdm) -> None:
         if state["step"] % 10 == 0:
             bar.set_postfix(kl=f"{sum(state['kl'][-10:]) / 10:.3f}", step=state["step"])
-        if time.monotonic() - last_save > 60 or state["elapsed"] >= budget:
-            _save_atomic({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state}, path)
-            last_save = time.monotonic()
-    bar.close()
+
+    train_for_budget(draft, opt, state, budget=budget, peak_lr=args.lr, warmup_share=0.05, warmup_floor=0.02,
+                     batch_loss=batch_loss, checkpoint=path, save_every_s=60, desc="distilling draft",
+                     on_step=on_step)
     draft.eval()
     return state
 
