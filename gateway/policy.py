@@ -1,7 +1,7 @@
 """Draft-length (γ) policies: how many tokens the draft proposes at each step.
 
 - `fixed`: the same γ every step.
-- `ema`: the seed essay's controller — an EMA of the acceptance rate over ~50 steps
+- `ema`: a feedback controller — an EMA of the acceptance rate over ~50 steps
   nudges γ up when above a target rate and down when well below it.
 - `cost`: the default for AUTO. Chooses the γ (0, i.e. no speculation, included) that
   maximises expected tokens per millisecond, from this request's acceptance estimate (an
@@ -56,7 +56,7 @@ class FixedPolicy:
 
 
 class EmaPolicy:
-    """The seed's controller: EMA of acceptance over ~`steps` steps against a target rate."""
+    """Feedback control of γ: EMA of acceptance over ~`steps` steps against a target rate."""
 
     name = "ema"
     min_confidence = 0.0

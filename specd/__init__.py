@@ -1,6 +1,35 @@
 """specd: speculative decoding served as three gRPC services (draft, verifier, gateway).
 
-This package is the shared core: the pure math (`sampling`, `rejection`), the model
-runtime (`runtime`), wire packing of distributions (`wire`), settings (`config`) and the
-command line (`cli`). Generated protobuf code lives in `specd.v1`.
+This package is the shared core. Layering, enforced by tests/test_layering.py:
+
+    core         specd (this package, but not specd.cli)
+      ↑ imported by
+    services     draft_service, verifier_service, gateway (none imports another)
+      ↑ imported by
+    application  specd.cli (the `specd` command and its tools; the only importer of services)
+
+The core's modules:
+
+    sampling      sampling transforms (temperature, top-k, top-p), the same for draft and target
+    rejection     speculative sampling: accept or reject draft tokens, keeping the target's law
+    costmodel     the speedup model (expected tokens per step, γ·c + v(γ)) and measured step costs
+    acceptance    acceptance statistics by model pair, task type, segment and position
+    drift         whether a segment's recent acceptance dropped below its reference
+    selection     which hosted draft serves a request that names none (measured goodput)
+    tasks         task types: the prompt classifier and per-task priors for the γ policies
+    runtime       model loading and the per-session runtime of the draft and verifier services
+    kvstore       batched KV caches: per-session block-grown storage, one batched forward
+    batching      the scheduler that batches one model's steps across sessions
+    jobs          one step of one session as the scheduler runs it: a proposal, a verification
+    predraft      overlapped speculation, draft side: branches pre-drafted during verification
+    identity      which model a worker holds: a digest of its weights
+    wire          packing probability distributions into protobuf bytes and back
+    workerproto   conversions between runtime objects and worker messages, for both workers
+    workermetrics Prometheus exposition of a worker's load
+    serving       what every service shares as a gRPC server: health, reflection, TLS, graceful stop
+    interceptors  server interceptors: every failure leaves with a real status
+    tls           TLS and mutual TLS credentials and channels
+    telemetry     tracing set-up (OTEL_* variables) and the workers' step spans
+    config        typed settings, one object per service, built in the entrypoint and passed in
+    v1            generated protobuf code (proto/specd/v1; scripts/gen_proto.py)
 """

@@ -160,7 +160,7 @@ class GatewaySettings:
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
     overlap: bool = False  # overlapped speculation unless a request says otherwise (specd.predraft)
     default_min_confidence: float = 0.5  # for the confidence policy
-    # task type → prior acceptance and γ bounds (the seed's table by default)
+    # task type → prior acceptance and γ bounds (specd.tasks.DEFAULT_PROFILES by default)
     task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
     # task type (or agent role) → draft model name; others use the default draft
     task_drafts: dict[str, str] = field(default_factory=dict)

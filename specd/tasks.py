@@ -1,7 +1,7 @@
 """Task types: a rule-based prompt classifier and per-task priors for the γ policies.
 
-Acceptance depends on the task (the seed essay's table: constrained outputs such as
-translation or summarization are easy to predict; code and agentic planning less so).
+Acceptance depends on the task: constrained outputs such as translation or
+summarization are easy to predict; code and agentic planning less so.
 The classifier is deliberately simple and measured (tests/test_tasks.py); a request's
 explicit `task_type` always wins over it.
 """
@@ -24,8 +24,8 @@ class TaskProfile:
     max_draft_length: int
 
 
-# The seed essay's production table (one company's figures, used only as priors; the
-# policies replace them with measured acceptance within a few steps).
+# Typical acceptance and useful γ per task type as one production deployment reported
+# them: priors only; the policies replace them with measured acceptance within a few steps.
 DEFAULT_PROFILES = {
     QA: TaskProfile(0.92, 4, 16),
     SUMMARIZATION: TaskProfile(0.88, 4, 14),

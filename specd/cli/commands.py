@@ -357,7 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spin after a forward would steal the next
-    # process's CPU (measured on 2 cores: 1.10× → 1.35× for γ = 4). Let them sleep.
+    # process's CPU (the figures: README, Benchmarks). Let them sleep.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     stop = {"now": False}
 
@@ -538,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
     serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
-    # processes on the same cores a second thread only adds wake-ups (measured on 2
-    # cores with the demo pair: c 0.27 -> 0.21, γ=4 1.25x -> 1.28-1.32x). -1: as --threads.
+    # processes on the same cores a second thread only adds wake-ups (the figures: README,
+    # Benchmarks). -1: as --threads.
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)

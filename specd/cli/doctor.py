@@ -1,4 +1,4 @@
-"""`specd doctor`: the seed essay's acceptance checklist, run against a live gateway.
+"""`specd doctor`: a checklist of what lowers acceptance, run against a live gateway.
 
 Over gRPC only (GetGatewayInfo and Generate), so it works on a remote cluster. Every
 request it sends carries the diagnostic user segment ("specd-doctor"): the gateway
@@ -36,7 +36,7 @@ DISTILL_BELOW = 0.6  # α below which a draft should be distilled on the target'
 TOO_GOOD = 0.95  # α above which the draft may be doing the target's job
 TOO_POOR = 0.4  # α below which speculation slows decoding down
 SHORT_OUTPUT = 50  # median generated tokens below which speculation rarely pays
-MAX_SWEEP = 20  # the essay's "test lengths from 2 to 20"
+MAX_SWEEP = 20  # the longest γ the sweep tries (capped by the gateway's maximum)
 
 
 @dataclass
