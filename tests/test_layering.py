@@ -1,0 +1,129 @@
+"""The layering rule: core → services → application, never upward or sideways.
+
+    core         specd (all but specd.cli): math, runtime, config, wire, telemetry
+    services     draft_service, verifier_service, gateway: each imports the core only
+    application  specd.cli: the `specd` command and its tools, the only importer of services
+
+Checked twice: statically, every import statement of every module (those inside
+functions too, which an import at run time would only reach when called); and by
+importing each layer in a fresh interpreter and looking at what it pulled in.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = ("draft_service", "verifier_service", "gateway")
+APPLICATION = "specd.cli"
+# The pure math imports no gRPC (DESIGN.md §1).
+MATH = ("specd.sampling", "specd.rejection", "specd.costmodel")
+
+
+def layer(module: str) -> str | None:
+    """"core", a service package's name, "application", or None (not ours)."""
+    if module == APPLICATION or module.startswith(APPLICATION + "."):
+        return "application"
+    root = module.split(".")[0]
+    if root in SERVICES:
+        return root
+    return "core" if root == "specd" else None
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """May a module of layer `importer` import one of layer `imported`?"""
+    if importer == "application" or imported is None or imported == "core":
+        return True
+    return imported == importer  # a service imports itself; nobody imports the application
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def our_modules() -> list[str]:
+    paths = [p for root in ("specd", *SERVICES) for p in sorted((REPO / root).rglob("*.py"))]
+    return [module_name(p) for p in paths]
+
+
+def imports_of(module: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in `module`'s source, wherever it stands; `from A
+    import B` counts as A and A.B (B may be a submodule); relative imports are resolved."""
+    path = REPO / Path(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_the_scan_sees_imports_inside_functions():
+    hidden = [name for _, name in imports_of("specd.cli.commands") if layer(name) in SERVICES]
+    assert "draft_service.server" in hidden and "gateway.server" in hidden  # both inside functions
+
+
+@pytest.mark.parametrize("module", [m for m in our_modules() if layer(m) != "application"])
+def test_no_module_imports_upward_or_sideways(module):
+    mine = layer(module)
+    wrong = [f"line {line}: {name} ({layer(name)})" for line, name in imports_of(module)
+             if not allowed(mine, layer(name))]
+    assert not wrong, f"{module} ({mine}) may import only the core{'' if mine == 'core' else ' and ' + mine}: {wrong}"
+
+
+@pytest.mark.parametrize("module", MATH)
+def test_the_math_imports_no_grpc(module):
+    assert not [name for _, name in imports_of(module) if name.split(".")[0] == "grpc"]
+
+
+_PULLED_IN = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def pulled_in(modules: list[str]) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules`."""
+    run = subprocess.run([sys.executable, "-c", _PULLED_IN, *modules], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("package", ["core", *SERVICES])
+def test_importing_a_layer_pulls_in_nothing_above_it(package):
+    """Every module of the layer in one interpreter: what they pull in together is the union
+    of what each pulls in alone, so one process answers for all; on a failure, one process
+    per module names the culprit."""
+    modules = [m for m in our_modules() if layer(m) == package]
+    assert modules
+
+    def wrong(names: list[str]) -> list[str]:
+        return [name for name in names if not allowed(package, layer(name))]
+
+    if wrong(pulled_in(modules)):
+        culprits = {m: wrong(pulled_in([m])) for m in modules}
+        pytest.fail(f"importing the {package} layer pulls in {({m: w for m, w in culprits.items() if w})}")
