@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from specd.config import DraftSettings
 from specd.batching import Overloaded
+from specd.config import DraftSettings
+from specd.interceptors import clip
 from specd.jobs import Proposal
 from specd.predraft import PreDraftRequest
 from specd.runtime import ModelRunner, SessionNotFound
@@ -20,10 +21,17 @@ from specd.serving import RunningServer, start_server
 from specd.telemetry import start_worker_span, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
-from specd.interceptors import clip
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (MAX_DRAFT_LENGTH, batch_span_attributes, batch_to_pb, identity_mismatch,
-                               model_info_to_pb, session_lost, step_problems, transform_from_pb)
+from specd.workerproto import (
+    MAX_DRAFT_LENGTH,
+    batch_span_attributes,
+    batch_to_pb,
+    identity_mismatch,
+    model_info_to_pb,
+    session_lost,
+    step_problems,
+    transform_from_pb,
+)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")

@@ -16,9 +16,9 @@ import contextlib
 import hashlib
 import hmac
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import grpc
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -96,7 +96,7 @@ class WorkerPool:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
             response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=timeout_s)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             hint = ""
             if self.tls.enabled:  # a failed handshake looks the same as no answer at all
                 hint = (" over TLS: check that --worker-ca signed the worker's certificate, that it names "

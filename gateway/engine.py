@@ -12,8 +12,9 @@ import enum
 import hashlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
 import grpc
 import torch
@@ -23,7 +24,6 @@ from specd.batching import BatchStats
 from specd.predraft import PreDraftRequest
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
-
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 from dataclasses import astuple
 
 from prometheus_client import start_http_server
-from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
-                                    SummaryMetricFamily)
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from specd.acceptance import LABEL_NAMES, AcceptanceStats

@@ -19,8 +19,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from gateway.engine import StepRecord
 from specd.costmodel import StepCosts, best_draft_length, load_bucket

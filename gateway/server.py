@@ -11,19 +11,17 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable
 
 import grpc
 
 from gateway.auth import ApiKeyInterceptor, KeyRing
 from gateway.backend import Backend, WorkerPool, connect
-from gateway.engine import (DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord,
-                            speculate)
+from gateway.engine import DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord, speculate
 from gateway.metrics import start_metrics_server
-from gateway.policy import (POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode,
-                            ProbeSchedule)
+from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode, ProbeSchedule
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links

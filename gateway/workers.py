@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
@@ -127,7 +127,7 @@ class WorkerLink:
                 code, details = exc.code(), exc.details()
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
                 code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "the worker did not answer in time"
             else:
                 if response is not grpc.aio.EOF:

@@ -16,8 +16,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from specd.config import DEMO_TARGET
 from specd import kvstore
+from specd.config import DEMO_TARGET
 from specd.kvstore import BatchRow, SessionKV
 
 

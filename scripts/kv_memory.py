@@ -40,7 +40,8 @@ async def main() -> None:
     arithmetic = args.sessions * args.tokens * runner.kv_bytes_per_token()
     print(f"{args.sessions} sessions × {args.tokens} tokens of {runner.info.name}: KV held {held / 2**20:.1f} MiB, "
           f"arithmetic {arithmetic / 2**20:.1f} MiB ({held / arithmetic:.3f}×); "
-          f"RSS grew {rss_mb() - before:.1f} MiB (peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+          f"RSS grew {rss_mb() - before:.1f} MiB "
+          f"(peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     await runner.close()
 
 

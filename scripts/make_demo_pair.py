@@ -410,7 +410,8 @@ def _card_markdown(name: str, cards: dict) -> str:
              "English help topics in `pydoc_data/topics.py` as task type **prose** (sampled at "
              f"{PROSE_FRACTION:.0%} of training sequences, about 3x its share of the text). "
              f"A stable hash holds out {split['code']} code files and {split['prose']} prose "
-             "blocks (12-paragraph pieces of topics) for validation losses and held-out prompts. Tokenizer: byte-level BPE, vocabulary "
+             "blocks (12-paragraph pieces of topics) for validation losses and held-out prompts. "
+             "Tokenizer: byte-level BPE, vocabulary "
              f"{c['vocab']}, trained on the training split; shared by all three models.\n",
              "## Model\n",
              _table([["layers", "hidden", "parameters", "weights"],

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+.venv/bin/ruff check .  # lint and import order ([tool.ruff] in pyproject.toml)
 .venv/bin/python -m pytest -q "$@"

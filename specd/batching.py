@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -192,7 +193,7 @@ class Scheduler:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _run(self) -> None:

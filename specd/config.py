@@ -142,7 +142,8 @@ class GatewaySettings:
     server: ServerSettings
     # Workers by address: one or a comma list of host:port (sessions are spread over them).
     verifier_address: str = f"127.0.0.1:{DEFAULT_VERIFIER_PORT}"
-    draft_address: str = f"127.0.0.1:{DEFAULT_DRAFT_PORT}"  # empty (and no draft_service): every request decodes plainly
+    # Empty (and no draft_service): every request decodes plainly.
+    draft_address: str = f"127.0.0.1:{DEFAULT_DRAFT_PORT}"
     # Or by Kubernetes Service: watch its EndpointSlices (overrides the address).
     verifier_service: str = ""
     draft_service: str = ""

@@ -20,8 +20,8 @@ Pure Python; no gRPC.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

@@ -12,8 +12,9 @@ import contextlib
 import inspect
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError

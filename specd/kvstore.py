@@ -23,8 +23,9 @@ are refused at load. No gRPC here.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from transformers import AttentionInterface

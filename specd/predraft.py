@@ -19,12 +19,13 @@ Nothing pre-drafted reaches the committed sequence except through a matching req
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from specd.jobs import Proposal, ProposeJob
 from specd.kvstore import SessionKV
 from specd.sampling import Transform
+
 
 def check_branches(mode: str) -> str:
     """Which verdicts to pre-draft for: "all" (every accepted length), "bonus" (only all

@@ -13,10 +13,10 @@ import asyncio
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -25,7 +25,7 @@ from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
 from specd.identity import weights_digest
-from specd.jobs import Proposal, ProposeJob, Scores, ScoreJob
+from specd.jobs import Proposal, ProposeJob, ScoreJob, Scores
 from specd.kvstore import BatchRow, SessionKV
 from specd.predraft import Branch, PreDraftRequest, PreDrafts
 from specd.sampling import Transform

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Logits are divided by the temperature: below this, float32 logits of ordinary size
 # overflow to inf and softmax returns NaN. Sampling this cold is greedy in all but name.
 MIN_TEMPERATURE = 1e-3

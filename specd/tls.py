@@ -18,8 +18,8 @@ import argparse
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 from cryptography import x509

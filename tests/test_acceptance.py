@@ -1,14 +1,13 @@
 """Acceptance statistics (sums, windows, labels), the cost model, and the Prometheus format."""
 from __future__ import annotations
 
-
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import request
 from gateway.metrics import AcceptanceCollector
-from prometheus_client import CollectorRegistry, generate_latest
 from specd.acceptance import AcceptanceStats, Counts, bucket
 from specd.costmodel import StepCosts, best_draft_length, expected_tokens, expected_tokens_from_curve
 from specd.v1 import gateway_pb2

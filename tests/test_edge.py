@@ -10,8 +10,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import request, start_stack
 from gateway.auth import KeyFileError, KeyRing
-from tcpproxy import TcpProxy
 from specd.v1 import gateway_pb2
+from tcpproxy import TcpProxy
 
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-9876543210"}
 

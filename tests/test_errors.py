@@ -6,9 +6,9 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request
+from draft_service.server import create_server as create_draft
 from gateway.backend import IncompatibleDraft
 from gateway.server import create_server as create_gateway
-from draft_service.server import create_server as create_draft
 from specd.config import DraftSettings, GatewaySettings, ServerSettings
 from specd.v1 import worker_pb2, worker_pb2_grpc
 

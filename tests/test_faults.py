@@ -93,7 +93,7 @@ def test_supervisor_restarts_workers_and_stops_when_the_gateway_exits(tmp_path):
             assert supervisor.check()
             time.sleep(0.02)
         assert len(set(flaky.history)) == 4 and gateway.restarts == 0
-        assert "specd serve: flaky (pid %d) exited with code 3; restarting it in 0.05 s" % flaky.history[0] in lines
+        assert f"specd serve: flaky (pid {flaky.history[0]}) exited with code 3; restarting it in 0.05 s" in lines
         assert any("restarting it in 0.2 s" in line for line in lines)  # doubled, then capped
         marker.touch()
         gateway.proc.wait(60)

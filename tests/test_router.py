@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from gateway.router import (Backoff, EndpointSliceWatcher, NoEndpoint, Router, endpoints_from_slices,
-                            parse_addresses)
+from gateway.router import Backoff, EndpointSliceWatcher, NoEndpoint, Router, endpoints_from_slices, parse_addresses
 from k8s_standin import StandinApiServer, endpoint_slice
 
 A, B, C = "10.0.0.1:50053", "10.0.0.2:50053", "10.0.0.3:50053"

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specd.sampling import Transform, probs_from_logits
 from specd.wire import pack_distributions, unpack_distributions

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
-from specd.cli.certs import service_dns_names, write_dev_certs
 from specd.cli import main as specd_main
+from specd.cli.certs import service_dns_names, write_dev_certs
 from specd.config import ClientTLS, DraftSettings, GatewaySettings, ServerSettings, ServerTLS, VerifierSettings
 from specd.serving import start_server
 from specd.tls import TLSConfigError, check_server_tls, client_channel

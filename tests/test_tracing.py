@@ -26,10 +26,10 @@ from gateway.engine import GenerationRequest, NoTracer
 from gateway.tracing import RequestTrace
 from specd.cli.commands import wait_healthy
 from specd.cli.supervisor import stop_all
+from specd.cli.trace import load_spans, pick_trace, render, step_rows
 from specd.drift import DriftSettings, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
-from specd.cli.trace import load_spans, pick_trace, render, step_rows
 
 REPO = Path(__file__).resolve().parents[1]
 

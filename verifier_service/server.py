@@ -5,21 +5,28 @@ Thin by design: call the runtime on the target's thread, convert.
 from __future__ import annotations
 
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from specd.config import VerifierSettings
 from specd.batching import Overloaded
+from specd.config import VerifierSettings
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
 from specd.telemetry import worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (batch_span_attributes, batch_to_pb, identity_mismatch, model_info_to_pb, session_lost,
-                               step_problems, transform_from_pb)
+from specd.workerproto import (
+    batch_span_attributes,
+    batch_to_pb,
+    identity_mismatch,
+    model_info_to_pb,
+    session_lost,
+    step_problems,
+    transform_from_pb,
+)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")

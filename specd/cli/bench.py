@@ -3,8 +3,9 @@
 For each prompt of a workload (prompts per task type), every configuration runs once, in
 turn, so slow drift of a shared machine hits them all alike. It prints a table
 (acceptance, mean tokens per step, tokens/s, ratio to target-only, and how many outputs
-equal target-only's — all of them when greedy) overall and per task type, and writes a report folder: report.md, results.json and PNG plots (acceptance by
-draft position, γ over a request, tokens/s per configuration). With --target/--draft it
+equal target-only's — all of them when greedy) overall and per task type, and writes a
+report folder: report.md, results.json and PNG plots (acceptance by draft position, γ
+over a request, tokens/s per configuration). With --target/--draft it
 also times transformers' own target-only and assisted generation on the same pair, in
 this process, for the "ours vs transformers" ratio.
 """
@@ -302,7 +303,8 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
             cells = []
             for t in tasks:
                 tokens, seconds, proposed, accepted = r.by_task.get(t, [0, 0.0, 0, 0])
-                cells.append(f"{(accepted / proposed if proposed else 0):>9.3f} / {tokens / seconds if seconds else 0:>8.1f}")
+                cells.append(f"{(accepted / proposed if proposed else 0):>9.3f} / "
+                             f"{tokens / seconds if seconds else 0:>8.1f}")
             lines.append(f"{r.config.label:<26} " + " ".join(f"{c:>20}" for c in cells))
     lines += selection_summary(results)
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def _san(names: list[str]) -> x509.SubjectAlternativeName:
 def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
                  issuer_key: ec.EllipticCurvePrivateKey, days: int, *, ca: bool = False,
                  usage: x509.ObjectIdentifier | None = None, names: list[str] = ()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder()
                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
                .issuer_name(issuer)

@@ -28,12 +28,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from specd.config import (BATCH_LAYOUTS, CLI_DRAFT_SELECTION, DEFAULT_DRAFT_PORT, DEFAULT_GATEWAY_PORT,
-                          DEFAULT_VERIFIER_PORT, DEMO_DRAFT, DEMO_TARGET, DRAFT_SELECTIONS, DTYPES, BatchSettings,
-                          ClientTLS,
-                          DraftSettings, GatewaySettings, ModelSettings, ServerSettings, ServerTLS, VerifierSettings)
-from specd.drift import DriftSettings
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
+from specd.config import (
+    BATCH_LAYOUTS,
+    CLI_DRAFT_SELECTION,
+    DEFAULT_DRAFT_PORT,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_VERIFIER_PORT,
+    DEMO_DRAFT,
+    DEMO_TARGET,
+    DRAFT_SELECTIONS,
+    DTYPES,
+    BatchSettings,
+    ClientTLS,
+    DraftSettings,
+    GatewaySettings,
+    ModelSettings,
+    ServerSettings,
+    ServerTLS,
+    VerifierSettings,
+)
+from specd.drift import DriftSettings
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 # Flag defaults come from the settings objects (specd.config), never from literals here.
@@ -579,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Kubernetes Service of the verifiers: watch its EndpointSlices instead")
     gateway.add_argument("--draft-service", default="",
                          help="Kubernetes Service of the drafts: watch its EndpointSlices instead")
-    gateway.add_argument("--namespace", default=GATEWAY.namespace, help="namespace of those Services (default: the pod's)")
+    gateway.add_argument("--namespace", default=GATEWAY.namespace,
+                         help="namespace of those Services (default: the pod's)")
     gateway.add_argument("--draft-address", default=GATEWAY.draft_address,
                          help="empty: no draft service, every request decodes plainly")
     _gateway_default_args(gateway)

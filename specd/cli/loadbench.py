@@ -173,7 +173,8 @@ def plots(results: list[LoadResult], reference: dict[int, LoadResult], out: Path
         for label, rows in series.items():
             rows = sorted(rows, key=lambda r: r.concurrency)
             ax.plot([r.concurrency for r in rows], [value(r) for r in rows], marker="o", label=label)
-        ax.set(xlabel="requests in flight", ylabel=ylabel, xscale="log", xticks=sorted({r.concurrency for r in results}))
+        ax.set(xlabel="requests in flight", ylabel=ylabel, xscale="log",
+               xticks=sorted({r.concurrency for r in results}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)

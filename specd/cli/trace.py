@@ -18,10 +18,11 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 DEFAULT_FILE = "specd-traces.jsonl"
 
