@@ -22,6 +22,8 @@ from pathlib import Path
 
 import grpc
 
+from specd.interceptors import replace_behavior
+
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 _HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -191,7 +193,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     self._leave(key)
 
-            return handler._replace(unary_stream=unary_stream)
+            return replace_behavior(handler, unary_stream=unary_stream)
         behavior = handler.unary_unary
 
         async def unary_unary(request, context):
@@ -203,7 +205,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 self._leave(key)
 
-        return handler._replace(unary_unary=unary_unary)
+        return replace_behavior(handler, unary_unary=unary_unary)
 
 
 def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):

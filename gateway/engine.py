@@ -12,7 +12,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -200,7 +200,7 @@ def draft_seed(request_seed: int, step: int) -> int:
 async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftLink | None,
                     verifier: VerifierLink, limits: Limits, stats: RequestStats,
                     tracer: StepTracer | None = None,
-                    on_step: Callable[[StepRecord, int], None] | None = None) -> AsyncIterator[Emission]:
+                    on_step: Callable[[StepRecord, int], None] | None = None) -> AsyncGenerator[Emission, None]:
     """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
 
     on_step(record, generated_before) is called after every step (acceptance statistics).
@@ -230,6 +230,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         draft_batch = BatchStats(size=0)
         asked, pre_draft_asked, pre_drafted = pre_draft_asked, False, False
         if gamma > 0:
+            assert draft is not None  # γ > 0 only with a draft
             began = time.perf_counter()
             seed = 0 if transform.greedy else draft_seed(request.seed, stats.steps)
             pre_draft = None
@@ -261,6 +262,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         if transform.greedy:
             outcome = verify_greedy(proposed, torch.tensor(scores.argmax, dtype=torch.long))
         else:
+            assert scores.probs is not None  # sampled: the verifier always sends the target's distributions
             width = max(draft_probs.shape[1], scores.probs.shape[1])
             outcome = rejection_sample(proposed, _widen(draft_probs, width), _widen(scores.probs, width), generator)
 
@@ -270,6 +272,7 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
         committed.extend(emitted)
         verifier.advance(kept_before)
         if draft_tokens:  # a draft that sat this step out still holds only what it held
+            assert draft is not None  # it proposed them
             draft.advance(kept_before)
 
         finish = None

@@ -41,6 +41,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubernetes.watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +288,7 @@ class EndpointSliceWatcher:
         self._slices: dict[str, dict] = {}  # slice name → slice as JSON; the watcher thread's own
         self._synced = threading.Event()
         self._stopping = threading.Event()
-        self._watch = None
+        self._watch: Watch | None = None
         self._thread = threading.Thread(target=self._run, name=f"endpointslices-{service}", daemon=True)
 
     def start(self) -> EndpointSliceWatcher:
@@ -325,7 +329,7 @@ class EndpointSliceWatcher:
                             self.service, reason, delay)
                 self._stopping.wait(delay)
 
-    def _list(self) -> str:
+    def _list(self) -> str | None:
         """List the slices, replace what is held, publish; return the resourceVersion."""
         response = self._api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=self._selector, _request_timeout=30)
@@ -334,17 +338,17 @@ class EndpointSliceWatcher:
         self._publish()
         self._synced.set()
         self.backoff.reset()
-        return response.metadata.resource_version
+        return response.metadata.resource_version if response.metadata else None
 
-    def _watch_from(self, resource_version: str) -> None:
+    def _watch_from(self, resource_version: str | None) -> None:
         """Apply watch events until stopped; resume after normal ends; raise on errors."""
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
         while not self._stopping.is_set():
-            self._watch = watch.Watch()
+            self._watch = stream = watch.Watch()
             try:
-                for event in self._watch.stream(
+                for event in stream.stream(
                         self._api.list_namespaced_endpoint_slice, self.namespace,
                         label_selector=self._selector, resource_version=resource_version,
                         allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
@@ -355,7 +359,7 @@ class EndpointSliceWatcher:
                 if exc.status == 410:
                     raise _Expired from exc
                 raise
-            resource_version = self._watch.resource_version or resource_version
+            resource_version = stream.resource_version or resource_version
 
     def _apply(self, kind: str, item: dict) -> None:
         name = item.get("metadata", {}).get("name", "")

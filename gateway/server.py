@@ -11,7 +11,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -133,6 +133,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
                         "use AUTO or OFF")
     if problems:
         raise InvalidRequest("; ".join(problems))
+    assert mode is not None  # an unknown mode is one of the problems
 
     if mode is Mode.OFF or not backend.drafts:
         draft_model = ""
@@ -202,13 +203,15 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
     link = LinkSettings(session_id, settings.worker_timeout_s, settings.max_session_reopens,
                         settings.worker_connect_timeout_s, deadline)
 
-    def on(pool: WorkerPool, rpc: str):
+    def on(pool: WorkerPool, rpc: str) -> tuple[Callable[[bool, float | None], grpc.aio.StreamStreamCall],
+                                               Callable[[], None]]:
         return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
                 lambda: pool.router.release(session_id))
 
     verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
     draft = None
     if draft_model:
+        assert backend.draft is not None  # a draft model is chosen only with a draft service
         draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
                           backend.draft_identity(draft_model))
     return draft, verifier
@@ -234,6 +237,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _choose(self, task_type: str, user_segment: str) -> str:
         """The draft of a request that names none, under --draft-selection goodput."""
+        assert self.selector is not None  # handed out only with a selector
         if user_segment == DIAGNOSTIC_SEGMENT:  # a diagnosis must not move the bandit either
             return self.selector.start(task_type)
         return self.selector.choose(task_type, self.stats.segment(user_segment))
@@ -250,6 +254,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             log.info("acceptance drift cleared: pair %s, task %s, segment %r", *key)
             return
         self._drifting.add(key)
+        assert verdict is not None  # flagged
         log.warning("acceptance drift: pair %s, task %s, segment %r: window acceptance %.3f vs %s %.3f "
                     "(drop %.1f points, z=%.1f); run `specd doctor --gateway ... --task %s`",
                     *key, verdict.window_rate, verdict.reference, verdict.reference_rate,
@@ -299,7 +304,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._in_flight -= 1
 
     async def _generate(self, parsed: ParsedRequest, began: float,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+                        context: grpc.aio.ServicerContext) -> AsyncGenerator[gateway_pb2.GenerateChunk, None]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
@@ -365,8 +370,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     # Only the selector's own choices teach it: a request that names its draft
                     # may do so for reasons goodput does not see.
                     if parsed.selected and draft is not None and not diagnostic:
+                        assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              *goodput)
+                                              int(goodput[0]), goodput[1])
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)

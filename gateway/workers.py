@@ -27,6 +27,9 @@ from specd.v1 import worker_pb2
 from specd.wire import unpack_distributions
 
 log = logging.getLogger(__name__)
+# What a link sends and receives each step.
+StepMessage = worker_pb2.ProposeRequest | worker_pb2.VerifyRequest
+StepResponse = worker_pb2.ProposeResponse | worker_pb2.VerifyResponse
 
 # Codes after which the session can be rebuilt on a (possibly new) worker process.
 # FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
@@ -91,14 +94,14 @@ class WorkerLink:
         self.reopens = 0  # sessions re-opened over the request (reported in stats)
         self._failures_in_row = 0  # a step that succeeds after a re-open resets this
         self.last_exchange_bytes = 0  # request + response bytes of the last step
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall[StepMessage, StepResponse] | None = None
         self._moved = False  # the last stream's endpoint failed: move the session
 
     def advance(self, position: int) -> None:
         """After a step: the worker holds the old committed length plus the accepted tokens."""
         self.position = position
 
-    async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], object]):
+    async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], StepMessage]):
         """Send one step built around the delta the worker lacks; return its response."""
         while True:
             remaining = self.settings.remaining()
@@ -132,7 +135,8 @@ class WorkerLink:
             else:
                 if response is not grpc.aio.EOF:
                     self._failures_in_row = 0
-                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()
+                    # grpc's stubs type EOF as object, which swallows the response's type.
+                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()  # type: ignore[attr-defined]
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()

@@ -127,8 +127,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="specd-bench-tracing-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="specd-bench-tracing-") as tmp_name:
+        tmp = Path(tmp_name)
         target, draft = random_pair(tmp) if args.random_pair else (args.target, args.draft)
         for path in (target, draft):
             if not (path / "config.json").is_file():
@@ -152,7 +152,7 @@ def main() -> int:
             for stub in stubs.values():  # warm-up: first forwards, first stream set-up
                 generate(stub, PROMPTS[0], 8, args.draft_length)
             tokens = {name: 0 for name in stubs}
-            seconds = {name: [] for name in stubs}
+            seconds: dict[str, list[float]] = {name: [] for name in stubs}
             order = list(stubs)
             for _ in range(args.rounds):
                 for prompt in PROMPTS:

@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -56,7 +57,7 @@ TARGET_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4
 DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=4)
 # Per-model training recipe: wall-clock budget (s), peak learning rate, batch size.
-RECIPES = {
+RECIPES: dict[str, dict[str, Any]] = {
     "target": dict(shape=TARGET_SHAPE, budget=2520, lr=1.5e-3, batch=8),
     "draft": dict(shape=DRAFT_SHAPE, budget=420, lr=3e-3, batch=16),
 }

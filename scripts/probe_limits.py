@@ -34,7 +34,7 @@ def main() -> None:
                 stub.Generate(request, timeout=120)
                 outcome = "OK"
             except grpc.RpcError as exc:
-                outcome = f"{exc.code().name}: {exc.details()[:80]}"
+                outcome = f"{exc.code().name}: {(exc.details() or '')[:80]}"
             print(f"{size:>9} bytes  {(time.perf_counter() - began) * 1e3:7.0f} ms  {outcome}", flush=True)
 
 

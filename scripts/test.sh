@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check .  # lint and import order ([tool.ruff] in pyproject.toml)
+.venv/bin/mypy          # types ([tool.mypy]); about 15 s from cold, under a second after
 .venv/bin/python -m pytest -q "$@"

@@ -294,13 +294,13 @@ class AcceptanceStats:
         """A copy of the counters by label set: lifetime, or just the sliding window."""
         with self._lock:
             if not window:
-                out = {}
+                out: dict[Labels, Counts] = {}
                 for labels, counts in self._lifetime.items():
                     out[labels] = Counts()
                     out[labels].merge(counts)
                 return out
             steps = list(self._window)
-        out: dict[Labels, Counts] = {}
+        out = {}
         for labels, *step in steps:
             out.setdefault(labels, Counts()).add(*step)
         return out

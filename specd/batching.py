@@ -122,6 +122,7 @@ class Scheduler:
             raise Overloaded(f"{len(self._queue)} steps are waiting for this model (limit "
                              f"{self.settings.max_queue}); retry in about {retry:.0f} ms", retry)
         self._ensure_running()
+        assert self._wake is not None  # made with the loop's task
         job.future = asyncio.get_running_loop().create_future()
         self._queue.append(job)
         self._wake.set()
@@ -184,6 +185,7 @@ class Scheduler:
         Why: the gateway answers its sessions one after another, so their next steps reach
         the worker a little apart; starting at the first one splits them over two forwards.
         """
+        assert self._wake is not None  # made with the loop's task
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
         while len(self._queue) < self._open_sessions():
@@ -197,6 +199,7 @@ class Scheduler:
                 return
 
     async def _run(self) -> None:
+        assert self._wake is not None  # made with this task
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
@@ -218,6 +221,7 @@ class Scheduler:
                 self.busy = False
             unfinished = []
             for job, outcome in zip(jobs, outcomes):
+                assert job.future is not None  # submitted
                 if job.future.done():  # cancelled while its forward ran
                     continue
                 if isinstance(outcome, BaseException):

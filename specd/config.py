@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from specd.drift import DriftSettings
 from specd.tasks import DEFAULT_PROFILES, TaskProfile
@@ -75,7 +76,8 @@ DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
-BATCH_LAYOUTS = ("ragged", "padded")  # specd.kvstore
+BatchLayout = Literal["ragged", "padded"]  # specd.kvstore.Layout
+BATCH_LAYOUTS: tuple[BatchLayout, ...] = ("ragged", "padded")
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.runtime maps them to torch
 
 
@@ -86,7 +88,7 @@ class BatchSettings:
     max_batch_tokens: int = 1024  # tokens in one forward (a job's chunk always fits)
     prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
     max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
-    layout: str = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
+    layout: BatchLayout = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
     block_tokens: int = 32  # KV storage grows by this many positions at a time
     # How long a forward may wait for the steps of other open sessions to arrive, so that
     # they share it, at most a quarter of a recent forward's time; 0: start at once.

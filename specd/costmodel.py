@@ -139,7 +139,9 @@ class CostTable:
         target = self.target_step_ms()
         if target is None:
             return None
-        intercept, slope = self._fit(self._verify, through_origin=False)
+        fit = self._fit(self._verify, through_origin=False)
+        assert fit is not None  # as target is
+        intercept, slope = fit
         plain = max(intercept, self._cheapest_verify() * 0.5)
         if gamma == 0:
             return CostEstimate(target, 0.0, plain)
@@ -151,14 +153,14 @@ class CostTable:
         target = self.target_step_ms()
         if not target:
             return 0.0, {}
-        seen = sorted(g for g, e in self._draft.items() if e.value is not None)
-        c = (sum(self._draft[g].value / g for g in seen) / len(seen) / target) if seen else 0.0
+        seen = sorted((g, e.value) for g, e in self._draft.items() if e.value is not None)
+        c = (sum(value / g for g, value in seen) / len(seen) / target) if seen else 0.0
         v = {g: e.value / target for g, e in sorted(self._verify.items()) if e.value is not None}
         return c, v
 
     def draft_ms_per_token(self) -> float:
-        seen = [g for g, e in self._draft.items() if e.value is not None]
-        return sum(self._draft[g].value / g for g in seen) / len(seen) if seen else 0.0
+        seen = [(g, e.value) for g, e in self._draft.items() if e.value is not None]
+        return sum(value / g for g, value in seen) / len(seen) if seen else 0.0
 
 
 LOAD_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # upper bounds of sessions sharing the target's forward
@@ -223,7 +225,7 @@ class StepCosts:
             return None
         estimate = table.estimate(gamma)
         h, hit_ms = self.hit_rate.value, self.hit_draft_ms.value
-        if not overlap or gamma == 0 or h is None or hit_ms is None:
+        if estimate is None or not overlap or gamma == 0 or h is None or hit_ms is None:
             return estimate
         return replace(estimate, draft_ms=h * hit_ms + (1.0 - h) * estimate.draft_ms)
 
@@ -254,7 +256,9 @@ def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
     best, best_rate = candidates[0], -1.0
     for gamma in candidates:
         tokens = expected_tokens_from_curve(curve, gamma) if curve else expected_tokens(alpha, gamma)
-        rate = tokens / costs.estimate(gamma, overlap).step_ms
+        estimate = costs.estimate(gamma, overlap)
+        assert estimate is not None  # costs are measured (above)
+        rate = tokens / estimate.step_ms
         if rate > best_rate:
             best, best_rate = gamma, rate
     return best

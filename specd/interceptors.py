@@ -75,6 +75,12 @@ async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContex
                         f"please report it")
 
 
+def replace_behavior(handler: grpc.RpcMethodHandler, **fields: Any) -> grpc.RpcMethodHandler:
+    """`handler` with some of its fields replaced (a behavior, the request deserializer)."""
+    # grpc's handlers are namedtuples at run time; its stubs declare a plain class.
+    return handler._replace(**fields)  # type: ignore[attr-defined]
+
+
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """The same handler, with undecodable requests refused and unexpected errors mapped."""
     if handler.request_streaming and handler.response_streaming:
@@ -90,7 +96,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
                 await _map(exc, method, context)
 
-        return handler._replace(stream_stream=stream_stream)
+        return replace_behavior(handler, stream_stream=stream_stream)
     if handler.request_streaming:
         behavior = handler.stream_unary
 
@@ -100,12 +106,13 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
             except Exception as exc:  # noqa: BLE001
                 await _map(exc, method, context)
 
-        return handler._replace(stream_unary=stream_unary)
+        return replace_behavior(handler, stream_unary=stream_unary)
     deserializer = _tolerant(handler.request_deserializer)
     if handler.response_streaming:
         behavior = handler.unary_stream
+        assert behavior is not None  # the behavior of the handler's own kind is always set
         if not inspect.isasyncgenfunction(behavior):  # a coroutine that writes with context.write
-            return handler._replace(request_deserializer=deserializer,
+            return replace_behavior(handler, request_deserializer=deserializer,
                                     unary_stream=_unary(behavior, method))
 
         async def unary_stream(request, context):
@@ -118,11 +125,14 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
             except Exception as exc:  # noqa: BLE001
                 await _map(exc, method, context)
 
-        return handler._replace(request_deserializer=deserializer, unary_stream=unary_stream)
-    return handler._replace(request_deserializer=deserializer, unary_unary=_unary(handler.unary_unary, method))
+        return replace_behavior(handler, request_deserializer=deserializer, unary_stream=unary_stream)
+    assert handler.unary_unary is not None
+    return replace_behavior(handler, request_deserializer=deserializer, unary_unary=_unary(handler.unary_unary, method))
 
 
-def _unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+def _unary(behavior: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
+    """`behavior` (a coroutine function, or a plain one) with undecodable requests refused
+    and unexpected errors mapped."""
     async def unary(request, context):
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(method, request))

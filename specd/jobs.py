@@ -121,4 +121,5 @@ class ScoreJob(Job):
         return True
 
     def result(self) -> Scores:
+        assert self.scores is not None  # the job finished: consume() scored it
         return Scores(self.scores.argmax, self.scores.probs, self.forward_ms, self.batch_stats())

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 Layout = Literal["padded", "ragged"]
@@ -196,7 +196,10 @@ def _prepare_padded(rows, starts, dtype, masked, device) -> BatchInputs:
 
 
 def _prepare_ragged(rows, starts, device) -> BatchInputs:
-    ids, positions, kept, reads = [], [], [], []
+    ids: list[int] = []
+    positions: list[int] = []
+    kept: list[int] = []
+    reads: list[tuple[int, slice]] = []
     for row, start in zip(rows, starts):
         n = len(row.tokens)
         reads.append((0, slice(len(kept), len(kept) + row.keep)))
@@ -221,7 +224,7 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if batch_cache is None or batch_cache.layout != "ragged":
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    layer = module.layer_idx
+    layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     outputs = []
     at = 0
     for row, start in zip(batch_cache.rows, batch_cache.starts):
@@ -245,7 +248,7 @@ def finish(rows: Sequence[BatchRow]) -> None:
         row.session.length += len(row.tokens)
 
 
-def use_layout(model: torch.nn.Module, layout: Layout) -> None:
+def use_layout(model: PreTrainedModel, layout: Layout) -> None:
     """Set the model's attention up for a layout (ragged needs `ragged_attention`)."""
     if layout == "ragged":
         model.set_attn_implementation(RAGGED_ATTENTION)

@@ -19,8 +19,9 @@ Nothing pre-drafted reaches the committed sequence except through a matching req
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from specd.jobs import Proposal, ProposeJob
 from specd.kvstore import SessionKV
@@ -80,7 +81,7 @@ class PendingPreDraft:
 class PreDrafts:
     """Pending branches by session, on the event loop; `submit` queues a job on the model."""
 
-    def __init__(self, submit: Callable[[ProposeJob], Awaitable[Proposal]], mode: str = "3") -> None:
+    def __init__(self, submit: Callable[[ProposeJob], Coroutine[Any, Any, Proposal]], mode: str = "3") -> None:
         self._submit = submit
         self.mode = check_branches(mode)
         self._pending: dict[str, PendingPreDraft] = {}

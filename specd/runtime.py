@@ -246,6 +246,7 @@ class ModelRunner:
             job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
             proposal = await self._step(session_id, session, job)
         if pre_draft is not None and proposal.tokens:
+            assert job is not None  # it made the proposal
             committed = len(job.session.tokens) - len(proposal.tokens)
             settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence,
                                             vocab_limit)

@@ -80,7 +80,7 @@ def check_server_tls(tls: ServerTLS, cert_flag: str = "--tls-cert", key_flag: st
     if tls.client_ca is not None and tls.cert is None:
         raise TLSConfigError(f"{ca_flag} asks for client certificates, which needs TLS: "
                              f"also give {cert_flag} and {key_flag}")
-    if tls.cert is not None:
+    if tls.cert is not None and tls.key is not None:  # both or neither (above)
         read_key_pair(tls.cert, tls.key, cert_flag, key_flag)
     if tls.client_ca is not None:
         read_certificates(tls.client_ca, ca_flag)
@@ -93,7 +93,7 @@ def check_client_tls(tls: ClientTLS, ca_flag: str, cert_flag: str, key_flag: str
                              f"client certificate")
     if tls.ca is not None:
         read_certificates(tls.ca, ca_flag)
-    if tls.cert is not None:
+    if tls.cert is not None and tls.key is not None:  # both or neither (above)
         read_key_pair(tls.cert, tls.key, cert_flag, key_flag)
 
 
@@ -105,7 +105,8 @@ def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials | None:
     if not tls.enabled:
         return None
     reloader = _ReloadingConfiguration(tls)
-    return grpc.dynamic_ssl_server_credentials(reloader.load(), reloader,
+    # The fetcher may return None (keep the current configuration): grpc's stubs omit it.
+    return grpc.dynamic_ssl_server_credentials(reloader.load(), reloader,  # type: ignore[arg-type]
                                                require_client_authentication=tls.client_ca is not None)
 
 
@@ -128,6 +129,7 @@ class _ReloadingConfiguration:
         return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
 
     def load(self) -> grpc.ServerCertificateConfiguration:
+        assert self._tls.cert is not None and self._tls.key is not None  # enabled; check_server_tls
         key, cert = read_key_pair(self._tls.cert, self._tls.key, "--tls-cert", "--tls-key")
         client_ca = read_certificates(self._tls.client_ca, "--tls-client-ca") if self._tls.client_ca else None
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
@@ -151,7 +153,11 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials | None:
     """TLS credentials for a channel (with a client certificate if given); None: plaintext."""
     if not tls.enabled:
         return None
-    key, cert = read_key_pair(tls.cert, tls.key, "client certificate", "client key") if tls.cert else (None, None)
+    key: bytes | None = None
+    cert: bytes | None = None
+    if tls.cert:
+        assert tls.key is not None, "a client certificate needs its key (check_client_tls)"
+        key, cert = read_key_pair(tls.cert, tls.key, "client certificate", "client key")
     return grpc.ssl_channel_credentials(
         root_certificates=read_certificates(tls.ca, "CA file") if tls.ca else None,
         private_key=key, certificate_chain=cert)

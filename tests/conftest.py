@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,11 +19,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from draft_service.server import DraftServicer
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
 from specd.config import BatchSettings, DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
 from specd.serving import RunningServer
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from verifier_service.server import VerifierServicer
 from verifier_service.server import create_server as create_verifier
 
 CORPUS = """\
@@ -140,7 +143,9 @@ class Stack:
 
     def open_sessions(self) -> int:
         """KV-cache sessions the draft and verifier hold right now."""
-        runners = [*self.draft.servicer.drafts.values(), self.verifier.servicer.target]
+        draft, verifier = self.draft.servicer, self.verifier.servicer
+        assert isinstance(draft, DraftServicer) and isinstance(verifier, VerifierServicer)
+        runners = [*draft.drafts.values(), verifier.target]
         return sum(len(runner.sessions) for runner in runners)
 
     def wait_no_sessions(self, within_s: float = 20.0) -> int:
@@ -183,7 +188,7 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
 
 
 @pytest.fixture(scope="session")
-def stack(model_dirs) -> Stack:
+def stack(model_dirs) -> Iterator[Stack]:
     running = start_stack(model_dirs)
     yield running
     running.close()

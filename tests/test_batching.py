@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
 from specd.config import BatchSettings
-from specd.kvstore import BatchRow, SessionKV, forward, use_layout
+from specd.kvstore import BatchRow, Layout, SessionKV, forward, use_layout
 from specd.runtime import ModelRunner
 from specd.sampling import Transform
 from specd.v1 import gateway_pb2
@@ -143,7 +143,7 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
 
 # -- the KV store --------------------------------------------------------------------------
 
-def _rows_match_unbatched(model, layout: str) -> None:
+def _rows_match_unbatched(model, layout: Layout) -> None:
     cfg = model.config
     sessions = [SessionKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
                           torch.float32, torch.device("cpu"), block_tokens=8) for _ in range(3)]

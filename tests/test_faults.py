@@ -117,10 +117,16 @@ class Serve:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        threading.Thread(target=self._pump, daemon=True).start()
         self.wait_for(r"specd serve: ready")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def _pump(self) -> None:
+        """Queue serve's output, line by line (a thread of its own)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
 
     def wait_for(self, pattern: str, timeout_s: float = 180) -> re.Match:
         """The first output line (from the start) matching pattern."""

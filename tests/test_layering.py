@@ -35,7 +35,7 @@ def layer(module: str) -> str | None:
     return "core" if root == "specd" else None
 
 
-def allowed(importer: str, imported: str) -> bool:
+def allowed(importer: str, imported: str | None) -> bool:
     """May a module of layer `importer` import one of layer `imported`?"""
     if importer == "application" or imported is None or imported == "core":
         return True

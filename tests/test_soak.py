@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from conftest import request, start_stack
+from specd.v1 import gateway_pb2
 
 WARM_UP, SOAK = 60, 500
 PROMPTS = ["def fibonacci(n):", "class Cache:", "The gateway accepts", "Speculative decoding"]
@@ -42,7 +43,7 @@ def one(stack, n: int) -> str:
             stack.stub.Generate(req)
         except grpc.RpcError as exc:
             return exc.code().name
-    req.speculation.mode = 2  # plain decoding
+    req.speculation.mode = gateway_pb2.SPECULATION_MODE_OFF  # plain decoding
     return f"{len(stack.stub.Generate(req).token_ids)}"
 
 

@@ -83,6 +83,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
                 if scores.argmax is not None:
                     response.target_argmax.extend(scores.argmax)
                 else:
+                    assert scores.probs is not None  # sampled: the target's distributions
                     response.target_probs.CopyFrom(pack_distributions(scores.probs, transform.sparse))
                 yield response
         finally:

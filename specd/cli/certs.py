@@ -18,6 +18,7 @@ import datetime
 import ipaddress
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -39,13 +40,13 @@ def service_dns_names(services: tuple[str, ...] = K8S_SERVICES, namespace: str =
         f"{service}.{namespace}.svc.cluster.local")]
 
 
-def server_names(extra: list[str] = (), namespace: str = K8S_NAMESPACE) -> list[str]:
+def server_names(extra: Sequence[str] = (), namespace: str = K8S_NAMESPACE) -> list[str]:
     """The subject alternative names of the server certificate."""
     names = ["localhost", "127.0.0.1", "::1", *service_dns_names(namespace=namespace), *extra]
     return list(dict.fromkeys(names))  # in order, once each
 
 
-def _san(names: list[str]) -> x509.SubjectAlternativeName:
+def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
     entries: list[x509.GeneralName] = []
     for name in names:
         try:
@@ -57,7 +58,7 @@ def _san(names: list[str]) -> x509.SubjectAlternativeName:
 
 def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
                  issuer_key: ec.EllipticCurvePrivateKey, days: int, *, ca: bool = False,
-                 usage: x509.ObjectIdentifier | None = None, names: list[str] = ()) -> x509.Certificate:
+                 usage: x509.ObjectIdentifier | None = None, names: Sequence[str] = ()) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder()
                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
@@ -75,6 +76,7 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
             key_encipherment=False, data_encipherment=False, key_agreement=False,
             encipher_only=False, decipher_only=False), critical=True)
     else:
+        assert usage is not None  # a leaf certificate serves a server or a client
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         builder = builder.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
             issuer_key.public_key()), critical=False)
@@ -83,7 +85,7 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def write_dev_certs(directory: Path, extra_names: list[str] = (), namespace: str = K8S_NAMESPACE,
+def write_dev_certs(directory: Path, extra_names: Sequence[str] = (), namespace: str = K8S_NAMESPACE,
                     days: int = 365, overwrite: bool = False) -> dict[str, Path]:
     """Write the five files of the module doc into directory; return {file name: path}.
 

@@ -477,6 +477,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"\nspecd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    assert stats is not None  # the gateway's last chunk carries them
     tokens_per_s = stats.generated_tokens / (stats.total_ms / 1e3) if stats.total_ms else 0.0
     print(f"\n\n--- {stats.generated_tokens} tokens in {stats.total_ms:.0f} ms ({tokens_per_s:.1f} tokens/s), "
           f"{finish.removeprefix('FINISH_REASON_').lower()}\n"

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -310,7 +311,7 @@ def _sample_target(target, tok, texts: list[str], args, path: Path) -> dict:
     share. Checkpointed about once a minute; a finished set is marked done so a
     resumed run trains on exactly the same data.
     """
-    samples = torch.load(path) if path.exists() else \
+    samples: dict[str, Any] = torch.load(path) if path.exists() else \
         {"seqs": [], "top_ids": [], "top_probs": [], "elapsed": 0.0, "done": False}
     budget = args.time_budget * args.sample_share
     have = sum(len(s) for s in samples["seqs"])

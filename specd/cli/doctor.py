@@ -190,8 +190,8 @@ def card_expectation(card_json: str, tasks: list[str], temperature: float) -> tu
     key = "greedy_match" if temperature == 0 else "alpha"
     # The cards name prose "prose"; the gateway's task for prose is "general".
     aliases = {"general": "prose", "qa": "prose", "summarization": "prose"}
-    rows = [table.get(t) or table.get(aliases.get(t, "")) for t in tasks]
-    rows = [r for r in rows if r and key in r] or [r for r in table.values() if key in r]
+    found = [table.get(t) or table.get(aliases.get(t, "")) for t in tasks]
+    rows = [r for r in found if r and key in r] or [r for r in table.values() if key in r]
     if not rows:
         return None
     return statistics.fmean(r[key] for r in rows), int(rows[0].get("gamma", 4))

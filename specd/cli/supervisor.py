@@ -32,7 +32,7 @@ class Child:
     """One supervised process and its restart bookkeeping."""
 
     name: str
-    argv: Sequence[str]
+    argv: list[str]  # serve rewrites a worker's --port once it knows the port
     restart: bool  # False: its exit ends the supervisor (the gateway)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
@@ -91,11 +91,13 @@ class Supervisor:
                     child.restarts += 1
                     self._spawn(child)
                 continue
-            code = child.proc.poll()
+            proc = child.proc
+            assert proc is not None  # spawned when started
+            code = proc.poll()
             if code is None:
                 continue
             if not child.restart:
-                self.say(f"specd serve: {child.name} (pid {child.proc.pid}) exited with {_describe(code)}; "
+                self.say(f"specd serve: {child.name} (pid {proc.pid}) exited with {_describe(code)}; "
                          f"stopping")
                 return False
             if now - child.started_at >= self.backoff.stable_s:
@@ -103,7 +105,7 @@ class Supervisor:
             delay = self.backoff.delay(child.in_row)
             child.in_row += 1
             child.restart_at = now + delay
-            self.say(f"specd serve: {child.name} (pid {child.proc.pid}) exited with {_describe(code)}; "
+            self.say(f"specd serve: {child.name} (pid {proc.pid}) exited with {_describe(code)}; "
                      f"restarting it in {delay:g} s")
         return True
 

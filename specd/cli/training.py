@@ -69,7 +69,8 @@ def train_for_budget(model: torch.nn.Module, opt: torch.optim.Optimizer, state: 
     """
     model.train()
     last_save = time.monotonic()
-    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), desc=desc, unit="s",
+    total = int(budget)
+    bar = tqdm(total=total, initial=int(state["elapsed"]), desc=desc, unit="s",
                mininterval=mininterval, bar_format=BAR_FORMAT)
     while state["elapsed"] < budget:
         t0 = time.monotonic()
@@ -83,7 +84,7 @@ def train_for_budget(model: torch.nn.Module, opt: torch.optim.Optimizer, state: 
         dt = time.monotonic() - t0
         state["elapsed"] += dt
         state["step"] += 1
-        bar.update(min(dt, bar.total - bar.n))
+        bar.update(min(dt, total - bar.n))
         if on_step is not None:
             on_step(state, bar)
         if time.monotonic() - last_save > save_every_s or state["elapsed"] >= budget:
