@@ -22,16 +22,12 @@ from specd.telemetry import start_worker_span, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (
-    MAX_DRAFT_LENGTH,
-    batch_span_attributes,
-    batch_to_pb,
-    identity_mismatch,
-    model_info_to_pb,
-    session_lost,
-    step_problems,
-    transform_from_pb,
-)
+
+# Kept compact: one name a line, this list would repeat the verifier's line for line.
+# isort: off
+from specd.workerproto import (MAX_DRAFT_LENGTH, batch_span_attributes, batch_to_pb, identity_mismatch,
+                               model_info_to_pb, session_lost, step_problems, transform_from_pb)
+# isort: on
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
