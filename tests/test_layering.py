@@ -127,3 +127,20 @@ def test_importing_a_layer_pulls_in_nothing_above_it(package):
     if wrong(pulled_in(modules)):
         culprits = {m: wrong(pulled_in([m])) for m in modules}
         pytest.fail(f"importing the {package} layer pulls in {({m: w for m, w in culprits.items() if w})}")
+
+
+def test_the_maps_name_every_module():
+    """specd/__init__.py maps the core module by module, and the README's Layout names every
+    module of the core, the application and the gateway: a new module goes on both maps."""
+    core_map = (REPO / "specd" / "__init__.py").read_text(encoding="utf-8")
+    mapped = {line.split()[0] for line in core_map.splitlines() if line.startswith("    ") and line.strip()}
+    core = {m.split(".")[1] for m in our_modules() if layer(m) == "core" and m.count(".") == 1}
+    assert core <= mapped, f"specd/__init__.py does not map {sorted(core - mapped)}"
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("\n## ")] if "\n## " in layout else layout
+    files = {path.name for folder in ("specd", "specd/cli", "gateway") for path in (REPO / folder).glob("*.py")
+             if path.name not in ("__init__.py", "__main__.py")}
+    missing = sorted(f for f in files if f not in layout)
+    assert not missing, f"the README's Layout does not name {missing}"
