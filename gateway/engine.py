@@ -2,9 +2,12 @@
 
 One step (DESIGN.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
 in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
-plus one recovered or bonus token are committed. Each step ends in a `StepRecord` that
-the request's statistics, the γ policy and the tracer read. No protobuf here: the links
-in `gateway.workers` speak to the workers.
+plus one recovered or bonus token are committed. A step runs in three parts: propose
+(the draft hop), decide (the verifier hop and the verdict) and commit. Each step ends in
+a `StepRecord` that every observer reads: the γ policy, the request's statistics, the
+server's counters, the tracer. The engine talks to the workers through two small client
+Protocols, `DraftClient` and `VerifierClient` (the gRPC links of `gateway.workers` in
+production, scripted fakes in tests/test_engine.py). No protobuf here.
 """
 from __future__ import annotations
 
@@ -12,15 +15,16 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 import torch
 
-from gateway.workers import DraftLink, VerifierLink, WorkerError
+from gateway.workers import WorkerError
 from specd.batching import BatchStats
+from specd.jobs import Proposal, Scores
 from specd.predraft import PreDraftRequest
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
@@ -44,11 +48,14 @@ class GenerationRequest:
     max_new_tokens: int
     draft_model: str  # empty: no draft (plain decoding)
     overlap: bool = False  # pre-draft the next step while the target verifies (specd.predraft)
+    # > 0: the draft stops proposing inside a step once its top probability falls below
+    # this (the confidence policy's setting, carried out by the draft).
+    min_confidence: float = 0.0
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What the models allow."""
+class ModelBounds:
+    """What the model pair allows a step: the draft's context, the vocabulary, the EOS ids."""
 
     draft_context: int
     vocab_size: int
@@ -61,6 +68,7 @@ class StepRecord:
 
     index: int  # 0-based step number within the request
     position: int  # committed tokens before the step (prompt included)
+    generated: int  # tokens generated before the step (the prompt not included)
     draft_length: int  # γ actually proposed (0: a plain target step)
     accepted: int  # draft tokens accepted
     bonus: bool  # every draft token accepted; the extra token came from p_{γ+1}
@@ -83,23 +91,25 @@ class StepRecord:
         return None if self.bonus or self.draft_length == 0 else self.accepted + 1
 
 
-class DraftLengthPolicy(Protocol):
-    """Chooses γ before each step and learns from each step's record."""
-
-    name: str
-    min_confidence: float  # > 0: the draft may stop early inside a step (confidence policy)
-
-    def next_draft_length(self) -> int: ...
+class StepObserver(Protocol):
+    """Reads each step's record as the step ends."""
 
     def observe(self, record: StepRecord) -> None: ...
 
 
-class StepTracer(Protocol):
-    """Opens a span per step; its carrier travels inside the step's worker messages."""
+class DraftLengthPolicy(StepObserver, Protocol):
+    """Chooses γ before each step and learns from each step's record."""
+
+    name: str
+
+    def next_draft_length(self) -> int: ...
+
+
+class StepTracer(StepObserver, Protocol):
+    """Opens a span per step (its carrier travels inside the step's worker messages) and
+    ends it when it observes the step's record."""
 
     def begin_step(self, index: int) -> dict[str, str]: ...
-
-    def end_step(self, record: StepRecord) -> None: ...
 
 
 class NoTracer:
@@ -108,15 +118,52 @@ class NoTracer:
     def begin_step(self, index: int) -> dict[str, str]:
         return {}
 
-    def end_step(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord) -> None:
         pass
+
+
+class DraftClient(Protocol):
+    """What a step needs of the draft service: one session's proposals (`gateway.workers.DraftLink`)."""
+
+    last_exchange_bytes: int  # request + response bytes of the last hop
+
+    async def propose(self, committed: list[int], draft_length: int, transform: Transform, seed: int,
+                      draft_model: str, min_confidence: float, vocab_limit: int, carrier: dict[str, str],
+                      pre_draft: PreDraftRequest | None = None) -> Proposal:
+        """Up to γ draft tokens after `committed`, with q unless greedy."""
+        ...
+
+    def advance(self, position: int) -> None:
+        """The committed sequence is settled up to `position`: the rest of the session's cache is stale."""
+
+    async def close(self, finished: bool = True) -> None:
+        """End the session (finished False: drop it, it will not be resumed)."""
+
+
+class VerifierClient(Protocol):
+    """What a step needs of the verifier: one session's scores (`gateway.workers.VerifierLink`)."""
+
+    last_exchange_bytes: int
+
+    async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
+                     carrier: dict[str, str]) -> Scores:
+        """The target's view of the γ+1 positions after `committed`: argmax when greedy, else p."""
+        ...
+
+    def advance(self, position: int) -> None:
+        """As `DraftClient.advance`."""
 
 
 @dataclass
 class RequestStats:
-    """What speculation did for one request: the list of its step records, summed on demand."""
+    """What speculation did for one request: its step records, summed on demand. The one
+    place a request's totals are computed (the response's GenerationStats and the request
+    span both read them here)."""
 
     records: list[StepRecord] = field(default_factory=list)
+
+    def observe(self, record: StepRecord) -> None:
+        self.records.append(record)
 
     @property
     def steps(self) -> int:
@@ -170,9 +217,29 @@ class RequestStats:
     def verify_queue_ms(self) -> float:
         return sum(r.verify_batch.queue_ms for r in self.records)
 
+    def per_position(self) -> tuple[list[int], list[int]]:
+        """Draft tokens proposed and accepted at each position 1..γ, over every step."""
+        longest = max((r.draft_length for r in self.records), default=0)
+        proposed, accepted = [0] * longest, [0] * longest
+        for record in self.records:
+            for i in range(record.draft_length):
+                proposed[i] += 1
+                accepted[i] += i < record.accepted
+        return proposed, accepted
+
+    def goodput(self) -> tuple[int, float]:
+        """Tokens committed and milliseconds spent by the steps after the first, which also
+        prefills the prompt and so says nothing about a step's speed."""
+        later = self.records[1:]
+        return sum(len(r.emitted) for r in later), sum(r.draft_ms + r.verify_ms for r in later)
+
+    def tokens_per_step(self, generated_tokens: int) -> float:
+        """Mean tokens a step committed (generated_tokens: as delivered, after any stop string)."""
+        return generated_tokens / self.steps if self.steps else 0.0
+
 
 @dataclass(frozen=True)
-class Emission:
+class StepOutput:
     """Tokens committed by one step, and why generation ended if it did."""
 
     tokens: list[int]
@@ -197,104 +264,151 @@ def draft_seed(request_seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftLink | None,
-                    verifier: VerifierLink, limits: Limits, stats: RequestStats,
-                    tracer: StepTracer | None = None,
-                    on_step: Callable[[StepRecord, int], None] | None = None) -> AsyncGenerator[Emission, None]:
-    """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
+@dataclass(frozen=True)
+class _DraftHop:
+    """What the propose part of a step brought back (nothing when γ = 0 or the draft is lost)."""
 
-    on_step(record, generated_before) is called after every step (acceptance statistics).
-    If the draft service is lost for good, the request goes on decoding plainly: the
-    verifier alone is enough for the same output. With request.overlap, every proposal
-    also asks the draft to pre-draft the next step while the target verifies this one
-    (`specd.predraft`); the draft seeds depend only on the step index, so the output is
-    the same either way.
-    """
-    transform = request.transform
-    tracer = tracer or NoTracer()
-    generator = torch.Generator().manual_seed(request.seed)
-    committed = list(request.prompt_ids)
-    generated = 0
-    pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
-    while True:
-        remaining = request.max_new_tokens - generated
-        # A step emits up to γ+1 tokens: never more than asked, never past the draft's
-        # context (the draft feeds up to len(committed) + γ − 1 positions).
-        gamma = 0 if draft is None else policy.next_draft_length()
-        gamma = max(0, min(gamma, remaining - 1, limits.draft_context - len(committed)))
-        carrier = tracer.begin_step(stats.steps)
-        draft_tokens: list[int] = []
-        draft_probs = torch.zeros(0, limits.vocab_size)
-        draft_ms = draft_forward_ms = 0.0
-        draft_bytes = 0
-        draft_batch = BatchStats(size=0)
-        asked, pre_draft_asked, pre_drafted = pre_draft_asked, False, False
-        if gamma > 0:
-            assert draft is not None  # γ > 0 only with a draft
-            began = time.perf_counter()
-            seed = 0 if transform.greedy else draft_seed(request.seed, stats.steps)
-            pre_draft = None
-            if request.overlap:
-                # The next step most likely asks for the same γ (a shorter one takes a prefix).
-                next_seed = 0 if transform.greedy else draft_seed(request.seed, stats.steps + 1)
-                pre_draft = PreDraftRequest(gamma, next_seed)
-            try:
-                proposal = await draft.propose(committed, gamma, transform, seed, request.draft_model,
-                                               policy.min_confidence, limits.vocab_size, carrier, pre_draft)
-            except WorkerError as exc:
-                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise  # the client's deadline passed: the request is over, not just the draft
-                log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
-                await draft.close(finished=False)
-                draft = None
-            else:
-                draft_ms = (time.perf_counter() - began) * 1e3
-                draft_forward_ms, draft_bytes = proposal.forward_ms, draft.last_exchange_bytes
-                draft_tokens = proposal.tokens
-                draft_batch = proposal.batch
-                pre_drafted, pre_draft_asked = proposal.pre_drafted, pre_draft is not None
-                if proposal.probs is not None:
-                    draft_probs = proposal.probs
+    tokens: list[int]
+    probs: torch.Tensor
+    ms: float = 0.0
+    forward_ms: float = 0.0
+    bytes: int = 0
+    batch: BatchStats = BatchStats(size=0)
+    pre_drafted: bool = False
+    pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What the decide part of a step concluded, and what its verifier hop cost."""
+
+    accepted: int
+    bonus: bool
+    token: int  # the recovered or bonus token
+    scores: Scores
+    ms: float
+    bytes: int
+
+
+class _Speculation:
+    """One request's state across steps: the committed sequence, the RNG and the links."""
+
+    def __init__(self, request: GenerationRequest, draft: DraftClient | None, verifier: VerifierClient,
+                 bounds: ModelBounds) -> None:
+        self.request = request
+        self.draft = draft
+        self.verifier = verifier
+        self.bounds = bounds
+        self.generator = torch.Generator().manual_seed(request.seed)
+        self.committed = list(request.prompt_ids)
+        self.generated = 0
+        self.steps = 0
+        self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
+
+    def draft_length(self, policy: DraftLengthPolicy) -> int:
+        """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
+        past the draft's context (the draft feeds up to len(committed) + γ − 1 positions)."""
+        gamma = 0 if self.draft is None else policy.next_draft_length()
+        remaining = self.request.max_new_tokens - self.generated
+        return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
+
+    async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
+        """The draft hop. A draft lost for good leaves the request to the verifier alone,
+        which is enough for the same output; the client's deadline passing ends it."""
+        empty = _DraftHop([], torch.zeros(0, self.bounds.vocab_size))
+        if gamma == 0 or self.draft is None:
+            return empty
+        request, transform = self.request, self.request.transform
         began = time.perf_counter()
-        scores = await verifier.verify(committed, draft_tokens, transform, carrier)
-        verify_ms = (time.perf_counter() - began) * 1e3
-        proposed = torch.tensor(draft_tokens, dtype=torch.long)
-        if transform.greedy:
+        seed = 0 if transform.greedy else draft_seed(request.seed, self.steps)
+        pre_draft = None
+        if request.overlap:
+            # The next step most likely asks for the same γ (a shorter one takes a prefix).
+            next_seed = 0 if transform.greedy else draft_seed(request.seed, self.steps + 1)
+            pre_draft = PreDraftRequest(gamma, next_seed)
+        try:
+            proposal = await self.draft.propose(self.committed, gamma, transform, seed, request.draft_model,
+                                                request.min_confidence, self.bounds.vocab_size, carrier, pre_draft)
+        except WorkerError as exc:
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise  # the client's deadline passed: the request is over, not just the draft
+            log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
+            await self.draft.close(finished=False)
+            self.draft = None
+            return empty
+        return _DraftHop(proposal.tokens, proposal.probs if proposal.probs is not None else empty.probs,
+                         (time.perf_counter() - began) * 1e3, proposal.forward_ms, self.draft.last_exchange_bytes,
+                         proposal.batch, proposal.pre_drafted, pre_draft is not None)
+
+    async def decide(self, hop: _DraftHop, carrier: dict[str, str]) -> _Verdict:
+        """The verifier hop, then the verdict on the proposal: greedy comparison, or
+        rejection sampling with exactly the q each proposed token was drawn with."""
+        began = time.perf_counter()
+        scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier)
+        ms = (time.perf_counter() - began) * 1e3
+        proposed = torch.tensor(hop.tokens, dtype=torch.long)
+        if self.request.transform.greedy:
+            assert scores.argmax is not None  # greedy scores carry the argmax
             outcome = verify_greedy(proposed, torch.tensor(scores.argmax, dtype=torch.long))
         else:
-            assert scores.probs is not None  # sampled: the verifier always sends the target's distributions
-            width = max(draft_probs.shape[1], scores.probs.shape[1])
-            outcome = rejection_sample(proposed, _widen(draft_probs, width), _widen(scores.probs, width), generator)
+            assert scores.probs is not None  # sampled scores carry p
+            width = max(hop.probs.shape[1], scores.probs.shape[1])
+            outcome = rejection_sample(proposed, _widen(hop.probs, width), _widen(scores.probs, width),
+                                       self.generator)
+        return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
 
-        emitted = draft_tokens[: outcome.accepted] + [outcome.token]
-        kept_before = len(committed) + outcome.accepted
-        position = len(committed)
-        committed.extend(emitted)
-        verifier.advance(kept_before)
-        if draft_tokens:  # a draft that sat this step out still holds only what it held
-            assert draft is not None  # it proposed them
-            draft.advance(kept_before)
-
+    def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
+        """Commit the accepted tokens and the recovered or bonus one, cut at EOS; the step's record."""
+        emitted = hop.tokens[: verdict.accepted] + [verdict.token]
+        kept_before = len(self.committed) + verdict.accepted
+        position = len(self.committed)
+        self.committed.extend(emitted)
+        self.verifier.advance(kept_before)
+        if hop.tokens and self.draft is not None:  # a draft that sat this step out still holds only what it held
+            self.draft.advance(kept_before)
         finish = None
-        eos_at = next((i for i, t in enumerate(emitted) if t in limits.eos_token_ids), None)
+        eos_at = next((i for i, t in enumerate(emitted) if t in self.bounds.eos_token_ids), None)
         if eos_at is not None:
             emitted, finish = emitted[: eos_at + 1], Finish.EOS
-        generated_before, generated = generated, generated + len(emitted)
-        if finish is None and generated >= request.max_new_tokens:
+        generated_before = self.generated
+        self.generated += len(emitted)
+        if finish is None and self.generated >= self.request.max_new_tokens:
             finish = Finish.LENGTH
+        scores = verdict.scores
         record = StepRecord(
-            index=stats.steps, position=position, draft_length=len(draft_tokens),
-            accepted=outcome.accepted, bonus=outcome.bonus, token=outcome.token, emitted=tuple(emitted),
-            draft_ms=draft_ms, verify_ms=verify_ms, draft_forward_ms=draft_forward_ms,
-            verify_forward_ms=scores.forward_ms, draft_bytes=draft_bytes,
-            verify_bytes=verifier.last_exchange_bytes, draft_batch=draft_batch, verify_batch=scores.batch,
-            pre_draft_asked=asked, pre_drafted=pre_drafted)
-        stats.records.append(record)
-        policy.observe(record)
-        if on_step is not None:
-            # Before the step's span ends, so what on_step notices (drift) can be an event on it.
-            on_step(record, generated_before)
-        tracer.end_step(record)
-        yield Emission(emitted, finish)
-        if finish is not None:
+            index=self.steps, position=position, generated=generated_before, draft_length=len(hop.tokens),
+            accepted=verdict.accepted, bonus=verdict.bonus, token=verdict.token, emitted=tuple(emitted),
+            draft_ms=hop.ms, verify_ms=verdict.ms, draft_forward_ms=hop.forward_ms,
+            verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
+            draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
+            pre_drafted=hop.pre_drafted)
+        self.steps += 1
+        self.pre_draft_asked = hop.pre_draft_asked
+        return record, StepOutput(emitted, finish)
+
+
+async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
+                    verifier: VerifierClient, bounds: ModelBounds, observers: Sequence[StepObserver] = (),
+                    tracer: StepTracer | None = None) -> AsyncGenerator[StepOutput, None]:
+    """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
+
+    After each step its record goes to the policy, then to `observers` in order, then to
+    the tracer, which ends the step's span: what an observer notices (drift) can still be
+    an event on it. With request.overlap, every proposal also asks the draft to pre-draft
+    the next step while the target verifies this one (`specd.predraft`); the draft seeds
+    depend only on the step index, so the output is the same either way.
+    """
+    tracer = tracer or NoTracer()
+    everyone = (policy, *observers, tracer)
+    speculation = _Speculation(request, draft, verifier, bounds)
+    while True:
+        gamma = speculation.draft_length(policy)
+        carrier = tracer.begin_step(speculation.steps)
+        hop = await speculation.propose(gamma, carrier)
+        verdict = await speculation.decide(hop, carrier)
+        record, output = speculation.commit(hop, verdict)
+        for observer in everyone:
+            observer.observe(record)
+        yield output
+        if output.finish is not None:
             return

@@ -43,7 +43,6 @@ class FixedPolicy:
     """Propose the same γ every step (γ = 0: plain decoding by the target)."""
 
     name = "fixed"
-    min_confidence = 0.0
 
     def __init__(self, draft_length: int) -> None:
         self.draft_length = draft_length
@@ -59,7 +58,6 @@ class EmaPolicy:
     """Feedback control of γ: EMA of acceptance over ~`steps` steps against a target rate."""
 
     name = "ema"
-    min_confidence = 0.0
 
     def __init__(self, start: int, lowest: int, highest: int, target_rate: float = 0.85,
                  steps: int = 50) -> None:
@@ -219,7 +217,6 @@ class CostPolicy:
     """Maximise expected tokens per unit time; fall back to γ = 0 when speculation does not pay."""
 
     name = "cost"
-    min_confidence = 0.0
 
     def __init__(self, costs: StepCosts, profile: TaskProfile,
                  curve: Callable[[], list[float] | None] = lambda: None,
@@ -290,13 +287,13 @@ class CostPolicy:
 
 
 class ConfidencePolicy:
-    """Ask for the maximum γ; the draft stops early when its top probability is below a threshold."""
+    """Ask for the maximum γ; the draft stops early when its top probability is below the
+    request's threshold (`GenerationRequest.min_confidence`, a draft setting)."""
 
     name = "confidence"
 
-    def __init__(self, highest: int, min_confidence: float) -> None:
+    def __init__(self, highest: int) -> None:
         self.highest = highest
-        self.min_confidence = min_confidence
 
     def next_draft_length(self) -> int:
         return self.highest

@@ -19,13 +19,22 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor, KeyRing
 from gateway.backend import Backend, WorkerPool, connect
-from gateway.engine import DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord, speculate
+from gateway.engine import (
+    DraftLengthPolicy,
+    Finish,
+    GenerationRequest,
+    ModelBounds,
+    RequestStats,
+    StepObserver,
+    StepRecord,
+    speculate,
+)
 from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode, ProbeSchedule
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
-from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Counts, Labels
+from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
 from specd.interceptors import clip
@@ -60,7 +69,6 @@ class ParsedRequest:
     policy: str  # one of gateway.policy.POLICIES
     draft_length: int  # γ for "fixed", the starting γ for "ema"
     profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
-    min_confidence: float
     task_type: str
     user_segment: str
     stop: list[str]
@@ -146,10 +154,12 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
     profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
     seed = sampling.seed or secrets.randbits(63)
     overlap = speculation.overlap if speculation.HasField("overlap") else settings.overlap
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap)
+    # The confidence policy's threshold is carried out by the draft, inside each step.
+    min_confidence = ((speculation.min_draft_confidence or settings.default_min_confidence)
+                      if policy == "confidence" and draft_model else 0.0)
+    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
     return ParsedRequest(
-        generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile,
-        speculation.min_draft_confidence or settings.default_min_confidence, task_type,
+        generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile, task_type,
         request.user_segment, list(sampling.stop), selected)
 
 
@@ -187,7 +197,7 @@ def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
                           curve=lambda: stats.position_curve(model_pair, parsed.task_type),
                           overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
     if parsed.policy == "confidence":
-        return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
+        return ConfidencePolicy(profile.max_draft_length)
     return FixedPolicy(parsed.draft_length)
 
 
@@ -217,6 +227,28 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
     return draft, verifier
 
 
+class _GatewayCounts:
+    """Feeds one request's steps into the gateway's shared statistics: acceptance and step
+    costs, the verifier's load, pre-draft hits, drift. (Not for the doctor's requests.)"""
+
+    def __init__(self, servicer: GatewayServicer, labels: Labels, model_pair: str, request_trace: RequestTrace) -> None:
+        self.servicer, self.labels, self.model_pair, self.request_trace = servicer, labels, model_pair, request_trace
+
+    def observe(self, record: StepRecord) -> None:
+        stats = self.servicer.stats
+        # The first step also prefills the prompt: its time says nothing about a step's cost.
+        stats.record(self.labels, record.draft_length, record.accepted, len(record.emitted), record.generated,
+                     record.draft_ms, record.verify_ms, measure_cost=record.index > 0,
+                     batch_size=record.verify_batch.size, pre_draft_asked=record.pre_draft_asked,
+                     pre_drafted=record.pre_drafted)
+        batch = record.verify_batch
+        stats.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
+        if record.pre_draft_asked and record.draft_length:
+            stats.record_pre_draft(self.labels, record.pre_drafted)
+        if record.draft_length:
+            self.servicer.check_drift(self.labels, self.request_trace)
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
@@ -242,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return self.selector.start(task_type)
         return self.selector.choose(task_type, self.stats.segment(user_segment))
 
-    def _check_drift(self, labels: Labels, request_trace: RequestTrace) -> None:
+    def check_drift(self, labels: Labels, request_trace: RequestTrace) -> None:
         """Log and mark on the step span when a segment's drift flag goes up or down."""
         verdict = self.stats.drift(labels)
         key = (labels.model_pair, labels.task_type, labels.user_segment)
@@ -269,10 +301,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """The label of a model pair: "draft->target" ("none->target" when plain)."""
         return f"{draft_model or 'none'}->{self.backend.target.name}"
 
-    def _limits(self, draft_model: str) -> Limits:
+    def _bounds(self, draft_model: str) -> ModelBounds:
         target = self.backend.target
         draft = self.backend.drafts.get(draft_model)
-        return Limits(
+        return ModelBounds(
             draft_context=draft.max_context if draft else 0,
             vocab_size=target.vocab_size,
             eos_token_ids=frozenset(target.eos_token_ids),
@@ -321,26 +353,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if load_cap is None:  # one per pair: every task's sessions share the target's forwards
                 load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length)
         policy = build_policy(parsed, self.stats, model_pair, probes, load_cap)
-        goodput = [0, 0.0]  # tokens and ms of the steps after the first (which also prefills)
-
-        def count_step(record: StepRecord, generated_before: int) -> None:
-            if record.index > 0:
-                goodput[0] += len(record.emitted)
-                goodput[1] += record.draft_ms + record.verify_ms
-            if diagnostic:
-                return
-            # The first step also prefills the prompt: its time says nothing about a step's cost.
-            self.stats.record(labels, record.draft_length, record.accepted, len(record.emitted),
-                              generated_before, record.draft_ms, record.verify_ms,
-                              measure_cost=record.index > 0, batch_size=record.verify_batch.size,
-                              pre_draft_asked=record.pre_draft_asked, pre_drafted=record.pre_drafted)
-            batch = record.verify_batch
-            self.stats.record_load(model_pair, batch.size, batch.tokens, batch.queue_ms)
-            if record.pre_draft_asked and record.draft_length:
-                self.stats.record_pre_draft(labels, record.pre_drafted)
-            if record.draft_length:
-                self._check_drift(labels, request_trace)
-
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
@@ -352,19 +364,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                      deadline)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
+        observers: list[StepObserver] = [stats]
+        if not diagnostic:
+            observers.append(_GatewayCounts(self, labels, model_pair, request_trace))
         finish = Finish.LENGTH
         finished = False
         try:
-            steps = speculate(generation, policy, draft, verifier, self._limits(generation.draft_model), stats,
-                              tracer=request_trace.step_tracer, on_step=count_step)
+            steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
+                              tracer=request_trace.step_tracer)
             async with contextlib.aclosing(steps):
-                async for emission in steps:
-                    delta, kept = text.add(emission.tokens)
+                async for output in steps:
+                    delta, kept = text.add(output.tokens)
                     if text.stopped:
                         finish = Finish.STOP
-                    elif emission.finish is not None:
-                        finish = emission.finish
-                    if emission.finish is None and not text.stopped:
+                    elif output.finish is not None:
+                        finish = output.finish
+                    if output.finish is None and not text.stopped:
                         yield gateway_pb2.GenerateChunk(text=delta, token_ids=kept)
                         continue
                     # Only the selector's own choices teach it: a request that names its draft
@@ -372,7 +387,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if parsed.selected and draft is not None and not diagnostic:
                         assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              int(goodput[0]), goodput[1])
+                                              *stats.goodput())
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
@@ -392,9 +407,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                   model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
                   began: float) -> gateway_pb2.GenerationStats:
         generation = parsed.generation
-        per_position = Counts()
-        for record in stats.records:
-            per_position.add(record.draft_length, record.accepted, len(record.emitted), 0)
+        proposed_per_position, accepted_per_position = stats.per_position()
         costs = next((row for row in self.stats.cost_table() if row.model_pair == model_pair), None)
         c, v = (costs.draft_cost_ratio, costs.verify_cost_ratio) if costs else (0.0, {})
         drafted = [g for g in stats.draft_lengths if g]
@@ -406,7 +419,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             acceptance_rate=stats.acceptance_rate,
             draft_lengths=stats.draft_lengths,
             accepted_lengths=stats.accepted_lengths,
-            mean_tokens_per_step=len(text.token_ids) / stats.steps if stats.steps else 0.0,
+            mean_tokens_per_step=stats.tokens_per_step(len(text.token_ids)),
             prompt_tokens=len(generation.prompt_ids),
             generated_tokens=len(text.token_ids),
             draft_ms=stats.draft_ms,
@@ -415,8 +428,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             seed=generation.seed,
             draft_model=generation.draft_model,
             session_reopens=verifier.reopens + (draft.reopens if draft else 0),
-            proposed_per_position=per_position.proposed_per_position,
-            accepted_per_position=per_position.accepted_per_position,
+            proposed_per_position=proposed_per_position,
+            accepted_per_position=accepted_per_position,
             task_type=parsed.task_type,
             policy=policy.name,
             draft_cost_ratio=c,

@@ -86,7 +86,8 @@ class StepSpans:
         if self._open is not None:
             self._open.add_event(name, attributes)
 
-    def end_step(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord) -> None:
+        """The step's record: its attributes go on the span, which ends."""
         if self._open is None:
             return
         self._open.set_attributes(step_attributes(record))
@@ -168,7 +169,7 @@ class RequestTrace:
                 "specd.proposed_tokens": stats.proposed_tokens,
                 "specd.accepted_tokens": stats.accepted_tokens,
                 "specd.acceptance_rate": stats.acceptance_rate,
-                "specd.mean_tokens_per_step": generated_tokens / stats.steps if stats.steps else 0.0,
+                "specd.mean_tokens_per_step": stats.tokens_per_step(generated_tokens),
             }
             self.span.set_attributes(attributes)
         self.end()

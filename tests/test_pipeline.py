@@ -142,7 +142,6 @@ class ScriptedPolicy:
     """γ from a fixed script: speculative steps interleaved with plain ones."""
 
     name = "scripted"
-    min_confidence = 0.0
 
     def __init__(self, script):
         self.script = list(script)
@@ -162,7 +161,7 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     from transformers import AutoModelForCausalLM
 
     from gateway.backend import connect
-    from gateway.engine import GenerationRequest, Limits, RequestStats, speculate
+    from gateway.engine import GenerationRequest, ModelBounds, speculate
     from gateway.server import open_links
     from specd.config import GatewaySettings, ServerSettings
     from specd.sampling import Transform
@@ -185,10 +184,10 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
         draft.propose = recording_propose
         prompt = backend.tokenizer(PROMPTS[0])["input_ids"]
         request_ = GenerationRequest(prompt, Transform(), seed=1, max_new_tokens=40, draft_model=draft_name)
-        limits = Limits(draft_context=256, vocab_size=backend.target.vocab_size,
+        bounds = ModelBounds(draft_context=256, vocab_size=backend.target.vocab_size,
                         eos_token_ids=frozenset(backend.target.eos_token_ids))
         async for _ in speculate(request_, ScriptedPolicy([3, 0, 0, 2, 0, 3, 0, 0, 0, 4]), draft, verifier,
-                                 limits, RequestStats()):
+                                 bounds):
             pass
         await draft.close()
         await verifier.close()

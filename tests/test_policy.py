@@ -11,7 +11,7 @@ from specd.tasks import TaskProfile
 
 
 def step(draft_length: int, accepted: int) -> StepRecord:
-    return StepRecord(index=0, position=0, draft_length=draft_length, accepted=accepted,
+    return StepRecord(index=0, position=0, generated=0, draft_length=draft_length, accepted=accepted,
                       bonus=accepted == draft_length, token=0, emitted=(0,) * (accepted + 1), draft_ms=0.0,
                       verify_ms=0.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0)
 
@@ -78,9 +78,8 @@ def test_cost_policy_prefers_the_measured_curve():
     assert policy.next_draft_length() == 2
 
 
-def test_confidence_asks_for_the_maximum_and_passes_its_threshold():
-    policy = ConfidencePolicy(highest=8, min_confidence=0.6)
-    assert policy.next_draft_length() == 8 and policy.min_confidence == 0.6
+def test_confidence_asks_for_the_maximum():
+    assert ConfidencePolicy(highest=8).next_draft_length() == 8
 
 
 def test_cost_policy_probes_less_often_while_probes_fail():
@@ -166,8 +165,8 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
             accepted += 1
         chosen.append(gamma)
         policy.observe(StepRecord(
-            index=index, position=0, draft_length=gamma, accepted=accepted, bonus=accepted == gamma, token=0,
-            emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma, verify_ms=step_ms(cap.cap()),
+            index=index, position=0, generated=0, draft_length=gamma, accepted=accepted, bonus=accepted == gamma,
+            token=0, emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma, verify_ms=step_ms(cap.cap()),
             draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
             verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions)))
     return chosen

@@ -1,0 +1,205 @@
+"""The speculative loop against scripted draft and verifier clients: every verdict, a draft
+lost mid-request, EOS inside the accepted tokens, sampled steps. No models, no gRPC: the
+engine's seam is the two client Protocols (`gateway.engine.DraftClient`, `VerifierClient`)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from gateway.engine import Finish, GenerationRequest, ModelBounds, RequestStats, StepRecord, speculate
+from gateway.policy import FixedPolicy
+from gateway.workers import WorkerError
+from specd.jobs import Proposal, Scores
+from specd.sampling import Transform
+
+VOCAB = 16
+EOS = 15
+
+
+def truth(prefix: list[int]) -> int:
+    """The scripted target's greedy choice after a prefix: its length, mod 10."""
+    return len(prefix) % 10
+
+
+class ScriptedDraft:
+    """Proposes the target's own tokens except at the positions (counted from the prompt's
+    end) listed in `wrong`; raises `fail` at step `fail_at`."""
+
+    def __init__(self, wrong: frozenset[int] | set[int] = frozenset(), fail_at: int | None = None,
+                 fail: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, tokens: dict[int, int] | None = None) -> None:
+        self.wrong, self.fail_at, self.fail = wrong, fail_at, fail
+        self.tokens = tokens or {}  # position → token proposed there, whatever the target says
+        self.steps = 0
+        self.closed: bool | None = None
+        self.last_exchange_bytes = 0
+        self.prompt_length: int | None = None
+
+    async def propose(self, committed: list[int], draft_length: int, transform: Transform, seed: int,
+                      draft_model: str, min_confidence: float, vocab_size: int, carrier: dict[str, str],
+                      pre_draft=None) -> Proposal:
+        self.min_confidence = min_confidence
+        if self.steps == self.fail_at:
+            raise WorkerError(self.fail, "scripted failure")
+        self.steps += 1
+        tokens, prefix = [], list(committed)
+        for _ in range(draft_length):
+            position = len(prefix)
+            token = self.tokens.get(position, truth(prefix))
+            if position - PROMPT_LENGTH in self.wrong:
+                token = (token + 1) % 10
+            tokens.append(token)
+            prefix.append(token)
+        return Proposal(tokens, None, 0.0)
+
+    def advance(self, position: int) -> None:
+        pass
+
+    async def close(self, finished: bool = True) -> None:
+        self.closed = finished
+
+
+class ScriptedVerifier:
+    """Scores every position with `truth`, or with `eos_at` (positions that are EOS)."""
+
+    def __init__(self, eos_at: frozenset[int] | set[int] = frozenset()) -> None:
+        self.eos_at = eos_at
+        self.last_exchange_bytes = 0
+
+    async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
+                     carrier: dict[str, str]) -> Scores:
+        argmax, prefix = [], list(committed)
+        for token in [*draft_tokens, None]:
+            argmax.append(EOS if len(prefix) in self.eos_at else truth(prefix))
+            if token is not None:
+                prefix.append(token)
+        return Scores(argmax, None, 0.0)
+
+    def advance(self, position: int) -> None:
+        pass
+
+
+PROMPT = [1, 2, 3]
+PROMPT_LENGTH = len(PROMPT)
+BOUNDS = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozenset({EOS}))
+
+
+def run(draft, verifier, gamma: int, max_new_tokens: int = 12) -> tuple[list[int], Finish | None, list[StepRecord]]:
+    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    stats = RequestStats()
+    tokens: list[int] = []
+    finish = None
+
+    async def drive() -> None:
+        nonlocal finish
+        async for committed in speculate(request, FixedPolicy(gamma), draft, verifier, BOUNDS, [stats]):
+            tokens.extend(committed.tokens)
+            finish = committed.finish or finish
+
+    asyncio.run(drive())
+    return tokens, finish, stats.records
+
+
+def target_alone(max_new_tokens: int = 12) -> list[int]:
+    prefix = list(PROMPT)
+    for _ in range(max_new_tokens):
+        prefix.append(truth(prefix))
+    return prefix[PROMPT_LENGTH:]
+
+
+def test_every_proposal_accepted_ends_each_step_with_the_bonus_token():
+    tokens, finish, records = run(ScriptedDraft(), ScriptedVerifier(), gamma=3)
+    assert tokens == target_alone() and finish is Finish.LENGTH
+    assert [(r.accepted, r.bonus, len(r.emitted)) for r in records] == [(3, True, 4)] * 3
+
+
+@pytest.mark.parametrize("wrong,verdicts", [
+    # (accepted, bonus, tokens committed) per step, γ = 3, 12 new tokens; the last step's γ
+    # shrinks so as not to pass 12.
+    ({0}, [(0, False, 1), (3, True, 4), (3, True, 4), (2, True, 3)]),  # the first proposal rejected
+    ({1}, [(1, False, 2), (3, True, 4), (3, True, 4), (1, True, 2)]),  # one in the middle
+    ({2}, [(2, False, 3), (3, True, 4), (3, True, 4), (0, True, 1)]),  # the last one
+    ({3}, [(3, True, 4)] * 3),  # the bonus position is the target's own: a draft error there is never proposed
+])
+def test_each_verdict_commits_the_target_token_at_the_first_rejection(wrong, verdicts):
+    tokens, _, records = run(ScriptedDraft(wrong=wrong), ScriptedVerifier(), gamma=3)
+    assert tokens == target_alone()
+    got = [(r.accepted, r.bonus, len(r.emitted)) for r in records]
+    assert got == verdicts
+
+
+def test_the_requests_confidence_threshold_goes_to_the_draft():
+    """A draft setting carried by the request, not by the γ policy."""
+    draft = ScriptedDraft()
+    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=4, draft_model="d", min_confidence=0.7)
+
+    async def drive() -> None:
+        async for _ in speculate(request, FixedPolicy(3), draft, ScriptedVerifier(), BOUNDS):
+            pass
+
+    asyncio.run(drive())
+    assert draft.min_confidence == 0.7
+
+
+def test_a_plain_step_has_no_draft_hop():
+    draft = ScriptedDraft()
+    tokens, _, records = run(draft, ScriptedVerifier(), gamma=0)
+    assert tokens == target_alone() and draft.steps == 0
+    assert all(r.draft_length == 0 and len(r.emitted) == 1 for r in records)
+
+
+def test_a_draft_lost_mid_request_leaves_the_rest_to_the_target():
+    draft = ScriptedDraft(wrong={5}, fail_at=2)
+    tokens, finish, records = run(draft, ScriptedVerifier(), gamma=3)
+    assert tokens == target_alone() and finish is Finish.LENGTH
+    assert draft.closed is False  # closed as unfinished: its session is dropped
+    assert [r.draft_length for r in records[:2]] == [3, 3] and all(r.draft_length == 0 for r in records[2:])
+
+
+def test_a_client_deadline_in_the_draft_hop_ends_the_request():
+    draft = ScriptedDraft(fail_at=1, fail=grpc.StatusCode.DEADLINE_EXCEEDED)
+    with pytest.raises(WorkerError) as raised:
+        run(draft, ScriptedVerifier(), gamma=3)
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_eos_inside_the_accepted_tokens_ends_the_request_there():
+    """The draft proposes the target's EOS and tokens after it; the step commits up to EOS."""
+    eos_position = PROMPT_LENGTH + 5
+    draft = ScriptedDraft(tokens={eos_position: EOS})
+    tokens, finish, records = run(draft, ScriptedVerifier(eos_at={eos_position}), gamma=3)
+    assert finish is Finish.EOS
+    assert tokens == target_alone()[:5] + [EOS]
+    assert records[-1].accepted == 3 and records[-1].emitted[-1] == EOS  # accepted past EOS, cut at it
+
+
+def test_max_new_tokens_bounds_the_last_step():
+    tokens, finish, records = run(ScriptedDraft(), ScriptedVerifier(), gamma=4, max_new_tokens=7)
+    assert tokens == target_alone(7) and finish is Finish.LENGTH
+    assert records[-1].draft_length == 1  # γ shrinks so a step never emits past the limit
+
+
+def test_sampled_steps_use_the_draft_q_and_the_target_p():
+    """Draft q = target p: every proposal is accepted whatever was drawn (rejection sampling
+    accepts with probability min(1, p/q) = 1)."""
+
+    class SampledDraft(ScriptedDraft):
+        async def propose(self, committed, draft_length, *args, **kwargs) -> Proposal:
+            proposal = await super().propose(committed, draft_length, *args, **kwargs)
+            return Proposal(proposal.tokens, torch.full((draft_length, VOCAB), 1.0 / VOCAB), 0.0)
+
+    class SampledVerifier(ScriptedVerifier):
+        async def verify(self, committed, draft_tokens, transform, carrier) -> Scores:
+            return Scores(None, torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB), 0.0)
+
+    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=7, max_new_tokens=12, draft_model="d")
+    stats = RequestStats()
+
+    async def drive() -> list[int]:
+        return [t async for c in speculate(request, FixedPolicy(3), SampledDraft(), SampledVerifier(), BOUNDS,
+                                           [stats]) for t in c.tokens]
+
+    tokens = asyncio.run(drive())
+    assert len(tokens) == 12 and all(r.accepted == r.draft_length for r in stats.records)
