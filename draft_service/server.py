@@ -13,21 +13,22 @@ from opentelemetry import trace
 
 from specd.batching import Overloaded
 from specd.config import DraftSettings
-from specd.interceptors import clip
-from specd.jobs import Proposal
-from specd.predraft import PreDraftRequest
+from specd.interceptors import clip, session_lost
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
-from specd.telemetry import start_worker_span, worker_step_span
+from specd.steps import PreDraftRequest, Proposal
+from specd.telemetry import batch_span_attributes, start_worker_span, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import pack_distributions
+from specd.wire import (
+    MAX_DRAFT_LENGTH,
+    batch_to_pb,
+    identity_mismatch,
+    model_info_to_pb,
+    pack_distributions,
+    step_problems,
+    transform_from_pb,
+)
 from specd.workermetrics import start_worker_metrics
-
-# Kept compact: one name a line, this list would repeat the verifier's line for line.
-# isort: off
-from specd.workerproto import (MAX_DRAFT_LENGTH, batch_span_attributes, batch_to_pb, identity_mismatch,
-                               model_info_to_pb, session_lost, step_problems, transform_from_pb)
-# isort: on
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -64,7 +65,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         return worker_pb2.ModelInfoResponse(
-            models=[model_info_to_pb(r, with_tokenizer=False) for r in self.drafts.values()])
+            models=[model_info_to_pb(r.info) for r in self.drafts.values()])
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:

@@ -32,6 +32,7 @@ from specd.interceptors import clip
 from specd.sampling import Transform
 from specd.selection import DraftSelector
 from specd.serving import RunningServer, start_server
+from specd.steps import ModelInfo
 from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -77,7 +78,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
     (`specd.selection`); None: the task map, else the default draft.
     """
     sampling, speculation = request.sampling, request.speculation
-    transform = Transform(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
+    transform = Transform.from_fields(sampling.temperature, sampling.top_k, sampling.top_p)
     problems = transform.problems() + _size_problems(request, settings)
 
     prompt_bytes = len(request.prompt.encode("utf-8"))
@@ -208,12 +209,12 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
         return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
                 lambda: pool.router.release(session_id))
 
-    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
+    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target)
     draft = None
     if draft_model:
         assert backend.draft is not None  # a draft model is chosen only with a draft service
         draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
-                          backend.draft_identity(draft_model))
+                          backend.drafts[draft_model])
     return draft, verifier
 
 
@@ -480,7 +481,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
 
-def _served_model(info, problem: str) -> gateway_pb2.ServedModel:
+def _served_model(info: ModelInfo, problem: str) -> gateway_pb2.ServedModel:
     """A worker's ModelInfo as the public API shows it (no tokenizer files)."""
     return gateway_pb2.ServedModel(
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,

@@ -18,13 +18,13 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specd.config import BatchSettings
 from specd.kvstore import BatchRow, SessionKV
+from specd.steps import BatchStats
 
 
 class Overloaded(RuntimeError):
@@ -33,17 +33,6 @@ class Overloaded(RuntimeError):
     def __init__(self, message: str, retry_after_ms: float) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """How one step was batched: the largest forward it shared, and how long it waited."""
-
-    size: int = 1  # sessions in that forward
-    tokens: int = 0  # tokens in that forward
-    queue_ms: float = 0.0  # from arrival to its first forward
-    forwards: int = 0  # forwards the step took part in
-    sessions: int = 0  # sessions the worker held when the step ran: the load it serves
 
 
 class Job:

@@ -36,6 +36,11 @@ def clip(value: object, limit: int = ECHO_LIMIT) -> str:
     return f"{text[:limit]}… ({len(str(value))} characters)"
 
 
+def session_lost(role: str, error: Exception) -> str:
+    """The NOT_FOUND message of a lost session (the id clipped: it is the caller's value)."""
+    return f"{role} session lost: {clip(str(error), 200)}"
+
+
 @dataclass(frozen=True)
 class Undecodable:
     """Stands in for a request whose bytes did not deserialize; the handler is not called."""

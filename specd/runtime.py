@@ -15,7 +15,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,31 +25,17 @@ from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
 from specd.identity import weights_digest
-from specd.jobs import Proposal, ProposeJob, ScoreJob, Scores
+from specd.jobs import ProposeJob, ScoreJob
 from specd.kvstore import BatchRow, SessionKV
-from specd.predraft import Branch, PreDraftRequest, PreDrafts
+from specd.predraft import Branch, PreDrafts
 from specd.sampling import Transform
+from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SessionNotFound(KeyError):
     """The worker does not hold this session (evicted, restarted, or out of sync)."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the gateway needs to know about a hosted model."""
-
-    name: str
-    vocab_size: int
-    max_context: int
-    tokenizer_fingerprint: str
-    eos_token_ids: tuple[int, ...]
-    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
-    parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
-    card_json: str = ""  # the directory's card.json, verbatim, when it has one
-    model_path: str = ""  # the directory the model was loaded from
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -166,11 +152,11 @@ class ModelRunner:
         if self.sessions.drop(session_id, stream):
             self.pre_drafts.cancel(session_id)
 
-    def tokenizer_files(self) -> list[str]:
-        """Names of the tokenizer files in the model directory (what the gateway needs)."""
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer files of the model directory by name (what the gateway needs)."""
         names = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"}
-        return sorted(p.name for p in self.path.iterdir() if p.name in names)
+        return {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.name in names}
 
     def kv_bytes_per_token(self) -> int:
         """The arithmetic: layers × 2 × KV heads × head dim × bytes per element."""

@@ -12,21 +12,20 @@ from opentelemetry import trace
 
 from specd.batching import Overloaded
 from specd.config import VerifierSettings
+from specd.interceptors import session_lost
 from specd.runtime import ModelRunner, SessionNotFound
 from specd.serving import RunningServer, start_server
-from specd.telemetry import worker_step_span
+from specd.telemetry import batch_span_attributes, worker_step_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import pack_distributions
-from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (
-    batch_span_attributes,
+from specd.wire import (
     batch_to_pb,
     identity_mismatch,
     model_info_to_pb,
-    session_lost,
+    pack_distributions,
     step_problems,
     transform_from_pb,
 )
+from specd.workermetrics import start_worker_metrics
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -39,7 +38,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         self.target = target
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
-        return worker_pb2.ModelInfoResponse(models=[model_info_to_pb(self.target, with_tokenizer=True)])
+        return worker_pb2.ModelInfoResponse(models=[model_info_to_pb(self.target.info, self.target.tokenizer_files())])
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
