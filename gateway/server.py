@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 import grpc
 
@@ -21,7 +20,8 @@ from gateway.auth import ApiKeyInterceptor, KeyRing
 from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord, speculate
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode, ProbeSchedule
+from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
+from gateway.request import ParsedRequest
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
@@ -52,20 +52,6 @@ _FINISH = {
 
 class InvalidRequest(ValueError):
     """The request cannot be served as asked; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    generation: GenerationRequest
-    mode: Mode
-    policy: str  # one of gateway.policy.POLICIES
-    draft_length: int  # γ for "fixed", the starting γ for "ema"
-    profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
-    min_confidence: float
-    task_type: str
-    user_segment: str
-    stop: list[str]
-    selected: bool = False  # the draft was chosen by goodput selection (the request named none)
 
 
 def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
@@ -168,28 +154,6 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
     if longest > settings.max_stop_bytes:
         problems.append(f"a stop string is {longest} bytes; at most {settings.max_stop_bytes} each")
     return problems
-
-
-def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
-                 probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
-    """The γ policy object of one request; `probes` and `load_cap` are shared by the pair and task's requests."""
-    profile = parsed.profile
-    if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
-        return FixedPolicy(0)
-    if parsed.policy == "ema":
-        return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
-    if parsed.policy == "cost":
-        # The request's acceptance estimate starts from what this pair has measured on
-        # this task, when it has, rather than from the table's prior.
-        measured = stats.measured_acceptance(model_pair, parsed.task_type)
-        if measured is not None:
-            profile = replace(profile, prior_acceptance=measured)
-        return CostPolicy(stats.costs(model_pair), profile,
-                          curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                          overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
-    if parsed.policy == "confidence":
-        return ConfidencePolicy(profile.max_draft_length, parsed.min_confidence)
-    return FixedPolicy(parsed.draft_length)
 
 
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
