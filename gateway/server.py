@@ -19,16 +19,17 @@ import grpc
 from gateway.auth import ApiKeyInterceptor, KeyRing
 from gateway.backend import Backend, WorkerPool, connect
 from gateway.engine import DraftLengthPolicy, Finish, GenerationRequest, Limits, RequestStats, StepRecord, speculate
+from gateway.errors import InvalidRequest, WorkerError
 from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
 from gateway.request import ParsedRequest
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
+from gateway.workers import DraftLink, LinkSettings, VerifierLink, close_links
 from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Counts, Labels
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
-from specd.interceptors import clip
+from specd.errors import clip
 from specd.sampling import Transform
 from specd.selection import DraftSelector
 from specd.serving import RunningServer, start_server
@@ -50,16 +51,12 @@ _FINISH = {
 }
 
 
-class InvalidRequest(ValueError):
-    """The request cannot be served as asked; the message says what to change."""
-
-
 def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
                   choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
     """Validate a public request against the models and settings; collect every problem.
 
     Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
-    tokenized at all. Values echoed back are clipped (`specd.interceptors.clip`).
+    tokenized at all. Values echoed back are clipped (`specd.errors.clip`).
     choose(task type, user segment): picks the draft of a request that names none
     (`specd.selection`); None: the task map, else the default draft.
     """
@@ -246,15 +243,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
-        try:
-            # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
-            # and the other requests' steps must not wait for it. One thread: a fast
-            # tokenizer is not safe to call from several threads at once.
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                self._parser, parse_request, request, self.backend, self.settings,
-                self._choose if self.selector is not None else None)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
+        # and the other requests' steps must not wait for it. One thread: a fast
+        # tokenizer is not safe to call from several threads at once. InvalidRequest
+        # leaves as INVALID_ARGUMENT (specd.interceptors).
+        parsed = await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_request, request, self.backend, self.settings,
+            self._choose if self.selector is not None else None)
         if self._in_flight >= self.settings.max_concurrent_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
@@ -394,10 +389,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
-        try:
-            rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # An unknown label is InvalidArgument: INVALID_ARGUMENT (specd.interceptors).
+        rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
         response = gateway_pb2.AcceptanceStatsResponse(window_steps=self.stats.window_steps)
         for labels, counts in rows:
             response.rows.add(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.errors import WorkerError
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.v1 import worker_pb2
@@ -34,14 +35,6 @@ StepResponse = worker_pb2.ProposeResponse | worker_pb2.VerifyResponse
 # FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
 _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class WorkerError(Exception):
-    """A worker failed a step for good. `code` is the gRPC status to report upstream."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

@@ -26,8 +26,10 @@ The core's modules:
     identity      which model a worker holds: a digest of its weights
     wire          the worker protocol's conversions, both ways: steps, distributions, model facts
     workermetrics Prometheus exposition of a worker's load
+    workerservice what the draft and verifier servicers share: the step stream's skeleton
     serving       what every service shares as a gRPC server: health, reflection, TLS, graceful stop
-    interceptors  server interceptors: every failure leaves with a real status
+    errors        the exception tree, and the gRPC status each exception leaves a server with
+    interceptors  server interceptors: every failure leaves with a real status (the one place errors map)
     tls           TLS and mutual TLS credentials and channels
     telemetry     tracing set-up (OTEL_* variables) and the workers' step spans
     config        typed settings, one object per service, built in the entrypoint and passed in

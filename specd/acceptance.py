@@ -17,6 +17,7 @@ from dataclasses import asdict, astuple, dataclass, field
 
 from specd.costmodel import StepCosts
 from specd.drift import Drift, DriftSettings, Sample, judge
+from specd.errors import InvalidArgument
 
 PROMPT_BUCKETS = (32, 128, 512, 2048)
 GENERATION_BUCKETS = (32, 64, 128, 256, 512)
@@ -310,7 +311,7 @@ class AcceptanceStats:
         unknown = set(group_by) | set(where)
         unknown -= set(LABEL_NAMES)
         if unknown:
-            raise ValueError(f"unknown label(s) {sorted(unknown)}; use {list(LABEL_NAMES)}")
+            raise InvalidArgument(f"unknown label(s) {sorted(unknown)}; use {list(LABEL_NAMES)}")
         groups: dict[tuple, Counts] = {}
         for labels, counts in self.snapshot(window).items():
             values = asdict(labels)

@@ -9,7 +9,7 @@ others for long — and goes back to the head of the queue until it is done; new
 join at any forward. Each job keeps its own state (its session, its generator), so what
 a request gets does not depend on what shares its batch, up to floating-point rounding.
 
-No gRPC here: `Overloaded` is what the servicers turn into RESOURCE_EXHAUSTED.
+No gRPC here: `specd.errors.Overloaded` leaves a worker as RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -23,16 +23,9 @@ from typing import Any
 import torch
 
 from specd.config import BatchSettings
+from specd.errors import Overloaded
 from specd.kvstore import BatchRow, SessionKV
 from specd.steps import BatchStats
-
-
-class Overloaded(RuntimeError):
-    """The queue is full; `retry_after_ms` is the scheduler's estimate of when it will not be."""
-
-    def __init__(self, message: str, retry_after_ms: float) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
 
 
 class Job:

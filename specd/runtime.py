@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
+from specd.errors import InvalidArgument, SessionNotFound
 from specd.identity import weights_digest
 from specd.jobs import ProposeJob, ScoreJob
 from specd.kvstore import BatchRow, SessionKV
@@ -32,10 +33,6 @@ from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class SessionNotFound(KeyError):
-    """The worker does not hold this session (evicted, restarted, or out of sync)."""
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -173,7 +170,8 @@ class ModelRunner:
         """
         bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside {self.info.name}'s vocabulary of {self.info.vocab_size}")
+            raise InvalidArgument(f"token id {bad[0]} is outside {self.info.name}'s vocabulary of "
+                                  f"{self.info.vocab_size}")
         if start == 0:
             self.sessions.drop(session_id)
             layers, heads, dim = self._kv_shape
@@ -218,7 +216,7 @@ class ModelRunner:
         (`specd.predraft`); a request matching one is answered from it.
         """
         if draft_length < 1:
-            raise ValueError("draft_length must be >= 1")
+            raise InvalidArgument("draft_length must be >= 1")
         branch = self.pre_drafts.take(session_id, start, tokens, draft_length, transform, seed, min_confidence,
                                       vocab_limit)
         proposal = job = None
@@ -228,7 +226,7 @@ class ModelRunner:
             session, feed = self._sync(session_id, start, tokens, stream)
             if not feed:
                 self.sessions.release()
-                raise ValueError("nothing to feed: a step must carry at least one new committed token")
+                raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
             job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
             proposal = await self._step(session_id, session, job)
         if pre_draft is not None and proposal.tokens:
@@ -269,12 +267,12 @@ class ModelRunner:
         """
         bad = [t for t in draft_tokens if not 0 <= t < self.info.vocab_size]
         if bad:
-            raise ValueError(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
+            raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
         session, feed = self._sync(session_id, start, tokens, stream)
         if not feed:
             self.sessions.release()
-            raise ValueError("nothing to score: a step must carry at least one new committed token")
+            raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
         session.tokens.extend(draft_tokens)
         job = ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
         return await self._step(session_id, session, job)
