@@ -1,4 +1,8 @@
-"""The gateway's worker pools and what it learned from the workers at start-up.
+"""The gateway's worker pools: connections to the replicas, and the models' facts.
+
+Who owns what in the gateway: `gateway.router` decides which replica serves a session;
+this module owns the channels to the replicas and what the workers said about their
+models at start-up; `gateway.workers` holds one request's links (streams) over them.
 
 Each worker service (draft, verifier) is a `WorkerPool`: a `gateway.router.Router` that
 places sessions on the service's endpoints — a static address list, or the EndpointSlices
@@ -23,7 +27,8 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from gateway.router import EndpointSliceWatcher, NoEndpoint, Router, parse_addresses
+from gateway.endpointslices import EndpointSliceWatcher
+from gateway.router import NoEndpoint, Router, parse_addresses
 from specd.config import ClientTLS, GatewaySettings
 from specd.serving import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
@@ -70,7 +75,7 @@ class WorkerPool:
         timeout: the stream's deadline in seconds (the client's, so the worker sees it too).
         """
         try:
-            address = self.router.replace(session_id) if moved else self.router.place(session_id)
+            address = self.router.fail_over(session_id) if moved else self.router.place(session_id)
             # A channel to a new endpoint reads the client certificate files then; caught
             # mid-renewal they may not load, and the step is retried like any lost worker.
             stub = self.stub(address)

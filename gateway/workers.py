@@ -1,5 +1,8 @@
 """The gateway's side of the worker streams: one `WorkerLink` per request and worker.
 
+Who owns what in the gateway: a link belongs to one request; it asks `gateway.backend`'s
+pool for a stream, and the pool's `gateway.router` picks the replica.
+
 A link knows how much of the committed sequence its worker holds (`position`) and sends
 only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
 or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
