@@ -14,8 +14,8 @@ from opentelemetry import trace
 
 from specd.config import DraftSettings
 from specd.errors import clip
+from specd.grpcserver import RunningServer, start_server
 from specd.runtime import ModelRunner
-from specd.serving import RunningServer, start_server
 from specd.steps import PreDraftRequest, Proposal
 from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from gateway.endpointslices import EndpointSliceWatcher
 from gateway.router import NoEndpoint, Router, parse_addresses
 from specd.config import ClientTLS, GatewaySettings
-from specd.serving import CHANNEL_OPTIONS
+from specd.grpcserver import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
 from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc

@@ -30,9 +30,9 @@ from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Counts, Labels
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
 from specd.errors import clip
+from specd.grpcserver import RunningServer, start_server
 from specd.sampling import Transform
 from specd.selection import DraftSelector
-from specd.serving import RunningServer, start_server
 from specd.steps import ModelInfo
 from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -494,7 +494,7 @@ def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerIntercep
 
 
 def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:
-    """The public server's small limits; the worker channels keep `specd.serving`'s large ones."""
+    """The public server's small limits; the worker channels keep `specd.grpcserver`'s large ones."""
     return [
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", 16 * 1024 * 1024),  # replies are text and ids, never distributions

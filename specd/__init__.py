@@ -27,7 +27,7 @@ The core's modules:
     wire          the worker protocol's conversions, both ways: steps, distributions, model facts
     workermetrics Prometheus exposition of a worker's load
     workerservice what the draft and verifier servicers share: the step stream's skeleton
-    serving       what every service shares as a gRPC server: health, reflection, TLS, graceful stop
+    grpcserver    the gRPC server plumbing every service shares: health, reflection, TLS, graceful stop
     errors        the exception tree, and the gRPC status each exception leaves a server with
     interceptors  server interceptors: every failure leaves with a real status (the one place errors map)
     tls           TLS and mutual TLS credentials and channels

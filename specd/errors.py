@@ -24,7 +24,7 @@ hit them prints the message and exits.
         ├── IncompatibleDraft (RuntimeError) gateway/backend.py  start-up: a draft's tokenizer differs
         ├── KeyFileError (ValueError)       gateway/auth.py   start-up: a malformed API key file
         ├── TLSConfigError (ValueError)     specd/tls.py      start-up: a TLS flag names a bad file
-        ├── PortInUse (OSError)             specd/serving.py  start-up: the port is taken
+        ├── PortInUse (OSError)             specd/grpcserver.py  start-up: the port is taken
         └── MissingApiKey (RuntimeError)    specd/cli/clientauth.py  a client's key variable is unset
 
 Messages may repeat a caller's value only through `clip`.

@@ -12,8 +12,8 @@ import grpc
 from opentelemetry import trace
 
 from specd.config import VerifierSettings
+from specd.grpcserver import RunningServer, start_server
 from specd.runtime import ModelRunner
-from specd.serving import RunningServer, start_server
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import (
     batch_to_pb,
