@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
+from specd import wire, workerservice
 from specd.config import DraftSettings
 from specd.errors import clip
 from specd.grpcserver import RunningServer, start_server
@@ -19,23 +20,7 @@ from specd.runtime import ModelRunner
 from specd.steps import PreDraftRequest, Proposal
 from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import (
-    MAX_DRAFT_LENGTH,
-    batch_to_pb,
-    model_info_to_pb,
-    pack_distributions,
-    step_problems,
-    transform_from_pb,
-)
 from specd.workermetrics import start_worker_metrics
-from specd.workerservice import (
-    StepStream,
-    refuse_problems,
-    refuse_wrong_model,
-    serve_steps,
-    step_span_attributes,
-    traced_step,
-)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -45,7 +30,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
     """Attributes of a `specd.draft.propose` span (docs/tracing.md)."""
     probs = proposal.token_probs
     attributes = {
-        **step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
+        **workerservice.step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
         "specd.draft_length": request.draft_length,
         "specd.proposed": len(proposal.tokens),
         "specd.pre_drafted": proposal.pre_drafted,
@@ -67,37 +52,38 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         return worker_pb2.ModelInfoResponse(
-            models=[model_info_to_pb(r.info) for r in self.drafts.values()])
+            models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()])
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:
-        async with contextlib.aclosing(serve_steps(request_iterator,
+        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
                                                    lambda r, s: self._propose(r, s, context))) as responses:
             async for response in responses:
                 yield response
 
-    async def _propose(self, request: worker_pb2.ProposeRequest, stream: StepStream,
+    async def _propose(self, request: worker_pb2.ProposeRequest, stream: workerservice.StepStream,
                        context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
         name = request.draft_model or self.default
         runner = self.drafts.get(name)
         if request.HasField("expected_model"):  # the first message of the stream
-            await refuse_wrong_model(context, request.expected_model, runner.info if runner else None, "draft")
+            held = runner.info if runner else None
+            await workerservice.refuse_wrong_model(context, request.expected_model, held, "draft")
         if runner is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
         assert runner is not None  # aborted otherwise
         delta = request.delta
-        transform = transform_from_pb(request.transform)
-        problems = step_problems(runner.info, delta, transform, request.draft_length)
-        if request.draft_length > MAX_DRAFT_LENGTH:
-            problems.append(f"draft_length {request.draft_length} is over {MAX_DRAFT_LENGTH}")
-        if request.pre_draft.draft_length > MAX_DRAFT_LENGTH:
-            problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {MAX_DRAFT_LENGTH}")
-        await refuse_problems(context, problems)
+        transform = wire.transform_from_pb(request.transform)
+        problems = wire.step_problems(runner.info, delta, transform, request.draft_length)
+        if request.draft_length > wire.MAX_DRAFT_LENGTH:
+            problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
+        if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
+            problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
+        await workerservice.refuse_problems(context, problems)
         stream.opened(runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
-        proposal = await traced_step(
+        proposal = await workerservice.traced_step(
             _TRACER, "specd.draft.propose", request.trace_context.carrier,
             runner.propose(delta.session_id, delta.start, list(delta.tokens), request.draft_length, transform,
                            request.seed, request.min_confidence, stream.id, request.vocab_limit, pre_draft),
@@ -105,9 +91,9 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)
         response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
-                                              batch=batch_to_pb(proposal.batch), pre_drafted=proposal.pre_drafted)
+                                              batch=wire.batch_to_pb(proposal.batch), pre_drafted=proposal.pre_drafted)
         if proposal.probs is not None:
-            response.draft_probs.CopyFrom(pack_distributions(proposal.probs, transform.sparse))
+            response.draft_probs.CopyFrom(wire.pack_distributions(proposal.probs, transform.sparse))
         return response
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -20,8 +20,10 @@ from opentelemetry import trace
 from specd.runtime import ModelRunner
 from specd.steps import BatchStats, ModelInfo
 from specd.telemetry import batch_span_attributes, worker_step_span
-from specd.v1 import worker_pb2
 from specd.wire import identity_mismatch
+
+if TYPE_CHECKING:  # annotations only: specd.wire is this side's protobuf module
+    from specd.v1 import worker_pb2
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")

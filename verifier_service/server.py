@@ -11,26 +11,12 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
+from specd import wire, workerservice
 from specd.config import VerifierSettings
 from specd.grpcserver import RunningServer, start_server
 from specd.runtime import ModelRunner
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import (
-    batch_to_pb,
-    model_info_to_pb,
-    pack_distributions,
-    step_problems,
-    transform_from_pb,
-)
 from specd.workermetrics import start_worker_metrics
-from specd.workerservice import (
-    StepStream,
-    refuse_problems,
-    refuse_wrong_model,
-    serve_steps,
-    step_span_attributes,
-    traced_step,
-)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -43,37 +29,40 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         self.target = target
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
-        return worker_pb2.ModelInfoResponse(models=[model_info_to_pb(self.target.info, self.target.tokenizer_files())])
+        target = self.target
+        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())])
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
-        async with contextlib.aclosing(serve_steps(request_iterator,
+        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
                                                    lambda r, s: self._verify(r, s, context))) as responses:
             async for response in responses:
                 yield response
 
-    async def _verify(self, request: worker_pb2.VerifyRequest, stream: StepStream,
+    async def _verify(self, request: worker_pb2.VerifyRequest, stream: workerservice.StepStream,
                       context: grpc.aio.ServicerContext) -> worker_pb2.VerifyResponse:
         target = self.target
         if request.HasField("expected_model"):  # the first message of the stream
-            await refuse_wrong_model(context, request.expected_model, target.info, "verifier")
+            await workerservice.refuse_wrong_model(context, request.expected_model, target.info, "verifier")
         delta = request.delta
-        transform = transform_from_pb(request.transform)
-        await refuse_problems(context, step_problems(target.info, delta, transform, len(request.draft_tokens)))
+        transform = wire.transform_from_pb(request.transform)
+        problems = wire.step_problems(target.info, delta, transform, len(request.draft_tokens))
+        await workerservice.refuse_problems(context, problems)
         stream.opened(target, delta.session_id)
-        scores = await traced_step(
+        scores = await workerservice.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
                          stream.id),
-            lambda scores: {**step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
-                            "specd.draft_length": len(request.draft_tokens),
-                            "specd.positions_scored": len(request.draft_tokens) + 1})
-        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=batch_to_pb(scores.batch))
+            lambda scores: {
+                **workerservice.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
+                "specd.draft_length": len(request.draft_tokens),
+                "specd.positions_scored": len(request.draft_tokens) + 1})
+        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch))
         if scores.argmax is not None:
             response.target_argmax.extend(scores.argmax)
         else:
             assert scores.probs is not None  # sampled: the target's distributions
-            response.target_probs.CopyFrom(pack_distributions(scores.probs, transform.sparse))
+            response.target_probs.CopyFrom(wire.pack_distributions(scores.probs, transform.sparse))
         return response
 
 
