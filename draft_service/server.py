@@ -1,33 +1,26 @@
 """The `specd.v1.Draft` servicer and its server factory.
 
-Thin by design: look up the draft, call the runtime on the model's thread, convert.
+Thin by design: look up the draft, call the runtime on the model's thread, convert; the
+stream's skeleton is `specd.workerservice`'s, shared with the verifier.
 """
 from __future__ import annotations
 
 import asyncio
-import uuid
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from specd.batching import Overloaded
+from specd import wire, workerservice
 from specd.config import DraftSettings
-from specd.interceptors import clip
-from specd.jobs import Proposal
-from specd.predraft import PreDraftRequest
-from specd.runtime import ModelRunner, SessionNotFound
-from specd.serving import RunningServer, start_server
-from specd.telemetry import start_worker_span, worker_step_span
+from specd.errors import clip
+from specd.grpcserver import RunningServer, start_server
+from specd.runtime import ModelRunner
+from specd.steps import PreDraftRequest, Proposal
+from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-
-# Kept compact: one name a line, this list would repeat the verifier's line for line.
-# isort: off
-from specd.workerproto import (MAX_DRAFT_LENGTH, batch_span_attributes, batch_to_pb, identity_mismatch,
-                               model_info_to_pb, session_lost, step_problems, transform_from_pb)
-# isort: on
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -37,15 +30,10 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
     """Attributes of a `specd.draft.propose` span (docs/tracing.md)."""
     probs = proposal.token_probs
     attributes = {
-        "gen_ai.request.model": name,
-        "specd.session.id": request.delta.session_id,
-        "specd.delta.start": request.delta.start,
-        "specd.delta.tokens": len(request.delta.tokens),
+        **workerservice.step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
         "specd.draft_length": request.draft_length,
         "specd.proposed": len(proposal.tokens),
-        "specd.forward_ms": proposal.forward_ms,
         "specd.pre_drafted": proposal.pre_drafted,
-        **batch_span_attributes(proposal.batch),
     }
     if probs:
         attributes.update({"specd.draft.token_probs": list(probs), "specd.draft.token_prob.min": min(probs),
@@ -64,60 +52,49 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         return worker_pb2.ModelInfoResponse(
-            models=[model_info_to_pb(r, with_tokenizer=False) for r in self.drafts.values()])
+            models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()])
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:
-        opened: set[tuple[str, str]] = set()
-        stream = uuid.uuid4().hex  # tags the sessions this stream opens
-        try:
-            async for request in request_iterator:
-                name = request.draft_model or self.default
-                runner = self.drafts.get(name)
-                if request.HasField("expected_model"):  # the first message of the stream
-                    await _check_identity(request.expected_model, runner, context)
-                if runner is None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
-                delta = request.delta
-                transform = transform_from_pb(request.transform)
-                problems = step_problems(runner.info, delta, transform, request.draft_length)
-                if request.draft_length > MAX_DRAFT_LENGTH:
-                    problems.append(f"draft_length {request.draft_length} is over {MAX_DRAFT_LENGTH}")
-                if request.pre_draft.draft_length > MAX_DRAFT_LENGTH:
-                    problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over "
-                                    f"{MAX_DRAFT_LENGTH}")
-                if problems:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-                opened.add((name, delta.session_id))
-                with worker_step_span(_TRACER, "specd.draft.propose",
-                                      request.trace_context.carrier) as span:
-                    try:
-                        pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
-                                     if request.pre_draft.draft_length else None)
-                        proposal = await runner.propose(delta.session_id, delta.start, list(delta.tokens),
-                                                        request.draft_length, transform, request.seed,
-                                                        request.min_confidence, stream, request.vocab_limit,
-                                                        pre_draft)
-                    except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("draft", exc))
-                    except ValueError as exc:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    except Overloaded as exc:
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft: {exc}")
-                    if span is not None and span.is_recording():
-                        span.set_attributes(_span_attributes(name, request, proposal))
-                if proposal.pre_draft is not None:
-                    _trace_pre_draft(request, proposal.pre_draft)
-                response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
-                                                      batch=batch_to_pb(proposal.batch),
-                                                      pre_drafted=proposal.pre_drafted)
-                if proposal.probs is not None:
-                    response.draft_probs.CopyFrom(pack_distributions(proposal.probs, transform.sparse))
+        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
+                                                   lambda r, s: self._propose(r, s, context))) as responses:
+            async for response in responses:
                 yield response
-        finally:
-            for name, session_id in opened:
-                self.drafts[name].end_session(session_id, stream)
+
+    async def _propose(self, request: worker_pb2.ProposeRequest, stream: workerservice.StepStream,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
+        name = request.draft_model or self.default
+        runner = self.drafts.get(name)
+        if request.HasField("expected_model"):  # the first message of the stream
+            held = runner.info if runner else None
+            await workerservice.refuse_wrong_model(context, request.expected_model, held, "draft")
+        if runner is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
+        assert runner is not None  # aborted otherwise
+        delta = request.delta
+        transform = wire.transform_from_pb(request.transform)
+        problems = wire.step_problems(runner.info, delta, transform, request.draft_length)
+        if request.draft_length > wire.MAX_DRAFT_LENGTH:
+            problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
+        if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
+            problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
+        await workerservice.refuse_problems(context, problems)
+        stream.opened(runner, delta.session_id)
+        pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
+                     if request.pre_draft.draft_length else None)
+        proposal = await workerservice.traced_step(
+            _TRACER, "specd.draft.propose", request.trace_context.carrier,
+            runner.propose(delta.session_id, delta.start, list(delta.tokens), request.draft_length, transform,
+                           request.seed, request.min_confidence, stream.id, request.vocab_limit, pre_draft),
+            lambda proposal: _span_attributes(name, request, proposal))
+        if proposal.pre_draft is not None:
+            _trace_pre_draft(request, proposal.pre_draft)
+        response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
+                                              batch=wire.batch_to_pb(proposal.batch), pre_drafted=proposal.pre_drafted)
+        if proposal.probs is not None:
+            response.draft_probs.CopyFrom(wire.pack_distributions(proposal.probs, transform.sparse))
+        return response
 
 
 def _trace_pre_draft(request: worker_pb2.ProposeRequest, settled: asyncio.Future) -> None:
@@ -134,17 +111,6 @@ def _trace_pre_draft(request: worker_pb2.ProposeRequest, settled: asyncio.Future
         span.end()
 
     settled.add_done_callback(end)
-
-
-async def _check_identity(expected: worker_pb2.ModelIdentity, runner: ModelRunner | None,
-                          context: grpc.aio.ServicerContext) -> None:
-    """Refuse (FAILED_PRECONDITION) a stream meant for a draft this service does not hold."""
-    if runner is None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"this draft service does not host {expected.name!r}, which the stream expects")
-    problem = identity_mismatch(expected, runner.info)
-    if problem is not None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
 
 
 async def create_server(settings: DraftSettings) -> RunningServer:

@@ -1,4 +1,8 @@
-"""The gateway's worker pools and what it learned from the workers at start-up.
+"""The gateway's worker pools: connections to the replicas, and the models' facts.
+
+Who owns what in the gateway: `gateway.router` decides which replica serves a session;
+this module owns the channels to the replicas and what the workers said about their
+models at start-up; `gateway.workers` holds one request's links (streams) over them.
 
 Each worker service (draft, verifier) is a `WorkerPool`: a `gateway.router.Router` that
 places sessions on the service's endpoints — a static address list, or the EndpointSlices
@@ -23,11 +27,14 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from gateway.router import EndpointSliceWatcher, NoEndpoint, Router, parse_addresses
+from gateway.endpointslices import EndpointSliceWatcher
+from gateway.router import NoEndpoint, Router, parse_addresses
 from specd.config import ClientTLS, GatewaySettings
-from specd.serving import CHANNEL_OPTIONS
+from specd.grpcserver import CHANNEL_OPTIONS
+from specd.steps import ModelInfo
 from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc
+from specd.wire import model_info_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +75,7 @@ class WorkerPool:
         timeout: the stream's deadline in seconds (the client's, so the worker sees it too).
         """
         try:
-            address = self.router.replace(session_id) if moved else self.router.place(session_id)
+            address = self.router.fail_over(session_id) if moved else self.router.place(session_id)
             # A channel to a new endpoint reads the client certificate files then; caught
             # mid-renewal they may not load, and the step is retried like any lost worker.
             stub = self.stub(address)
@@ -87,7 +94,8 @@ class WorkerPool:
             asyncio.get_running_loop().create_task(channel.close())
 
     async def model_infos(self, timeout_s: float) -> list[worker_pb2.ModelInfo]:
-        """Ask one ready endpoint which models the service hosts."""
+        """Ask one ready endpoint which models the service hosts (as it answers: `connect`
+        keeps `specd.steps.ModelInfo`s, the verifier's tokenizer files aside)."""
         probe = f"model-info-{id(self)}"
         address = self.router.place(probe)
         self.router.release(probe)
@@ -131,36 +139,24 @@ class Backend:
     """The worker pools, the models they host, the target's tokenizer."""
 
     verifier: WorkerPool
-    target: worker_pb2.ModelInfo
+    # The target as validated at start-up: every verifier stream names it.
+    target: ModelInfo
     tokenizer: PreTrainedTokenizerBase
     draft: WorkerPool | None
-    drafts: dict[str, worker_pb2.ModelInfo]  # name → info of the usable drafts; the first is the default
+    # name → info of the usable drafts, as validated at start-up (their streams name them);
+    # the first is the default.
+    drafts: dict[str, ModelInfo]
     # Drafts the draft service hosts but the gateway never uses: name → (info, why).
-    unusable: dict[str, tuple[worker_pb2.ModelInfo, str]] = field(default_factory=dict)
+    unusable: dict[str, tuple[ModelInfo, str]] = field(default_factory=dict)
 
     @property
     def default_draft(self) -> str:
         return next(iter(self.drafts), "")
 
-    @property
-    def target_identity(self) -> worker_pb2.ModelIdentity:
-        """The target as validated at start-up; every verifier stream names it."""
-        return identity_of(self.target)
-
-    def draft_identity(self, name: str) -> worker_pb2.ModelIdentity:
-        """A hosted draft as validated at start-up; its streams name it."""
-        return identity_of(self.drafts[name])
-
     async def close(self) -> None:
         await self.verifier.close()
         if self.draft is not None:
             await self.draft.close()
-
-
-def identity_of(info: worker_pb2.ModelInfo) -> worker_pb2.ModelIdentity:
-    """The identity a worker stream expects, from what the worker reported at start-up."""
-    return worker_pb2.ModelIdentity(name=info.name, weights_digest=info.weights_digest,
-                                    tokenizer_fingerprint=info.tokenizer_fingerprint)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
@@ -170,7 +166,7 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(tmp)
 
 
-def tokenizer_problem(target: worker_pb2.ModelInfo, draft: worker_pb2.ModelInfo) -> str | None:
+def tokenizer_problem(target: ModelInfo, draft: ModelInfo) -> str | None:
     """Why a draft cannot speculate for the target (a different tokenizer); None if it can."""
     if draft.tokenizer_fingerprint == target.tokenizer_fingerprint:
         return None
@@ -180,7 +176,7 @@ def tokenizer_problem(target: worker_pb2.ModelInfo, draft: worker_pb2.ModelInfo)
             f"must use exactly the target's tokenizer. Train or pick a draft with the same tokenizer.")
 
 
-def check_drafts(target: worker_pb2.ModelInfo, drafts: list[worker_pb2.ModelInfo],
+def check_drafts(target: ModelInfo, drafts: list[ModelInfo],
                  task_drafts: dict[str, str] | None = None) -> dict[str, str]:
     """The drafts set aside (name → why), because their tokenizer differs from the target's.
 
@@ -203,13 +199,14 @@ async def connect(settings: GatewaySettings) -> Backend:
                            settings.namespace, worker_pb2_grpc.VerifierStub, timeout, settings.worker_tls)
     draft = None
     try:
-        (target,) = await verifier.model_infos(timeout)
-        drafts: list[worker_pb2.ModelInfo] = []
+        (target_pb,) = await verifier.model_infos(timeout)
+        target = model_info_from_pb(target_pb)
+        drafts: list[ModelInfo] = []
         problems: dict[str, str] = {}
         if settings.draft_address or settings.draft_service:
             draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
                                 worker_pb2_grpc.DraftStub, timeout, settings.worker_tls)
-            drafts = await draft.model_infos(timeout)
+            drafts = [model_info_from_pb(info) for info in await draft.model_infos(timeout)]
             problems = check_drafts(target, drafts, settings.task_drafts)
             for problem in problems.values():
                 log.error("%s This draft is never used.", problem)
@@ -218,7 +215,7 @@ async def connect(settings: GatewaySettings) -> Backend:
         if unknown:
             raise IncompatibleDraft(f"--task-draft names drafts the draft service does not host: {unknown}; "
                                     f"it hosts {[d.name for d in drafts]}")
-        tokenizer = _tokenizer_from_files(dict(target.tokenizer_files))
+        tokenizer = _tokenizer_from_files(dict(target_pb.tokenizer_files))
     except BaseException:
         await verifier.close()
         if draft is not None:

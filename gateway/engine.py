@@ -22,12 +22,10 @@ from typing import Protocol
 import grpc
 import torch
 
-from gateway.workers import WorkerError
-from specd.batching import BatchStats
-from specd.jobs import Proposal, Scores
-from specd.predraft import PreDraftRequest
+from gateway.errors import WorkerError
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
+from specd.steps import BatchStats, PreDraftRequest, Proposal, Scores
 
 log = logging.getLogger(__name__)
 

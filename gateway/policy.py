@@ -15,18 +15,25 @@
   saturated.
 - `confidence`: proposes up to the maximum γ but the draft stops inside a step as soon
   as its own top probability falls below a threshold.
+
+`build_policy` makes one request's policy from its `Mode` and policy name, through a
+registry (name → builder) that `POLICIES`, the names a request may ask for, derives from.
 """
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from gateway.engine import StepRecord
+from gateway.engine import DraftLengthPolicy, StepRecord
+from specd.acceptance import AcceptanceStats
 from specd.costmodel import StepCosts, best_draft_length, load_bucket
 from specd.tasks import TaskProfile
 
-POLICIES = ("fixed", "ema", "cost", "confidence")
+if TYPE_CHECKING:  # gateway.request imports Mode from here
+    from gateway.request import ParsedRequest
+
 MAX_PROBE_INTERVAL = 256
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 
@@ -300,3 +307,56 @@ class ConfidencePolicy:
 
     def observe(self, record: StepRecord) -> None:
         """Stateless across steps: the draft decides inside each step."""
+
+
+# -- one request's policy -------------------------------------------------------------------
+
+# A builder: (the request, the gateway's statistics, the model pair, the probe schedule
+# shared by the pair and task's requests, the load cap shared by the pair's) → the policy.
+PolicyBuilder = Callable[["ParsedRequest", AcceptanceStats, str, "ProbeSchedule | None", "LoadCap | None"],
+                         DraftLengthPolicy]
+
+
+def _fixed(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
+           load_cap: LoadCap | None) -> DraftLengthPolicy:
+    return FixedPolicy(parsed.draft_length)
+
+
+def _ema(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
+         load_cap: LoadCap | None) -> DraftLengthPolicy:
+    profile = parsed.profile
+    return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
+
+
+def _cost(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
+          load_cap: LoadCap | None) -> DraftLengthPolicy:
+    profile = parsed.profile
+    # The request's acceptance estimate starts from what this pair has measured on this
+    # task, when it has, rather than from the table's prior.
+    measured = stats.measured_acceptance(model_pair, parsed.task_type)
+    if measured is not None:
+        profile = replace(profile, prior_acceptance=measured)
+    return CostPolicy(stats.costs(model_pair), profile,
+                      curve=lambda: stats.position_curve(model_pair, parsed.task_type),
+                      overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
+
+
+def _confidence(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
+                load_cap: LoadCap | None) -> DraftLengthPolicy:
+    return ConfidencePolicy(parsed.profile.max_draft_length)
+
+
+REGISTRY: dict[str, PolicyBuilder] = {"fixed": _fixed, "ema": _ema, "cost": _cost, "confidence": _confidence}
+POLICIES = tuple(REGISTRY)  # the policy names a request (or --policy) may give
+
+
+def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
+                 probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
+    """The γ policy object of one request; `probes` is shared by the pair and task's requests, `load_cap` by the pair's.
+
+    Mode OFF, or no draft: plain decoding (γ = 0). Otherwise the registry's builder of the
+    request's policy name (`parse_request` admits only registered names; "fixed" else).
+    """
+    if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
+        return FixedPolicy(0)
+    return REGISTRY.get(parsed.policy, _fixed)(parsed, stats, model_pair, probes, load_cap)

@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 import grpc
 
@@ -29,18 +28,21 @@ from gateway.engine import (
     StepRecord,
     speculate,
 )
+from gateway.errors import InvalidRequest, WorkerError
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap, Mode, ProbeSchedule
+from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
+from gateway.request import ParsedRequest
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink, WorkerError, close_links
+from gateway.workers import DraftLink, LinkSettings, VerifierLink, close_links
 from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
-from specd.interceptors import clip
+from specd.errors import clip
+from specd.grpcserver import RunningServer, start_server
 from specd.sampling import Transform
 from specd.selection import DraftSelector
-from specd.serving import RunningServer, start_server
+from specd.steps import ModelInfo
 from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -58,34 +60,17 @@ _FINISH = {
 }
 
 
-class InvalidRequest(ValueError):
-    """The request cannot be served as asked; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    generation: GenerationRequest
-    mode: Mode
-    policy: str  # one of gateway.policy.POLICIES
-    draft_length: int  # γ for "fixed", the starting γ for "ema"
-    profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
-    task_type: str
-    user_segment: str
-    stop: list[str]
-    selected: bool = False  # the draft was chosen by goodput selection (the request named none)
-
-
 def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
                   choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
     """Validate a public request against the models and settings; collect every problem.
 
     Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
-    tokenized at all. Values echoed back are clipped (`specd.interceptors.clip`).
+    tokenized at all. Values echoed back are clipped (`specd.errors.clip`).
     choose(task type, user segment): picks the draft of a request that names none
     (`specd.selection`); None: the task map, else the default draft.
     """
     sampling, speculation = request.sampling, request.speculation
-    transform = Transform(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
+    transform = Transform.from_fields(sampling.temperature, sampling.top_k, sampling.top_p)
     problems = transform.problems() + _size_problems(request, settings)
 
     prompt_bytes = len(request.prompt.encode("utf-8"))
@@ -179,28 +164,6 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
     return problems
 
 
-def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
-                 probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
-    """The γ policy object of one request; `probes` and `load_cap` are shared by the pair and task's requests."""
-    profile = parsed.profile
-    if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
-        return FixedPolicy(0)
-    if parsed.policy == "ema":
-        return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
-    if parsed.policy == "cost":
-        # The request's acceptance estimate starts from what this pair has measured on
-        # this task, when it has, rather than from the table's prior.
-        measured = stats.measured_acceptance(model_pair, parsed.task_type)
-        if measured is not None:
-            profile = replace(profile, prior_acceptance=measured)
-        return CostPolicy(stats.costs(model_pair), profile,
-                          curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                          overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
-    if parsed.policy == "confidence":
-        return ConfidencePolicy(profile.max_draft_length)
-    return FixedPolicy(parsed.draft_length)
-
-
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
                metadata: tuple[tuple[str, str], ...] = (),
                deadline: float | None = None) -> tuple[DraftLink | None, VerifierLink]:
@@ -218,12 +181,12 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
         return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
                 lambda: pool.router.release(session_id))
 
-    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target_identity)
+    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target)
     draft = None
     if draft_model:
         assert backend.draft is not None  # a draft model is chosen only with a draft service
         draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
-                          backend.draft_identity(draft_model))
+                          backend.drafts[draft_model])
     return draft, verifier
 
 
@@ -313,15 +276,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
-        try:
-            # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
-            # and the other requests' steps must not wait for it. One thread: a fast
-            # tokenizer is not safe to call from several threads at once.
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                self._parser, parse_request, request, self.backend, self.settings,
-                self._choose if self.selector is not None else None)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
+        # and the other requests' steps must not wait for it. One thread: a fast
+        # tokenizer is not safe to call from several threads at once. InvalidRequest
+        # leaves as INVALID_ARGUMENT (specd.interceptors).
+        parsed = await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_request, request, self.backend, self.settings,
+            self._choose if self.selector is not None else None)
         if self._in_flight >= self.settings.max_concurrent_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
@@ -398,7 +359,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return
         except WorkerError as exc:
             request_trace.end(exc)
-            await context.abort(exc.code, str(exc))
+            raise  # ErrorMappingInterceptor gives the client the worker's status
         finally:
             request_trace.end()
             await close_links([draft, verifier], finished)
@@ -442,10 +403,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
-        try:
-            rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # An unknown label is InvalidArgument: INVALID_ARGUMENT (specd.interceptors).
+        rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
         response = gateway_pb2.AcceptanceStatsResponse(window_steps=self.stats.window_steps)
         for labels, counts in rows:
             response.rows.add(
@@ -493,7 +452,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
 
-def _served_model(info, problem: str) -> gateway_pb2.ServedModel:
+def _served_model(info: ModelInfo, problem: str) -> gateway_pb2.ServedModel:
     """A worker's ModelInfo as the public API shows it (no tokenizer files)."""
     return gateway_pb2.ServedModel(
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
@@ -549,7 +508,7 @@ def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerIntercep
 
 
 def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:
-    """The public server's small limits; the worker channels keep `specd.serving`'s large ones."""
+    """The public server's small limits; the worker channels keep `specd.grpcserver`'s large ones."""
     return [
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", 16 * 1024 * 1024),  # replies are text and ids, never distributions

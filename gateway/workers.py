@@ -1,5 +1,8 @@
 """The gateway's side of the worker streams: one `WorkerLink` per request and worker.
 
+Who owns what in the gateway: a link belongs to one request; it asks `gateway.backend`'s
+pool for a stream, and the pool's `gateway.router` picks the replica.
+
 A link knows how much of the committed sequence its worker holds (`position`) and sends
 only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
 or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
@@ -7,7 +10,8 @@ re-sends the whole committed sequence: workers are caches, the gateway holds the
 The first message of every stream names the model the gateway expects; a worker holding
 another one (FAILED_PRECONDITION: swapped behind the address) is treated as lost: the
 session moves to another endpoint, and no answer from the wrong model is ever used.
-This is the only gateway module that speaks the worker protobufs.
+This is the gateway's side of the worker protocol: it builds the step messages and turns
+the answers back into `specd.steps` types, through `specd.wire`.
 """
 from __future__ import annotations
 
@@ -19,12 +23,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from specd.batching import BatchStats
-from specd.jobs import Proposal, Scores
-from specd.predraft import PreDraftRequest
+from gateway.errors import WorkerError
 from specd.sampling import Transform
+from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.v1 import worker_pb2
-from specd.wire import unpack_distributions
+from specd.wire import batch_from_pb, identity_to_pb, transform_to_pb, unpack_distributions
 
 log = logging.getLogger(__name__)
 # What a link sends and receives each step.
@@ -35,14 +38,6 @@ StepResponse = worker_pb2.ProposeResponse | worker_pb2.VerifyResponse
 # FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
 _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class WorkerError(Exception):
-    """A worker failed a step for good. `code` is the gRPC status to report upstream."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -62,15 +57,6 @@ def _sooner(timeout_s: float, remaining: float | None) -> float:
     return timeout_s if remaining is None else min(timeout_s, remaining)
 
 
-def _batch(message: worker_pb2.BatchInfo) -> BatchStats:
-    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards, message.sessions)
-
-
-def _transform_pb(transform: Transform) -> worker_pb2.Transform:
-    return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
-                                top_p=transform.top_p)
-
-
 class WorkerLink:
     """One request's session on one worker service, over one bidi stream at a time.
 
@@ -83,7 +69,7 @@ class WorkerLink:
 
     def __init__(self, name: str, open_stream: Callable[[bool, float | None], grpc.aio.StreamStreamCall],
                  release: Callable[[], None], settings: LinkSettings,
-                 identity: worker_pb2.ModelIdentity | None = None) -> None:
+                 identity: ModelInfo | None = None) -> None:
         self.name = name
         # The model validated at start-up; it opens every stream (None: nothing checked).
         self.identity = identity
@@ -116,7 +102,7 @@ class WorkerLink:
                 message = build(delta)
                 if self._call is None:
                     if self.identity is not None:
-                        message.expected_model.CopyFrom(self.identity)
+                        message.expected_model.CopyFrom(identity_to_pb(self.identity))
                     self._call = self._open_stream(self._moved, remaining)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
@@ -212,7 +198,7 @@ class DraftLink(WorkerLink):
         """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             message = worker_pb2.ProposeRequest(
-                delta=delta, draft_length=draft_length, transform=_transform_pb(transform), seed=seed,
+                delta=delta, draft_length=draft_length, transform=transform_to_pb(transform), seed=seed,
                 draft_model=draft_model, min_confidence=min_confidence, vocab_limit=vocab_limit,
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
             if pre_draft is not None:
@@ -221,7 +207,7 @@ class DraftLink(WorkerLink):
 
         response = await self.exchange(committed, build)
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
-        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=_batch(response.batch),
+        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=batch_from_pb(response.batch),
                         pre_drafted=response.pre_drafted)
 
 
@@ -232,11 +218,11 @@ class VerifierLink(WorkerLink):
                      trace_carrier: dict[str, str]) -> Scores:
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
             return worker_pb2.VerifyRequest(
-                delta=delta, draft_tokens=draft_tokens, transform=_transform_pb(transform),
+                delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
 
         response = await self.exchange(committed, build)
-        batch = _batch(response.batch)
+        batch = batch_from_pb(response.batch)
         if response.HasField("target_probs"):
             return Scores(None, unpack_distributions(response.target_probs), response.forward_ms, batch)
         return Scores(list(response.target_argmax), None, response.forward_ms, batch)

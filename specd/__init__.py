@@ -21,13 +21,15 @@ The core's modules:
     kvstore       batched KV caches: per-session block-grown storage, one batched forward
     batching      the scheduler that batches one model's steps across sessions
     jobs          one step of one session as the scheduler runs it: a proposal, a verification
+    steps         the plain types gateway and workers exchange: ModelInfo, BatchStats, Proposal, Scores
     predraft      overlapped speculation, draft side: branches pre-drafted during verification
     identity      which model a worker holds: a digest of its weights
-    wire          packing probability distributions into protobuf bytes and back
-    workerproto   conversions between runtime objects and worker messages, for both workers
+    wire          the worker protocol's conversions, both ways: steps, distributions, model facts
     workermetrics Prometheus exposition of a worker's load
-    serving       what every service shares as a gRPC server: health, reflection, TLS, graceful stop
-    interceptors  server interceptors: every failure leaves with a real status
+    workerservice what the draft and verifier servicers share: the step stream's skeleton
+    grpcserver    the gRPC server plumbing every service shares: health, reflection, TLS, graceful stop
+    errors        the exception tree, and the gRPC status each exception leaves a server with
+    interceptors  server interceptors: every failure leaves with a real status (the one place errors map)
     tls           TLS and mutual TLS credentials and channels
     telemetry     tracing set-up (OTEL_* variables) and the workers' step spans
     config        typed settings, one object per service, built in the entrypoint and passed in

@@ -17,6 +17,7 @@ from dataclasses import asdict, astuple, dataclass, field
 
 from specd.costmodel import StepCosts
 from specd.drift import Drift, DriftSettings, Sample, judge
+from specd.errors import InvalidArgument
 
 PROMPT_BUCKETS = (32, 128, 512, 2048)
 GENERATION_BUCKETS = (32, 64, 128, 256, 512)
@@ -100,22 +101,25 @@ class Counts:
         """1 + accepted / drafts: tokens per speculative step (vLLM's definition)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
+    def reached(self) -> list[int]:
+        """Drafts that reached each position with every earlier token accepted: the
+        proposals there, at most the acceptances one position before."""
+        return [proposed if i == 0 else min(proposed, self.accepted_per_position[i - 1])
+                for i, proposed in enumerate(self.proposed_per_position)]
+
     def conditional_acceptance(self) -> float:
         """P(a draft token is accepted | the ones before it were): what the geometric
         model's α means, pooled over the draft positions reached."""
-        curve_reached = [p if i == 0 else min(p, self.accepted_per_position[i - 1])
-                         for i, p in enumerate(self.proposed_per_position)]
-        reached = sum(curve_reached)
+        reached = sum(self.reached())
         return sum(self.accepted_per_position) / reached if reached else 0.0
 
     def position_curve(self) -> list[float]:
         """Conditional acceptance at draft position i given positions < i were accepted."""
         curve = []
-        for i, proposed in enumerate(self.proposed_per_position):
-            reached = proposed if i == 0 else min(proposed, self.accepted_per_position[i - 1])
+        for accepted, reached in zip(self.accepted_per_position, self.reached()):
             if reached == 0:
                 break
-            curve.append(self.accepted_per_position[i] / reached)
+            curve.append(accepted / reached)
         return curve
 
 
@@ -310,7 +314,7 @@ class AcceptanceStats:
         unknown = set(group_by) | set(where)
         unknown -= set(LABEL_NAMES)
         if unknown:
-            raise ValueError(f"unknown label(s) {sorted(unknown)}; use {list(LABEL_NAMES)}")
+            raise InvalidArgument(f"unknown label(s) {sorted(unknown)}; use {list(LABEL_NAMES)}")
         groups: dict[tuple, Counts] = {}
         for labels, counts in self.snapshot(window).items():
             values = asdict(labels)

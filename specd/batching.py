@@ -9,7 +9,7 @@ others for long — and goes back to the head of the queue until it is done; new
 join at any forward. Each job keeps its own state (its session, its generator), so what
 a request gets does not depend on what shares its batch, up to floating-point rounding.
 
-No gRPC here: `Overloaded` is what the servicers turn into RESOURCE_EXHAUSTED.
+No gRPC here: `specd.errors.Overloaded` leaves a worker as RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -18,32 +18,14 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specd.config import BatchSettings
+from specd.errors import Overloaded
 from specd.kvstore import BatchRow, SessionKV
-
-
-class Overloaded(RuntimeError):
-    """The queue is full; `retry_after_ms` is the scheduler's estimate of when it will not be."""
-
-    def __init__(self, message: str, retry_after_ms: float) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """How one step was batched: the largest forward it shared, and how long it waited."""
-
-    size: int = 1  # sessions in that forward
-    tokens: int = 0  # tokens in that forward
-    queue_ms: float = 0.0  # from arrival to its first forward
-    forwards: int = 0  # forwards the step took part in
-    sessions: int = 0  # sessions the worker held when the step ran: the load it serves
+from specd.steps import BatchStats
 
 
 class Job:

@@ -2,9 +2,10 @@
 
 gRPC answers `UNKNOWN` for an exception that escapes a handler, and for a request that
 does not deserialize (bad UTF-8 in a string field, random bytes). `ErrorMappingInterceptor`
-maps both: a body that does not decode is `INVALID_ARGUMENT`, and anything unexpected is
-`INTERNAL` with a reference the server logged the traceback under. Handlers still abort
-with their own codes; those pass through untouched.
+is the one place exceptions become statuses: a specd exception leaves with the status it
+names (`specd.errors`, which draws the tree), a body that does not decode is
+`INVALID_ARGUMENT`, and anything unexpected is `INTERNAL` with a reference the server
+logged the traceback under. Handlers that abort with a code of their own pass untouched.
 """
 from __future__ import annotations
 
@@ -19,22 +20,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from specd.errors import SpecdError, clip
+
 log = logging.getLogger(__name__)
-
-ECHO_LIMIT = 64  # characters of a caller's value an error message may repeat
-
-
-def clip(value: object, limit: int = ECHO_LIMIT) -> str:
-    """`repr(value)` cut to about `limit` characters, so an echoed value cannot swell a status.
-
-    A status message travels in HTTP/2 trailers, which clients cap (8 KiB by default):
-    a 10 KB value echoed whole turns the real error into RESOURCE_EXHAUSTED.
-    """
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}… ({len(str(value))} characters)"
-
 
 @dataclass(frozen=True)
 class Undecodable:
@@ -65,6 +53,8 @@ async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContex
     """Abort with the status that `exc` stands for (re-raises what is already a status)."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
+    if isinstance(exc, SpecdError) and exc.status is not None:
+        await context.abort(grpc.StatusCode[exc.status], exc.status_message(service_of(method)))
     if isinstance(exc, DecodeError):  # a streamed request message that did not decode
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"a request message is not valid for {method}: {clip(str(exc), 200)}")
@@ -73,6 +63,11 @@ async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContex
     await context.abort(grpc.StatusCode.INTERNAL,
                         f"internal error in {method}, reference {reference}: the server logged it; "
                         f"please report it")
+
+
+def service_of(method: str) -> str:
+    """"/specd.v1.Draft/Propose" → "draft": the service a status message names."""
+    return method.lstrip("/").partition("/")[0].rpartition(".")[2].lower()
 
 
 def replace_behavior(handler: grpc.RpcMethodHandler, **fields: Any) -> grpc.RpcMethodHandler:

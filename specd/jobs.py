@@ -1,45 +1,17 @@
 """One step of one session as the batch scheduler runs it: a draft proposal or a verification.
 
 `ProposeJob` samples up to γ draft tokens, one per batched forward; `ScoreJob` scores
-γ+1 positions in one. Their results, `Proposal` and `Scores`, are what the services
-send back. Pure torch on the model's thread (`consume`); no gRPC.
+γ+1 positions in one. Their results, `Proposal` and `Scores` (`specd.steps`), are what
+the services send back. Pure torch on the model's thread (`consume`); no gRPC.
 """
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
-
 import torch
 
-from specd.batching import BatchStats, Job
+from specd.batching import Job
 from specd.kvstore import SessionKV
 from specd.sampling import Transform, probs_from_logits
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None
-    forward_ms: float
-    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
-    # the draft service reports them on its trace spans.
-    token_probs: tuple[float, ...] = ()
-    batch: BatchStats = BatchStats()
-    pre_drafted: bool = False  # taken from a branch drafted while the last step was verified
-    # Draft side, overlap: done when the branches pre-drafted after this proposal settle.
-    pre_draft: asyncio.Future | None = None
-
-
-@dataclass(frozen=True)
-class Scores:
-    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
-
-    argmax: list[int] | None
-    probs: torch.Tensor | None
-    forward_ms: float
-    batch: BatchStats = BatchStats()
+from specd.steps import Proposal, Scores
 
 
 class ProposeJob(Job):

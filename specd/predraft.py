@@ -23,9 +23,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from specd.jobs import Proposal, ProposeJob
+from specd.jobs import ProposeJob
 from specd.kvstore import SessionKV
 from specd.sampling import Transform
+from specd.steps import PreDraftRequest, Proposal
 
 
 def check_branches(mode: str) -> str:
@@ -34,14 +35,6 @@ def check_branches(mode: str) -> str:
     if mode in ("all", "bonus") or (mode.isdigit() and int(mode) >= 1):
         return mode
     raise ValueError(f"pre-draft branches must be all, bonus or a number >= 1, got {mode!r}")
-
-
-@dataclass(frozen=True)
-class PreDraftRequest:
-    """What to pre-draft: the next step's γ and the seed it will carry."""
-
-    draft_length: int
-    seed: int
 
 
 @dataclass

@@ -15,7 +15,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,32 +24,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
+from specd.errors import InvalidArgument, SessionNotFound
 from specd.identity import weights_digest
-from specd.jobs import Proposal, ProposeJob, ScoreJob, Scores
+from specd.jobs import ProposeJob, ScoreJob
 from specd.kvstore import BatchRow, SessionKV
-from specd.predraft import Branch, PreDraftRequest, PreDrafts
+from specd.predraft import Branch, PreDrafts
 from specd.sampling import Transform
+from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class SessionNotFound(KeyError):
-    """The worker does not hold this session (evicted, restarted, or out of sync)."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the gateway needs to know about a hosted model."""
-
-    name: str
-    vocab_size: int
-    max_context: int
-    tokenizer_fingerprint: str
-    eos_token_ids: tuple[int, ...]
-    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
-    parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
-    card_json: str = ""  # the directory's card.json, verbatim, when it has one
-    model_path: str = ""  # the directory the model was loaded from
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -166,11 +149,11 @@ class ModelRunner:
         if self.sessions.drop(session_id, stream):
             self.pre_drafts.cancel(session_id)
 
-    def tokenizer_files(self) -> list[str]:
-        """Names of the tokenizer files in the model directory (what the gateway needs)."""
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer files of the model directory by name (what the gateway needs)."""
         names = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"}
-        return sorted(p.name for p in self.path.iterdir() if p.name in names)
+        return {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.name in names}
 
     def kv_bytes_per_token(self) -> int:
         """The arithmetic: layers × 2 × KV heads × head dim × bytes per element."""
@@ -187,7 +170,8 @@ class ModelRunner:
         """
         bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside {self.info.name}'s vocabulary of {self.info.vocab_size}")
+            raise InvalidArgument(f"token id {bad[0]} is outside {self.info.name}'s vocabulary of "
+                                  f"{self.info.vocab_size}")
         if start == 0:
             self.sessions.drop(session_id)
             layers, heads, dim = self._kv_shape
@@ -232,7 +216,7 @@ class ModelRunner:
         (`specd.predraft`); a request matching one is answered from it.
         """
         if draft_length < 1:
-            raise ValueError("draft_length must be >= 1")
+            raise InvalidArgument("draft_length must be >= 1")
         branch = self.pre_drafts.take(session_id, start, tokens, draft_length, transform, seed, min_confidence,
                                       vocab_limit)
         proposal = job = None
@@ -242,7 +226,7 @@ class ModelRunner:
             session, feed = self._sync(session_id, start, tokens, stream)
             if not feed:
                 self.sessions.release()
-                raise ValueError("nothing to feed: a step must carry at least one new committed token")
+                raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
             job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
             proposal = await self._step(session_id, session, job)
         if pre_draft is not None and proposal.tokens:
@@ -283,12 +267,12 @@ class ModelRunner:
         """
         bad = [t for t in draft_tokens if not 0 <= t < self.info.vocab_size]
         if bad:
-            raise ValueError(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
+            raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
         session, feed = self._sync(session_id, start, tokens, stream)
         if not feed:
             self.sessions.release()
-            raise ValueError("nothing to score: a step must carry at least one new committed token")
+            raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
         session.tokens.extend(draft_tokens)
         job = ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
         return await self._step(session_id, session, job)

@@ -24,6 +24,12 @@ class Transform:
     top_k: int = 0
     top_p: float = 1.0
 
+    @classmethod
+    def from_fields(cls, temperature: float, top_k: int, top_p: float) -> Transform:
+        """From a message's fields (public or worker), where proto3's 0 means unset: a
+        top_p of 0 is 1.0, no nucleus cut. The one place that default is applied."""
+        return cls(temperature, top_k, top_p or 1.0)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -23,6 +23,8 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from specd.steps import BatchStats
+
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -74,6 +76,13 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
     return [aio_server_interceptor(filter_=filters.negate(filters.health_check()))]
+
+
+def batch_span_attributes(batch: BatchStats) -> dict:
+    """The batching attributes every worker step span carries (docs/tracing.md)."""
+    return {"specd.batch.size": batch.size, "specd.batch.tokens": batch.tokens,
+            "specd.batch.queue_ms": batch.queue_ms, "specd.batch.forwards": batch.forwards,
+            "specd.batch.sessions": batch.sessions}
 
 
 def start_worker_span(tracer: trace.Tracer, span_name: str, carrier: Mapping[str, str]) -> Span | None:

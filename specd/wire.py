@@ -1,16 +1,31 @@
-"""Packing probability distributions into `specd.v1.Distributions` and back.
+"""The worker protocol's conversions: core objects ↔ `specd.v1` worker messages, both ways.
 
-A `repeated float` of vocabulary size is slow to build and parse in Python; raw
-little-endian bytes read with torch.frombuffer are not (DESIGN.md §6). With top-k/top-p
-only the support travels. Shared by the workers (pack) and the gateway (unpack).
+One module for both ends of the gateway ↔ worker streams, so what one side packs the
+other unpacks by the same hand: the workers (draft_service, verifier_service) turn
+requests into a `Transform` and their results into responses; the gateway's links
+(`gateway.workers`) build requests and turn responses back into `specd.steps` types.
+It used to be two modules (this one for distributions, `workerproto` for the rest),
+which split one contract in two. Light: protobuf and torch, no transformers.
+
+Distributions travel as raw little-endian bytes read with torch.frombuffer, not as a
+`repeated float` of vocabulary size, which is slow to build and parse in Python
+(DESIGN.md §6); with top-k/top-p only the support travels.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from specd.sampling import Transform
+from specd.steps import BatchStats, ModelInfo
 from specd.v1 import worker_pb2
 
+# Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
+# low enough that a bad message cannot keep a model thread busy for long.
+MAX_DRAFT_LENGTH = 128
+
+
+# -- distributions ------------------------------------------------------------------------
 
 def pack_distributions(probs: torch.Tensor, sparse: bool) -> worker_pb2.Distributions:
     """Pack probabilities [n, V] as dense float32 bytes, or their non-zero support when sparse."""
@@ -42,3 +57,81 @@ def unpack_distributions(message: worker_pb2.Distributions) -> torch.Tensor:
     dense = torch.zeros(n, vocab, dtype=torch.float32)
     dense[rows, token_ids] = values
     return dense
+
+
+# -- the small messages, both ways ----------------------------------------------------------
+
+def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
+    return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
+                                top_p=transform.top_p)
+
+
+def transform_from_pb(message: worker_pb2.Transform) -> Transform:
+    return Transform.from_fields(message.temperature, message.top_k, message.top_p)
+
+
+def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:
+    return worker_pb2.BatchInfo(size=batch.size, tokens=batch.tokens, queue_ms=batch.queue_ms,
+                                forwards=batch.forwards, sessions=batch.sessions)
+
+
+def batch_from_pb(message: worker_pb2.BatchInfo) -> BatchStats:
+    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards, message.sessions)
+
+
+def model_info_to_pb(info: ModelInfo, tokenizer_files: dict[str, bytes] | None = None) -> worker_pb2.ModelInfo:
+    """Describe a hosted model; the verifier also ships its tokenizer files."""
+    return worker_pb2.ModelInfo(
+        name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
+        tokenizer_fingerprint=info.tokenizer_fingerprint, eos_token_ids=info.eos_token_ids,
+        weights_digest=info.weights_digest, parameter_bytes=info.parameter_bytes, card_json=info.card_json,
+        model_path=info.model_path, tokenizer_files=tokenizer_files or {})
+
+
+def model_info_from_pb(message: worker_pb2.ModelInfo) -> ModelInfo:
+    """A hosted model's facts as the gateway keeps them (the tokenizer files aside)."""
+    return ModelInfo(message.name, message.vocab_size, message.max_context, message.tokenizer_fingerprint,
+                     tuple(message.eos_token_ids), message.weights_digest, message.parameter_bytes,
+                     message.card_json, message.model_path)
+
+
+def identity_to_pb(info: ModelInfo) -> worker_pb2.ModelIdentity:
+    """The identity a worker stream expects, from what the worker reported at start-up."""
+    return worker_pb2.ModelIdentity(name=info.name, weights_digest=info.weights_digest,
+                                    tokenizer_fingerprint=info.tokenizer_fingerprint)
+
+
+# -- what a worker checks in a step message -------------------------------------------------
+
+def step_problems(info: ModelInfo, delta: worker_pb2.SequenceDelta, transform: Transform,
+                  extra_positions: int) -> list[str]:
+    """Why a step message cannot run (empty when it can), checked before touching the session.
+
+    extra_positions: positions the step adds beyond the delta (γ, or the draft tokens).
+    """
+    problems = transform.problems()
+    end = delta.start + len(delta.tokens) + extra_positions
+    if end > info.max_context:
+        problems.append(f"the step reaches position {end}, beyond {info.name}'s context of {info.max_context}")
+    if len(delta.session_id) > 256:
+        problems.append(f"session_id is {len(delta.session_id)} characters; at most 256")
+    return problems
+
+
+def identity_mismatch(expected: worker_pb2.ModelIdentity, held: ModelInfo) -> str | None:
+    """Why a stream meant for `expected` must not be served by the model `held`; None if it may.
+
+    The message names both identities (digests shortened), for the gateway's log.
+    """
+    mine = (held.name, held.weights_digest, held.tokenizer_fingerprint)
+    wanted = (expected.name, expected.weights_digest, expected.tokenizer_fingerprint)
+    if mine == wanted:
+        return None
+    return (f"this worker holds {describe_identity(*mine)}, but the stream expects "
+            f"{describe_identity(*wanted)}: the worker behind this address changed since the "
+            f"gateway checked it; the gateway must use another worker or be restarted")
+
+
+def describe_identity(name: str, weights_digest: str, tokenizer_fingerprint: str) -> str:
+    """`'target' (weights 1a2b3c4d5e6f, tokenizer 9f8e7d6c5b4a)` for logs and errors."""
+    return f"{name!r} (weights {weights_digest[:12] or '?'}, tokenizer {tokenizer_fingerprint[:12] or '?'})"

@@ -23,7 +23,7 @@ from draft_service.server import DraftServicer
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
 from specd.config import BatchSettings, DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
-from specd.serving import RunningServer
+from specd.grpcserver import RunningServer
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from verifier_service.server import VerifierServicer
 from verifier_service.server import create_server as create_verifier

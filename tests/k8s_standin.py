@@ -1,7 +1,7 @@
 """A stand-in Kubernetes API server for EndpointSlices, on loopback, for tests.
 
 No real API server can run on this machine (no kube-apiserver, kind or k3s), so the
-router's EndpointSliceWatcher is tested against this: an `http.server` in a thread that
+gateway's EndpointSliceWatcher is tested against this: an `http.server` in a thread that
 speaks the part of the API the watcher uses, the way the real one does:
 
 - `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v`

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gateway.engine import Finish, GenerationRequest, ModelBounds, RequestStats, StepRecord, speculate
+from gateway.errors import WorkerError
 from gateway.policy import FixedPolicy
-from gateway.workers import WorkerError
-from specd.jobs import Proposal, Scores
 from specd.sampling import Transform
+from specd.steps import Proposal, Scores
 
 VOCAB = 16
 EOS = 15

@@ -129,6 +129,13 @@ def test_importing_a_layer_pulls_in_nothing_above_it(package):
         pytest.fail(f"importing the {package} layer pulls in {({m: w for m, w in culprits.items() if w})}")
 
 
+def test_the_gateways_step_code_loads_no_model_code():
+    """The links and the step types they return are plain: importing them loads neither
+    transformers nor the workers' runtime (the gateway's tokenizer, in gateway.backend, does)."""
+    loaded = pulled_in(["gateway.workers", "specd.steps", "specd.wire"])
+    assert not [m for m in loaded if m.split(".")[0] == "transformers" or m in ("specd.runtime", "specd.jobs")]
+
+
 def test_the_maps_name_every_module():
     """specd/__init__.py maps the core module by module, and the README's Layout names every
     module of the core, the application and the gateway: a new module goes on both maps."""

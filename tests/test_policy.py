@@ -5,8 +5,8 @@ import random
 
 from gateway.engine import StepRecord
 from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
-from specd.batching import BatchStats
 from specd.costmodel import StepCosts
+from specd.steps import BatchStats
 from specd.tasks import TaskProfile
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import LoopThread
 from specd.config import ServerSettings
-from specd.serving import PortInUse, start_server
+from specd.grpcserver import PortInUse, start_server
 
 
 def specd(*args: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from gateway.server import create_server as create_gateway
 from specd.cli import main as specd_main
 from specd.cli.certs import service_dns_names, write_dev_certs
 from specd.config import ClientTLS, DraftSettings, GatewaySettings, ServerSettings, ServerTLS, VerifierSettings
-from specd.serving import start_server
+from specd.grpcserver import start_server
 from specd.tls import TLSConfigError, check_server_tls, client_channel
 from specd.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from test_pipeline import reference_greedy

@@ -1,32 +1,22 @@
 """The `specd.v1.Verifier` servicer and its server factory.
 
-Thin by design: call the runtime on the target's thread, convert.
+Thin by design: call the runtime on the target's thread, convert; the stream's skeleton
+is `specd.workerservice`'s, shared with the draft.
 """
 from __future__ import annotations
 
-import uuid
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from specd.batching import Overloaded
+from specd import wire, workerservice
 from specd.config import VerifierSettings
-from specd.runtime import ModelRunner, SessionNotFound
-from specd.serving import RunningServer, start_server
-from specd.telemetry import worker_step_span
+from specd.grpcserver import RunningServer, start_server
+from specd.runtime import ModelRunner
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import pack_distributions
 from specd.workermetrics import start_worker_metrics
-from specd.workerproto import (
-    batch_span_attributes,
-    batch_to_pb,
-    identity_mismatch,
-    model_info_to_pb,
-    session_lost,
-    step_problems,
-    transform_from_pb,
-)
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -39,56 +29,41 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         self.target = target
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
-        return worker_pb2.ModelInfoResponse(models=[model_info_to_pb(self.target, with_tokenizer=True)])
+        target = self.target
+        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())])
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
-        opened: set[str] = set()
-        stream = uuid.uuid4().hex  # tags the sessions this stream opens
-        try:
-            async for request in request_iterator:
-                if request.HasField("expected_model"):  # the first message of the stream
-                    problem = identity_mismatch(request.expected_model, self.target.info)
-                    if problem is not None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-                delta = request.delta
-                transform = transform_from_pb(request.transform)
-                problems = step_problems(self.target.info, delta, transform, len(request.draft_tokens))
-                if problems:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-                opened.add(delta.session_id)
-                with worker_step_span(_TRACER, "specd.verifier.verify",
-                                      request.trace_context.carrier) as span:
-                    try:
-                        scores = await self.target.score(delta.session_id, delta.start, list(delta.tokens),
-                                                         list(request.draft_tokens), transform, stream)
-                    except SessionNotFound as exc:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, session_lost("verifier", exc))
-                    except ValueError as exc:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    except Overloaded as exc:
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier: {exc}")
-                    if span is not None and span.is_recording():
-                        span.set_attributes({
-                            "gen_ai.request.model": self.target.info.name,
-                            "specd.session.id": delta.session_id,
-                            "specd.delta.start": delta.start,
-                            "specd.delta.tokens": len(delta.tokens),
-                            "specd.draft_length": len(request.draft_tokens),
-                            "specd.positions_scored": len(request.draft_tokens) + 1,
-                            "specd.forward_ms": scores.forward_ms,
-                            **batch_span_attributes(scores.batch),
-                        })
-                response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=batch_to_pb(scores.batch))
-                if scores.argmax is not None:
-                    response.target_argmax.extend(scores.argmax)
-                else:
-                    assert scores.probs is not None  # sampled: the target's distributions
-                    response.target_probs.CopyFrom(pack_distributions(scores.probs, transform.sparse))
+        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
+                                                   lambda r, s: self._verify(r, s, context))) as responses:
+            async for response in responses:
                 yield response
-        finally:
-            for session_id in opened:
-                self.target.end_session(session_id, stream)
+
+    async def _verify(self, request: worker_pb2.VerifyRequest, stream: workerservice.StepStream,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.VerifyResponse:
+        target = self.target
+        if request.HasField("expected_model"):  # the first message of the stream
+            await workerservice.refuse_wrong_model(context, request.expected_model, target.info, "verifier")
+        delta = request.delta
+        transform = wire.transform_from_pb(request.transform)
+        problems = wire.step_problems(target.info, delta, transform, len(request.draft_tokens))
+        await workerservice.refuse_problems(context, problems)
+        stream.opened(target, delta.session_id)
+        scores = await workerservice.traced_step(
+            _TRACER, "specd.verifier.verify", request.trace_context.carrier,
+            target.score(delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
+                         stream.id),
+            lambda scores: {
+                **workerservice.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
+                "specd.draft_length": len(request.draft_tokens),
+                "specd.positions_scored": len(request.draft_tokens) + 1})
+        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch))
+        if scores.argmax is not None:
+            response.target_argmax.extend(scores.argmax)
+        else:
+            assert scores.probs is not None  # sampled: the target's distributions
+            response.target_probs.CopyFrom(wire.pack_distributions(scores.probs, transform.sparse))
+        return response
 
 
 async def create_server(settings: VerifierSettings) -> RunningServer:

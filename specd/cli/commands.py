@@ -147,7 +147,7 @@ def _parse_drafts(values: list[str]) -> dict[str, Path]:
 
 
 async def _run_service(create, settings, what: str, port_file: Path | None) -> None:
-    from specd.serving import serve_until_signalled
+    from specd.grpcserver import serve_until_signalled
 
     running = await create(settings)
     scheme = "TLS" if settings.server.tls.enabled else "plaintext"
@@ -166,7 +166,7 @@ def _serve(create, settings, what: str, port_file: Path | None) -> int:
     Checked first, before a model loads or a worker is waited for (minutes, for a large
     model); the server's exclusive bind is what makes it certain.
     """
-    from specd.serving import PortInUse
+    from specd.grpcserver import PortInUse
 
     server = settings.server
     try:

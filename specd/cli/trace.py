@@ -82,7 +82,7 @@ def start_collector(out: Path, port: int = 0, host: str = "127.0.0.1"):
                 sink.write(lines)
             return trace_service_pb2.ExportTraceServiceResponse()
 
-    # Exclusive port, as every specd server (specd.serving.SERVER_OPTIONS says why).
+    # Exclusive port, as every specd server (specd.grpcserver.SERVER_OPTIONS says why).
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
     try:

@@ -1,4 +1,4 @@
-"""What every specd service shares as a gRPC server: health, reflection, TLS, graceful stop.
+"""The gRPC server plumbing every specd service shares: health, reflection, TLS, graceful stop.
 
 `start_server` builds and starts a `grpc.aio` server on a port it holds exclusively
 (TLS or mutual TLS when configured, `specd.tls`); `serve_until_signalled` runs it until

@@ -1,0 +1,22 @@
+"""The gateway's exceptions (the whole tree, with the status of each: `specd.errors`).
+
+Light on purpose: the engine imports `WorkerError` without importing the links.
+"""
+from __future__ import annotations
+
+import grpc
+
+from specd.errors import InvalidArgument, SpecdError
+
+
+class InvalidRequest(InvalidArgument):
+    """The request cannot be served as asked; the message says what to change."""
+
+
+class WorkerError(SpecdError):
+    """A worker failed a step for good. `code` is the gRPC status to report upstream."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = code.name

@@ -1,0 +1,26 @@
+"""One public request once validated: what the gateway's servicer hands to the engine and
+the γ policy (`gateway.server.parse_request` builds it, `gateway.policy.build_policy`
+reads it). A module of its own so that the policy module need not import the servicer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.engine import GenerationRequest
+from gateway.policy import Mode
+from specd.tasks import TaskProfile
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: its generation, its speculation settings, its labels."""
+
+    generation: GenerationRequest
+    mode: Mode
+    policy: str  # one of gateway.policy.POLICIES
+    draft_length: int  # γ for "fixed", the starting γ for "ema"
+    profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
+    task_type: str
+    user_segment: str
+    stop: list[str]
+    selected: bool = False  # the draft was chosen by goodput selection (the request named none)

@@ -1,0 +1,75 @@
+"""The plain types the gateway and the workers exchange, one step at a time.
+
+A model's facts (`ModelInfo`), a request to pre-draft the next step (`PreDraftRequest`),
+how a step was batched (`BatchStats`), and a step's two results: the draft's
+`Proposal` and the target's `Scores`. The workers build them (`specd.jobs`,
+`specd.runtime`), `specd.wire` turns them into worker messages and back, and the
+gateway's engine reads them. Light on purpose: torch for the tensors, nothing that
+loads transformers or grpc, so the gateway's step code imports them for free.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway needs to know about a hosted model."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
+    parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
+    card_json: str = ""  # the directory's card.json, verbatim, when it has one
+    model_path: str = ""  # the directory the model was loaded from
+
+
+@dataclass(frozen=True)
+class PreDraftRequest:
+    """What to pre-draft: the next step's γ and the seed it will carry."""
+
+    draft_length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """How one step was batched: the largest forward it shared, and how long it waited."""
+
+    size: int = 1  # sessions in that forward
+    tokens: int = 0  # tokens in that forward
+    queue_ms: float = 0.0  # from arrival to its first forward
+    forwards: int = 0  # forwards the step took part in
+    sessions: int = 0  # sessions the worker held when the step ran: the load it serves
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    forward_ms: float
+    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
+    # the draft service reports them on its trace spans.
+    token_probs: tuple[float, ...] = ()
+    batch: BatchStats = BatchStats()
+    pre_drafted: bool = False  # taken from a branch drafted while the last step was verified
+    # Draft side, overlap: done when the branches pre-drafted after this proposal settle.
+    pre_draft: asyncio.Future | None = None
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
+
+    argmax: list[int] | None
+    probs: torch.Tensor | None
+    forward_ms: float
+    batch: BatchStats = BatchStats()
