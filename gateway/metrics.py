@@ -33,6 +33,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.registry import Collector
 
 from specd.acceptance import LABEL_NAMES, AcceptanceStats
+from specd.paircosts import PairCosts
 from specd.selection import DraftSelector
 
 PREFIX = "specd_spec_decode_"
@@ -41,8 +42,10 @@ PREFIX = "specd_spec_decode_"
 class AcceptanceCollector(Collector):
     """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
 
-    def __init__(self, stats: AcceptanceStats, selector: DraftSelector | None = None) -> None:
+    def __init__(self, stats: AcceptanceStats, costs: PairCosts | None = None,
+                 selector: DraftSelector | None = None) -> None:
         self.stats = stats
+        self.costs = costs or PairCosts()
         self.selector = selector
 
     def collect(self):
@@ -139,7 +142,7 @@ class AcceptanceCollector(Collector):
             ("batch_tokens", "Tokens in each step's verify forward.", 1.0),
             ("queue_seconds", "Time each step waited in the verifier's queue.", 1e-3),
         )
-        loads = self.stats.load_snapshot()
+        loads = self.costs.load_snapshot()
         for name, doc, scale in families:
             family = SummaryMetricFamily(PREFIX + "verify_" + name, doc, labels=["model_pair"])
             for pair, load in sorted(loads.items()):
@@ -156,7 +159,7 @@ class AcceptanceCollector(Collector):
         verify = GaugeMetricFamily(PREFIX + "verify_cost_ratio",
                                    "v(γ): verify step relative to one target step.",
                                    labels=["model_pair", "draft_length"])
-        for row in self.stats.cost_table():
+        for row in self.costs.cost_table():
             target.add_metric([row.model_pair], row.target_step_ms / 1e3)
             draft.add_metric([row.model_pair], row.draft_cost_ratio)
             for gamma, ratio in row.verify_cost_ratio.items():
@@ -164,8 +167,9 @@ class AcceptanceCollector(Collector):
         return [target, draft, verify]
 
 
-def start_metrics_server(stats: AcceptanceStats, host: str, port: int, selector: DraftSelector | None = None):
+def start_metrics_server(stats: AcceptanceStats, costs: PairCosts, host: str, port: int,
+                         selector: DraftSelector | None = None):
     """Serve /metrics on host:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats, selector))
+    registry.register(AcceptanceCollector(stats, costs, selector))
     return start_http_server(port, addr=host, registry=registry)

@@ -311,38 +311,39 @@ class ConfidencePolicy:
 
 # -- one request's policy -------------------------------------------------------------------
 
-# A builder: (the request, the gateway's statistics, the model pair, the probe schedule
-# shared by the pair and task's requests, the load cap shared by the pair's) → the policy.
-PolicyBuilder = Callable[["ParsedRequest", AcceptanceStats, str, "ProbeSchedule | None", "LoadCap | None"],
-                         DraftLengthPolicy]
+# A builder: (the request, the gateway's acceptance statistics, the pair's measured step
+# costs, the model pair, the probe schedule shared by the pair and task's requests, the
+# load cap shared by the pair's) → the policy.
+PolicyBuilder = Callable[["ParsedRequest", AcceptanceStats, StepCosts, str, "ProbeSchedule | None",
+                          "LoadCap | None"], DraftLengthPolicy]
 
 
-def _fixed(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
-           load_cap: LoadCap | None) -> DraftLengthPolicy:
+def _fixed(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
+           probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
     return FixedPolicy(parsed.draft_length)
 
 
-def _ema(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
-         load_cap: LoadCap | None) -> DraftLengthPolicy:
+def _ema(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
+         probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
     profile = parsed.profile
     return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
 
 
-def _cost(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
-          load_cap: LoadCap | None) -> DraftLengthPolicy:
+def _cost(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
+          probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
     profile = parsed.profile
     # The request's acceptance estimate starts from what this pair has measured on this
     # task, when it has, rather than from the table's prior.
     measured = stats.measured_acceptance(model_pair, parsed.task_type)
     if measured is not None:
         profile = replace(profile, prior_acceptance=measured)
-    return CostPolicy(stats.costs(model_pair), profile,
+    return CostPolicy(costs, profile,
                       curve=lambda: stats.position_curve(model_pair, parsed.task_type),
                       overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
 
 
-def _confidence(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str, probes: ProbeSchedule | None,
-                load_cap: LoadCap | None) -> DraftLengthPolicy:
+def _confidence(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
+                probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
     return ConfidencePolicy(parsed.profile.max_draft_length)
 
 
@@ -350,13 +351,14 @@ REGISTRY: dict[str, PolicyBuilder] = {"fixed": _fixed, "ema": _ema, "cost": _cos
 POLICIES = tuple(REGISTRY)  # the policy names a request (or --policy) may give
 
 
-def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, model_pair: str,
+def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
                  probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
-    """The γ policy object of one request; `probes` is shared by the pair and task's requests, `load_cap` by the pair's.
+    """The γ policy object of one request; `costs`: its model pair's measured step costs;
+    `probes` is shared by the pair and task's requests, `load_cap` by the pair's.
 
     Mode OFF, or no draft: plain decoding (γ = 0). Otherwise the registry's builder of the
     request's policy name (`parse_request` admits only registered names; "fixed" else).
     """
     if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
         return FixedPolicy(0)
-    return REGISTRY.get(parsed.policy, _fixed)(parsed, stats, model_pair, probes, load_cap)
+    return REGISTRY.get(parsed.policy, _fixed)(parsed, stats, costs, model_pair, probes, load_cap)

@@ -40,6 +40,7 @@ from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
 from specd.errors import clip
 from specd.grpcserver import RunningServer, start_server
+from specd.paircosts import PairCosts
 from specd.sampling import Transform
 from specd.selection import DraftSelector
 from specd.steps import ModelInfo
@@ -198,14 +199,13 @@ class _GatewayCounts:
         self.servicer, self.labels, self.model_pair, self.request_trace = servicer, labels, model_pair, request_trace
 
     def observe(self, record: StepRecord) -> None:
-        stats = self.servicer.stats
-        # The first step also prefills the prompt: its time says nothing about a step's cost.
-        stats.record(self.labels, record.draft_length, record.accepted, len(record.emitted), record.generated,
-                     record.draft_ms, record.verify_ms, measure_cost=record.index > 0,
-                     batch_size=record.verify_batch.size, pre_draft_asked=record.pre_draft_asked,
-                     pre_drafted=record.pre_drafted)
+        stats, costs = self.servicer.stats, self.servicer.costs
+        stats.record(self.labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
         batch = record.verify_batch
-        stats.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
+        if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
+            costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
+                          record.pre_draft_asked, record.pre_drafted)
+        costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
         if record.pre_draft_asked and record.draft_length:
             stats.record_pre_draft(self.labels, record.pre_drafted)
         if record.draft_length:
@@ -215,12 +215,14 @@ class _GatewayCounts:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats,
+    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats, costs: PairCosts,
                  selector: DraftSelector | None = None) -> None:
-        """selector: picks the draft of requests that name none (None: the task map)."""
+        """stats, costs: what every request's steps add up to (acceptance; step costs and load);
+        selector: picks the draft of requests that name none (None: the task map)."""
         self.backend = backend
         self.settings = settings
         self.stats = stats
+        self.costs = costs
         self.selector = selector
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
@@ -313,7 +315,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             load_cap = self._load_caps.get(model_pair)
             if load_cap is None:  # one per pair: every task's sessions share the target's forwards
                 load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length)
-        policy = build_policy(parsed, self.stats, model_pair, probes, load_cap)
+        policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, probes, load_cap)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
@@ -369,7 +371,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                   began: float) -> gateway_pb2.GenerationStats:
         generation = parsed.generation
         proposed_per_position, accepted_per_position = stats.per_position()
-        costs = next((row for row in self.stats.cost_table() if row.model_pair == model_pair), None)
+        costs = next((row for row in self.costs.cost_table() if row.model_pair == model_pair), None)
         c, v = (costs.draft_cost_ratio, costs.verify_cost_ratio) if costs else (0.0, {})
         drafted = [g for g in stats.draft_lengths if g]
         mean_gamma = round(sum(drafted) / len(drafted)) if drafted else 0
@@ -414,7 +416,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 proposed_per_position=counts.proposed_per_position,
                 accepted_per_position=counts.accepted_per_position,
                 acceptance_by_generation_bucket={k: a / p for k, (p, a) in counts.by_generation_bucket.items() if p})
-        for row in self.stats.cost_table():
+        for row in self.costs.cost_table():
             response.costs.add(model_pair=row.model_pair, target_step_ms=row.target_step_ms,
                                draft_ms_per_token=row.draft_ms_per_token, draft_cost_ratio=row.draft_cost_ratio,
                                verify_cost_ratio=row.verify_cost_ratio)
@@ -479,10 +481,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     selector = None
     if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
         selector = DraftSelector(list(backend.drafts), settings.task_drafts)
-    servicer = GatewayServicer(backend, settings, stats, selector)
+    costs = PairCosts()
+    servicer = GatewayServicer(backend, settings, stats, costs, selector)
     metrics = None
     if settings.metrics_port:
-        metrics, _ = start_metrics_server(stats, settings.metrics_host, settings.metrics_port, selector)
+        metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
+                                          selector)
 
     async def stop() -> None:
         servicer._parser.shutdown(wait=False, cancel_futures=True)

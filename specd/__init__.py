@@ -14,6 +14,7 @@ The core's modules:
     rejection     speculative sampling: accept or reject draft tokens, keeping the target's law
     costmodel     the speedup model (expected tokens per step, γ·c + v(γ)) and measured step costs
     acceptance    acceptance statistics by model pair, task type, segment and position
+    paircosts     what each model pair's steps cost (the cost model's state) and how they were batched
     drift         whether a segment's recent acceptance dropped below its reference
     selection     which hosted draft serves a request that names none (measured goodput)
     tasks         task types: the prompt classifier and per-task priors for the γ policies

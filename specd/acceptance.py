@@ -3,8 +3,8 @@
 Counters (summable across replicas) of drafts, draft tokens, accepted and emitted
 tokens, keyed by labels — model pair, task type, user segment, prompt-length bucket —
 with per-draft-position and per-generation-position breakdowns; kept for the lifetime
-of the process and over a sliding window of the most recent steps; plus the measured
-step costs of each model pair (`specd.costmodel.StepCosts`). The Prometheus exporter and
+of the process and over a sliding window of the most recent steps; and overlapped
+speculation's hits. What steps cost is kept apart (`specd.paircosts`). The Prometheus exporter and
 the GetAcceptanceStats RPC read it; neither writes it. Per segment (model pair, task
 type, user segment) it also keeps window and lifetime sums, updated per step, from which
 `specd.drift` judges whether recent acceptance dropped. No gRPC here.
@@ -15,7 +15,6 @@ import threading
 from collections import deque
 from dataclasses import asdict, astuple, dataclass, field
 
-from specd.costmodel import StepCosts
 from specd.drift import Drift, DriftSettings, Sample, judge
 from specd.errors import InvalidArgument
 
@@ -123,27 +122,6 @@ class Counts:
         return curve
 
 
-@dataclass(frozen=True)
-class CostSummary:
-    """Measured costs of one model pair: ms, and ratios to one plain target step."""
-
-    model_pair: str
-    target_step_ms: float
-    draft_ms_per_token: float
-    draft_cost_ratio: float  # c
-    verify_cost_ratio: dict[int, float]  # γ → v(γ)
-
-
-@dataclass
-class LoadCounts:
-    """How one model pair's verify steps were batched: sums, so means are rates of two counters."""
-
-    steps: int = 0
-    batch_size: int = 0  # Σ sessions sharing each step's verify forward
-    batch_tokens: int = 0  # Σ tokens in that forward
-    queue_ms: float = 0.0  # Σ time each step waited in the verifier's queue
-
-
 def _grow(values: list[int], length: int) -> None:
     values.extend([0] * (length - len(values)))
 
@@ -164,7 +142,7 @@ def _add_sums(sums: dict[tuple[str, str, str], list[int]], labels: Labels, draft
 
 
 class AcceptanceStats:
-    """Lifetime and windowed acceptance counters by label set, and costs by model pair.
+    """Lifetime and windowed acceptance counters by label set, and drift sums by segment.
 
     Written from the gateway's event loop, read from the metrics thread: one lock.
     `max_user_segments` and `max_task_types` cap label cardinality: later segments and
@@ -185,8 +163,6 @@ class AcceptanceStats:
         self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
         self._segments: set[str] = set()
         self._task_types: set[str] = set()
-        self._costs: dict[str, StepCosts] = {}
-        self._load: dict[str, LoadCounts] = {}
         self._pre_drafts: dict[Labels, list[int]] = {}  # labels → [steps that could hit, hits]
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
@@ -220,17 +196,8 @@ class AcceptanceStats:
         return Labels(model_pair, self.task_type(task_type), self.segment(user_segment),
                       bucket(prompt_tokens, PROMPT_BUCKETS))
 
-    def costs(self, model_pair: str) -> StepCosts:
-        """The measured step costs of a model pair (created on first use)."""
-        with self._lock:
-            return self._costs.setdefault(model_pair, StepCosts())
-
-    def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int,
-               draft_ms: float, verify_ms: float, measure_cost: bool = True, batch_size: int = 1,
-               pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
-        """Count one step (hot path). measure_cost=False: its time is not a step's cost
-        (the first step of a request also prefills the prompt). batch_size: sessions that
-        shared the step's verify forward (the load its costs were measured at)."""
+    def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int) -> None:
+        """Count one step (hot path)."""
         step = (draft_length, accepted, emitted, generated_before)
         with self._lock:
             self._lifetime.setdefault(labels, Counts()).add(*step)
@@ -241,10 +208,6 @@ class AcceptanceStats:
             self._window.append((labels, *step))
             _add_sums(self._window_sums, labels, draft_length, accepted, 1)
             _add_sums(self._lifetime_sums, labels, draft_length, accepted, 1)
-            if measure_cost:
-                self._costs.setdefault(labels.model_pair, StepCosts()).observe(draft_length, draft_ms, verify_ms,
-                                                                                batch_size, pre_draft_asked,
-                                                                                pre_drafted)
 
     def drift(self, labels: Labels) -> Drift | None:
         """The drift verdict of a request's segment now (None until it can be judged)."""
@@ -268,15 +231,6 @@ class AcceptanceStats:
         earlier = Sample(*(total - recent for total, recent in zip(lifetime, astuple(window))))
         return judge(window, earlier, self.drift_settings)
 
-    def record_load(self, model_pair: str, batch_size: int, batch_tokens: int, queue_ms: float) -> None:
-        """Count how one step's verify forward was batched (hot path)."""
-        with self._lock:
-            load = self._load.setdefault(model_pair, LoadCounts())
-            load.steps += 1
-            load.batch_size += batch_size
-            load.batch_tokens += batch_tokens
-            load.queue_ms += queue_ms
-
     def record_pre_draft(self, labels: Labels, hit: bool) -> None:
         """Count one step whose proposal was pre-drafted for (overlap), and whether it hit."""
         with self._lock:
@@ -288,11 +242,6 @@ class AcceptanceStats:
         """(steps, hits) of overlapped speculation by label set."""
         with self._lock:
             return {labels: (steps, hits) for labels, (steps, hits) in self._pre_drafts.items()}
-
-    def load_snapshot(self) -> dict[str, LoadCounts]:
-        """A copy of the batching counters by model pair."""
-        with self._lock:
-            return {pair: LoadCounts(**asdict(load)) for pair, load in self._load.items()}
 
     def snapshot(self, window: bool = False) -> dict[Labels, Counts]:
         """A copy of the counters by label set: lifetime, or just the sliding window."""
@@ -339,15 +288,3 @@ class AcceptanceStats:
             if counts is None or counts.draft_tokens < min_samples:
                 return None
             return counts.conditional_acceptance()
-
-    def cost_table(self) -> list[CostSummary]:
-        """The measured costs of every model pair seen, computed under the lock."""
-        with self._lock:
-            rows = []
-            for pair, costs in sorted(self._costs.items()):
-                target = costs.target_step_ms()
-                if target is None:
-                    continue
-                c, v = costs.ratios()
-                rows.append(CostSummary(pair, target, costs.draft_ms_per_token(), c, v))
-            return rows

@@ -10,6 +10,7 @@ from conftest import request
 from gateway.metrics import AcceptanceCollector
 from specd.acceptance import AcceptanceStats, Counts, bucket
 from specd.costmodel import StepCosts, best_draft_length, expected_tokens, expected_tokens_from_curve
+from specd.paircosts import PairCosts
 from specd.v1 import gateway_pb2
 
 
@@ -39,7 +40,7 @@ def test_labels_group_filter_and_window():
     capped = stats.labels("d->t", "code", "carol", 10)
     assert capped.user_segment == "other" and code.prompt_bucket == "0-31" and prose.prompt_bucket == "128-511"
     for labels, accepted in ((code, 4), (code, 3), (prose, 0), (prose, 1), (capped, 2)):
-        stats.record(labels, 4, accepted, accepted + 1, 0, draft_ms=2.0, verify_ms=10.0)
+        stats.record(labels, 4, accepted, accepted + 1, 0)
     by_task = dict((row["task_type"], c) for row, c in stats.query(["task_type"], {}))
     assert by_task["code"].accepted_tokens == 9 and by_task["code"].draft_tokens == 12
     assert by_task["general"].accepted_tokens == 1
@@ -77,10 +78,13 @@ def test_step_costs_fit_and_ratios():
 def test_prometheus_exposition_format():
     stats = AcceptanceStats()
     labels = stats.labels("d->t", "code", "", 5)
-    stats.record(labels, 4, 3, 4, 0, 2.0, 10.0)
-    stats.record(labels, 0, 0, 1, 4, 0.0, 9.0)
+    stats.record(labels, 4, 3, 4, 0)
+    stats.record(labels, 0, 0, 1, 4)
+    costs = PairCosts()
+    costs.observe("d->t", 4, 2.0, 10.0)
+    costs.observe("d->t", 0, 0.0, 9.0)
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats))
+    registry.register(AcceptanceCollector(stats, costs))
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     accepted = families["specd_spec_decode_num_accepted_tokens"]
@@ -150,8 +154,8 @@ def test_conditional_acceptance_and_measured_prior():
     labels = stats.labels("d->t", "code", "", 1)
     assert stats.measured_acceptance("d->t", "code") is None
     for _ in range(60):
-        stats.record(labels, 4, 4, 5, 0, 1.0, 10.0)
-        stats.record(labels, 4, 0, 1, 0, 1.0, 10.0)
+        stats.record(labels, 4, 4, 5, 0)
+        stats.record(labels, 4, 0, 1, 0)
     assert stats.measured_acceptance("d->t", "code") == pytest.approx(4 / 5)
 
 

@@ -32,7 +32,7 @@ def feed(stats: AcceptanceStats, labels, rng: random.Random, alpha: float, steps
     flags = []
     for _ in range(steps):
         accepted = geometric_step(rng, alpha)
-        stats.record(labels, GAMMA, accepted, accepted + 1, 0, 1.0, 1.0)
+        stats.record(labels, GAMMA, accepted, accepted + 1, 0)
         verdict = stats.drift(labels)
         flags.append(verdict is not None and verdict.flagged)
     return flags
