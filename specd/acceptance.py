@@ -281,10 +281,20 @@ class AcceptanceStats:
                 return None
             return counts.position_curve()
 
-    def measured_acceptance(self, model_pair: str, task_type: str, min_samples: int = 200) -> float | None:
-        """Conditional acceptance of a pair and task over its lifetime, once there is data."""
+    def measured_acceptance(self, model_pair: str, task_type: str, min_samples: int = 32) -> float | None:
+        """Conditional acceptance of a pair over its lifetime: on this task once it has
+        `min_samples` draft tokens, else over all the pair's tasks once they have; None before.
+
+        A new request starts from it rather than from the task table's prior. A few dozen
+        tokens are enough to tell a draft the target never agrees with from a trained one,
+        and every request started from a wrong prior spends its first steps proposing."""
         with self._lock:
             counts = self._by_pair_task.get((model_pair, task_type))
             if counts is None or counts.draft_tokens < min_samples:
+                counts = Counts()
+                for (pair, _), task_counts in self._by_pair_task.items():
+                    if pair == model_pair:
+                        counts.merge(task_counts)
+            if counts.draft_tokens < min_samples:
                 return None
             return counts.conditional_acceptance()
