@@ -135,13 +135,15 @@ class LoadCap:
     steps, and its goodput (emitted tokens per millisecond of step, i.e. per session) is
     compared first with plain decoding's (cap 0), then with a neighbouring cap's, tried for
     one epoch in every `explore_every` (twice as long after each trial that lost, since a
-    trial costs goodput); a neighbour that wins becomes the cap and the next one along is
-    tried at once.
+    trial costs goodput); a neighbour that wins by `margin` becomes the cap and the next one
+    along is tried at once.
     With one session there is no one else to slow down: no cap.
     """
 
-    def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5) -> None:
+    def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
+                 margin: float = 0.05) -> None:
         self.highest = highest
+        self.margin = margin  # how much better than the cap in force a trial must do to replace it
         self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
         self.explore_every = explore_every
         self.weight = weight
@@ -195,7 +197,9 @@ class LoadCap:
         level.steps = 0
         before = level.arm
         if level.trial is not None:
-            won = level.rates[level.trial] > level.rates.get(level.best, 0.0)
+            # A trial must win clearly: a cap switched on noise costs every session until
+            # the next trial, more than a small real gain is worth.
+            won = level.rates[level.trial] > (1.0 + self.margin) * level.rates.get(level.best, 0.0)
             if won:
                 level.best, level.explore_every = level.trial, self.explore_every
             else:  # a trial costs goodput: the more of them lose, the rarer they get
