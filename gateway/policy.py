@@ -148,14 +148,25 @@ class LoadCap:
         self.explore_every = explore_every
         self.weight = weight
         self.load = 1  # the load bucket the last step reported
+        self.requests = 0  # this gateway's requests of the pair in flight (`enter`/`leave`)
         self.widest = 0  # the longest draft proposed alone: where a new level's cap starts
         self._levels: dict[int, _LevelArms] = {}
 
+    def enter(self) -> None:
+        """A request of the pair starts. Until its own steps report the load, the requests in
+        flight here are a floor on it: a wave of new requests arriving after a quiet spell
+        must not each speculate its first step as if alone."""
+        self.requests += 1
+
+    def leave(self) -> None:
+        self.requests -= 1
+
     def cap(self) -> int:
         """The cap in force at the current load (the largest γ with a single session)."""
-        if self.load <= 1:
+        load = max(self.load, load_bucket(max(self.requests, 1)))
+        if load <= 1:
             return self.highest
-        return self._level(self.load).arm
+        return self._level(load).arm
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""

@@ -332,6 +332,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             observers.append(_GatewayCounts(self, labels, model_pair, request_trace))
         finish = Finish.LENGTH
         finished = False
+        if load_cap is not None:
+            load_cap.enter()
         try:
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
                               tracer=request_trace.step_tracer)
@@ -363,6 +365,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_trace.end(exc)
             raise  # ErrorMappingInterceptor gives the client the worker's status
         finally:
+            if load_cap is not None:
+                load_cap.leave()
             request_trace.end()
             await close_links([draft, verifier], finished)
 

@@ -198,3 +198,19 @@ def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_ca
     assert len(gaps) >= 2 and gaps[-1] > gaps[0], trials
     alone = run_under_load(cap, lambda c: 10.0, sessions=1, steps=50)
     assert cap.cap() == 8 and min(alone[1:]) >= 3
+
+
+def test_requests_in_flight_are_a_floor_on_the_load():
+    """A wave of requests after a quiet spell: the last step reported one session, but
+    sixteen requests of the pair are in flight here, so their first steps are capped too."""
+    cap = LoadCap(highest=8)
+    run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=600)
+    assert cap.rates()[16] and cap.cap() == 0
+    run_under_load(cap, lambda c: 10.0, sessions=1, steps=2)  # a lone request: no cap
+    assert cap.cap() == 8
+    for _ in range(16):
+        cap.enter()
+    assert cap.cap() == 0
+    for _ in range(16):
+        cap.leave()
+    assert cap.cap() == 8
