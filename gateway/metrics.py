@@ -39,6 +39,16 @@ from specd.selection import DraftSelector
 PREFIX = "specd_spec_decode_"
 
 
+def _proposed_and_accepted(per: str, where: str, labels: list[str]) -> dict[str, CounterMetricFamily]:
+    """The two counters of draft tokens proposed and accepted, broken down `per` something."""
+    return {
+        "proposed": CounterMetricFamily(PREFIX + f"num_draft_tokens_per_{per}", f"Draft tokens proposed {where}.",
+                                        labels=labels),
+        "accepted": CounterMetricFamily(PREFIX + f"num_accepted_tokens_per_{per}", f"Draft tokens accepted {where}.",
+                                        labels=labels),
+    }
+
+
 class AcceptanceCollector(Collector):
     """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
 
@@ -59,22 +69,9 @@ class AcceptanceCollector(Collector):
             "emitted_tokens": CounterMetricFamily(PREFIX + "num_emitted_tokens",
                                                   "Tokens committed by speculative steps.", labels=labels),
         }
-        per_pos = {
-            "proposed": CounterMetricFamily(PREFIX + "num_draft_tokens_per_pos",
-                                            "Draft tokens proposed at each draft position.",
-                                            labels=labels + ["position"]),
-            "accepted": CounterMetricFamily(PREFIX + "num_accepted_tokens_per_pos",
-                                            "Draft tokens accepted at each draft position.",
-                                            labels=labels + ["position"]),
-        }
-        per_gen = {
-            "proposed": CounterMetricFamily(PREFIX + "num_draft_tokens_per_generation_bucket",
-                                            "Draft tokens proposed, by position inside the generation.",
-                                            labels=labels + ["generation_bucket"]),
-            "accepted": CounterMetricFamily(PREFIX + "num_accepted_tokens_per_generation_bucket",
-                                            "Draft tokens accepted, by position inside the generation.",
-                                            labels=labels + ["generation_bucket"]),
-        }
+        per_pos = _proposed_and_accepted("pos", "at each draft position", labels + ["position"])
+        per_gen = _proposed_and_accepted("generation_bucket", "by position inside the generation",
+                                         labels + ["generation_bucket"])
         for key, counts in self.stats.snapshot().items():
             values = list(astuple(key))
             for name, family in families.items():
