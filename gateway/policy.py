@@ -161,9 +161,13 @@ class LoadCap:
     def leave(self) -> None:
         self.requests -= 1
 
+    def _current_load(self) -> int:
+        """The load bucket now: the last step's report, floored by the requests in flight here."""
+        return max(self.load, load_bucket(max(self.requests, 1)))
+
     def cap(self) -> int:
         """The cap in force at the current load (the largest γ with a single session)."""
-        load = max(self.load, load_bucket(max(self.requests, 1)))
+        load = self._current_load()
         if load <= 1:
             return self.highest
         return self._level(load).arm
@@ -183,12 +187,14 @@ class LoadCap:
         return level
 
     def observe(self, cap: int, record: StepRecord) -> None:
-        """A step taken under `cap`; steps from a cap no longer in force are left out."""
+        """A step taken under `cap`; steps from a cap no longer in force are left out. The step
+        counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
-        if self.load <= 1:
+        load = self._current_load()
+        if load <= 1:
             self.widest = max(self.widest, record.draft_length)
             return
-        level = self._level(self.load)
+        level = self._level(load)
         if cap != level.arm or record.index == 0:  # the first step also prefills the prompt
             return
         if level.settle > 0:  # it shared forwards with steps chosen under the previous cap
@@ -197,10 +203,10 @@ class LoadCap:
         level.tokens += len(record.emitted)
         level.ms += record.draft_ms + record.verify_ms
         level.steps += 1
-        if level.steps >= max(32, self.epoch_rounds * self.load):
-            self._end_epoch(level)
+        if level.steps >= max(32, self.epoch_rounds * load):
+            self._end_epoch(level, load)
 
-    def _end_epoch(self, level: _LevelArms) -> None:
+    def _end_epoch(self, level: _LevelArms, load: int) -> None:
         rate = level.tokens / level.ms if level.ms > 0 else 0.0
         previous = level.rates.get(level.arm)
         level.rates[level.arm] = rate if previous is None else previous + self.weight * (rate - previous)
@@ -225,7 +231,7 @@ class LoadCap:
                 level.epochs = 0
                 level.trial = self._neighbour(level)
         if level.arm != before:
-            level.settle = self.load
+            level.settle = load
 
     def _neighbour(self, level: _LevelArms) -> int | None:
         """The next cap to try beside best, in the level's current direction."""

@@ -214,3 +214,13 @@ def test_requests_in_flight_are_a_floor_on_the_load():
     for _ in range(16):
         cap.leave()
     assert cap.cap() == 8
+
+
+def test_steps_count_at_the_load_their_cap_was_chosen_for():
+    """Workers that report one session each (several verifier replicas, say) while sixteen
+    requests are in flight here: the cap is read at load 16, so its steps must teach load 16."""
+    cap = LoadCap(highest=8)
+    for _ in range(16):
+        cap.enter()
+    run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=1, steps=600)
+    assert 16 in cap.rates() and cap.cap() == 0, cap.rates()
