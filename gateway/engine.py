@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from gateway.errors import WorkerError
+from specd.acceptance import Counts
 from specd.rejection import rejection_sample, verify_greedy
 from specd.sampling import Transform
 from specd.steps import BatchStats, PreDraftRequest, Proposal, Scores
@@ -217,13 +218,10 @@ class RequestStats:
 
     def per_position(self) -> tuple[list[int], list[int]]:
         """Draft tokens proposed and accepted at each position 1..γ, over every step."""
-        longest = max((r.draft_length for r in self.records), default=0)
-        proposed, accepted = [0] * longest, [0] * longest
-        for record in self.records:
-            for i in range(record.draft_length):
-                proposed[i] += 1
-                accepted[i] += i < record.accepted
-        return proposed, accepted
+        counts = Counts()
+        for r in self.records:
+            counts.add(r.draft_length, r.accepted, len(r.emitted), r.generated)
+        return counts.proposed_per_position, counts.accepted_per_position
 
     def goodput(self) -> tuple[int, float]:
         """Tokens committed and milliseconds spent by the steps after the first, which also
