@@ -216,11 +216,16 @@ class RequestStats:
     def verify_queue_ms(self) -> float:
         return sum(r.verify_batch.queue_ms for r in self.records)
 
-    def per_position(self) -> tuple[list[int], list[int]]:
-        """Draft tokens proposed and accepted at each position 1..γ, over every step."""
+    def counts(self) -> Counts:
+        """This request's steps as acceptance counters (the same ones the gateway keeps)."""
         counts = Counts()
         for r in self.records:
             counts.add(r.draft_length, r.accepted, len(r.emitted), r.generated)
+        return counts
+
+    def per_position(self) -> tuple[list[int], list[int]]:
+        """Draft tokens proposed and accepted at each position 1..γ, over every step."""
+        counts = self.counts()
         return counts.proposed_per_position, counts.accepted_per_position
 
     def goodput(self) -> tuple[int, float]:

@@ -126,11 +126,15 @@ class AcceptanceCollector(Collector):
                                      labels=labels)
         goodput = GaugeMetricFamily("specd_draft_goodput_tokens_per_ms",
                                     "Measured goodput of each draft (tokens per ms of step time).", labels=labels)
+        acceptance = GaugeMetricFamily("specd_draft_selection_acceptance",
+                                       "Mean conditional acceptance of each draft's selected requests "
+                                       "(what selection chooses by, with the pair's costs).", labels=labels)
         for key, arm in sorted(self.selector.snapshot().items()):
             chosen.add_metric(list(key), arm.pulls)
             if arm.n:
-                goodput.add_metric(list(key), arm.mean)
-        return [chosen, goodput]
+                goodput.add_metric(list(key), arm.goodput)
+                acceptance.add_metric(list(key), arm.acceptance)
+        return [chosen, goodput, acceptance]
 
     def _load(self):
         """How the verifier batched this gateway's steps; mean = rate(_sum) / rate(_count)."""

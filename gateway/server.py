@@ -40,7 +40,7 @@ from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
 from specd.errors import clip
 from specd.grpcserver import RunningServer, start_server
-from specd.paircosts import PairCosts
+from specd.paircosts import PairCosts, model_pair_label
 from specd.sampling import Transform
 from specd.selection import DraftSelector
 from specd.steps import ModelInfo
@@ -263,8 +263,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             "specd.drift.z": verdict.z})
 
     def _model_pair(self, draft_model: str) -> str:
-        """The label of a model pair: "draft->target" ("none->target" when plain)."""
-        return f"{draft_model or 'none'}->{self.backend.target.name}"
+        return model_pair_label(draft_model, self.backend.target.name)
 
     def _bounds(self, draft_model: str) -> ModelBounds:
         target = self.backend.target
@@ -352,7 +351,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if parsed.selected and draft is not None and not diagnostic:
                         assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              *stats.goodput())
+                                              stats.counts().conditional_acceptance(), *stats.goodput())
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
@@ -483,9 +482,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     backend = await connect(settings)
     stats = AcceptanceStats(window_steps=settings.window_steps, drift=settings.drift, baseline=baseline)
     selector = None
-    if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
-        selector = DraftSelector(list(backend.drafts), settings.task_drafts)
     costs = PairCosts()
+    if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
+        target = backend.target.name
+        selector = DraftSelector(list(backend.drafts), settings.task_drafts,
+                                 costs=lambda draft: costs.costs(model_pair_label(draft, target)),
+                                 max_draft_length=settings.max_draft_length)
     servicer = GatewayServicer(backend, settings, stats, costs, selector)
     metrics = None
     if settings.metrics_port:

@@ -262,3 +262,22 @@ def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
         if rate > best_rate:
             best, best_rate = gamma, rate
     return best
+
+
+def predicted_speedup(alpha: float, costs: StepCosts, max_gamma: int) -> float:
+    """Expected tokens per millisecond at the best γ ≤ max_gamma (0 included), over a plain
+    target step's: what a draft of acceptance α is worth to this pair at the present load.
+
+    Before any cost is measured, a draft token is taken to cost `prior_draft_ratio` of a
+    target step and verifying γ tokens as much as one plain step.
+    """
+    plain = costs.estimate(0)
+    best = 1.0  # γ = 0: plain decoding
+    for gamma in range(1, max_gamma + 1):
+        estimate = costs.estimate(gamma)
+        if plain is None or estimate is None:
+            relative_cost = 1.0 + costs.prior_draft_ratio * gamma
+        else:
+            relative_cost = estimate.step_ms / plain.step_ms
+        best = max(best, expected_tokens(alpha, gamma) / relative_cost)
+    return best

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass
 from specd.costmodel import StepCosts
 
 
+def model_pair_label(draft_model: str, target_model: str) -> str:
+    """The label of a model pair: "draft->target" ("none->target" when decoding plainly)."""
+    return f"{draft_model or 'none'}->{target_model}"
+
+
 @dataclass(frozen=True)
 class CostSummary:
     """Measured costs of one model pair: ms, and ratios to one plain target step."""

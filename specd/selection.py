@@ -1,17 +1,30 @@
-"""Which hosted draft serves a request that names none: the best measured goodput.
+"""Which hosted draft serves a request that names none: the best expected goodput.
 
-Goodput is tokens committed per millisecond of step time (draft + verify), the figure
-speculation exists to raise: it folds a draft's acceptance and its cost into one number,
-so a cheap draft that agrees less can beat a costly one that agrees more.
+Goodput is tokens committed per millisecond of step time, the figure speculation exists
+to raise. It is acceptance and cost together, and the two are measured apart here
+because they are measured with very different noise:
 
-Per (task type, user segment) every draft is an arm of a bandit. Each arm keeps the
-mean and spread of the goodput of the requests it served (recent ones weigh more, so a
-change of load or traffic moves the choice). Choosing is Thompson sampling: draw each
-arm's mean from a normal posterior (mean, sd/√n, sd pooled over the key's arms) and take
-the largest draw. Arms with fewer than `min_trials` requests go first, the task map's
-draft before the others, so selection starts where the configuration points and every
-draft gets measured. Only the selector's own choices are observed (the gateway does not
-feed it requests that name their draft).
+- a draft's acceptance on a (task type, user segment) varies from prompt to prompt, but
+  every request measures it over dozens of draft tokens;
+- its costs (draft hop per token, verify hop per γ, at the present load) are the pair's
+  `StepCosts`, learned from every step the gateway runs.
+
+A request's own goodput mixes in how hard its prompt is and how busy the machine was,
+and that spread (±40% per request on the demo pair) is larger than what separates two
+drafts, so a bandit over raw goodput kept exploring drafts that were plainly worse (93%
+of the best fixed assignment over 128 requests). Over acceptance the same bandit tells
+a draft the target never agrees with (α ≈ 0) from a trained one after one request.
+
+Per (task type, user segment) every draft is an arm. An arm keeps the mean and spread of
+the conditional acceptance α of the requests it served (recent ones weigh more, so a
+change of traffic moves the choice). Choosing is Thompson sampling: draw each arm's α
+from a normal posterior (mean, sd/√n, sd pooled over the key's arms), turn the draw into
+the speedup the cost model predicts for that draft at its best γ (`predicted_speedup`;
+γ = 0, plain decoding, is one of the choices, so a useless draft is worth 1), and take
+the largest. Arms with fewer than `min_trials` requests go first, the task map's draft
+before the others, so selection starts where the configuration points and every draft
+gets measured. Only the selector's own choices are observed (the gateway does not feed
+it requests that name their draft).
 
 Output stays exact whichever draft is chosen: rejection sampling keeps the target's
 distribution for any draft (DESIGN.md §2). No gRPC here.
@@ -20,9 +33,15 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from specd.costmodel import StepCosts, predicted_speedup
+
+# An arm not yet measured is drawn from this prior; its sd is also one request's α spread
+# before any arm has two requests.
+PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_SD = 0.5, 0.2
 
 
 @dataclass
@@ -31,50 +50,57 @@ class Arm:
 
     pulls: int = 0  # requests sent to it (observed or still running)
     n: int = 0  # requests observed, capped at the selector's memory
-    mean: float = 0.0  # goodput, tokens per ms
-    m2: float = 0.0  # sum of squared deviations (Welford), over the same weight as n
+    acceptance: float = 0.0  # mean conditional acceptance α of a request
+    m2: float = 0.0  # sum of squared deviations of α (Welford), over the same weight as n
+    goodput: float = 0.0  # mean tokens per ms of a request (reported, not chosen by)
 
-    def observe(self, goodput: float, memory: int) -> None:
-        """Add one request's goodput; past `memory` requests the oldest weigh out (EWMA)."""
+    def observe(self, acceptance: float, goodput: float, memory: int) -> None:
+        """Add one request; past `memory` requests the oldest weigh out (EWMA)."""
         full = self.n >= memory
         self.n = min(self.n + 1, memory)
-        delta = goodput - self.mean
-        self.mean += delta / self.n
+        delta = acceptance - self.acceptance
+        self.acceptance += delta / self.n
         if full:  # the oldest request's share leaves the sum as the new one's comes in
             self.m2 *= (self.n - 1) / self.n
-        self.m2 += delta * (goodput - self.mean)
+        self.m2 += delta * (acceptance - self.acceptance)
+        self.goodput += (goodput - self.goodput) / self.n
 
     def variance(self) -> float:
         return max(self.m2 / (self.n - 1), 0.0) if self.n > 1 else 0.0
 
 
 def _pooled_sd(arms) -> float:
-    """One request's goodput spread, pooled over the arms of a key.
+    """One request's α spread, pooled over the arms of a key.
 
-    The spread comes mostly from the prompts and the machine, not from the draft, so
-    pooling lets an arm measured once or twice borrow the others' estimate instead of
-    trusting (or fearing) its own few samples. Before any arm has two samples: a quarter
-    of the mean goodput, a wide prior that keeps exploring.
+    The spread comes mostly from the prompts, not from the draft, so pooling lets an arm
+    measured once or twice borrow the others' estimate instead of trusting (or fearing)
+    its own few samples. Before any arm has two samples: PRIOR_ACCEPTANCE_SD, wide enough
+    to keep exploring.
     """
     arms = list(arms)
     weight = sum(arm.n - 1 for arm in arms if arm.n > 1)
     if weight == 0:
-        return max(0.25 * statistics.fmean(arm.mean for arm in arms), 1e-9)
-    return max(math.sqrt(sum(arm.variance() * (arm.n - 1) for arm in arms if arm.n > 1) / weight), 1e-9)
+        return PRIOR_ACCEPTANCE_SD
+    return max(math.sqrt(sum(arm.variance() * (arm.n - 1) for arm in arms if arm.n > 1) / weight), 1e-3)
 
 
 class DraftSelector:
     """Thompson sampling over hosted drafts, per (task type, user segment); thread-safe."""
 
     def __init__(self, drafts: list[str], task_drafts: dict[str, str] | None = None, *,
+                 costs: Callable[[str], StepCosts] | None = None, max_draft_length: int = 8,
                  min_trials: int = 1, memory: int = 200, rng: random.Random | None = None) -> None:
-        """drafts: the usable drafts, the default first; task_drafts: task type → draft."""
+        """drafts: the usable drafts, the default first; task_drafts: task type → draft;
+        costs: a draft → its pair's measured step costs (None: every draft costs the prior);
+        max_draft_length: the largest γ a request may be given."""
         if not drafts:
             raise ValueError("draft selection needs at least one draft")
         self.drafts = list(drafts)
         self.task_drafts = dict(task_drafts or {})
+        self.max_draft_length = max_draft_length
         self.min_trials = min_trials
         self.memory = memory
+        self._costs = costs or (lambda _draft: StepCosts())
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._arms: dict[tuple[str, str], dict[str, Arm]] = {}
@@ -88,27 +114,40 @@ class DraftSelector:
         with self._lock:
             arms = self._arms_of(task_type, user_segment)
             first = self.start(task_type)
-            # Unmeasured drafts first, the task map's own before the rest, fewest pulls first.
-            young = [name for name, arm in arms.items() if arm.n < self.min_trials]
+            # Untried drafts first, the task map's own before the rest. By requests sent, not
+            # observed: with several in flight the others keep the measured draft busy.
+            young = [name for name, arm in arms.items() if arm.pulls < self.min_trials]
             if young:
-                name = min(young, key=lambda d: (arms[d].pulls, d != first, self.drafts.index(d)))
+                name = min(young, key=lambda d: (d != first, self.drafts.index(d)))
             else:
-                sd = _pooled_sd(arms.values())
-                name = max(arms, key=lambda d: self._rng.gauss(arms[d].mean, sd / math.sqrt(arms[d].n)))
+                name = max(arms, key=lambda d: self._draw(d, arms[d], arms.values()))
             arms[name].pulls += 1
             return name
 
-    def observe(self, task_type: str, user_segment: str, draft: str, tokens: int, ms: float) -> None:
-        """What a request served by `draft` achieved: tokens committed over ms of step time."""
-        if draft not in self.drafts or ms <= 0 or tokens <= 0:
+    def _draw(self, draft: str, arm: Arm, arms) -> float:
+        """One posterior draw of what this draft is worth: the speedup its pair's costs
+        predict at an α drawn around its measured acceptance."""
+        if arm.n == 0:  # sent but not back yet (or its request failed): the prior
+            alpha = self._rng.gauss(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_SD)
+        else:
+            alpha = self._rng.gauss(arm.acceptance, _pooled_sd(arms) / math.sqrt(arm.n))
+        return predicted_speedup(min(max(alpha, 0.0), 0.999), self._costs(draft), self.max_draft_length)
+
+    def observe(self, task_type: str, user_segment: str, draft: str, acceptance: float, tokens: int,
+                ms: float) -> None:
+        """What a request served by `draft` achieved: its conditional acceptance α (0 when
+        it proposed nothing: its policy found speculating with this draft not worth a step),
+        and tokens committed over ms of step time."""
+        if draft not in self.drafts:
             return
         with self._lock:
-            self._arms_of(task_type, user_segment)[draft].observe(tokens / ms, self.memory)
+            goodput = tokens / ms if ms > 0 else 0.0
+            self._arms_of(task_type, user_segment)[draft].observe(acceptance, goodput, self.memory)
 
     def snapshot(self) -> dict[tuple[str, str, str], Arm]:
         """(task type, user segment, draft) → a copy of its arm (metrics, tests)."""
         with self._lock:
-            return {(task, segment, name): Arm(arm.pulls, arm.n, arm.mean, arm.m2)
+            return {(task, segment, name): Arm(arm.pulls, arm.n, arm.acceptance, arm.m2, arm.goodput)
                     for (task, segment), arms in self._arms.items() for name, arm in arms.items()}
 
     def _arms_of(self, task_type: str, user_segment: str) -> dict[str, Arm]:
