@@ -132,12 +132,13 @@ def _segment(labels: Labels) -> tuple[str, str, str]:
 
 def _add_sums(sums: dict[tuple[str, str, str], list[int]], labels: Labels, draft_length: int, accepted: int,
               sign: int) -> None:
-    """Add (sign=1) or remove (sign=-1) one step's draft counts to its segment's sums."""
+    """Add (sign=1) or remove (sign=-1) one step's draft counts to its segment's sums:
+    [drafts, positions reached, accepted] (`specd.drift.Sample`)."""
     if draft_length == 0:
         return
     row = sums.setdefault(_segment(labels), [0, 0, 0])
     row[0] += sign
-    row[1] += sign * draft_length
+    row[1] += sign * (accepted + (accepted < draft_length))  # the first rejected position was reached too
     row[2] += sign * accepted
 
 
@@ -167,7 +168,7 @@ class AcceptanceStats:
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
         self._by_pair_task: dict[tuple[str, str], Counts] = {}
-        # segment → [drafts, draft tokens, accepted tokens], in the window and lifetime;
+        # segment → [drafts, positions reached, accepted tokens], in the window and lifetime;
         # kept per step so drift is judged in O(1) on the hot path.
         self._window_sums: dict[tuple[str, str, str], list[int]] = {}
         self._lifetime_sums: dict[tuple[str, str, str], list[int]] = {}

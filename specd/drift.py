@@ -5,6 +5,12 @@ acceptance outside the sliding window (lifetime minus window, so the two samples
 independent) or a pinned baseline per (model pair, task type), written by `specd doctor
 --write-baseline` and loaded with the gateway's `--acceptance-baseline FILE`.
 
+Acceptance here is the conditional acceptance α = accepted / draft positions reached (a
+position after a rejection is never judged, so it is not counted), what the model cards
+and the geometric model mean. Unlike accepted / proposed it does not move when the policy
+changes γ: a longer draft lowers accepted / proposed at the same α, and γ follows the load
+(`gateway.policy.LoadCap`), so counting proposals raised drift flags when traffic fell.
+
 A flag needs both a drop of at least `min_drop` (acceptance points, 0..1) and
 significance: a one-sided two-proportion z-test (one-sample against a pinned baseline)
 with z ≥ `min_z`. Draft tokens inside one step are not independent — a draft tends to get
@@ -42,13 +48,14 @@ class DriftSettings:
 class Sample:
     """Acceptance counts of one side of the comparison."""
 
-    drafts: int
-    draft_tokens: int
+    drafts: int  # steps with a draft
+    reached: int  # draft positions reached with every earlier one accepted
     accepted_tokens: int
 
     @property
     def rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        """Conditional acceptance α."""
+        return self.accepted_tokens / self.reached if self.reached else 0.0
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,14 @@ def judge(window: Sample, reference: Sample | float, settings: DriftSettings) ->
     None while the window has fewer than `min_drafts` drafts or a counted reference has
     none: no verdict, rather than a verdict on noise.
     """
-    if window.drafts < settings.min_drafts or window.draft_tokens == 0:
+    if window.drafts < settings.min_drafts or window.reached == 0:
         return None
     if isinstance(reference, Sample):
-        if reference.drafts < settings.min_drafts or reference.draft_tokens == 0:
+        if reference.drafts < settings.min_drafts or reference.reached == 0:
             return None
         p_ref, kind = reference.rate, "lifetime"
         pooled = ((window.accepted_tokens + reference.accepted_tokens)
-                  / (window.draft_tokens + reference.draft_tokens))
+                  / (window.reached + reference.reached))
         variance = pooled * (1 - pooled) * (1 / window.drafts + 1 / reference.drafts)
     else:
         p_ref, kind = float(reference), "baseline"
@@ -88,24 +95,30 @@ def judge(window: Sample, reference: Sample | float, settings: DriftSettings) ->
 
 
 def load_baseline(path: Path) -> dict[tuple[str, str], float]:
-    """Read a baseline file: {"baselines": [{"model_pair", "task_type", "acceptance_rate"}, ...]}.
+    """Read a baseline file: {"baselines": [{"model_pair", "task_type", "alpha"}, ...]}
+    (α: conditional acceptance).
 
     Raises ValueError naming what is wrong, so the gateway refuses to start on a bad file.
     """
+    expected = ('expected {"baselines": [{"model_pair": ..., "task_type": ..., "alpha": ...}]} '
+                "as `specd doctor --write-baseline` writes it")
     try:
         entries = json.loads(Path(path).read_text())["baselines"]
-        table = {(str(e["model_pair"]), str(e["task_type"])): float(e["acceptance_rate"]) for e in entries}
+        # Files from before α pinned accepted / proposed, which is not comparable with it.
+        older = any(isinstance(e, dict) and "alpha" not in e and "acceptance_rate" in e for e in entries)
+        table = {} if older else {(str(e["model_pair"]), str(e["task_type"])): float(e["alpha"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"acceptance baseline {path}: {exc!r}; expected "
-                         f'{{"baselines": [{{"model_pair": ..., "task_type": ..., "acceptance_rate": ...}}]}} '
-                         f"as `specd doctor --write-baseline` writes it") from exc
+        raise ValueError(f"acceptance baseline {path}: {exc!r}; {expected}") from exc
+    if older:
+        raise ValueError(f'acceptance baseline {path} pins accepted/proposed ("acceptance_rate"), which moves '
+                         f"with γ; write it again with `specd doctor --write-baseline`")
     bad = {key: rate for key, rate in table.items() if not 0.0 <= rate <= 1.0}
     if bad:
-        raise ValueError(f"acceptance baseline {path}: rates must be in [0, 1], got {bad}")
+        raise ValueError(f"acceptance baseline {path}: α must be in [0, 1], got {bad}")
     return table
 
 
 def baseline_document(rows: list[tuple[str, str, float, int]]) -> dict:
-    """The JSON document of a baseline file from (model pair, task type, rate, draft tokens)."""
-    return {"baselines": [{"model_pair": pair, "task_type": task, "acceptance_rate": round(rate, 4),
-                           "draft_tokens": tokens} for pair, task, rate, tokens in rows]}
+    """The JSON document of a baseline file from (model pair, task type, α, positions reached)."""
+    return {"baselines": [{"model_pair": pair, "task_type": task, "alpha": round(alpha, 4),
+                           "reached": reached} for pair, task, alpha, reached in rows]}

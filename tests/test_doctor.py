@@ -68,7 +68,7 @@ def test_unrelated_draft_gets_the_distill_command_and_exit_code_2(clinic, model_
                                              f"--data {prompts} --out {unrelated}-distilled")
     assert findings["quality"]["severity"] == "hurting"
     assert findings["exactness"]["severity"] == "ok"  # hurting, yet exact
-    assert load_baseline(baseline) == {("unrelated->target", "code"): pytest.approx(report["acceptance_rate"],
+    assert load_baseline(baseline) == {("unrelated->target", "code"): pytest.approx(report["alpha"],
                                                                                   abs=1e-4)}
     # The doctor's requests left production statistics alone.
     assert lifetime_totals(clinic.stub) == before

@@ -19,20 +19,21 @@ from test_cli import free_port
 GAMMA = 4
 
 
-def geometric_step(rng: random.Random, alpha: float) -> int:
-    """Accepted draft tokens of one γ=4 step when each is accepted with probability α."""
+def geometric_step(rng: random.Random, alpha: float, gamma: int = GAMMA) -> int:
+    """Accepted draft tokens of one step of γ when each is accepted with probability α."""
     accepted = 0
-    while accepted < GAMMA and rng.random() < alpha:
+    while accepted < gamma and rng.random() < alpha:
         accepted += 1
     return accepted
 
 
-def feed(stats: AcceptanceStats, labels, rng: random.Random, alpha: float, steps: int) -> list[bool]:
-    """Record `steps` steps at acceptance α; the drift flag after each one."""
+def feed(stats: AcceptanceStats, labels, rng: random.Random, alpha: float, steps: int,
+         gamma: int = GAMMA) -> list[bool]:
+    """Record `steps` steps of γ at acceptance α; the drift flag after each one."""
     flags = []
     for _ in range(steps):
-        accepted = geometric_step(rng, alpha)
-        stats.record(labels, GAMMA, accepted, accepted + 1, 0)
+        accepted = geometric_step(rng, alpha, gamma)
+        stats.record(labels, gamma, accepted, accepted + 1, 0)
         verdict = stats.drift(labels)
         flags.append(verdict is not None and verdict.flagged)
     return flags
@@ -57,6 +58,18 @@ def test_noise_never_raises_the_flag(seed):
     assert not any(feed(stats, labels, random.Random(seed), 0.6, 4000))
 
 
+def test_a_longer_draft_at_the_same_acceptance_raises_no_flag():
+    # When load falls the policy lengthens drafts: accepted / proposed drops from 0.62 at
+    # γ=2 to 0.33 at γ=8 while α stays 0.7. That is not drift.
+    stats = AcceptanceStats(window_steps=300)
+    labels = stats.labels("d->t", "code", "acme", 40)
+    rng = random.Random(5)
+    assert not any(feed(stats, labels, rng, 0.7, 3000, gamma=2))
+    assert not any(feed(stats, labels, rng, 0.7, 600, gamma=8))
+    verdict = stats.drift(labels)
+    assert abs(verdict.window_rate - 0.7) < 0.05 and abs(verdict.reference_rate - 0.7) < 0.05
+
+
 def test_other_segments_keep_their_own_reference():
     # The window holds the last steps of all traffic: 1000 keep enough of both segments.
     stats = AcceptanceStats(window_steps=1000)
@@ -65,7 +78,9 @@ def test_other_segments_keep_their_own_reference():
     for _ in range(2000):
         feed(stats, steady, rng, 0.7, 1)
         feed(stats, falling, rng, 0.7, 1)
-    feed(stats, falling, rng, 0.3, 200)
+    # 400 steps at α 0.3 leave 300 of segment b's at 0.7 in the window: its pooled α is
+    # about 0.53 (a step rejected early reaches few positions, so it weighs less).
+    feed(stats, falling, rng, 0.3, 400)
     table = dict(stats.drift_table())
     assert table[("d->t", "code", "b")].flagged
     assert not table[("d->t", "code", "a")].flagged
@@ -92,8 +107,12 @@ def test_baseline_file_round_trip_and_bad_files(tmp_path):
     bad.write_text(json.dumps({"baselines": [{"model_pair": "d->t", "task_type": "code"}]}))
     with pytest.raises(ValueError, match="specd doctor --write-baseline"):
         load_baseline(bad)
-    bad.write_text(json.dumps({"baselines": [{"model_pair": "d->t", "task_type": "code", "acceptance_rate": 7}]}))
-    with pytest.raises(ValueError, match=r"rates must be in \[0, 1\]"):
+    bad.write_text(json.dumps({"baselines": [{"model_pair": "d->t", "task_type": "code", "alpha": 7}]}))
+    with pytest.raises(ValueError, match=r"α must be in \[0, 1\]"):
+        load_baseline(bad)
+    # A file that pinned accepted / proposed is refused: it is not comparable with α.
+    bad.write_text(json.dumps({"baselines": [{"model_pair": "d->t", "task_type": "code", "acceptance_rate": 0.5}]}))
+    with pytest.raises(ValueError, match="moves with γ; write it again with `specd doctor --write-baseline`"):
         load_baseline(bad)
 
 

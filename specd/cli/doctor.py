@@ -29,6 +29,7 @@ from specd.acceptance import DIAGNOSTIC_SEGMENT, Counts
 from specd.cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd.cli.clientauth import add_api_key_argument, with_api_key
 from specd.drift import baseline_document
+from specd.paircosts import model_pair_label
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 SEVERITY_EXIT = {"ok": 0, "info": 0, "warn": 1, "hurting": 2}
@@ -107,13 +108,21 @@ class Prober:
 
 # -- the checks: pure functions of what was measured ----------------------------------------
 
+def _counts(run: Run) -> Counts:
+    return Counts(proposed_per_position=list(run.result.proposed_per_position),
+                  accepted_per_position=list(run.result.accepted_per_position))
+
+
 def alpha(run: Run) -> float:
     """α as the geometric model and the model cards mean it: P(a draft token is accepted |
     the ones before it were), pooled over draft positions. (accepted / proposed is lower:
     it also counts the proposals after a rejection, which never had a chance.)"""
-    counts = Counts(proposed_per_position=list(run.result.proposed_per_position),
-                    accepted_per_position=list(run.result.accepted_per_position))
-    return counts.conditional_acceptance()
+    return _counts(run).conditional_acceptance()
+
+
+def reached(run: Run) -> int:
+    """Draft positions reached with every earlier one accepted: what α was measured over."""
+    return sum(_counts(run).reached())
 
 
 def check_tokenizers(info) -> list[Finding]:
@@ -372,15 +381,16 @@ def lower_temperatures(temperature: float) -> list[float]:
 
 @dataclass
 class Diagnosis:
-    """The findings, and what a drift baseline needs: the acceptance rate (accepted /
-    proposed, as the gateway's drift detection counts it) under the configured policy."""
+    """The findings, and what a drift baseline needs: α (conditional acceptance, as the
+    gateway's drift detection counts it) under the configured policy, and the draft
+    positions it was measured over."""
 
     findings: list[Finding]
     draft: str
     target: str
     task_types: list[str]
-    acceptance_rate: float = 0.0
-    draft_tokens: int = 0
+    alpha: float = 0.0
+    reached: int = 0
 
     @property
     def exit_code(self) -> int:
@@ -449,7 +459,7 @@ def diagnose(stub, workload: list[tuple[str, str]], *, temperature: float, max_n
     findings.append(check_position(auto, max_new_tokens))
     findings.append(check_short_outputs(target_only, max_new_tokens))
     findings.append(check_memory(info, draft))
-    return Diagnosis(findings, draft.name, info.target.name, tasks, auto.result.acceptance, auto.result.proposed)
+    return Diagnosis(findings, draft.name, info.target.name, tasks, alpha(auto), reached(auto))
 
 
 def load_workload(path: str | None, task: str) -> list[tuple[str, str]]:
@@ -517,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     document = {"gateway": args.gateway, "target": diagnosis.target, "draft": diagnosis.draft,
                 "task_types": diagnosis.task_types, "temperature": args.temperature,
-                "acceptance_rate": diagnosis.acceptance_rate, "exit_code": diagnosis.exit_code,
+                "alpha": diagnosis.alpha, "exit_code": diagnosis.exit_code,
                 "findings": [asdict(f) for f in diagnosis.findings]}
     if args.json:
         print(json.dumps(document, indent=2))
@@ -534,10 +544,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_baseline(path: Path, diagnosis: Diagnosis) -> None:
-    """The measured acceptance rate under the configured policy (what production runs) as
-    the gateway's pinned drift baseline, for each diagnosed task type."""
-    pair = f"{diagnosis.draft}->{diagnosis.target}"
-    rows = [(pair, task, diagnosis.acceptance_rate, diagnosis.draft_tokens) for task in diagnosis.task_types]
+    """The measured α under the configured policy (what production runs) as the gateway's
+    pinned drift baseline, for each diagnosed task type."""
+    pair = model_pair_label(diagnosis.draft, diagnosis.target)
+    rows = [(pair, task, diagnosis.alpha, diagnosis.reached) for task in diagnosis.task_types]
     path.write_text(json.dumps(baseline_document(rows), indent=2))
 
 
