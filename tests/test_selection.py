@@ -52,6 +52,16 @@ def test_a_draft_the_target_never_agrees_with_is_dropped_after_its_trial():
     assert chosen.count("unrelated") == 1, chosen
 
 
+def test_a_new_segment_starts_from_the_task_map_then_from_what_other_segments_measured():
+    selector = DraftSelector(["distilled", "generic", "unrelated"], {"code": "generic"}, rng=random.Random(6))
+    rng = random.Random(7)
+    serve(selector, {"distilled": 0.7, "generic": 0.6, "unrelated": 0.0}, rng, 60, segment="acme")
+    chosen = serve(selector, {"distilled": 0.7, "generic": 0.6, "unrelated": 0.0}, rng, 30, segment="newco")
+    assert chosen[0] == "generic"  # the task map's draft first
+    assert "unrelated" not in chosen  # ruled out on acme: no trial of its own is forced
+    assert chosen[-10:].count("distilled") >= 9, chosen
+
+
 def test_a_cheaper_draft_beats_a_more_accurate_costly_one():
     # "big" agrees more but costs 0.9 of a target step per token: at its best γ it is worth
     # less than plain decoding; "small" agrees less at 0.05 per token and pays.
