@@ -9,6 +9,11 @@ model_pair, task_type, user_segment, prompt_bucket. PromQL:
                       / sum(rate(specd_spec_decode_num_draft_tokens_total[5m]))
     mean accept length  1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
                           / sum(rate(specd_spec_decode_num_drafts_total[5m]))
+    α (conditional)     sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
+                      / sum(rate(specd_spec_decode_num_reached_tokens_total[5m]))
+
+The acceptance rate falls when the policy lengthens drafts at the same agreement; α does
+not, so alerts (k8s/prometheus/specd-rules.yaml) and drift use α.
 
 Drift (`specd.drift`), per model_pair, task_type, user_segment and reference
 ("lifetime" or "baseline"): `specd_spec_decode_acceptance_drift` is the drop in
@@ -66,6 +71,9 @@ class AcceptanceCollector(Collector):
             "draft_tokens": CounterMetricFamily(PREFIX + "num_draft_tokens", "Draft tokens proposed.", labels=labels),
             "accepted_tokens": CounterMetricFamily(PREFIX + "num_accepted_tokens", "Draft tokens accepted.",
                                                    labels=labels),
+            "reached_tokens": CounterMetricFamily(PREFIX + "num_reached_tokens",
+                                                  "Draft positions reached with every earlier one accepted "
+                                                  "(conditional acceptance = accepted / reached).", labels=labels),
             "emitted_tokens": CounterMetricFamily(PREFIX + "num_emitted_tokens",
                                                   "Tokens committed by speculative steps.", labels=labels),
         }

@@ -106,10 +106,16 @@ class Counts:
         return [proposed if i == 0 else min(proposed, self.accepted_per_position[i - 1])
                 for i, proposed in enumerate(self.proposed_per_position)]
 
+    @property
+    def reached_tokens(self) -> int:
+        """Draft positions reached, summed over positions: α's denominator."""
+        return sum(self.reached())
+
     def conditional_acceptance(self) -> float:
         """P(a draft token is accepted | the ones before it were): what the geometric
-        model's α means, pooled over the draft positions reached."""
-        reached = sum(self.reached())
+        model's α means, pooled over the draft positions reached. Unlike accepted /
+        proposed it does not fall when drafts get longer at the same agreement."""
+        reached = self.reached_tokens
         return sum(self.accepted_per_position) / reached if reached else 0.0
 
     def position_curve(self) -> list[float]:

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import LoopThread, request
 from gateway.server import create_server as create_gateway
+from specd.acceptance import Counts
 from specd.config import GatewaySettings, ServerSettings
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from test_cli import free_port
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.whi
 
 ACCEPTANCE_RATE = ("sum(specd_spec_decode_num_accepted_tokens_total) / "
                    "sum(specd_spec_decode_num_draft_tokens_total)")
+ALPHA = ("sum(specd_spec_decode_num_accepted_tokens_total) / "
+         "sum(specd_spec_decode_num_reached_tokens_total)")
 MEAN_ACCEPTANCE_LENGTH = ("1 + sum(specd_spec_decode_num_accepted_tokens_total) / "
                           "sum(specd_spec_decode_num_drafts_total)")
 
@@ -84,6 +87,9 @@ def test_real_prometheus_scrapes_and_answers_the_readme_promql(metered_gateway, 
         (row,) = reply.rows
         assert rate == pytest.approx(row.acceptance_rate, abs=1e-6)
         assert query(base, MEAN_ACCEPTANCE_LENGTH) == pytest.approx(row.mean_acceptance_length, abs=1e-6)
+        per_position = Counts(proposed_per_position=list(row.proposed_per_position),
+                              accepted_per_position=list(row.accepted_per_position))
+        assert query(base, ALPHA) == pytest.approx(per_position.conditional_acceptance(), abs=1e-6)
         by_position = query(base, 'sum(specd_spec_decode_num_accepted_tokens_per_pos_total{position="1"})')
         assert by_position == row.accepted_per_position[0]
     finally:
