@@ -48,9 +48,15 @@ class _Ema:
     def __init__(self, weight: float) -> None:
         self.weight = weight
         self.value: float | None = None
+        self.updated = 0  # the owner's step count at the last sample
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, step: int = 0) -> None:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+        self.updated = step
+
+
+# A γ not measured in this many of a cost table's steps no longer counts as measured.
+STALE_AFTER_STEPS = 200
 
 
 @dataclass(frozen=True)
@@ -80,21 +86,33 @@ class CostTable:
         self._draft: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
         self._verify: dict[int, _Ema] = defaultdict(lambda: _Ema(weight))
         self._weight = weight
+        self._steps = 0
 
     def observe(self, draft_length: int, draft_ms: float | None, verify_ms: float) -> None:
         """One step's hop times at γ; draft_ms None: the verify hop alone says something."""
+        self._steps += 1
         if draft_length > 0 and draft_ms is not None:
-            self._draft[draft_length].add(draft_ms)
-        self._verify[draft_length].add(verify_ms)
+            self._draft[draft_length].add(draft_ms, self._steps)
+        self._verify[draft_length].add(verify_ms, self._steps)
+
+    def _fresh(self, points: dict[int, _Ema]) -> dict[int, float]:
+        """γ → ms, for the γs measured in the last STALE_AFTER_STEPS steps.
+
+        A γ the policy stopped choosing keeps the figure it had then, maybe from a slow
+        first forward at that shape or a busy moment. Kept for ever, one bad figure rules
+        that γ out for good, and it tilts the fitted line against every longer γ. Dropped,
+        the line through the fresh γs stands in for it, and the policy tries it again.
+        """
+        recent = self._steps - STALE_AFTER_STEPS
+        return {g: e.value for g, e in points.items() if e.value is not None and e.updated > recent}
 
     @staticmethod
-    def _fit(points: dict[int, _Ema], through_origin: bool) -> tuple[float, float] | None:
+    def _fit(seen: dict[int, float], through_origin: bool) -> tuple[float, float] | None:
         """Least-squares line (intercept, slope ≥ 0) through the (γ, ms) seen.
 
         From a single point the shape is assumed: a draft hop proportional to γ
         (through_origin), a verify hop that grows 5% of a plain step per extra token.
         """
-        seen = {g: e.value for g, e in points.items() if e.value is not None}
         if not seen:
             return None
         if len(seen) == 1:
@@ -109,24 +127,21 @@ class CostTable:
         return mean_y - slope * mean_x, slope
 
     @staticmethod
-    def _at(points: dict[int, _Ema], fit: tuple[float, float], gamma: int) -> float:
+    def _at(seen: dict[int, float], fit: tuple[float, float], gamma: int) -> float:
         """Measured value at γ when seen, else the fitted line's."""
-        ema = points.get(gamma)
-        if ema is not None and ema.value is not None:
-            return ema.value
+        if gamma in seen:
+            return seen[gamma]
         return max(fit[0] + fit[1] * gamma, 0.0)
 
     def target_step_ms(self) -> float | None:
         """A plain target step: measured at γ = 0, else the verify line's intercept."""
-        fit = self._fit(self._verify, through_origin=False)
+        verify = self._fresh(self._verify)
+        fit = self._fit(verify, through_origin=False)
         if fit is None:
             return None
         # Noisy points can put the fitted intercept near or below zero; a plain step
         # cannot cost much less than the cheapest verify step seen.
-        return max(self._at(self._verify, fit, 0), 0.5 * self._cheapest_verify())
-
-    def _cheapest_verify(self) -> float:
-        return min(e.value for e in self._verify.values() if e.value is not None)
+        return max(self._at(verify, fit, 0), 0.5 * min(verify.values()))
 
     def estimate(self, gamma: int) -> CostEstimate | None:
         """Predicted milliseconds of a step at γ, from the fitted lines; None before any measurement.
@@ -139,13 +154,14 @@ class CostTable:
         target = self.target_step_ms()
         if target is None:
             return None
-        fit = self._fit(self._verify, through_origin=False)
+        verify = self._fresh(self._verify)
+        fit = self._fit(verify, through_origin=False)
         assert fit is not None  # as target is
         intercept, slope = fit
-        plain = max(intercept, self._cheapest_verify() * 0.5)
+        plain = max(intercept, min(verify.values()) * 0.5)
         if gamma == 0:
             return CostEstimate(target, 0.0, plain)
-        draft_fit = self._fit(self._draft, through_origin=True) or (0.0, self.prior_draft_ratio * target)
+        draft_fit = self._fit(self._fresh(self._draft), through_origin=True) or (0.0, self.prior_draft_ratio * target)
         return CostEstimate(target, max(draft_fit[0] + draft_fit[1] * gamma, 0.0), plain + slope * gamma)
 
     def ratios(self) -> tuple[float, dict[int, float]]:

@@ -5,7 +5,7 @@ import random
 
 from gateway.engine import StepRecord
 from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
-from specd.costmodel import StepCosts
+from specd.costmodel import STALE_AFTER_STEPS, StepCosts
 from specd.steps import BatchStats
 from specd.tasks import TaskProfile
 
@@ -108,6 +108,22 @@ def test_cost_policy_shrinks_gamma_as_the_target_fills_up():
     costs.observe(4, 6.0, 200.0, batch_size=16)
     saturated = policy.next_draft_length()
     assert alone >= 3 and saturated == 0, (alone, saturated)
+
+
+def test_a_gamma_measured_slow_once_is_tried_again_once_its_figure_is_stale():
+    """Long drafts measured slow once (a first forward at a new shape, a busy moment), then
+    never chosen again: that figure must not rule them out for good."""
+    costs = StepCosts(weight=0.1)
+    costs.observe(0, 0.0, 10.0)
+    for gamma in (5, 6):
+        costs.observe(gamma, 1.0 * gamma, 30.0)  # one slow step each
+    policy = CostPolicy(costs, TaskProfile(0.8, 1, 8))
+    for _ in range(10):
+        costs.observe(3, 3.0, 12.0)
+    assert policy.next_draft_length() <= 4  # the slow figures stand while fresh
+    for _ in range(STALE_AFTER_STEPS):
+        costs.observe(3, 3.0, 12.0)
+    assert policy.next_draft_length() >= 5  # the line through γ 0 and 3 stands in for them
 
 
 def test_probes_propose_one_token():

@@ -494,7 +494,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     parser.add_argument("--report", metavar="DIR", help="write findings.json and plots here")
     parser.add_argument("--write-baseline", metavar="FILE",
-                        help="write the measured acceptance as a pinned drift baseline (gateway "
+                        help="write the measured α (conditional acceptance) as a pinned drift baseline (gateway "
                              "--acceptance-baseline FILE)")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     add_client_arguments(parser)
