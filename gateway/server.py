@@ -484,10 +484,10 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     selector = None
     costs = PairCosts()
     if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
-        target = backend.target.name
-        selector = DraftSelector(list(backend.drafts), settings.task_drafts,
-                                 costs=lambda draft: costs.costs(model_pair_label(draft, target)),
-                                 max_draft_length=settings.max_draft_length)
+        target, max_gamma = backend.target.name, settings.max_draft_length
+        selector = DraftSelector(
+            list(backend.drafts), settings.task_drafts,
+            speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha, max_gamma))
     servicer = GatewayServicer(backend, settings, stats, costs, selector)
     metrics = None
     if settings.metrics_port:

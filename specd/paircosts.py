@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
-from specd.costmodel import StepCosts
+from specd.costmodel import StepCosts, predicted_speedup
 
 
 def model_pair_label(draft_model: str, target_model: str) -> str:
@@ -73,6 +73,12 @@ class PairCosts:
             load.batch_size += batch_size
             load.batch_tokens += batch_tokens
             load.queue_ms += queue_ms
+
+    def predicted_speedup(self, model_pair: str, alpha: float, max_gamma: int) -> float:
+        """`costmodel.predicted_speedup` on a pair's costs, read under the lock: draft
+        selection asks from the request parser's thread while the event loop writes."""
+        with self._lock:
+            return predicted_speedup(alpha, self._costs.setdefault(model_pair, StepCosts()), max_gamma)
 
     def load_snapshot(self) -> dict[str, LoadCounts]:
         """A copy of the batching counters by model pair."""

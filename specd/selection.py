@@ -95,19 +95,19 @@ class DraftSelector:
     """Thompson sampling over hosted drafts, per (task type, user segment); thread-safe."""
 
     def __init__(self, drafts: list[str], task_drafts: dict[str, str] | None = None, *,
-                 costs: Callable[[str], StepCosts] | None = None, max_draft_length: int = 8,
+                 speedup: Callable[[str, float], float] | None = None,
                  min_trials: int = 1, memory: int = 200, rng: random.Random | None = None) -> None:
         """drafts: the usable drafts, the default first; task_drafts: task type → draft;
-        costs: a draft → its pair's measured step costs (None: every draft costs the prior);
-        max_draft_length: the largest γ a request may be given."""
+        speedup(draft, α): what the cost model predicts the draft is worth at acceptance α
+        (`specd.paircosts.PairCosts.predicted_speedup`, which reads the pair's costs under
+        its lock; None: every draft costs the prior, γ ≤ 8)."""
         if not drafts:
             raise ValueError("draft selection needs at least one draft")
         self.drafts = list(drafts)
         self.task_drafts = dict(task_drafts or {})
-        self.max_draft_length = max_draft_length
         self.min_trials = min_trials
         self.memory = memory
-        self._costs = costs or (lambda _draft: StepCosts())
+        self._speedup = speedup or (lambda _draft, alpha: predicted_speedup(alpha, StepCosts(), 8))
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._arms: dict[tuple[str, str], dict[str, Arm]] = {}
@@ -154,7 +154,7 @@ class DraftSelector:
         else:
             mean = (arm.acceptance * arm.n + prior_alpha * prior_weight) / weight
             alpha = self._rng.gauss(mean, sd / math.sqrt(weight))
-        return predicted_speedup(min(max(alpha, 0.0), 0.999), self._costs(draft), self.max_draft_length)
+        return self._speedup(draft, min(max(alpha, 0.0), 0.999))
 
     def observe(self, task_type: str, user_segment: str, draft: str, acceptance: float, tokens: int,
                 ms: float) -> None:

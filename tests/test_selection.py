@@ -67,7 +67,8 @@ def test_a_cheaper_draft_beats_a_more_accurate_costly_one():
     # less than plain decoding; "small" agrees less at 0.05 per token and pays.
     costs = {"big": measured_costs(9.0), "small": measured_costs(0.5)}
     assert predicted_speedup(0.8, costs["big"], 8) < predicted_speedup(0.6, costs["small"], 8)
-    selector = DraftSelector(["big", "small"], costs=costs.__getitem__, rng=random.Random(4))
+    selector = DraftSelector(["big", "small"], speedup=lambda draft, alpha: predicted_speedup(alpha, costs[draft], 8),
+                             rng=random.Random(4))
     chosen = serve(selector, {"big": 0.8, "small": 0.6}, random.Random(5), 100)
     assert chosen[-50:].count("small") >= 48, chosen
 
@@ -111,3 +112,4 @@ def test_gateway_selects_drafts_exactly_and_reports_shares(model_dirs, target_mo
     shares = {line.split('draft_model="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
               for line in exposition.splitlines() if line.startswith("specd_draft_selected_total{")}
     assert shares.keys() == {"close", "unrelated"} and sum(shares.values()) == 8
+
