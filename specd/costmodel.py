@@ -133,15 +133,23 @@ class CostTable:
             return seen[gamma]
         return max(fit[0] + fit[1] * gamma, 0.0)
 
-    def target_step_ms(self) -> float | None:
-        """A plain target step: measured at γ = 0, else the verify line's intercept."""
+    def _verify_line(self) -> tuple[dict[int, float], tuple[float, float]] | None:
+        """The fresh verify figures and the line through them; None before any measurement."""
         verify = self._fresh(self._verify)
         fit = self._fit(verify, through_origin=False)
-        if fit is None:
-            return None
+        return None if fit is None else (verify, fit)
+
+    @classmethod
+    def _plain_step(cls, verify: dict[int, float], fit: tuple[float, float]) -> float:
+        """A plain target step: measured at γ = 0, else the verify line's intercept."""
         # Noisy points can put the fitted intercept near or below zero; a plain step
         # cannot cost much less than the cheapest verify step seen.
-        return max(self._at(verify, fit, 0), 0.5 * min(verify.values()))
+        return max(cls._at(verify, fit, 0), 0.5 * min(verify.values()))
+
+    def target_step_ms(self) -> float | None:
+        """A plain target step: measured at γ = 0, else the verify line's intercept."""
+        line = self._verify_line()
+        return None if line is None else self._plain_step(*line)
 
     def estimate(self, gamma: int) -> CostEstimate | None:
         """Predicted milliseconds of a step at γ, from the fitted lines; None before any measurement.
@@ -151,13 +159,11 @@ class CostTable:
         lets a lucky sample win. The lines pool every γ seen and keep a longer draft at
         least as costly as a shorter one.
         """
-        target = self.target_step_ms()
-        if target is None:
+        line = self._verify_line()
+        if line is None:
             return None
-        verify = self._fresh(self._verify)
-        fit = self._fit(verify, through_origin=False)
-        assert fit is not None  # as target is
-        intercept, slope = fit
+        verify, (intercept, slope) = line
+        target = self._plain_step(verify, (intercept, slope))
         plain = max(intercept, min(verify.values()) * 0.5)
         if gamma == 0:
             return CostEstimate(target, 0.0, plain)

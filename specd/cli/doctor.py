@@ -122,7 +122,7 @@ def alpha(run: Run) -> float:
 
 def reached(run: Run) -> int:
     """Draft positions reached with every earlier one accepted: what α was measured over."""
-    return sum(_counts(run).reached())
+    return _counts(run).reached_tokens
 
 
 def check_tokenizers(info) -> list[Finding]:
