@@ -93,6 +93,11 @@ class Scheduler:
         self.busy = False
 
     @property
+    def recent_forward_ms(self) -> float:
+        """A recent forward's time (an average): what a retry hint is made of."""
+        return self._forward_ms
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 

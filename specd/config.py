@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from specd.drift import DriftSettings
 from specd.tasks import DEFAULT_PROFILES, TaskProfile
@@ -76,8 +75,6 @@ DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
-BatchLayout = Literal["ragged", "padded"]  # specd.kvstore.Layout
-BATCH_LAYOUTS: tuple[BatchLayout, ...] = ("ragged", "padded")
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.runtime maps them to torch
 
 
@@ -88,19 +85,21 @@ class BatchSettings:
     max_batch_tokens: int = 1024  # tokens in one forward (a job's chunk always fits)
     prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
     max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
-    layout: BatchLayout = "ragged"  # or "padded" (specd.kvstore; scripts/bench_kv_layout.py compares them)
-    block_tokens: int = 32  # KV storage grows by this many positions at a time
+    block_tokens: int = 32  # positions per block of the KV pool (specd.kvstore)
+    # Positions the KV pool holds, all sessions together; 0: every session at full context
+    # (within 90% of a GPU's free memory).
+    kv_cache_tokens: int = 0
     # How long a forward may wait for the steps of other open sessions to arrive, so that
     # they share it, at most a quarter of a recent forward's time; 0: start at once.
     max_wait_ms: float = 3.0
 
     def problems(self) -> list[str]:
         found = []
-        if self.layout not in BATCH_LAYOUTS:
-            found.append(f"batch layout must be one of {list(BATCH_LAYOUTS)}, got {self.layout!r}")
         for name in ("max_batch_tokens", "prefill_chunk", "max_queue", "block_tokens"):
             if getattr(self, name) < 1:
                 found.append(f"{name} must be >= 1")
+        if self.kv_cache_tokens < 0:
+            found.append(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens}")
         if not self.max_wait_ms >= 0:
             found.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         return found

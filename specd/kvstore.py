@@ -1,92 +1,142 @@
-"""KV caches built for batching: per-session block-grown storage and one batched forward.
+"""A paged KV store built for batching: one preallocated pool of blocks per model, a block
+table per session, and one batched forward over any number of sessions.
 
-Each session keeps, per layer, its keys and values in tensors [KV heads, capacity, head
-dim] that grow in blocks of `block_tokens` positions, so memory stays within one block
-of what its tokens need (no preallocation to the context window), and rolling back
-rejected draft positions is a change of one integer (`SessionKV.crop`).
+The pool (`KVPool`) holds every layer's keys and values in tensors [layers, slots, KV
+heads, head dim], cut into blocks of `block_tokens` slots, allocated once when the model
+loads (as vLLM's paged attention does): a session never grows by `torch.cat`, and a
+forward never copies a session's cache. A session (`SessionKV`) owns a list of blocks
+(its block table); rolling back rejected draft positions is a change of one integer
+(`SessionKV.crop`), and a session's blocks go back to the pool when the session is let
+go (its store evicts it, a failed step drops it, a pre-drafted branch is not taken).
 
-A batched forward runs several sessions' new tokens through the model at once. The
-model calls `BatchCache.update(...)` once per layer (transformers' Cache interface),
-which writes each session's new keys and values into that session's storage. Two
-layouts are offered (the README says which is the default and why):
+A batched forward (`forward`) runs all rows' new tokens as ONE row of Σ T tokens, so the
+projections and MLPs see no padding. The model calls `BatchCache.update(...)` once per
+layer (transformers' Cache interface), which writes every session's new keys and values
+into their slots with one indexed copy; attention (`paged_attention`, registered with
+transformers as ``specd_paged``) then gathers every session's keys through its block table
+into a padded [sessions, KV heads, longest, head dim] view and runs one SDPA call with a
+mask. Each layer costs the same few operator calls whatever the number of sessions: the
+per-session work (slot numbers, the mask) is done once per forward, as index tensors, in
+`prepare`. On a GPU the gather is where a varlen or paged kernel would go.
 
-- ``ragged`` (as vLLM): one row of Σ T tokens, so the projections and MLPs see no
-  padding; attention (`ragged_attention`, registered with transformers as
-  ``specd_ragged``) runs per session on views of its own storage: no copy of any cache.
-- ``padded`` (as SGLang): rows [B, T_max]; each session's new tokens right-aligned, its
-  cached keys copied left-aligned into [B, KV heads, L_max + T_max, head dim] and a 4-D
-  mask saying which keys each query may see; transformers' own attention runs on that.
-
-Models whose attention goes through `cache.update` (every transformers decoder with full
-attention: Llama, Mistral, Qwen, ...) work; sliding-window and linear-attention layers
-are refused at load. No gRPC here.
+Models whose attention goes through `cache.update` and transformers' attention interface
+(every transformers decoder with full attention: Llama, Mistral, Qwen, ...) work;
+sliding-window and linear-attention layers are refused at load. No gRPC here.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-Layout = Literal["padded", "ragged"]
-RAGGED_ATTENTION = "specd_ragged"  # the attention implementation a model needs for the ragged layout
+PAGED_ATTENTION = "specd_paged"  # the attention implementation `use_paged_attention` sets
+NULL_BLOCK = 0  # a block never handed out: padding in a gather reads its (zero) slots
+
+
+class KVPool:
+    """Every session's keys and values for one model, in fixed blocks allocated up front.
+
+    `keys`/`values`: [layers, blocks × block_tokens, KV heads, head dim]. Block 0 is kept
+    zero and never handed out: gathers read it where a session has no key, so a masked
+    position is a finite zero, never uninitialised memory (0 × NaN would poison a row).
+    Blocks are handed out and taken back from plain list operations, each atomic under the
+    GIL: sessions are let go on the event loop and, rarely, on the model's thread.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 block_tokens: int, blocks: int) -> None:
+        if blocks < 2:
+            raise ValueError("a KV pool needs at least 2 blocks (block 0 is reserved)")
+        self.block_tokens = block_tokens
+        self.blocks = blocks
+        shape = (layers, blocks * block_tokens, kv_heads, head_dim)
+        # torch.empty: on a CPU the pages are committed as sessions first write them.
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys[:, :block_tokens].zero_()
+        self.values[:, :block_tokens].zero_()
+        self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # pop() hands out low blocks first
+        self.block_bytes = 2 * layers * block_tokens * kv_heads * head_dim * self.keys.element_size()
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """One free block (None: the pool is full)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return None
+
+    def release(self, blocks: list[int]) -> None:
+        """Take a let-go session's blocks back."""
+        self._free.extend(blocks)
 
 
 class SessionKV:
-    """One session's keys and values for every layer, and the tokens it knows.
+    """One session's place in the pool (its block table) and the tokens it knows.
 
     `tokens` is the sequence as the worker knows it; the cache covers its first
-    `length` positions (a draft's last proposal is known but not cached).
+    `length` positions (a draft's last proposal is known but not cached). Position p lives
+    in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens` of every layer.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, stream: str = "") -> None:
-        self.block_tokens = block_tokens
+    def __init__(self, pool: KVPool, stream: str = "") -> None:
+        self.pool = pool
         self.length = 0
         self.tokens: list[int] = []
         self.stream = stream  # the worker stream that opened it; only that stream's end drops it
-        empty = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.keys = [empty] * layers
-        self.values = [empty] * layers
+        self.blocks: list[int] = []
+        # The blocks go back when the session is garbage, whoever let go of it last.
+        weakref.finalize(self, pool.release, self.blocks)
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return len(self.blocks) * self.pool.block_tokens
 
     def crop(self, keep: int) -> None:
         """Forget cached positions from `keep` on (rejected draft tokens): O(1)."""
         self.length = min(self.length, keep)
 
-    def reserve(self, needed: int) -> None:
-        """Grow every layer's storage to hold `needed` positions, a whole block at a time."""
-        if needed <= self.capacity:
-            return
-        blocks = -(-needed // self.block_tokens)
-        grow = blocks * self.block_tokens - self.capacity
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            pad = k.new_empty(k.shape[0], grow, k.shape[2])
-            self.keys[i] = torch.cat([k, pad], dim=1)
-            self.values[i] = torch.cat([v, pad.clone()], dim=1)
+    def reserve(self, needed: int) -> bool:
+        """Hold blocks for `needed` positions; False when the pool ran out first."""
+        while self.capacity < needed:
+            block = self.pool.allocate()
+            if block is None:
+                return False
+            self.blocks.append(block)
+        return True
 
-    def fork(self, keep: int) -> SessionKV:
-        """A copy of this session's first `keep` cached positions and tokens (a branch)."""
-        layers, (heads, _, dim) = len(self.keys), self.keys[0].shape
-        fork = SessionKV(layers, heads, dim, self.keys[0].dtype, self.keys[0].device, self.block_tokens, self.stream)
-        fork.reserve(keep + self.block_tokens)
-        for i in range(layers):
-            fork.keys[i][:, :keep] = self.keys[i][:, :keep]
-            fork.values[i][:, :keep] = self.values[i][:, :keep]
+    def slots(self, start: int, stop: int) -> torch.Tensor:
+        """Slot numbers of positions [start, stop) (all reserved), as a long tensor."""
+        size = self.pool.block_tokens
+        positions = torch.arange(start, stop)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return table[positions // size] * size + positions % size
+
+    def fork(self, keep: int, needed: int) -> SessionKV | None:
+        """A new session holding a copy of this one's first `keep` cached positions and
+        tokens, with room for `needed` positions (None: the pool is full)."""
+        fork = SessionKV(self.pool, self.stream)
+        if not fork.reserve(max(needed, keep)):
+            return None
+        if keep:
+            device = self.pool.keys.device
+            source, target = self.slots(0, keep).to(device), fork.slots(0, keep).to(device)
+            self.pool.keys[:, target] = self.pool.keys[:, source]
+            self.pool.values[:, target] = self.pool.values[:, source]
         fork.length = keep
         fork.tokens = self.tokens[:keep]
         return fork
 
     def nbytes(self) -> int:
-        """Bytes held by this session's keys and values (capacity, not just length)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in zip(self.keys, self.values))
+        """Bytes of the pool this session holds (whole blocks, not just its length)."""
+        return len(self.blocks) * self.pool.block_bytes
 
 
 @dataclass
@@ -100,48 +150,30 @@ class BatchRow:
 
 @dataclass
 class BatchCache:
-    """The cache object of ONE batched forward (duck-typed transformers `Cache`).
+    """The cache object of ONE batched forward (duck-typed transformers `Cache`), with the
+    index tensors every layer shares; built by `prepare`.
 
-    Built by `prepare`; the model calls `update` once per layer. After the forward every
-    session's `length` has grown by the tokens it fed.
+    write_slots [Σ T]: the slot of each new token. read_slots [B, L]: the slot of each key
+    a row's queries may read (the null block past a row's end). allowed [B, 1, T, L]:
+    which keys each padded query sees (None: one query, which sees them all). query_rows
+    [Σ T]: where each new token sits in the padded [B × T] query layout (None: every row
+    feeds T tokens, so the ragged row is already that layout).
     """
 
-    rows: Sequence[BatchRow]
-    layout: Layout
-    starts: list[int] = field(default_factory=list)  # cached length of each session before the forward
-    offsets: list[int] = field(default_factory=list)  # padded: left padding of each row's new tokens
+    pool: KVPool
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor
+    allowed: torch.Tensor | None
+    query_rows: torch.Tensor | None
+    longest_feed: int  # T
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new keys/values of every session; return the keys/values attention reads.
-
-        key_states, value_states: padded [B, KV heads, T_max, D]; ragged [1, KV heads, Σ T, D].
-        """
-        if self.layout == "padded":
-            return self._update_padded(key_states, value_states, layer_idx)
-        at = 0
-        for b, row in enumerate(self.rows):
-            n = len(row.tokens)
-            self._store(layer_idx, b, key_states[0, :, at:at + n], value_states[0, :, at:at + n])
-            at += n
-        return key_states, value_states  # ragged_attention reads each session's storage instead
-
-    def _store(self, layer: int, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        session, start = self.rows[b].session, self.starts[b]
-        session.keys[layer][:, start:start + keys.shape[1]] = keys
-        session.values[layer][:, start:start + values.shape[1]] = values
-
-    def _update_padded(self, key_states, value_states, layer):
-        batch, heads, t_max, dim = key_states.shape
-        l_max = max(self.starts)
-        cached_k = key_states.new_zeros(batch, heads, l_max, dim)
-        cached_v = torch.zeros_like(cached_k)
-        for b, row in enumerate(self.rows):
-            start, off = self.starts[b], self.offsets[b]
-            cached_k[b, :, :start] = row.session.keys[layer][:, :start]
-            cached_v[b, :, :start] = row.session.values[layer][:, :start]
-            self._store(layer, b, key_states[b, :, off:], value_states[b, :, off:])
-        return torch.cat([cached_k, key_states], dim=2), torch.cat([cached_v, value_states], dim=2)
+        """Store the new keys/values [1, KV heads, Σ T, D] of every session (one copy each);
+        `paged_attention` reads them back from the pool."""
+        self.pool.keys[layer_idx].index_copy_(0, self.write_slots, key_states[0].transpose(0, 1))
+        self.pool.values[layer_idx].index_copy_(0, self.write_slots, value_states[0].transpose(0, 1))
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Only asked when position_ids are missing; `prepare` always passes them.
@@ -152,117 +184,110 @@ class BatchCache:
 class BatchInputs:
     """What `prepare` hands to the model, and how to read each row's logits back."""
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None  # padded: 4-D additive float mask (0 = attend, dtype min = masked)
+    input_ids: torch.Tensor  # [1, Σ T]
+    position_ids: torch.Tensor  # [1, Σ T]
     cache: BatchCache
-    logits_to_keep: int | torch.Tensor
-    rows_of_logits: list[tuple[int, slice]]  # for each row: (batch index, slice of kept positions)
+    logits_to_keep: torch.Tensor  # indices into Σ T
+    kept: list[slice]  # for each row: its slice of the kept logits
 
 
-def prepare(rows: Sequence[BatchRow], layout: Layout, dtype: torch.dtype, device: torch.device) -> BatchInputs:
-    """Lay the rows out for one forward (growing each session's storage first)."""
-    starts = [row.session.length for row in rows]
-    for row, start in zip(rows, starts):
-        row.session.reserve(start + len(row.tokens))
-    if layout == "padded":
-        return _prepare_padded(rows, starts, dtype, torch.finfo(dtype).min, device)
-    return _prepare_ragged(rows, starts, device)
+def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
+    """Lay the rows out for one forward; every session has reserved room for its feed.
 
-
-def _prepare_padded(rows, starts, dtype, masked, device) -> BatchInputs:
-    t_max, l_max = max(len(r.tokens) for r in rows), max(starts)
-    batch = len(rows)
-    ids = torch.zeros(batch, t_max, dtype=torch.long)
-    positions = torch.zeros(batch, t_max, dtype=torch.long)
-    allowed = torch.zeros(batch, t_max, l_max + t_max, dtype=torch.bool)
-    causal = torch.ones(t_max, t_max, dtype=torch.bool).tril()
-    offsets = []
-    for b, (row, start) in enumerate(zip(rows, starts)):
-        n = len(row.tokens)
-        off = t_max - n
-        offsets.append(off)
-        ids[b, off:] = torch.tensor(row.tokens)
-        positions[b, off:] = torch.arange(start, start + n)
-        allowed[b, off:, :start] = True
-        allowed[b, off:, l_max + off:] = causal[off:, off:]
-        # Padding queries see only themselves (a row with no key at all would be NaN).
-        allowed[b, torch.arange(off), l_max + torch.arange(off)] = True
-    keep = max(1, max(r.keep for r in rows))  # 0 would mean "every position" to transformers
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, masked).unsqueeze(1)
-    cache = BatchCache(rows, "padded", starts, offsets)
-    return BatchInputs(ids.to(device), positions.to(device), mask.to(device), cache, keep,
-                       [(b, slice(keep - r.keep, keep)) for b, r in enumerate(rows)])
-
-
-def _prepare_ragged(rows, starts, device) -> BatchInputs:
+    Per-token indices are made in Python (a decoding step feeds a few tokens per row);
+    the per-key ones ([B, L]: read slots and the mask) in a few tensor operations.
+    """
+    size = rows[0].session.pool.block_tokens
+    batch, longest = len(rows), max(len(row.tokens) for row in rows)
     ids: list[int] = []
     positions: list[int] = []
+    write_slots: list[int] = []
+    query_rows: list[int] = []
     kept: list[int] = []
-    reads: list[tuple[int, slice]] = []
-    for row, start in zip(rows, starts):
-        n = len(row.tokens)
-        reads.append((0, slice(len(kept), len(kept) + row.keep)))
+    reads: list[slice] = []
+    starts: list[int] = []
+    for b, row in enumerate(rows):
+        session, n, start = row.session, len(row.tokens), row.session.length
+        assert session.capacity >= start + n, "reserve a session's positions before its forward"
+        reads.append(slice(len(kept), len(kept) + row.keep))
         kept += range(len(ids) + n - row.keep, len(ids) + n)
         ids += row.tokens
         positions += range(start, start + n)
+        blocks = session.blocks
+        write_slots += [blocks[p // size] * size + p % size for p in range(start, start + n)]
+        query_rows += range(b * longest, b * longest + n)
+        starts.append(start)
     kept = kept or [len(ids) - 1]  # an empty index would mean "every position" to transformers
-    return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), None,
-                       BatchCache(rows, "ragged", starts), torch.tensor(kept, device=device), reads)
+    ends = [start + len(row.tokens) for start, row in zip(starts, rows)]
+    widest = max(ends)
+    width = -(-widest // size)
+    table = torch.tensor([row.session.blocks[:width] + [NULL_BLOCK] * (width - len(row.session.blocks[:width]))
+                          for row in rows])
+    key_pos = torch.arange(widest)
+    end_t = torch.tensor(ends)[:, None]  # [B, 1]: keys each row holds after this forward
+    read_slots = torch.where(key_pos < end_t, table[:, key_pos // size] * size + key_pos % size, NULL_BLOCK * size)
+    allowed = None
+    if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(longest)  # [B, T]
+        allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t[..., None])).unsqueeze(1).to(device)
+    uniform = all(len(row.tokens) == longest for row in rows)
+    cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device), read_slots.to(device),
+                       allowed, None if uniform else torch.tensor(query_rows, device=device), longest)
+    return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
+                       torch.tensor(kept, device=device), reads)
 
 
-def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     batch_cache: BatchCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of a ragged batch, session by session, on views of each session's storage.
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    batch_cache: BatchCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged batch through the pool, in a fixed number of operator calls.
 
     query: [1, heads, Σ T, head dim]; returns [1, Σ T, heads, head dim] as transformers'
-    attention functions do. Each session's queries see its cached keys and, causally, its
-    new ones (`BatchCache.update` has already stored those). Without a ragged batch (a
-    plain forward of the same model, or the padded layout) this is transformers' SDPA.
+    attention functions do. The queries are scattered into a padded [B, heads, T, D], every
+    session's keys and values gathered through its block table (`BatchCache.update` has
+    already stored the new ones), one SDPA call with the batch's mask, and the rows that
+    are tokens gathered back. Without a batch cache (a plain forward of the same model)
+    this is transformers' SDPA.
     """
-    if batch_cache is None or batch_cache.layout != "ragged":
+    if batch_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
-    outputs = []
-    at = 0
-    for row, start in zip(batch_cache.rows, batch_cache.starts):
-        n = len(row.tokens)
-        keys = row.session.keys[layer][:, :start + n].unsqueeze(0)
-        values = row.session.values[layer][:, :start + n].unsqueeze(0)
-        # One new token sees everything; several see their own past only (bottom-right causal).
-        mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=query.device).tril(start)
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, at:at + n], keys, values, attn_mask=mask, scale=scaling, enable_gqa=True))
-        at += n
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    cache = batch_cache
+    _, heads, tokens, dim = query.shape
+    batch, longest = cache.read_slots.shape[0], cache.longest_feed
+    if cache.query_rows is None:  # every row feeds `longest` tokens: a view, no copy
+        padded = query[0].view(heads, batch, longest, dim).transpose(0, 1)
+    else:
+        padded = query.new_zeros(batch * longest, heads, dim)
+        padded.index_copy_(0, cache.query_rows, query[0].transpose(0, 1))
+        padded = padded.view(batch, longest, heads, dim).transpose(1, 2)
+    keys = cache.pool.keys[layer][cache.read_slots].transpose(1, 2)  # [B, KV heads, L, D]
+    values = cache.pool.values[layer][cache.read_slots].transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=cache.allowed,
+                                                           scale=scaling, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(batch * longest, heads, dim)  # [B × T, heads, D]
+    if cache.query_rows is not None:
+        out = out.index_select(0, cache.query_rows)
+    return out.unsqueeze(0), None
 
 
-AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+AttentionInterface.register(PAGED_ATTENTION, paged_attention)
 
 
-def finish(rows: Sequence[BatchRow]) -> None:
-    """After the forward: every session now caches the tokens it fed."""
-    for row in rows:
-        row.session.length += len(row.tokens)
-
-
-def use_layout(model: PreTrainedModel, layout: Layout) -> None:
-    """Set the model's attention up for a layout (ragged needs `ragged_attention`)."""
-    if layout == "ragged":
-        model.set_attn_implementation(RAGGED_ATTENTION)
+def use_paged_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention through `paged_attention` (plain forwards stay SDPA)."""
+    model.set_attn_implementation(PAGED_ATTENTION)
 
 
 @torch.inference_mode()
-def forward(model: torch.nn.Module, rows: Sequence[BatchRow], layout: Layout, dtype: torch.dtype,
-            device: torch.device) -> list[torch.Tensor]:
-    """One batched forward of `rows` (a model set up by `use_layout`); logits [keep, V] per row."""
-    inputs = prepare(rows, layout, dtype, device)
-    out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                attention_mask=inputs.attention_mask, cache=inputs.cache, use_cache=True,
-                logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache)
-    finish(rows)
+def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.device) -> tuple[torch.Tensor, list[slice]]:
+    """One batched forward of `rows` (a model set up by `use_paged_attention`): the kept
+    logits [Σ keep, V] and each row's slice of them."""
+    inputs = prepare(rows, device)
+    out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache,
+                use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache)
+    for row in rows:  # every session now caches the tokens it fed
+        row.session.length += len(row.tokens)
     # The math after the forward is a few small vectors: it runs on the CPU.
-    logits = out.logits.float().cpu()
-    return [logits[b, kept] for b, kept in inputs.rows_of_logits]
+    return out.logits[0].float().cpu(), inputs.kept

@@ -94,9 +94,11 @@ class PreDrafts:
         for j in self._verdicts(proposed.token_probs):
             if j < len(drafted):  # x_{j+1} rejected: the target commits the draft's other guess there
                 token = proposed.alternatives[j]
-                branches.append(self._branch(session, committed + j, token, token, *settings))
+                branch = self._branch(session, committed + j, token, token, *settings)
             else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
-                branches.append(self._branch(session, committed + j - 1, drafted[-1], None, *settings))
+                branch = self._branch(session, committed + j - 1, drafted[-1], None, *settings)
+            if branch is not None:
+                branches.append(branch)
         self._pending[session_id] = PendingPreDraft(request, transform, min_confidence, vocab_limit, branches)
         assumed = [branch.start - committed for branch in branches]
         settled = asyncio.gather(*(branch.task for branch in branches), return_exceptions=True)
@@ -117,9 +119,12 @@ class PreDrafts:
         return ranked if self.mode == "all" else ranked[:int(self.mode)]
 
     def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None, request: PreDraftRequest,
-                transform: Transform, min_confidence: float, vocab_limit: int) -> Branch:
-        """A job proposing from the first `keep` cached tokens plus `feed` (then a guess if token is None)."""
-        fork = session.fork(keep)
+                transform: Transform, min_confidence: float, vocab_limit: int) -> Branch | None:
+        """A job proposing from the first `keep` cached tokens plus `feed` (then a guess if token
+        is None); None when the KV pool has no room for it (pre-drafting is only a bet)."""
+        fork = session.fork(keep, keep + request.draft_length + 2)
+        if fork is None:
+            return None
         fork.tokens.append(feed)
         job = ProposeJob(fork, [feed], request.draft_length, transform, request.seed, min_confidence, vocab_limit,
                          guess_first=token is None)

@@ -4,7 +4,8 @@ Loads any transformers causal LM and its tokenizer from a local directory, keeps
 KV cache per session (`specd.kvstore`; cropped to the committed length each step) and
 runs the steps of all sessions through one batch scheduler per model
 (`specd.batching`), whose forwards run on the model's own thread, never on the event
-loop. Session state is touched only on the event loop, or by the forward of a step
+loop. Every session's keys and values live in the model's one `KVPool`, sized when the
+model loads. Session state is touched only on the event loop, or by the forward of a step
 that has taken the session out of the store. No gRPC here.
 """
 from __future__ import annotations
@@ -24,10 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
-from specd.errors import InvalidArgument, SessionNotFound
+from specd.errors import InvalidArgument, Overloaded, SessionNotFound
 from specd.identity import weights_digest
 from specd.jobs import ProposeJob, ScoreJob
-from specd.kvstore import BatchRow, SessionKV
+from specd.kvstore import BatchRow, KVPool, SessionKV
 from specd.predraft import Branch, PreDrafts
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
@@ -88,6 +89,14 @@ class SessionStore:
         """A taken session's step is over (put back or dropped)."""
         self.in_use -= 1
 
+    def evict_idle(self) -> bool:
+        """Forget the least recently used idle session (its gateway re-opens it if it comes
+        back); False when none is idle."""
+        if not self._sessions:
+            return False
+        self._sessions.popitem(last=False)
+        return True
+
     def drop(self, session_id: str, stream: str | None = None) -> bool:
         """Forget a session; with `stream`, only if that stream opened it (a request that
         re-opened its session on a new stream must not lose it to the old one's end).
@@ -133,7 +142,9 @@ class ModelRunner:
             model_path=str(path.resolve()),
         )
         self._kv_shape = _kv_shape(config)
-        kvstore.use_layout(self.model, batching.layout)
+        kvstore.use_paged_attention(self.model)
+        self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
+                           self._pool_blocks(batching, max_sessions))
         self.sessions = SessionStore(max_sessions)
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
@@ -160,10 +171,34 @@ class ModelRunner:
         layers, heads, dim = self._kv_shape
         return layers * 2 * heads * dim * torch.finfo(self.dtype).bits // 8
 
+    def _pool_blocks(self, batching: BatchSettings, max_sessions: int) -> int:
+        """Blocks of the KV pool: --kv-cache-tokens, else room at full context for every
+        session the store keeps plus 64 more in steps (a session taken by a step is not
+        counted against max_sessions), within 90% of a GPU's free memory. On a CPU, pages
+        nobody writes cost no memory."""
+        block_bytes = self.kv_bytes_per_token() * batching.block_tokens
+        tokens = batching.kv_cache_tokens or (max_sessions + 64) * self.info.max_context
+        blocks = -(-tokens // batching.block_tokens) + 1  # + the null block
+        if self.device.type == "cuda" and not batching.kv_cache_tokens:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = min(blocks, int(0.9 * free) // block_bytes)
+        return max(blocks, 2)
+
+    def _reserve(self, session: SessionKV, needed: int) -> None:
+        """Room in the pool for `needed` positions of a taken session, evicting idle
+        sessions (least recently used first) while it is full; Overloaded if that is not enough."""
+        while not session.reserve(needed):
+            if not self.sessions.evict_idle():
+                raise Overloaded(f"{self.info.name}'s KV cache is full ({self.pool.blocks} blocks of "
+                                 f"{self.pool.block_tokens} tokens, all held by steps in progress); raise "
+                                 f"--kv-cache-tokens or retry shortly", self.scheduler.recent_forward_ms)
+
     # -- session bookkeeping (on the event loop) ----------------------------------------
 
-    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str) -> tuple[SessionKV, list[int]]:
-        """Take the session, crop it to `start` known tokens, and return what to feed next.
+    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str,
+              extra: int) -> tuple[SessionKV, list[int]]:
+        """Take the session, crop it to `start` known tokens, and return what to feed next,
+        with room in the pool for the feed and `extra` positions after it.
 
         start == 0 (re)opens the session from `tokens`. The returned feed is the known
         tokens the cache lacks up to `start`, then `tokens`.
@@ -174,8 +209,7 @@ class ModelRunner:
                                   f"{self.info.vocab_size}")
         if start == 0:
             self.sessions.drop(session_id)
-            layers, heads, dim = self._kv_shape
-            session = SessionKV(layers, heads, dim, self.dtype, self.device, self.batching.block_tokens, stream)
+            session = SessionKV(self.pool, stream)
             self.sessions.adopt()
         else:
             session = self.sessions.take(session_id)
@@ -186,6 +220,11 @@ class ModelRunner:
         session.crop(start)
         feed = session.tokens[session.length:start] + list(tokens)
         session.tokens = session.tokens[:start] + list(tokens)
+        try:
+            self._reserve(session, session.length + len(feed) + extra)
+        except Overloaded:
+            self.sessions.release()
+            raise
         return session, feed
 
     async def _step(self, session_id: str, session: SessionKV, job: Job):
@@ -199,7 +238,8 @@ class ModelRunner:
 
     def _forward_batch(self, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
         """One forward over every row (on the model's thread); logits [keep, V] per row."""
-        return kvstore.forward(self.model, rows, self.batching.layout, self.dtype, self.device)
+        logits, kept = kvstore.forward(self.model, rows, self.device)
+        return [logits[rows_kept] for rows_kept in kept]
 
     # -- the two operations the services expose -----------------------------------------
 
@@ -223,7 +263,8 @@ class ModelRunner:
         if branch is not None:
             proposal, job = await self._adopt(session_id, branch, draft_length, stream)
         if proposal is None:
-            session, feed = self._sync(session_id, start, tokens, stream)
+            # The guess a pre-drafted branch may feed, then the drafted tokens fed back.
+            session, feed = self._sync(session_id, start, tokens, stream, draft_length + 1)
             if not feed:
                 self.sessions.release()
                 raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
@@ -269,7 +310,7 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
-        session, feed = self._sync(session_id, start, tokens, stream)
+        session, feed = self._sync(session_id, start, tokens, stream, len(draft_tokens))
         if not feed:
             self.sessions.release()
             raise InvalidArgument("nothing to score: a step must carry at least one new committed token")

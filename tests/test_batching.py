@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
 from specd.config import BatchSettings
-from specd.kvstore import BatchRow, Layout, SessionKV, forward, use_layout
+from specd.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.runtime import ModelRunner
 from specd.sampling import Transform
 from specd.v1 import gateway_pb2
@@ -143,36 +143,94 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
 
 # -- the KV store --------------------------------------------------------------------------
 
-def _rows_match_unbatched(model, layout: Layout) -> None:
+def _pool(model, blocks: int = 64, block_tokens: int = 8) -> KVPool:
     cfg = model.config
-    sessions = [SessionKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                          torch.float32, torch.device("cpu"), block_tokens=8) for _ in range(3)]
+    return KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                  torch.float32, torch.device("cpu"), block_tokens, blocks)
+
+
+def _per_row(result: tuple[torch.Tensor, list[slice]]) -> list[torch.Tensor]:
+    logits, kept = result
+    return [logits[rows_kept] for rows_kept in kept]
+
+
+def test_batched_forward_equals_each_session_alone(model_dirs):
+    """Rows of different lengths and histories, rolled back and fed again, each get the
+    logits the model gives their whole sequence alone."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    use_paged_attention(model)
+    cfg, cpu = model.config, torch.device("cpu")
+    pool = _pool(model)
+    sessions = [SessionKV(pool) for _ in range(3)]
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 21, 9)]
     steps = [[1, 2], [3], [4, 5, 6, 7]]
-    cpu = torch.device("cpu")
     with torch.inference_mode():
-        logits = forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], layout, torch.float32, cpu)
+        for s, p, e in zip(sessions, prompts, steps):
+            assert s.reserve(len(p) + len(e))
+        logits = _per_row(forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], cpu))
         for got, p in zip(logits, prompts):
             torch.testing.assert_close(got, model(input_ids=torch.tensor([p])).logits[0, -2:])
         # Roll back the last prompt token of each session (a rejected draft token), go on.
         for s, p in zip(sessions, prompts):
             s.crop(len(p) - 1)
-        logits = forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], layout, torch.float32, cpu)
+        logits = _per_row(forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], cpu))
         for got, p, e in zip(logits, prompts, steps):
             torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e])).logits[0, -len(e):])
+        # Every row feeding one token (the decoding step's layout, with no query padding).
+        logits = _per_row(forward(model, [BatchRow(s, [9], 1) for s in sessions], cpu))
+        for got, p, e in zip(logits, prompts, steps):
+            torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e + [9]])).logits[0, -1:])
 
 
-@pytest.mark.parametrize("layout", ["ragged", "padded"])
-def test_batched_forward_equals_each_session_alone(model_dirs, layout):
-    torch.manual_seed(0)
+def test_a_session_gives_its_blocks_back_and_a_fork_copies_its_cache(model_dirs):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    use_layout(model, layout)
-    _rows_match_unbatched(model, layout)
+    use_paged_attention(model)
+    cpu = torch.device("cpu")
+    pool = _pool(model, blocks=6, block_tokens=4)  # 5 usable blocks: 20 positions
+    session = SessionKV(pool)
+    assert session.reserve(9) and pool.free_blocks == 2
+    assert not SessionKV(pool).reserve(13)  # more than is left
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    session.tokens = list(prompt)
+    with torch.inference_mode():
+        forward(model, [BatchRow(session, prompt, 1)], cpu)
+        fork = session.fork(6, 8)
+        assert fork is not None and fork.tokens == prompt[:6] and fork.length == 6
+        got = _per_row(forward(model, [BatchRow(fork, [3], 1)], cpu))[0]
+        torch.testing.assert_close(got, model(input_ids=torch.tensor([prompt[:6] + [3]])).logits[0, -1:])
+    del session, fork
+    assert pool.free_blocks == 5
+
+
+def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs):
+    """A forward of 32 sessions runs as many operators as one of a single session: no
+    Python loop over sessions inside a layer (counted with the torch profiler)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    use_paged_attention(model)
+    cpu = torch.device("cpu")
+    pool = _pool(model, blocks=400)
+
+    def operators(sessions: int, feed: int) -> int:
+        rows = []
+        for i in range(sessions):
+            session = SessionKV(pool)
+            assert session.reserve(40)
+            with torch.inference_mode():
+                forward(model, [BatchRow(session, list(range(1, 12 + i % 5)), 1)], cpu)
+            rows.append(BatchRow(session, [7] * feed, feed))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            forward(model, rows, cpu)
+        return sum(event.count for event in prof.key_averages())
+
+    for feed in (1, 3):
+        # (One session feeding one token needs no mask: fewer calls. Two is the general case.)
+        assert operators(2, feed) == operators(32, feed), feed
 
 
 def test_kv_memory_is_the_arithmetic(model_dirs):
     """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
-    runner = ModelRunner(model_dirs["target"], max_sessions=64)
+    runner = ModelRunner(model_dirs["target"], max_sessions=64, batching=BatchSettings(kv_cache_tokens=64 * 544))
 
     async def fill() -> None:
         for i in range(64):
@@ -202,5 +260,5 @@ def test_a_step_reports_the_sessions_its_worker_holds(model_dirs):
 
 
 def test_bad_batch_settings_are_named():
-    assert "batch layout" in " ".join(BatchSettings(layout="sideways").problems())
+    assert "kv_cache_tokens must be >= 0" in " ".join(BatchSettings(kv_cache_tokens=-1).problems())
     assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.config import (
-    BATCH_LAYOUTS,
     CLI_DRAFT_SELECTION,
     DEFAULT_DRAFT_PORT,
     DEFAULT_GATEWAY_PORT,
@@ -103,8 +102,9 @@ def _batch_args(parser: argparse.ArgumentParser) -> None:
                              f"other sessions' steps (default {d.prefill_chunk})")
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
                         help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
-    parser.add_argument("--batch-layout", default=d.layout, choices=BATCH_LAYOUTS,
-                        help=f"ragged (one row of all sessions' tokens) or padded (default {d.layout})")
+    parser.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens,
+                        help="positions the KV pool holds, all sessions together (default 0: every session "
+                             "at full context; on a GPU within 90%% of its free memory)")
     parser.add_argument("--batch-wait-ms", type=float, default=d.max_wait_ms,
                         help=f"how long a forward may wait for other open sessions' steps to share it, at most "
                              f"a quarter of a forward (default {d.max_wait_ms}; 0: start at once)")
@@ -117,8 +117,8 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _batch_settings(args: argparse.Namespace) -> BatchSettings:
-    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue, args.batch_layout,
-                             max_wait_ms=args.batch_wait_ms)
+    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue,
+                             kv_cache_tokens=args.kv_cache_tokens, max_wait_ms=args.batch_wait_ms)
     if settings.problems():
         raise SystemExit(f"specd: {'; '.join(settings.problems())}")
     return settings
@@ -131,7 +131,7 @@ def _model_settings(args: argparse.Namespace) -> ModelSettings:
 def _batch_flags(args: argparse.Namespace) -> list[str]:
     """The batching flags of `specd serve`, passed on to both workers."""
     return ["--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
-            "--max-queue", str(args.max_queue), "--batch-layout", args.batch_layout,
+            "--max-queue", str(args.max_queue), "--kv-cache-tokens", str(args.kv_cache_tokens),
             "--batch-wait-ms", str(args.batch_wait_ms)]
 
 

@@ -1,0 +1,88 @@
+"""The batched forward on its own: ms per decoding forward of the paged KV store at 1, 8
+and 32 sessions, beside the same sessions one at a time and transformers' own one-token
+step with a DynamicCache, side by side in one run.
+
+    python scripts/bench_forward.py [--model models/demo/target] [--threads 2] [--prefix 128]
+
+Each session holds `prefix` cached tokens and feeds one new token per forward (a plain
+decoding step). Prints the median ms of each case; docs/performance.md keeps the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from specd import kvstore
+from specd.config import DEMO_TARGET
+from specd.kvstore import BatchRow, KVPool, SessionKV
+
+
+def median_ms(run, repeats: int) -> float:
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEMO_TARGET))
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--prefix", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cfg, cpu = model.config, torch.device("cpu")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
+    with torch.inference_mode():
+        cache = DynamicCache(config=cfg)
+        model(torch.tensor([prompt]), cache=cache, use_cache=True)
+        position = torch.tensor([[args.prefix]])
+
+        def transformers_step() -> None:
+            model(torch.tensor([[5]]), cache=cache, use_cache=True, position_ids=position, logits_to_keep=1)
+            cache.crop(-1)
+
+        reference = median_ms(transformers_step, args.repeats)
+    kvstore.use_paged_attention(model)
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32, cpu, 32,
+                  32 * (args.prefix // 32 + 2) + 1)
+    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session; "
+          f"transformers' DynamicCache step alone: {reference:.2f} ms")
+    print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15}   (median ms per forward)")
+    for count in (1, 8, 32):
+        sessions = [SessionKV(pool) for _ in range(count)]
+        for session in sessions:
+            assert session.reserve(args.prefix + 1)
+            kvstore.forward(model, [BatchRow(session, prompt, 1)], cpu)
+        together = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
+        apart = median_ms(functools.partial(step, model, sessions, args.prefix, False), max(3, args.repeats // 4))
+        print(f"{count:>8} {together:>12.2f} {apart:>14.2f} {together / count:>15.2f}")
+
+
+def step(model, sessions: list[SessionKV], prefix: int, batched: bool) -> None:
+    """Every session feeds one token after `prefix` cached ones: in one forward, or one each."""
+    cpu = torch.device("cpu")
+    for session in sessions:
+        session.crop(prefix)
+    if batched:
+        kvstore.forward(model, [BatchRow(session, [5], 1) for session in sessions], cpu)
+    else:
+        for session in sessions:
+            kvstore.forward(model, [BatchRow(session, [5], 1)], cpu)
+
+
+if __name__ == "__main__":
+    main()
