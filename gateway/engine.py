@@ -24,7 +24,7 @@ import torch
 
 from gateway.errors import WorkerError
 from specd.acceptance import Counts
-from specd.rejection import rejection_sample, verify_greedy
+from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
 from specd.steps import BatchStats, PreDraftRequest, Proposal, Scores
 
@@ -145,8 +145,10 @@ class VerifierClient(Protocol):
     last_exchange_bytes: int
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     carrier: dict[str, str]) -> Scores:
-        """The target's view of the γ+1 positions after `committed`: argmax when greedy, else p."""
+                     carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
+                     draws: Draws | None = None) -> Scores:
+        """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
+        its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws."""
         ...
 
     def advance(self, position: int) -> None:
@@ -247,16 +249,6 @@ class StepOutput:
     finish: Finish | None
 
 
-def _widen(probs: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad distributions [n, V] to `width` columns.
-
-    A draft and a target sharing a tokenizer may still have different embedding sizes
-    (vocabularies padded to a multiple of 64, say); ids beyond a model's size have
-    probability 0 under it, which is exactly what the padding says.
-    """
-    return probs if probs.shape[1] == width else torch.nn.functional.pad(probs, (0, width - probs.shape[1]))
-
-
 def draft_seed(request_seed: int, step: int) -> int:
     """The seed of the draft's sampler at a step: a function of the request's seed and the
     step's index only, so overlapped speculation can hand it to the draft a step early and
@@ -345,17 +337,21 @@ class _Speculation:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
         rejection sampling with exactly the q each proposed token was drawn with."""
         began = time.perf_counter()
-        scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier)
-        ms = (time.perf_counter() - began) * 1e3
-        proposed = torch.tensor(hop.tokens, dtype=torch.long)
         if self.request.transform.greedy:
+            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier)
+            ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
-            outcome = verify_greedy(proposed, torch.tensor(scores.argmax, dtype=torch.long))
+            outcome = verify_greedy(hop.tokens, scores.argmax)
         else:
-            assert scores.probs is not None  # sampled scores carry p
-            width = max(hop.probs.shape[1], scores.probs.shape[1])
-            outcome = rejection_sample(proposed, _widen(hop.probs, width), _widen(scores.probs, width),
-                                       self.generator)
+            # The gateway draws every uniform of the step; the verifier tests the proposal with
+            # them and sends back the bonus token or p's row at the first rejection.
+            draws = Draws.draw(len(hop.tokens), self.generator)
+            proposed = hop.probs[torch.arange(len(hop.tokens)), torch.tensor(hop.tokens, dtype=torch.long)]
+            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
+                                                proposed.tolist(), draws)
+            ms = (time.perf_counter() - began) * 1e3
+            assert scores.verdict is not None  # sampled scores carry the verdict
+            outcome = finish_verdict(scores.verdict, hop.probs, draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
 
     def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:

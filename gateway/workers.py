@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from gateway.errors import WorkerError
+from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.v1 import worker_pb2
-from specd.wire import batch_from_pb, identity_to_pb, transform_to_pb, unpack_distributions
+from specd.wire import batch_from_pb, identity_to_pb, transform_to_pb, unpack_distributions, verdict_from_pb
 
 log = logging.getLogger(__name__)
 # What a link sends and receives each step.
@@ -38,6 +39,9 @@ StepResponse = worker_pb2.ProposeResponse | worker_pb2.VerifyResponse
 # FAILED_PRECONDITION: the endpoint holds another model; another endpoint may not.
 _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+_CORE_WRITE_FAILURE = "Internal error from Core"  # grpc.aio's details for a write that failed in Core
 
 
 @dataclass
@@ -110,10 +114,15 @@ class WorkerLink:
                                            _sooner(self.settings.connect_timeout_s, remaining))
                 else:
                     await self._call.write(message)
-                response = await asyncio.wait_for(self._call.read(),
-                                                  _sooner(self.settings.step_timeout_s, remaining))
+                # asyncio.timeout, not wait_for: no task wrapped around every step's read.
+                async with asyncio.timeout(_sooner(self.settings.step_timeout_s, remaining)):
+                    response = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
+                if code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_FAILURE:
+                    # grpc/grpc#36066: a write to a stream the worker's end already closed (it
+                    # died) reports this instead of the stream's own status.
+                    code = grpc.StatusCode.UNAVAILABLE
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
                 code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
             except TimeoutError:
@@ -215,15 +224,20 @@ class VerifierLink(WorkerLink):
     """Asks the verifier service for the target's view of a proposal."""
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     trace_carrier: dict[str, str]) -> Scores:
+                     trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
+                     draws: Draws | None = None) -> Scores:
+        """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
-            return worker_pb2.VerifyRequest(
+            message = worker_pb2.VerifyRequest(
                 delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
-                trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+                trace_context=worker_pb2.TraceContext(carrier=trace_carrier), draft_token_probs=draft_token_probs)
+            if draws is not None:
+                message.uniforms.extend((*draws.accept, draws.final))
+            return message
 
         response = await self.exchange(committed, build)
         batch = batch_from_pb(response.batch)
-        if response.HasField("target_probs"):
-            return Scores(None, unpack_distributions(response.target_probs), response.forward_ms, batch)
-        return Scores(list(response.target_argmax), None, response.forward_ms, batch)
+        if transform.greedy:
+            return Scores(list(response.target_argmax), None, response.forward_ms, batch)
+        return Scores(None, verdict_from_pb(response), response.forward_ms, batch)
 

@@ -10,6 +10,7 @@ import torch
 
 from specd.batching import Job
 from specd.kvstore import SessionKV
+from specd.rejection import Draws, target_verdict
 from specd.sampling import Transform, probs_from_logits
 from specd.steps import Proposal, Scores
 
@@ -76,11 +77,19 @@ class ProposeJob(Job):
 
 
 class ScoreJob(Job):
-    """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions."""
+    """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions.
 
-    def __init__(self, session: SessionKV, feed: list[int], positions: int, transform: Transform) -> None:
-        super().__init__(session, feed, keep=positions)
+    Greedy, the result is their argmax. Sampled, the acceptance tests run here with the
+    gateway's `draws` and the draft's qᵢ(xᵢ), and only the verdict leaves (`specd.rejection`).
+    """
+
+    def __init__(self, session: SessionKV, feed: list[int], draft_tokens: list[int], transform: Transform,
+                 draft_token_probs: list[float], draws: Draws | None) -> None:
+        super().__init__(session, feed + draft_tokens, keep=len(draft_tokens) + 1)
+        self.draft_tokens = draft_tokens
         self.transform = transform
+        self.draft_token_probs = draft_token_probs
+        self.draws = draws
         self.scores: Scores | None = None
 
     def consume(self, logits: torch.Tensor) -> bool:
@@ -89,9 +98,11 @@ class ScoreJob(Job):
         if self.transform.greedy:
             self.scores = Scores(logits.argmax(dim=-1).tolist(), None, 0.0)
         else:
-            self.scores = Scores(None, probs_from_logits(logits, self.transform), 0.0)
+            assert self.draws is not None  # a sampled step carries the gateway's draws (checked on arrival)
+            p = probs_from_logits(logits, self.transform)
+            self.scores = Scores(None, target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws), 0.0)
         return True
 
     def result(self) -> Scores:
         assert self.scores is not None  # the job finished: consume() scored it
-        return Scores(self.scores.argmax, self.scores.probs, self.forward_ms, self.batch_stats())
+        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats())

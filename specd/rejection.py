@@ -9,10 +9,15 @@ Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"). Words 
 - recovered token: sampled from norm(max(0, pᵢ − qᵢ)) at the first rejection;
 - bonus token: sampled from p_{γ+1} when every draft token was accepted.
 
-A step emits the accepted tokens plus one recovered or bonus token. Pure torch; no gRPC.
+A step emits the accepted tokens plus one recovered or bonus token. The gateway draws
+every uniform a step uses (`Draws`); the verifier runs the acceptance tests and samples a
+bonus token with them, so only a rejected position's row of p ever leaves it, and the
+gateway samples the recovered token from it (docs/performance.md: what crosses the wire).
+Pure torch; no gRPC.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,50 +32,116 @@ class StepOutcome:
     bonus: bool  # True when every draft token was accepted and `token` came from p_{γ+1}
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> StepOutcome:
+def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> StepOutcome:
     """Greedy special case: accept while xᵢ == argmax pᵢ, then emit the target's argmax.
 
-    draft_tokens: [γ] int64; target_argmax: [γ+1] int64.
+    draft_tokens: γ ids; target_argmax: γ+1 ids. Plain Python: a handful of ints, compared
+    on every step of every greedy request, cost less than building tensors for them.
     """
-    gamma = draft_tokens.shape[0]
-    assert target_argmax.shape == (gamma + 1,), "need γ+1 target positions"
-    mismatch = (draft_tokens != target_argmax[:gamma]).nonzero()
-    accepted = int(mismatch[0, 0]) if mismatch.numel() else gamma
+    gamma = len(draft_tokens)
+    assert len(target_argmax) == gamma + 1, "need γ+1 target positions"
+    accepted = next((i for i, (x, best) in enumerate(zip(draft_tokens, target_argmax)) if x != best), gamma)
     return StepOutcome(accepted, int(target_argmax[accepted]), accepted == gamma)
 
 
-def rejection_sample(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator,
-) -> StepOutcome:
-    """Accept a prefix of the draft tokens and sample one more token, exactly.
+@dataclass(frozen=True)
+class Draws:
+    """The randomness of one sampled step, drawn by the gateway from the request's generator:
+    one uniform per draft token (its acceptance test) and one for the step's last token."""
+
+    accept: tuple[float, ...]
+    final: float
+
+    @staticmethod
+    def draw(gamma: int, generator: torch.Generator) -> Draws:
+        uniforms = torch.rand(gamma + 1, generator=generator, dtype=torch.float64).tolist()
+        return Draws(tuple(uniforms[:gamma]), uniforms[gamma])
+
+
+def accepted_prefix(draft_token_probs: Sequence[float], target_token_probs: Sequence[float],
+                    uniforms: Sequence[float]) -> int:
+    """How many leading draft tokens pass their test uᵢ < pᵢ(xᵢ)/qᵢ(xᵢ).
+
+    The test needs only the two probabilities of each proposed token, so it runs where p
+    is (the verifier) without any full distribution crossing a wire. Written as
+    u·q < p: no division, and q = 0 (impossible for a sampled token) would simply reject.
+    """
+    for i, (q, p, u) in enumerate(zip(draft_token_probs, target_token_probs, uniforms)):
+        if not u * q < p:
+            return i
+    return len(uniforms)
+
+
+def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) unnormalised [V]: the law of the token after a rejection."""
+    weights = torch.clamp(target_probs - draft_probs, min=0.0)
+    # p == q up to rounding: rejection had probability ~0, and p itself is the law.
+    return weights if weights.sum() > 0 else target_probs
+
+
+def sample(weights: torch.Tensor, uniform: float) -> int:
+    """The token at `uniform` of the cumulative law of non-negative weights [V] (inverse CDF).
+
+    A token of weight 0 is never chosen; the sum runs in float64, so rounding moves no mass
+    that matters. The same uniform always gives the same token: a seed reproduces a step.
+    """
+    cumulative = torch.cumsum(weights.double(), 0)
+    at = torch.tensor([uniform * float(cumulative[-1])], dtype=torch.float64)
+    return min(int(torch.searchsorted(cumulative, at, right=True)), weights.shape[0] - 1)
+
+
+@dataclass(frozen=True)
+class TargetVerdict:
+    """The verifier's part of a sampled step: how many draft tokens passed their test, and
+    either the bonus token (all passed) or p at the first rejected position, the one row
+    the gateway needs to sample the recovered token."""
+
+    accepted: int
+    bonus_token: int | None
+    rejected_row: torch.Tensor | None  # p_{accepted+1} [V]
+
+
+def target_verdict(draft_tokens: Sequence[int], draft_token_probs: Sequence[float], target_probs: torch.Tensor,
+                   draws: Draws) -> TargetVerdict:
+    """Run the acceptance tests where p is; sample the bonus token if every test passed.
+
+    draft_token_probs: qᵢ(xᵢ) as the draft drew them; target_probs: [γ+1, V] (p).
+    """
+    gamma = len(draft_tokens)
+    assert target_probs.shape[0] == gamma + 1 and len(draft_token_probs) == gamma == len(draws.accept)
+    proposed = target_probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+    accepted = accepted_prefix(draft_token_probs, proposed, draws.accept)
+    if accepted == gamma:
+        return TargetVerdict(gamma, sample(target_probs[gamma], draws.final), None)
+    return TargetVerdict(accepted, None, target_probs[accepted])
+
+
+def finish_verdict(verdict: TargetVerdict, draft_probs: torch.Tensor, draws: Draws) -> StepOutcome:
+    """The gateway's part: the bonus token as the verifier drew it, or the recovered token
+    sampled from norm(max(0, p − q)) at the first rejection (draft_probs: q [γ, V])."""
+    if verdict.bonus_token is not None:
+        return StepOutcome(verdict.accepted, verdict.bonus_token, True)
+    assert verdict.rejected_row is not None  # a rejection carries p's row
+    p, q = verdict.rejected_row, draft_probs[verdict.accepted]
+    width = max(p.shape[0], q.shape[0])  # a draft and a target may pad their vocabularies apart
+    p, q = (torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in (p, q))
+    return StepOutcome(verdict.accepted, sample(residual(p, q), draws.final), False)
+
+
+def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     draws: Draws) -> StepOutcome:
+    """Accept a prefix of the draft tokens and sample one more token, exactly, with every row
+    at hand: the reference the split step (`accepted_prefix` on the verifier, `residual` and
+    `sample` on the gateway) is tested against, draw for draw.
 
     draft_tokens: [γ] int64; draft_probs: [γ, V] (q); target_probs: [γ+1, V] (p).
-    γ may be 0: then this is a plain sample from p₁. Draws γ uniforms, then one
-    categorical sample, always in this order, so a seeded generator reproduces a step.
+    γ may be 0: then this is a plain sample from p₁.
     """
     gamma = draft_tokens.shape[0]
-    assert draft_probs.shape[0] == gamma and target_probs.shape[0] == gamma + 1
+    assert draft_probs.shape[0] == gamma and target_probs.shape[0] == gamma + 1 and len(draws.accept) == gamma
     positions = torch.arange(gamma)
-    p_draft = target_probs[positions, draft_tokens]
-    q_draft = draft_probs[positions, draft_tokens]
-    uniforms = torch.rand(gamma, generator=generator, dtype=torch.float64)
-    # u < p/q written as u·q < p: no division, and q = 0 (impossible for a sampled
-    # token) would simply reject.
-    kept = uniforms * q_draft.double() < p_draft.double()
-    rejected = (~kept).nonzero()
-    if rejected.numel() == 0:
-        return StepOutcome(gamma, _sample(target_probs[gamma], generator), True)
-    accepted = int(rejected[0, 0])
-    residual = torch.clamp(target_probs[accepted] - draft_probs[accepted], min=0.0)
-    if residual.sum() <= 0:
-        # p == q up to rounding: rejection had probability ~0, and p itself is the law.
-        residual = target_probs[accepted]
-    return StepOutcome(accepted, _sample(residual, generator), False)
-
-
-def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One categorical draw from non-negative weights [V] (normalised by multinomial)."""
-    return int(torch.multinomial(weights.float(), 1, generator=generator))
+    accepted = accepted_prefix(draft_probs[positions, draft_tokens].tolist(),
+                               target_probs[positions, draft_tokens].tolist(), draws.accept)
+    if accepted == gamma:
+        return StepOutcome(gamma, sample(target_probs[gamma], draws.final), True)
+    return StepOutcome(accepted, sample(residual(target_probs[accepted], draft_probs[accepted]), draws.final), False)

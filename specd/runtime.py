@@ -30,6 +30,7 @@ from specd.identity import weights_digest
 from specd.jobs import ProposeJob, ScoreJob
 from specd.kvstore import BatchRow, KVPool, SessionKV
 from specd.predraft import Branch, PreDrafts
+from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 
@@ -300,12 +301,18 @@ class ModelRunner:
                         pre_drafted=True), branch.job
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
-                    transform: Transform, stream: str = "") -> Scores:
+                    transform: Transform, stream: str = "", draft_token_probs: Sequence[float] = (),
+                    draws: Draws | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
-        draft tokens this is one plain decoding step (one position).
+        draft tokens this is one plain decoding step (one position). A sampled step needs
+        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict.
         """
+        if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
+                                     or len(draft_token_probs) != len(draft_tokens)):
+            raise InvalidArgument(f"a sampled step needs {len(draft_tokens) + 1} uniforms and "
+                                  f"{len(draft_tokens)} draft token probabilities (worker protocol 2)")
         bad = [t for t in draft_tokens if not 0 <= t < self.info.vocab_size]
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
@@ -315,7 +322,7 @@ class ModelRunner:
             self.sessions.release()
             raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
         session.tokens.extend(draft_tokens)
-        job = ScoreJob(session, feed + list(draft_tokens), len(draft_tokens) + 1, transform)
+        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
         return await self._step(session_id, session, job)
 
 

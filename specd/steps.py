@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.rejection import TargetVerdict
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -67,9 +69,10 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Scores:
-    """The target's view of γ+1 positions: argmax [γ+1] when greedy, else p [γ+1, V]."""
+    """The target's view of a proposal: argmax at the γ+1 positions when greedy, else its
+    verdict under the gateway's draws (`specd.rejection.TargetVerdict`)."""
 
     argmax: list[int] | None
-    probs: torch.Tensor | None
+    verdict: TargetVerdict | None
     forward_ms: float
     batch: BatchStats = BatchStats()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specd.rejection import Draws, TargetVerdict
 from specd.sampling import Transform
 from specd.steps import BatchStats, ModelInfo
 from specd.v1 import worker_pb2
@@ -64,6 +65,21 @@ def unpack_distributions(message: worker_pb2.Distributions) -> torch.Tensor:
 def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
     return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
                                 top_p=transform.top_p)
+
+
+def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
+    """The gateway's draws of a sampled verify step (None when it sent none)."""
+    if not request.uniforms:
+        return None
+    *accept, final = request.uniforms
+    return Draws(tuple(accept), final)
+
+
+def verdict_from_pb(response: worker_pb2.VerifyResponse) -> TargetVerdict:
+    """The verifier's verdict on a sampled step: the bonus token, or the rejected position's row."""
+    if response.HasField("bonus_token"):
+        return TargetVerdict(response.accepted, response.bonus_token, None)
+    return TargetVerdict(response.accepted, None, unpack_distributions(response.target_probs)[0])
 
 
 def transform_from_pb(message: worker_pb2.Transform) -> Transform:

@@ -12,6 +12,7 @@ import torch
 from gateway.engine import Finish, GenerationRequest, ModelBounds, RequestStats, StepRecord, speculate
 from gateway.errors import WorkerError
 from gateway.policy import FixedPolicy
+from specd.rejection import target_verdict
 from specd.sampling import Transform
 from specd.steps import Proposal, Scores
 
@@ -69,7 +70,7 @@ class ScriptedVerifier:
         self.last_exchange_bytes = 0
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     carrier: dict[str, str]) -> Scores:
+                     carrier: dict[str, str], draft_token_probs=(), draws=None) -> Scores:
         argmax, prefix = [], list(committed)
         for token in [*draft_tokens, None]:
             argmax.append(EOS if len(prefix) in self.eos_at else truth(prefix))
@@ -191,8 +192,10 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
             return Proposal(proposal.tokens, torch.full((draft_length, VOCAB), 1.0 / VOCAB), 0.0)
 
     class SampledVerifier(ScriptedVerifier):
-        async def verify(self, committed, draft_tokens, transform, carrier) -> Scores:
-            return Scores(None, torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB), 0.0)
+        async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
+                         draws=None) -> Scores:
+            p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
+            return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
     request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=7, max_new_tokens=12, draft_model="d")
     stats = RequestStats()

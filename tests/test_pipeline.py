@@ -12,7 +12,7 @@ PROMPTS = ["def fibonacci(n):", "The acceptance rate is", "class Cache:\n    def
 
 
 def reference_greedy(target_model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=target_model.device)
     out = target_model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, ids.shape[1]:].tolist()
 
@@ -135,7 +135,9 @@ def test_draft_with_a_larger_embedding_than_the_target(stack, target_model, toke
     assert list(stack.stub.Generate(request(PROMPTS[0], max_new_tokens=24, draft_model="padded")).token_ids) == expected
     sampled = stack.stub.Generate(request(PROMPTS[0], temperature=1.0, seed=3, max_new_tokens=24,
                                           draft_model="padded"))
-    assert len(sampled.token_ids) == 24 and max(sampled.token_ids) < target_model.config.vocab_size
+    ids = list(sampled.token_ids)
+    assert max(ids) < target_model.config.vocab_size
+    assert len(ids) == 24 or (len(ids) < 24 and ids[-1] == tokenizer.eos_token_id)  # a random model may end early
 
 
 class ScriptedPolicy:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specd.rejection import StepOutcome, rejection_sample, verify_greedy
+from specd.rejection import Draws, StepOutcome, finish_verdict, rejection_sample, target_verdict, verify_greedy
 
 
 def greedy(draft, target):
-    return verify_greedy(torch.tensor(draft), torch.tensor(target))
+    return verify_greedy(draft, target)
 
 
 def test_greedy_all_accepted_takes_bonus():
@@ -32,10 +32,10 @@ def test_forced_acceptance_and_rejection():
     vocab = 4
     one_hot = torch.eye(vocab)
     # Target puts all mass on the draft's tokens: always accepted, bonus from p_{γ+1}.
-    out = rejection_sample(torch.tensor([1, 2]), one_hot[[1, 2]], one_hot[[1, 2, 3]], gen)
+    out = rejection_sample(torch.tensor([1, 2]), one_hot[[1, 2]], one_hot[[1, 2, 3]], Draws.draw(2, gen))
     assert out == StepOutcome(2, 3, True)
     # Target gives the first draft token zero mass: rejected at once, recovered from p - q.
-    out = rejection_sample(torch.tensor([1, 2]), one_hot[[1, 2]], one_hot[[0, 2, 3]], gen)
+    out = rejection_sample(torch.tensor([1, 2]), one_hot[[1, 2]], one_hot[[0, 2, 3]], Draws.draw(2, gen))
     assert out == StepOutcome(0, 0, False)
 
 
@@ -49,7 +49,7 @@ def _first_token_histogram(p, q, trials, seed):
     counts = np.zeros(p.shape[1])
     for _ in range(trials):
         x = torch.multinomial(q[0], 1, generator=gen)
-        out = rejection_sample(x, q, p, gen)
+        out = _split_step(x, q, p, Draws.draw(1, gen))
         counts[int(x[0]) if out.accepted else out.token] += 1
     return counts
 
@@ -73,22 +73,40 @@ def test_output_follows_target_distribution_and_not_draft():
     assert chisquare(counts, _expected(q[0], trials)).pvalue < 1e-6
 
 
-def reference_rejection_sample(draft_tokens, draft_probs, target_probs, generator):
-    """The algorithm as written in Leviathan et al., one token at a time, same RNG draws."""
+def _split_step(draft_tokens, draft_probs, target_probs, draws):
+    """A step as the services run it: the verifier's verdict from qᵢ(xᵢ) alone, then the
+    gateway's finish with the one row the verifier sent."""
+    tokens = draft_tokens.tolist()
+    q_proposed = [float(draft_probs[i, x]) for i, x in enumerate(tokens)]
+    return finish_verdict(target_verdict(tokens, q_proposed, target_probs, draws), draft_probs, draws)
+
+
+def reference_rejection_sample(draft_tokens, draft_probs, target_probs, draws):
+    """The algorithm as written in Leviathan et al., one token at a time, with the same
+    draws, sampling by walking the cumulative sum in plain Python."""
+
+    def inverse_cdf(weights, u):
+        total, at = sum(weights), 0.0
+        for token, w in enumerate(weights):
+            at += w
+            if w > 0 and u * total < at:
+                return token
+        return max(t for t, w in enumerate(weights) if w > 0)
+
     gamma = len(draft_tokens)
-    uniforms = torch.rand(gamma, generator=generator, dtype=torch.float64)
     for i in range(gamma):
         x = int(draft_tokens[i])
         p, q = float(target_probs[i, x]), float(draft_probs[i, x])
-        if not uniforms[i] < min(1.0, p / q):
+        if not draws.accept[i] < min(1.0, p / q):
             residual = [max(0.0, float(a) - float(b)) for a, b in zip(target_probs[i], draft_probs[i])]
-            token = int(torch.multinomial(torch.tensor(residual), 1, generator=generator))
-            return StepOutcome(i, token, False)
-    return StepOutcome(gamma, int(torch.multinomial(target_probs[gamma].float(), 1, generator=generator)), True)
+            return StepOutcome(i, inverse_cdf(residual, draws.final), False)
+    return StepOutcome(gamma, inverse_cdf(target_probs[gamma].double().tolist(), draws.final), True)
 
 
 @pytest.mark.parametrize("gamma", [0, 1, 3, 6])
-def test_fast_path_matches_reference_loop(gamma):
+def test_fast_and_split_paths_match_reference_loop(gamma):
+    """The all-rows reference, the split step the services run, and the paper's loop
+    agree draw for draw."""
     gen = torch.Generator().manual_seed(gamma)
     for trial in range(200):
         vocab = 6
@@ -96,15 +114,15 @@ def test_fast_path_matches_reference_loop(gamma):
         p = _random_dists(gen, gamma + 1, vocab, sharpness=1.0)
         x = torch.stack([torch.multinomial(q[i], 1, generator=gen)[0] for i in range(gamma)]) \
             if gamma else torch.zeros(0, dtype=torch.long)
-        fast = rejection_sample(x, q, p, torch.Generator().manual_seed(trial))
-        slow = reference_rejection_sample(x, q, p, torch.Generator().manual_seed(trial))
-        assert fast == slow
+        draws = Draws.draw(gamma, torch.Generator().manual_seed(trial))
+        fast = rejection_sample(x, q, p, draws)
+        assert fast == reference_rejection_sample(x, q, p, draws) == _split_step(x, q, p, draws)
 
 
 def test_seeded_steps_reproduce():
     gen = torch.Generator().manual_seed(5)
     q, p = _random_dists(gen, 4, 10), _random_dists(gen, 5, 10)
     x = torch.tensor([1, 2, 3, 4])
-    runs = [[rejection_sample(x, q, p, g) for _ in range(20)]
+    runs = [[rejection_sample(x, q, p, Draws.draw(4, g)) for _ in range(20)]
             for g in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
     assert runs[0] == runs[1]

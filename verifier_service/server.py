@@ -52,7 +52,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         scores = await workerservice.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         stream.id),
+                         stream.id, list(request.draft_token_probs), wire.draws_from_pb(request)),
             lambda scores: {
                 **workerservice.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
@@ -61,8 +61,14 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         if scores.argmax is not None:
             response.target_argmax.extend(scores.argmax)
         else:
-            assert scores.probs is not None  # sampled: the target's distributions
-            response.target_probs.CopyFrom(wire.pack_distributions(scores.probs, transform.sparse))
+            assert scores.verdict is not None  # sampled: the verdict
+            verdict = scores.verdict
+            response.accepted = verdict.accepted
+            if verdict.bonus_token is not None:
+                response.bonus_token = verdict.bonus_token
+            else:
+                assert verdict.rejected_row is not None  # a rejection carries p's row
+                response.target_probs.CopyFrom(wire.pack_distributions(verdict.rejected_row[None], transform.sparse))
         return response
 
 
