@@ -7,6 +7,7 @@ weights plus noise) and an unrelated draft (another random Llama, same tokenizer
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,11 @@ from specd.grpcserver import RunningServer
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from verifier_service.server import VerifierServicer
 from verifier_service.server import create_server as create_verifier
+
+# Where the services' models run in the stack fixtures: CPU float32 here; scripts/gpu_check.sh
+# runs the exactness tests with SPECD_TEST_DEVICE=cuda SPECD_TEST_DTYPE=bfloat16.
+TEST_DEVICE = os.environ.get("SPECD_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("SPECD_TEST_DTYPE", "float32")
 
 CORPUS = """\
 Speculative decoding lets a small draft model propose several tokens that a large
@@ -171,7 +177,7 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
     dials for a worker ("draft", "verifier") instead of its port (a proxy, in fault tests)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
-    model = ModelSettings(max_sessions=max_sessions, batching=batching)
+    model = ModelSettings(dtype=TEST_DTYPE, max_sessions=max_sessions, device=TEST_DEVICE, batching=batching)
     draft_settings = DraftSettings(server, {name: model_dirs[name] for name in drafts}, model,
                                    metrics_port=draft_metrics_port, pre_draft_branches=pre_draft_branches)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
@@ -196,7 +202,9 @@ def stack(model_dirs) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def target_model(model_dirs):
-    return AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    """The target for transformers' reference decoding, on the services' device and dtype."""
+    return AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=getattr(torch, TEST_DTYPE)).to(
+        TEST_DEVICE).eval()
 
 
 @pytest.fixture(scope="session")

@@ -105,7 +105,8 @@ def run_level(stub, requests: list, label: str, concurrency: int) -> LoadResult:
 
 def transformers_batched(target_dir: str, prompts: list[str], levels: list[int], max_new_tokens: int,
                          dtype_name: str, requests_per_level: int) -> dict[int, LoadResult]:
-    """transformers' greedy `generate` on batches of N prompts (left-padded): tokens/s and latency."""
+    """transformers' greedy `generate` on batches of N prompts (left-padded): tokens/s and latency
+    (on the GPU when there is one)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,7 +114,9 @@ def transformers_batched(target_dir: str, prompts: list[str], levels: list[int],
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype_name)).eval()
+    # On the GPU when there is one, as the services would run there (scripts/gpu_check.sh).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype_name)).to(device).eval()
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
     results = {}
@@ -122,7 +125,7 @@ def transformers_batched(target_dir: str, prompts: list[str], levels: list[int],
         batches = max(1, requests_per_level // n)
         for b in range(batches):
             batch = [prompts[(b * n + i) % len(prompts)] for i in range(n)]
-            inputs = tokenizer(batch, return_tensors="pt", padding=True)
+            inputs = tokenizer(batch, return_tensors="pt", padding=True).to(device)
             began = time.perf_counter()
             out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                  pad_token_id=tokenizer.pad_token_id)
