@@ -3,21 +3,24 @@ table per session, and one batched forward over any number of sessions.
 
 The pool (`KVPool`) holds every layer's keys and values in tensors [layers, slots, KV
 heads, head dim], cut into blocks of `block_tokens` slots, allocated once when the model
-loads (as vLLM's paged attention does): a session never grows by `torch.cat`, and a
-forward never copies a session's cache. A session (`SessionKV`) owns a list of blocks
-(its block table); rolling back rejected draft positions is a change of one integer
-(`SessionKV.crop`), and a session's blocks go back to the pool when the session is let
-go (its store evicts it, a failed step drops it, a pre-drafted branch is not taken).
+loads (as vLLM's paged attention does): a session never grows by `torch.cat`. A session
+(`SessionKV`) owns a list of blocks (its block table); rolling back rejected draft
+positions is a change of one integer (`SessionKV.crop`), and a session's blocks go back
+to the pool when the session is let go (its store evicts it, a failed step drops it, a
+pre-drafted branch is not taken).
 
 A batched forward (`forward`) runs all rows' new tokens as ONE row of Σ T tokens, so the
 projections and MLPs see no padding. The model calls `BatchCache.update(...)` once per
 layer (transformers' Cache interface), which writes every session's new keys and values
 into their slots with one indexed copy; attention (`paged_attention`, registered with
-transformers as ``specd_paged``) then gathers every session's keys through its block table
-into a padded [sessions, KV heads, longest, head dim] view and runs one SDPA call with a
-mask. Each layer costs the same few operator calls whatever the number of sessions: the
-per-session work (slot numbers, the mask) is done once per forward, as index tensors, in
-`prepare`. On a GPU the gather is where a varlen or paged kernel would go.
+transformers as ``specd_paged``) then gathers every session's blocks through its block
+table (one `index_select` of whole blocks, the cheapest gather on a CPU) into a padded
+[sessions, KV heads, longest, head dim] tensor and runs one SDPA call with a mask. Each
+layer costs the same few operator calls whatever the number of sessions; the
+per-session work (slot numbers, block tables, the mask) is done once per forward in
+`prepare`. On a GPU the gather is where a paged or varlen kernel would go. On a CPU
+the gather's copy costs memory bandwidth: docs/performance.md has the measurements
+against a loop over sessions on views of their own storage.
 
 Models whose attention goes through `cache.update` and transformers' attention interface
 (every transformers decoder with full attention: Llama, Mistral, Qwen, ...) work;
@@ -34,15 +37,16 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PAGED_ATTENTION = "specd_paged"  # the attention implementation `use_paged_attention` sets
-NULL_BLOCK = 0  # a block never handed out: padding in a gather reads its (zero) slots
+NULL_BLOCK = 0  # a block never handed out: a block table's padding points at it
 
 
 class KVPool:
     """Every session's keys and values for one model, in fixed blocks allocated up front.
 
-    `keys`/`values`: [layers, blocks × block_tokens, KV heads, head dim]. Block 0 is kept
-    zero and never handed out: gathers read it where a session has no key, so a masked
-    position is a finite zero, never uninitialised memory (0 × NaN would poison a row).
+    `keys`/`values`: [layers, blocks × block_tokens, KV heads, head dim]. Every block is
+    zeroed when it is handed out, and block 0 is never handed out (table padding points
+    at it): a gather reads whole blocks, and the masked positions it reads are then
+    finite, never uninitialised memory (in SDPA, weight 0 × NaN would poison a row).
     Blocks are handed out and taken back from plain list operations, each atomic under the
     GIL: sessions are let go on the event loop and, rarely, on the model's thread.
     """
@@ -61,17 +65,39 @@ class KVPool:
         self.values[:, :block_tokens].zero_()
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # pop() hands out low blocks first
         self.block_bytes = 2 * layers * block_tokens * kv_heads * head_dim * self.keys.element_size()
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # see `gather`
 
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
     def allocate(self) -> int | None:
-        """One free block (None: the pool is full)."""
+        """One free block, zeroed (None: the pool is full)."""
         try:
-            return self._free.pop()
+            block = self._free.pop()
         except IndexError:
             return None
+        slots = slice(block * self.block_tokens, (block + 1) * self.block_tokens)
+        self.keys[:, slots].zero_()
+        self.values[:, slots].zero_()
+        return block
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values of `blocks` (a flat list of block tables), in order:
+        two [len(blocks), block_tokens, KV heads, head dim] tensors.
+
+        They are views of two scratch buffers the pool keeps and grows (on the model's
+        thread, the only caller): a fresh output per call would cost the page faults of
+        megabytes of new memory on every layer of every forward.
+        """
+        shape = (self.blocks, self.block_tokens, *self.keys.shape[2:])
+        needed = blocks.shape[0]
+        if self._scratch is None or self._scratch[0].shape[0] < needed:
+            self._scratch = (self.keys.new_empty((needed, *shape[1:])), self.values.new_empty((needed, *shape[1:])))
+        keys, values = self._scratch[0][:needed], self._scratch[1][:needed]
+        torch.index_select(self.keys[layer].view(shape), 0, blocks, out=keys)
+        torch.index_select(self.values[layer].view(shape), 0, blocks, out=values)
+        return keys, values
 
     def release(self, blocks: list[int]) -> None:
         """Take a let-go session's blocks back."""
@@ -153,16 +179,20 @@ class BatchCache:
     """The cache object of ONE batched forward (duck-typed transformers `Cache`), with the
     index tensors every layer shares; built by `prepare`.
 
-    write_slots [Σ T]: the slot of each new token. read_slots [B, L]: the slot of each key
-    a row's queries may read (the null block past a row's end). allowed [B, 1, T, L]:
-    which keys each padded query sees (None: one query, which sees them all). query_rows
+    write_slots [Σ T]: the slot of each new token. read_blocks [B × W]: each row's block
+    table, padded to the widest (W blocks) with the null block. keys: how many gathered
+    positions attention reads (W × block_tokens; one row reads just its own). allowed
+    [B, 1, T, keys]: which keys each padded query sees (None: one query, which sees all
+    it reads). query_rows
     [Σ T]: where each new token sits in the padded [B × T] query layout (None: every row
     feeds T tokens, so the ragged row is already that layout).
     """
 
     pool: KVPool
     write_slots: torch.Tensor
-    read_slots: torch.Tensor
+    read_blocks: torch.Tensor
+    batch: int
+    keys: int
     allowed: torch.Tensor | None
     query_rows: torch.Tensor | None
     longest_feed: int  # T
@@ -221,18 +251,20 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
     ends = [start + len(row.tokens) for start, row in zip(starts, rows)]
     widest = max(ends)
     width = -(-widest // size)
-    table = torch.tensor([row.session.blocks[:width] + [NULL_BLOCK] * (width - len(row.session.blocks[:width]))
-                          for row in rows])
-    key_pos = torch.arange(widest)
-    end_t = torch.tensor(ends)[:, None]  # [B, 1]: keys each row holds after this forward
-    read_slots = torch.where(key_pos < end_t, table[:, key_pos // size] * size + key_pos % size, NULL_BLOCK * size)
+    read_blocks = [block for row in rows
+                   for block in row.session.blocks[:width] + [NULL_BLOCK] * (width - len(row.session.blocks[:width]))]
+    # One row reads exactly its keys; several read whole blocks, their tails masked.
+    keys = widest if batch == 1 else width * size
     allowed = None
     if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
+        key_pos = torch.arange(keys)
         query_pos = torch.tensor(starts)[:, None] + torch.arange(longest)  # [B, T]
-        allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t[..., None])).unsqueeze(1).to(device)
+        end_t = torch.tensor(ends)[:, None, None]  # [B, 1, 1]: keys each row holds after this forward
+        allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1).to(device)
     uniform = all(len(row.tokens) == longest for row in rows)
-    cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device), read_slots.to(device),
-                       allowed, None if uniform else torch.tensor(query_rows, device=device), longest)
+    cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device),
+                       torch.tensor(read_blocks, device=device), batch, keys, allowed,
+                       None if uniform else torch.tensor(query_rows, device=device), longest)
     return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
                        torch.tensor(kept, device=device), reads)
 
@@ -255,15 +287,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     cache = batch_cache
     _, heads, tokens, dim = query.shape
-    batch, longest = cache.read_slots.shape[0], cache.longest_feed
+    batch, longest = cache.batch, cache.longest_feed
     if cache.query_rows is None:  # every row feeds `longest` tokens: a view, no copy
         padded = query[0].view(heads, batch, longest, dim).transpose(0, 1)
     else:
         padded = query.new_zeros(batch * longest, heads, dim)
         padded.index_copy_(0, cache.query_rows, query[0].transpose(0, 1))
         padded = padded.view(batch, longest, heads, dim).transpose(1, 2)
-    keys = cache.pool.keys[layer][cache.read_slots].transpose(1, 2)  # [B, KV heads, L, D]
-    values = cache.pool.values[layer][cache.read_slots].transpose(1, 2)
+    keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
+    kv_heads = keys.shape[2]
+    keys = keys.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
+    values = values.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=cache.allowed,
                                                            scale=scaling, enable_gqa=True)
     out = out.transpose(1, 2).reshape(batch * longest, heads, dim)  # [B × T, heads, D]
