@@ -100,8 +100,9 @@ class KVPool:
         return keys, values
 
     def release(self, blocks: list[int]) -> None:
-        """Take a let-go session's blocks back."""
-        self._free.extend(blocks)
+        """Take a let-go session's blocks back (last first, so the next session that takes
+        them gets them in ascending order again: one run, read without a gather)."""
+        self._free.extend(reversed(blocks))
 
 
 class SessionKV:
@@ -181,7 +182,9 @@ class BatchCache:
 
     write_slots [Σ T]: the slot of each new token. read_blocks [B × W]: each row's block
     table, padded to the widest (W blocks) with the null block. keys: how many gathered
-    positions attention reads (W × block_tokens; one row reads just its own). allowed
+    positions attention reads (W × block_tokens; one row reads just its own). run: one
+    row whose blocks are consecutive reads slots [run) of the pool directly, with no
+    gather (a lone session's blocks usually are). allowed
     [B, 1, T, keys]: which keys each padded query sees (None: one query, which sees all
     it reads). query_rows
     [Σ T]: where each new token sits in the padded [B × T] query layout (None: every row
@@ -193,6 +196,7 @@ class BatchCache:
     read_blocks: torch.Tensor
     batch: int
     keys: int
+    run: tuple[int, int] | None
     allowed: torch.Tensor | None
     query_rows: torch.Tensor | None
     longest_feed: int  # T
@@ -255,6 +259,10 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
                    for block in row.session.blocks[:width] + [NULL_BLOCK] * (width - len(row.session.blocks[:width]))]
     # One row reads exactly its keys; several read whole blocks, their tails masked.
     keys = widest if batch == 1 else width * size
+    run = None
+    first = read_blocks[0]
+    if batch == 1 and read_blocks == list(range(first, first + width)):
+        run = (first * size, first * size + keys)
     allowed = None
     if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
         key_pos = torch.arange(keys)
@@ -263,7 +271,7 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
         allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1).to(device)
     uniform = all(len(row.tokens) == longest for row in rows)
     cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device),
-                       torch.tensor(read_blocks, device=device), batch, keys, allowed,
+                       torch.tensor(read_blocks, device=device), batch, keys, run, allowed,
                        None if uniform else torch.tensor(query_rows, device=device), longest)
     return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
                        torch.tensor(kept, device=device), reads)
@@ -294,10 +302,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         padded = query.new_zeros(batch * longest, heads, dim)
         padded.index_copy_(0, cache.query_rows, query[0].transpose(0, 1))
         padded = padded.view(batch, longest, heads, dim).transpose(1, 2)
-    keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
-    kv_heads = keys.shape[2]
-    keys = keys.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
-    values = values.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)
+    if cache.run is not None:  # one row in consecutive blocks: a view of the pool
+        start, stop = cache.run
+        keys = cache.pool.keys[layer][start:stop].transpose(0, 1).unsqueeze(0)  # [1, KV heads, keys, D]
+        values = cache.pool.values[layer][start:stop].transpose(0, 1).unsqueeze(0)
+    else:
+        keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
+        kv_heads = keys.shape[2]
+        keys = keys.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
+        values = values.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=cache.allowed,
                                                            scale=scaling, enable_gqa=True)
     out = out.transpose(1, 2).reshape(batch * longest, heads, dim)  # [B × T, heads, D]

@@ -203,6 +203,27 @@ def test_a_session_gives_its_blocks_back_and_a_fork_copies_its_cache(model_dirs)
     assert pool.free_blocks == 5
 
 
+def test_a_lone_session_reads_the_same_whether_its_blocks_are_consecutive_or_not(model_dirs):
+    """One row reads consecutive blocks as a view of the pool, scattered ones by a gather."""
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    use_paged_attention(model)
+    cpu = torch.device("cpu")
+    pool = _pool(model, blocks=12, block_tokens=4)
+    consecutive, first, second = SessionKV(pool), SessionKV(pool), SessionKV(pool)
+    assert consecutive.reserve(12)
+    for needed in (4, 8, 12):  # interleave two sessions block by block
+        assert first.reserve(needed) and second.reserve(needed)
+    assert consecutive.blocks == [1, 2, 3] and first.blocks == [4, 6, 8]
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    alone = model(input_ids=torch.tensor([prompt])).logits[0]
+    with torch.inference_mode():
+        for session in (consecutive, first):
+            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[:7], 1)], cpu))[0],
+                                       alone[6:7])
+            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[7:], 3)], cpu))[0],
+                                       alone[7:])
+
+
 def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs):
     """A forward of 32 sessions runs as many operators as one of a single session: no
     Python loop over sessions inside a layer (counted with the torch profiler)."""
