@@ -297,6 +297,7 @@ class _Speculation:
         self.generated = 0
         self.steps = 0
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
+        self.no_proposal = _DraftHop([], torch.zeros(0, bounds.vocab_size))  # γ = 0, or the draft is lost
 
     def draft_length(self, policy: DraftLengthPolicy) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
@@ -308,7 +309,7 @@ class _Speculation:
     async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
         """The draft hop. A draft lost for good leaves the request to the verifier alone,
         which is enough for the same output; the client's deadline passing ends it."""
-        empty = _DraftHop([], torch.zeros(0, self.bounds.vocab_size))
+        empty = self.no_proposal  # made once: a plain step should build nothing
         if gamma == 0 or self.draft is None:
             return empty
         request, transform = self.request, self.request.transform
