@@ -10,7 +10,7 @@ import torch
 
 from specd.batching import Job
 from specd.kvstore import SessionKV
-from specd.rejection import Draws, target_verdict
+from specd.rejection import Draws, sample, target_verdict
 from specd.sampling import Transform, probs_from_logits
 from specd.steps import Proposal, Scores
 
@@ -57,7 +57,9 @@ class ProposeJob(Job):
         if self.drafted and float(q.max()) < self.min_confidence:
             return True
         best, second = logits[0].topk(2).indices.tolist()
-        token = best if greedy else int(torch.multinomial(q, 1, generator=self.generator))
+        # Sampled by inverse CDF with a uniform from the step's seeded generator (on the
+        # host): the same draw on any device, and only the token comes back from it.
+        token = best if greedy else sample(q, float(torch.rand((), generator=self.generator, dtype=torch.float64)))
         if not greedy:
             self.probs.append(q)
         self.drafted.append(token)

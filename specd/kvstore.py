@@ -330,11 +330,12 @@ def use_paged_attention(model: PreTrainedModel) -> None:
 @torch.inference_mode()
 def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.device) -> tuple[torch.Tensor, list[slice]]:
     """One batched forward of `rows` (a model set up by `use_paged_attention`): the kept
-    logits [Σ keep, V] and each row's slice of them."""
+    logits [Σ keep, V] in float32 on the model's device, and each row's slice of them."""
     inputs = prepare(rows, device)
     out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache,
                 use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache)
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
-    # The math after the forward is a few small vectors: it runs on the CPU.
-    return out.logits[0].float().cpu(), inputs.kept
+    # The math after the forward runs where the logits are (specd.jobs): only token ids, a
+    # few probabilities and the rows a sampled step needs ever reach the host.
+    return out.logits[0].float(), inputs.kept

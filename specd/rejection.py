@@ -86,7 +86,7 @@ def sample(weights: torch.Tensor, uniform: float) -> int:
     that matters. The same uniform always gives the same token: a seed reproduces a step.
     """
     cumulative = torch.cumsum(weights.double(), 0)
-    at = torch.tensor([uniform * float(cumulative[-1])], dtype=torch.float64)
+    at = (cumulative[-1] * uniform).reshape(1)  # on the weights' device: no copy to the host before the search
     return min(int(torch.searchsorted(cumulative, at, right=True)), weights.shape[0] - 1)
 
 
@@ -109,7 +109,9 @@ def target_verdict(draft_tokens: Sequence[int], draft_token_probs: Sequence[floa
     """
     gamma = len(draft_tokens)
     assert target_probs.shape[0] == gamma + 1 and len(draft_token_probs) == gamma == len(draws.accept)
-    proposed = target_probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+    device = target_probs.device
+    proposed = target_probs[torch.arange(gamma, device=device),
+                            torch.tensor(draft_tokens, dtype=torch.long, device=device)].tolist()
     accepted = accepted_prefix(draft_token_probs, proposed, draws.accept)
     if accepted == gamma:
         return TargetVerdict(gamma, sample(target_probs[gamma], draws.final), None)

@@ -29,8 +29,9 @@ MAX_DRAFT_LENGTH = 128
 # -- distributions ------------------------------------------------------------------------
 
 def pack_distributions(probs: torch.Tensor, sparse: bool) -> worker_pb2.Distributions:
-    """Pack probabilities [n, V] as dense float32 bytes, or their non-zero support when sparse."""
-    probs = probs.float().contiguous()
+    """Pack probabilities [n, V] as dense float32 bytes, or their non-zero support when sparse
+    (the rows leave the model's device here)."""
+    probs = probs.float().cpu().contiguous()
     n, vocab = probs.shape
     if not sparse:
         return worker_pb2.Distributions(positions=n, vocab_size=vocab, probs=probs.numpy().tobytes())
