@@ -28,7 +28,14 @@ from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.v1 import worker_pb2
-from specd.wire import batch_from_pb, identity_to_pb, transform_to_pb, unpack_distributions, verdict_from_pb
+from specd.wire import (
+    batch_from_pb,
+    identity_to_pb,
+    transform_to_pb,
+    unpack_distributions,
+    verdict_from_pb,
+    verdict_problem,
+)
 
 log = logging.getLogger(__name__)
 # What a link sends and receives each step.
@@ -238,6 +245,12 @@ class VerifierLink(WorkerLink):
         response = await self.exchange(committed, build)
         batch = batch_from_pb(response.batch)
         if transform.greedy:
+            if len(response.target_argmax) != len(draft_tokens) + 1:
+                raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} scored {len(response.target_argmax)} "
+                                                            f"positions of {len(draft_tokens) + 1}")
             return Scores(list(response.target_argmax), None, response.forward_ms, batch)
+        problem = verdict_problem(response, len(draft_tokens))
+        if problem is not None:  # a verifier of another protocol: never sample from what it sent
+            raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name}: {problem}")
         return Scores(None, verdict_from_pb(response), response.forward_ms, batch)
 

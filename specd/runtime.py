@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -64,9 +65,11 @@ class SessionStore:
     second stream cannot touch a session while a step of it is in a batch.
     """
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, on_evict: Callable[[str], None] = lambda session_id: None) -> None:
+        """on_evict(session_id): told of every session evicted (what else it holds goes too)."""
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, SessionKV] = OrderedDict()
+        self._on_evict = on_evict
         self.in_use = 0  # sessions taken out by steps in progress
 
     def take(self, session_id: str) -> SessionKV:
@@ -80,7 +83,7 @@ class SessionStore:
     def put(self, session_id: str, session: SessionKV) -> None:
         self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)  # evict the least recently used
+            self._on_evict(self._sessions.popitem(last=False)[0])  # evict the least recently used
 
     def adopt(self) -> None:
         """A step opened a new session: it counts as taken until the step ends."""
@@ -95,7 +98,7 @@ class SessionStore:
         back); False when none is idle."""
         if not self._sessions:
             return False
-        self._sessions.popitem(last=False)
+        self._on_evict(self._sessions.popitem(last=False)[0])
         return True
 
     def drop(self, session_id: str, stream: str | None = None) -> bool:
@@ -146,7 +149,8 @@ class ModelRunner:
         kvstore.use_paged_attention(self.model)
         self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
                            self._pool_blocks(batching, max_sessions))
-        self.sessions = SessionStore(max_sessions)
+        # An evicted session's pre-drafted branches go with it: they hold pool blocks.
+        self.sessions = SessionStore(max_sessions, on_evict=lambda session_id: self.pre_drafts.cancel(session_id))
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
         self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
@@ -175,14 +179,19 @@ class ModelRunner:
     def _pool_blocks(self, batching: BatchSettings, max_sessions: int) -> int:
         """Blocks of the KV pool: --kv-cache-tokens, else room at full context for every
         session the store keeps plus 64 more in steps (a session taken by a step is not
-        counted against max_sessions), within 90% of a GPU's free memory. On a CPU, pages
-        nobody writes cost no memory."""
+        counted against max_sessions), within half of the memory free when the model
+        loads (the GPU's, or the host's): the other half is for activations, the gather
+        buffers and the models loaded after this one. On a CPU, pages nobody writes cost
+        no memory, but the allocation must still fit."""
         block_bytes = self.kv_bytes_per_token() * batching.block_tokens
         tokens = batching.kv_cache_tokens or (max_sessions + 64) * self.info.max_context
         blocks = -(-tokens // batching.block_tokens) + 1  # + the null block
-        if self.device.type == "cuda" and not batching.kv_cache_tokens:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            blocks = min(blocks, int(0.9 * free) // block_bytes)
+        if not batching.kv_cache_tokens:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+            else:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            blocks = min(blocks, free // 2 // block_bytes)
         return max(blocks, 2)
 
     def _reserve(self, session: SessionKV, needed: int) -> None:
@@ -223,7 +232,7 @@ class ModelRunner:
         session.tokens = session.tokens[:start] + list(tokens)
         try:
             self._reserve(session, session.length + len(feed) + extra)
-        except Overloaded:
+        except BaseException:
             self.sessions.release()
             raise
         return session, feed

@@ -76,6 +76,20 @@ def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
     return Draws(tuple(accept), final)
 
 
+def verdict_problem(response: worker_pb2.VerifyResponse, gamma: int) -> str | None:
+    """Why a sampled step's answer is not a protocol-2 verdict on γ draft tokens (None: it is).
+
+    A verdict is the bonus token with every token accepted, or a rejection before the
+    end with exactly one row; a verifier of protocol 1 sent γ+1 rows and no verdict.
+    """
+    if response.HasField("bonus_token"):
+        return None if response.accepted == gamma else f"a bonus token after {response.accepted} of {gamma} accepted"
+    if response.accepted >= gamma or response.target_probs.positions != 1:
+        return (f"no verdict on {gamma} draft tokens ({response.accepted} accepted, "
+                f"{response.target_probs.positions} rows): is the verifier of worker protocol 2?")
+    return None
+
+
 def verdict_from_pb(response: worker_pb2.VerifyResponse) -> TargetVerdict:
     """The verifier's verdict on a sampled step: the bonus token, or the rejected position's row."""
     if response.HasField("bonus_token"):

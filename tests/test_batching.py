@@ -21,6 +21,7 @@ from specd.config import BatchSettings
 from specd.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.runtime import ModelRunner
 from specd.sampling import Transform
+from specd.steps import PreDraftRequest
 from specd.v1 import gateway_pb2
 from test_cli import free_port
 from test_pipeline import reference_greedy
@@ -286,3 +287,19 @@ def test_a_step_reports_the_sessions_its_worker_holds(model_dirs):
 def test_bad_batch_settings_are_named():
     assert "kv_cache_tokens must be >= 0" in " ".join(BatchSettings(kv_cache_tokens=-1).problems())
     assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()
+
+
+def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs):
+    """Pre-drafted branches hold KV blocks: a session evicted from the store must not leave
+    them pending for good."""
+    runner = ModelRunner(model_dirs["close"], max_sessions=1)
+
+    async def scenario() -> tuple[int, int]:
+        await runner.propose("a", 0, [5, 6, 7], 3, Transform(), 0, pre_draft=PreDraftRequest(3, 0))
+        pending = len(runner.pre_drafts)
+        await runner.propose("b", 0, [5, 6, 8], 3, Transform(), 0)  # the store keeps one: "a" goes
+        left = len(runner.pre_drafts)
+        await runner.close()
+        return pending, left
+
+    assert asyncio.run(scenario()) == (1, 0)

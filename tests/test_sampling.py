@@ -6,7 +6,8 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specd.sampling import Transform, probs_from_logits
-from specd.wire import pack_distributions, unpack_distributions
+from specd.v1 import worker_pb2
+from specd.wire import pack_distributions, unpack_distributions, verdict_problem
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
@@ -39,3 +40,16 @@ def test_pack_round_trip(sparse):
     if sparse:
         assert len(message.probs) == 4 * 5 * 4  # only the support travels
     assert torch.equal(unpack_distributions(message), probs)
+
+
+def test_an_answer_that_is_not_a_protocol_2_verdict_is_named():
+    """A verifier of worker protocol 1 answered a sampled step with γ+1 rows and no verdict;
+    the gateway must refuse that, never sample a recovered token from the first row."""
+    def rows(n: int) -> worker_pb2.Distributions:
+        return pack_distributions(torch.full((n, 5), 0.2), False)
+
+    assert verdict_problem(worker_pb2.VerifyResponse(target_probs=rows(4)), 3) is not None
+    assert verdict_problem(worker_pb2.VerifyResponse(target_probs=rows(1)), 0) is not None
+    assert verdict_problem(worker_pb2.VerifyResponse(accepted=2, bonus_token=4), 3) is not None
+    assert verdict_problem(worker_pb2.VerifyResponse(accepted=1, target_probs=rows(1)), 3) is None
+    assert verdict_problem(worker_pb2.VerifyResponse(accepted=3, bonus_token=4), 3) is None
