@@ -86,8 +86,8 @@ class BatchSettings:
     prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
     max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
     block_tokens: int = 16  # positions per block of the KV pool (specd.kvstore; 16 measured best on a CPU)
-    # Positions the KV pool holds, all sessions together; 0: every session at full context
-    # (within 90% of a GPU's free memory).
+    # Positions the KV pool holds, all sessions together; 0: every session at full context,
+    # within half the memory free when the model loads (the GPU's, or the host's).
     kv_cache_tokens: int = 0
     # How long a forward may wait for the steps of other open sessions to arrive, so that
     # they share it, at most a quarter of a recent forward's time; 0: start at once.

@@ -104,7 +104,7 @@ def _batch_args(parser: argparse.ArgumentParser) -> None:
                         help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
     parser.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens,
                         help="positions the KV pool holds, all sessions together (default 0: every session "
-                             "at full context; on a GPU within 90%% of its free memory)")
+                             "at full context, within half the memory free at load, the GPU's or the host's)")
     parser.add_argument("--batch-wait-ms", type=float, default=d.max_wait_ms,
                         help=f"how long a forward may wait for other open sessions' steps to share it, at most "
                              f"a quarter of a forward (default {d.max_wait_ms}; 0: start at once)")
