@@ -73,7 +73,7 @@ def accepted_prefix(draft_token_probs: Sequence[float], target_token_probs: Sequ
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)) unnormalised [V]: the law of the token after a rejection."""
+    """max(0, p − q) [V]: the weights (`sample` normalises them) of the token after a rejection."""
     weights = torch.clamp(target_probs - draft_probs, min=0.0)
     # p == q up to rounding: rejection had probability ~0, and p itself is the law.
     return weights if weights.sum() > 0 else target_probs
@@ -129,21 +129,3 @@ def finish_verdict(verdict: TargetVerdict, draft_probs: torch.Tensor, draws: Dra
     p, q = (torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in (p, q))
     return StepOutcome(verdict.accepted, sample(residual(p, q), draws.final), False)
 
-
-def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     draws: Draws) -> StepOutcome:
-    """Accept a prefix of the draft tokens and sample one more token, exactly, with every row
-    at hand: the reference the split step (`accepted_prefix` on the verifier, `residual` and
-    `sample` on the gateway) is tested against, draw for draw.
-
-    draft_tokens: [γ] int64; draft_probs: [γ, V] (q); target_probs: [γ+1, V] (p).
-    γ may be 0: then this is a plain sample from p₁.
-    """
-    gamma = draft_tokens.shape[0]
-    assert draft_probs.shape[0] == gamma and target_probs.shape[0] == gamma + 1 and len(draws.accept) == gamma
-    positions = torch.arange(gamma)
-    accepted = accepted_prefix(draft_probs[positions, draft_tokens].tolist(),
-                               target_probs[positions, draft_tokens].tolist(), draws.accept)
-    if accepted == gamma:
-        return StepOutcome(gamma, sample(target_probs[gamma], draws.final), True)
-    return StepOutcome(accepted, sample(residual(target_probs[accepted], draft_probs[accepted]), draws.final), False)
