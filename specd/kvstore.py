@@ -139,12 +139,10 @@ class SessionKV:
             self.blocks.append(block)
         return True
 
-    def slots(self, start: int, stop: int) -> torch.Tensor:
-        """Slot numbers of positions [start, stop) (all reserved), as a long tensor."""
-        size = self.pool.block_tokens
-        positions = torch.arange(start, stop)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return table[positions // size] * size + positions % size
+    def slots(self, start: int, stop: int) -> list[int]:
+        """Slot numbers of positions [start, stop) (all reserved)."""
+        size, blocks = self.pool.block_tokens, self.blocks
+        return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
     def fork(self, keep: int, needed: int) -> SessionKV | None:
         """A new session holding a copy of this one's first `keep` cached positions and
@@ -154,7 +152,7 @@ class SessionKV:
             return None
         if keep:
             device = self.pool.keys.device
-            source, target = self.slots(0, keep).to(device), fork.slots(0, keep).to(device)
+            source, target = (torch.tensor(s.slots(0, keep), device=device) for s in (self, fork))
             self.pool.keys[:, target] = self.pool.keys[:, source]
             self.pool.values[:, target] = self.pool.values[:, source]
         fork.length = keep
@@ -180,15 +178,17 @@ class BatchCache:
     """The cache object of ONE batched forward (duck-typed transformers `Cache`), with the
     index tensors every layer shares; built by `prepare`.
 
-    write_slots [Σ T]: the slot of each new token. read_blocks [B × W]: each row's block
-    table, padded to the widest (W blocks) with the null block. keys: how many gathered
-    positions attention reads (W × block_tokens; one row reads just its own). run: one
-    row whose blocks are consecutive reads slots [run) of the pool directly, with no
-    gather (a lone session's blocks usually are). allowed
-    [B, 1, T, keys]: which keys each padded query sees (None: one query, which sees all
-    it reads). query_rows
-    [Σ T]: where each new token sits in the padded [B × T] query layout (None: every row
-    feeds T tokens, so the ragged row is already that layout).
+    - write_slots [Σ T]: the slot of each new token.
+    - read_blocks [B × W]: each row's block table, padded to the widest (W blocks) with the
+      null block.
+    - keys: how many gathered positions attention reads (W × block_tokens; one row reads
+      just its own).
+    - run: one row whose blocks are consecutive reads slots [run) of the pool directly,
+      with no gather (a lone session's blocks usually are).
+    - allowed [B, 1, T, keys]: which keys each padded query sees (None: one query, which
+      sees all it reads).
+    - query_rows [Σ T]: where each new token sits in the padded [B × T] query layout
+      (None: every row feeds T tokens, so the ragged row is already that layout).
     """
 
     pool: KVPool
@@ -228,8 +228,8 @@ class BatchInputs:
 def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
     """Lay the rows out for one forward; every session has reserved room for its feed.
 
-    Per-token indices are made in Python (a decoding step feeds a few tokens per row);
-    the per-key ones ([B, L]: read slots and the mask) in a few tensor operations.
+    Per-token indices and block tables are made in Python (a decoding step feeds a few
+    tokens per row); the mask [B, 1, T, keys] in a few tensor operations.
     """
     size = rows[0].session.pool.block_tokens
     batch, longest = len(rows), max(len(row.tokens) for row in rows)
@@ -247,8 +247,7 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
         kept += range(len(ids) + n - row.keep, len(ids) + n)
         ids += row.tokens
         positions += range(start, start + n)
-        blocks = session.blocks
-        write_slots += [blocks[p // size] * size + p % size for p in range(start, start + n)]
+        write_slots += session.slots(start, start + n)
         query_rows += range(b * longest, b * longest + n)
         starts.append(start)
     kept = kept or [len(ids) - 1]  # an empty index would mean "every position" to transformers
