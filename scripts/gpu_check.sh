@@ -9,10 +9,8 @@
 # Never needed for the test suite; see docs/performance.md ("GPU check").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null ||
-  { ./scripts/setup.sh; }
+./scripts/setup.sh
 py=.venv/bin/python
-[[ -x $py ]] || ./scripts/setup.sh
 $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this check needs a GPU'"
 out=bench-out/gpu
 mkdir -p "$out"
