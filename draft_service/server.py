@@ -80,13 +80,13 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         await workerservice.refuse_problems(context, problems)
-        stream.opened(runner, delta.session_id)
+        session = stream.session(runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
         proposal = await workerservice.traced_step(
             _TRACER, "specd.draft.propose", request.trace_context.carrier,
-            runner.propose(delta.session_id, delta.start, list(delta.tokens), request.draft_length, transform,
-                           request.seed, request.min_confidence, stream.id, request.vocab_limit, pre_draft),
+            runner.propose(session, delta.start, list(delta.tokens), request.draft_length, transform,
+                           request.seed, request.min_confidence, request.vocab_limit, pre_draft),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)

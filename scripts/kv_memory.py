@@ -30,7 +30,7 @@ async def main() -> None:
     args = parser.parse_args()
     runner = ModelRunner(args.model, max_sessions=args.sessions)
     await runner.score("warm-up", 0, [5] * 16, [], Transform())
-    runner.end_session("warm-up", "")
+    runner.end_session("warm-up")
     before = rss_mb()
     for i in range(args.sessions):
         # tokens - 1 committed plus one scored position: `tokens` cached positions each.

@@ -113,11 +113,10 @@ class SessionKV:
     in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens` of every layer.
     """
 
-    def __init__(self, pool: KVPool, stream: str = "") -> None:
+    def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.length = 0
         self.tokens: list[int] = []
-        self.stream = stream  # the worker stream that opened it; only that stream's end drops it
         self.blocks: list[int] = []
         # The blocks go back when the session is garbage, whoever let go of it last.
         weakref.finalize(self, pool.release, self.blocks)
@@ -147,7 +146,7 @@ class SessionKV:
     def fork(self, keep: int, needed: int) -> SessionKV | None:
         """A new session holding a copy of this one's first `keep` cached positions and
         tokens, with room for `needed` positions (None: the pool is full)."""
-        fork = SessionKV(self.pool, self.stream)
+        fork = SessionKV(self.pool)
         if not fork.reserve(max(needed, keep)):
             return None
         if keep:

@@ -101,15 +101,9 @@ class SessionStore:
         self._on_evict(self._sessions.popitem(last=False)[0])
         return True
 
-    def drop(self, session_id: str, stream: str | None = None) -> bool:
-        """Forget a session; with `stream`, only if that stream opened it (a request that
-        re-opened its session on a new stream must not lose it to the old one's end).
-        True when it was forgotten."""
-        session = self._sessions.get(session_id)
-        if session is not None and (stream is None or session.stream == stream):
-            del self._sessions[session_id]
-            return True
-        return False
+    def drop(self, session_id: str) -> bool:
+        """Forget a session; True when it was held (idle)."""
+        return self._sessions.pop(session_id, None) is not None
 
     def kv_bytes(self) -> int:
         """Bytes of KV storage held by the idle sessions (steps in progress hold theirs)."""
@@ -160,9 +154,9 @@ class ModelRunner:
         await self.scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def end_session(self, session_id: str, stream: str) -> None:
+    def end_session(self, session_id: str) -> None:
         """Forget a session once the stream that opened it ends (and any branches pre-drafted for it)."""
-        if self.sessions.drop(session_id, stream):
+        if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -205,8 +199,7 @@ class ModelRunner:
 
     # -- session bookkeeping (on the event loop) ----------------------------------------
 
-    def _sync(self, session_id: str, start: int, tokens: list[int], stream: str,
-              extra: int) -> tuple[SessionKV, list[int]]:
+    def _sync(self, session_id: str, start: int, tokens: list[int], extra: int) -> tuple[SessionKV, list[int]]:
         """Take the session, crop it to `start` known tokens, and return what to feed next,
         with room in the pool for the feed and `extra` positions after it.
 
@@ -219,7 +212,7 @@ class ModelRunner:
                                   f"{self.info.vocab_size}")
         if start == 0:
             self.sessions.drop(session_id)
-            session = SessionKV(self.pool, stream)
+            session = SessionKV(self.pool)
             self.sessions.adopt()
         else:
             session = self.sessions.take(session_id)
@@ -254,8 +247,8 @@ class ModelRunner:
     # -- the two operations the services expose -----------------------------------------
 
     async def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
-                      transform: Transform, seed: int, min_confidence: float = 0.0, stream: str = "",
-                      vocab_limit: int = 0, pre_draft: PreDraftRequest | None = None) -> Proposal:
+                      transform: Transform, seed: int, min_confidence: float = 0.0, vocab_limit: int = 0,
+                      pre_draft: PreDraftRequest | None = None) -> Proposal:
         """Draft side: bring the session up to date and propose up to `draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
@@ -271,10 +264,10 @@ class ModelRunner:
                                       vocab_limit)
         proposal = job = None
         if branch is not None:
-            proposal, job = await self._adopt(session_id, branch, draft_length, stream)
+            proposal, job = await self._adopt(session_id, branch, draft_length)
         if proposal is None:
             # The guess a pre-drafted branch may feed, then the drafted tokens fed back.
-            session, feed = self._sync(session_id, start, tokens, stream, draft_length + 1)
+            session, feed = self._sync(session_id, start, tokens, draft_length + 1)
             if not feed:
                 self.sessions.release()
                 raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
@@ -288,15 +281,14 @@ class ModelRunner:
             proposal = replace(proposal, pre_draft=settled)
         return proposal
 
-    async def _adopt(self, session_id: str, branch: Branch, draft_length: int,
-                     stream: str) -> tuple[Proposal | None, ProposeJob | None]:
+    async def _adopt(self, session_id: str, branch: Branch,
+                     draft_length: int) -> tuple[Proposal | None, ProposeJob | None]:
         """Answer from a pre-drafted branch: its session becomes the session's (None: it failed)."""
         try:
             full = await branch.task
         except (Exception, asyncio.CancelledError):
             return None, None
         session = branch.job.session
-        session.stream = stream
         cut = len(full.tokens) - min(draft_length, len(full.tokens))  # a shorter γ takes a prefix
         if cut:
             session.tokens = session.tokens[:-cut]
@@ -310,7 +302,7 @@ class ModelRunner:
                         pre_drafted=True), branch.job
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
-                    transform: Transform, stream: str = "", draft_token_probs: Sequence[float] = (),
+                    transform: Transform, draft_token_probs: Sequence[float] = (),
                     draws: Draws | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
@@ -326,7 +318,7 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
-        session, feed = self._sync(session_id, start, tokens, stream, len(draft_tokens))
+        session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
         if not feed:
             self.sessions.release()
             raise InvalidArgument("nothing to score: a step must carry at least one new committed token")

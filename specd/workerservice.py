@@ -4,7 +4,10 @@ Both workers serve one bidi stream per client request, one step message at a tim
 check the message (refusing a stream meant for another model, or a step that cannot
 run), run the step on the model's thread under a span that is the child of the
 gateway's step span, convert, answer; when the stream ends, for whatever reason, the
-sessions it opened are forgotten. Failures leave as statuses through
+sessions it opened are forgotten. A session belongs to the stream that opened it: the
+runtime knows it by the stream's id and the gateway's session id together, so a step
+from another stream or connection that names the same session id reaches a different
+session (NOT_FOUND unless it opens its own) and changes nothing of the first. Failures leave as statuses through
 `specd.interceptors` (`SessionNotFound` NOT_FOUND, `Overloaded` RESOURCE_EXHAUSTED,
 `InvalidArgument` INVALID_ARGUMENT); nothing here catches to abort.
 """
@@ -31,19 +34,22 @@ Result = TypeVar("Result")
 
 
 class StepStream:
-    """One client stream: tags the sessions it opens (`id`), and ends them when it ends."""
+    """One client stream: the owner of the sessions it opens, which end when it ends."""
 
     def __init__(self) -> None:
         self.id = uuid.uuid4().hex
         self._opened: dict[tuple[int, str], tuple[ModelRunner, str]] = {}
 
-    def opened(self, runner: ModelRunner, session_id: str) -> None:
-        """A step of this stream is about to touch the session."""
-        self._opened[(id(runner), session_id)] = (runner, session_id)
+    def session(self, runner: ModelRunner, session_id: str) -> str:
+        """The runtime's key of this stream's session `session_id` on `runner`, which a
+        step of this stream is about to touch."""
+        key = f"{self.id}/{session_id}"
+        self._opened[(id(runner), key)] = (runner, key)
+        return key
 
     def end(self) -> None:
-        for runner, session_id in self._opened.values():
-            runner.end_session(session_id, self.id)
+        for runner, key in self._opened.values():
+            runner.end_session(key)
 
 
 async def serve_steps(requests: AsyncIterator[Request],

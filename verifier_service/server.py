@@ -48,11 +48,11 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         transform = wire.transform_from_pb(request.transform)
         problems = wire.step_problems(target.info, delta, transform, len(request.draft_tokens))
         await workerservice.refuse_problems(context, problems)
-        stream.opened(target, delta.session_id)
+        session = stream.session(target, delta.session_id)
         scores = await workerservice.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
-            target.score(delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         stream.id, list(request.draft_token_probs), wire.draws_from_pb(request)),
+            target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
+                         list(request.draft_token_probs), wire.draws_from_pb(request)),
             lambda scores: {
                 **workerservice.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
