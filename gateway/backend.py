@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.budgets import BudgetSettings, SlowMark, StepBudget
 from gateway.endpointslices import EndpointSliceWatcher
 from gateway.router import NoEndpoint, Router, parse_addresses
 from specd.config import ClientTLS, GatewaySettings
@@ -46,11 +48,15 @@ class IncompatibleDraft(RuntimeError):
 class WorkerPool:
     """One worker service: its router and a channel to each of its endpoints."""
 
-    def __init__(self, name: str, router: Router, stub_class: Callable,
+    def __init__(self, name: str, router: Router, stub_class: Callable, budget: BudgetSettings,
                  watcher: EndpointSliceWatcher | None = None, tls: ClientTLS = ClientTLS(),
                  server_name: str = "") -> None:
         self.name = name
         self.router = router
+        # How long a step may take (learned from this service's steps), and whether the
+        # service is left alone for being slow (gateway.budgets; the draft's links use it).
+        self.budget = StepBudget(budget)
+        self.slow = SlowMark()
         self.watcher = watcher
         self.tls = tls
         # The name the endpoints' certificates are checked against when dialled by IP
@@ -93,6 +99,17 @@ class WorkerPool:
             channel, _ = self._channels.pop(address)
             asyncio.get_running_loop().create_task(channel.close())
 
+    async def serving(self, address: str, timeout_s: float) -> bool:
+        """Whether the endpoint answers its grpc.health.v1 check with SERVING within timeout_s."""
+        self.stub(address)  # the channel the endpoint's requests use
+        channel = self._channels[address][0]
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                    timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def model_infos(self, timeout_s: float) -> list[worker_pb2.ModelInfo]:
         """Ask one ready endpoint which models the service hosts (as it answers: `connect`
         keeps `specd.steps.ModelInfo`s, the verifier's tokenizer files aside)."""
@@ -121,17 +138,17 @@ class WorkerPool:
 
 
 async def _pool(name: str, addresses: str, service: str, namespace: str, stub_class: Callable,
-                timeout_s: float, tls: ClientTLS) -> WorkerPool:
+                timeout_s: float, tls: ClientTLS, budget: BudgetSettings) -> WorkerPool:
     """A static pool over a comma list of addresses, or one that watches a Kubernetes Service."""
     if not service:
-        return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class, tls=tls)
+        return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class, budget, tls=tls)
     router = Router(name)
     watcher = EndpointSliceWatcher(router, service, namespace or None).start()
     if not await asyncio.to_thread(watcher.wait_synced, timeout_s):
         watcher.stop()
         raise ConnectionError(f"could not list the EndpointSlices of Service {service!r} within {timeout_s} s")
     # Pods are dialled by IP: their certificates name the Service (`specd certs` does).
-    return WorkerPool(name, router, stub_class, watcher, tls, server_name=service)
+    return WorkerPool(name, router, stub_class, budget, watcher, tls, server_name=service)
 
 
 @dataclass
@@ -196,7 +213,8 @@ async def connect(settings: GatewaySettings) -> Backend:
     """Reach the workers, fetch their models, check them, build the tokenizer."""
     timeout = settings.worker_timeout_s
     verifier = await _pool("verifier", settings.verifier_address, settings.verifier_service,
-                           settings.namespace, worker_pb2_grpc.VerifierStub, timeout, settings.worker_tls)
+                           settings.namespace, worker_pb2_grpc.VerifierStub, timeout, settings.worker_tls,
+                           BudgetSettings(settings.verifier_step_floor_s, settings.step_budget_factor))
     draft = None
     try:
         (target_pb,) = await verifier.model_infos(timeout)
@@ -205,7 +223,8 @@ async def connect(settings: GatewaySettings) -> Backend:
         problems: dict[str, str] = {}
         if settings.draft_address or settings.draft_service:
             draft = await _pool("draft", settings.draft_address, settings.draft_service, settings.namespace,
-                                worker_pb2_grpc.DraftStub, timeout, settings.worker_tls)
+                                worker_pb2_grpc.DraftStub, timeout, settings.worker_tls,
+                                BudgetSettings(settings.draft_step_floor_s, settings.step_budget_factor))
             drafts = [model_info_from_pb(info) for info in await draft.model_infos(timeout)]
             problems = check_drafts(target, drafts, settings.task_drafts)
             for problem in problems.values():

@@ -22,7 +22,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from gateway.errors import WorkerError
+from gateway.errors import DraftSkipped, WorkerError
 from specd.acceptance import Counts
 from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
@@ -129,7 +129,8 @@ class DraftClient(Protocol):
     async def propose(self, committed: list[int], draft_length: int, transform: Transform, seed: int,
                       draft_model: str, min_confidence: float, vocab_limit: int, carrier: dict[str, str],
                       pre_draft: PreDraftRequest | None = None) -> Proposal:
-        """Up to γ draft tokens after `committed`, with q unless greedy."""
+        """Up to γ draft tokens after `committed`, with q unless greedy; DraftSkipped when
+        the draft cannot answer this step in time."""
         ...
 
     def advance(self, position: int) -> None:
@@ -307,8 +308,9 @@ class _Speculation:
         return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
 
     async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
-        """The draft hop. A draft lost for good leaves the request to the verifier alone,
-        which is enough for the same output; the client's deadline passing ends it."""
+        """The draft hop. A draft that sits the step out (DraftSkipped: too slow) leaves this
+        step to the verifier alone, a draft lost for good the whole request, which is enough
+        for the same output; the client's deadline passing ends it."""
         empty = self.no_proposal  # made once: a plain step should build nothing
         if gamma == 0 or self.draft is None:
             return empty
@@ -323,6 +325,9 @@ class _Speculation:
         try:
             proposal = await self.draft.propose(self.committed, gamma, transform, seed, request.draft_model,
                                                 request.min_confidence, self.bounds.vocab_size, carrier, pre_draft)
+        except DraftSkipped as exc:
+            log.info("%s", exc)
+            return empty
         except WorkerError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise  # the client's deadline passed: the request is over, not just the draft

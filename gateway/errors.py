@@ -20,3 +20,8 @@ class WorkerError(SpecdError):
         super().__init__(message)
         self.code = code
         self.status = code.name
+
+
+class DraftSkipped(SpecdError):
+    """The draft sits this step out: it is marked slow (`gateway.budgets`), or this step ran
+    past its budget. The step goes on without a proposal; the request is not affected."""

@@ -9,6 +9,7 @@ a session whose pod went away is re-opened on another pod from those tokens
                       holds it while that pod is listed and ready, else the least-loaded
                       ready pod
     fail_over(sid)    the session's pod failed it: move it to another ready pod
+    has_alternative(sid)  whether another ready pod could take the session
     release(sid)      the session is over
     set_endpoints(…)  the service's pods and their readiness changed
 
@@ -123,6 +124,12 @@ class Router:
             if failed is not None:
                 self._suspect_until[failed] = self._clock() + self._suspect_s
             return self._move(session_id, avoid=failed)
+
+    def has_alternative(self, session_id: str) -> bool:
+        """Whether a ready endpoint other than the session's own is there to move it to."""
+        with self._lock:
+            current = self._session_at.get(session_id)
+            return any(ok and address != current for address, ok in self._ready.items())
 
     def release(self, session_id: str) -> None:
         """The session is over; its endpoint's load drops. Unknown ids are ignored."""

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from gateway.auth import ApiKeyInterceptor, KeyRing
-from gateway.backend import Backend, WorkerPool, connect
+from gateway.backend import Backend, connect
 from gateway.engine import (
     DraftLengthPolicy,
     Finish,
@@ -29,6 +29,7 @@ from gateway.engine import (
     speculate,
 )
 from gateway.errors import InvalidRequest, WorkerError
+from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
 from gateway.request import ParsedRequest
@@ -174,20 +175,13 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
     left of it, so a worker ends the session by itself when the request expires.
     """
     session_id = uuid.uuid4().hex
-    link = LinkSettings(session_id, settings.worker_timeout_s, settings.max_session_reopens,
-                        settings.worker_connect_timeout_s, deadline)
-
-    def on(pool: WorkerPool, rpc: str) -> tuple[Callable[[bool, float | None], grpc.aio.StreamStreamCall],
-                                               Callable[[], None]]:
-        return (lambda moved, timeout: pool.open_stream(session_id, rpc, moved, metadata, timeout),
-                lambda: pool.router.release(session_id))
-
-    verifier = VerifierLink("verifier", *on(backend.verifier, "Verify"), link, backend.target)
+    link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline)
+    verifier = VerifierLink("verifier", backend.verifier, "Verify", link, backend.target, metadata)
     draft = None
     if draft_model:
         assert backend.draft is not None  # a draft model is chosen only with a draft service
-        draft = DraftLink(f"draft {draft_model!r}", *on(backend.draft, "Propose"), link,
-                          backend.drafts[draft_model])
+        draft = DraftLink(f"draft {draft_model!r}", backend.draft, "Propose", link, backend.drafts[draft_model],
+                          metadata)
     return draft, verifier
 
 
@@ -494,18 +488,23 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
                                           selector)
 
+    watch: asyncio.Task | None = None  # the verifiers' liveness, once the server runs
+
     async def stop() -> None:
+        if watch is not None:
+            watch.cancel()
         servicer._parser.shutdown(wait=False, cancel_futures=True)
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
         await backend.close()
 
+    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     running = await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name], interceptors=interceptors,
-        on_stop=stop, options=edge_options(settings))
+        [service], interceptors=interceptors, on_stop=stop, options=edge_options(settings))
     running.servicer = servicer
+    watch = asyncio.get_running_loop().create_task(watch_verifiers(backend.verifier, running.health, [service]))
     return running
 
 

@@ -10,6 +10,11 @@ re-sends the whole committed sequence: workers are caches, the gateway holds the
 The first message of every stream names the model the gateway expects; a worker holding
 another one (FAILED_PRECONDITION: swapped behind the address) is treated as lost: the
 session moves to another endpoint, and no answer from the wrong model is ever used.
+A worker that hangs fails nothing by itself, so every step has a budget learned from
+measured step times (`gateway.budgets`): a draft step past it is skipped (the step goes
+on without a proposal, and the draft service is left alone until a probe finds it
+answering); a verifier step past it moves the session to another verifier, or ends the
+request with UNAVAILABLE when there is none.
 This is the gateway's side of the worker protocol: it builds the step messages and turns
 the answers back into `specd.steps` types, through `specd.wire`.
 """
@@ -20,10 +25,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.errors import WorkerError
+from gateway.errors import DraftSkipped, WorkerError
 from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
@@ -36,6 +42,9 @@ from specd.wire import (
     verdict_from_pb,
     verdict_problem,
 )
+
+if TYPE_CHECKING:  # the pool is handed in; gateway.backend does not import the links
+    from gateway.backend import WorkerPool
 
 log = logging.getLogger(__name__)
 # What a link sends and receives each step.
@@ -54,7 +63,6 @@ _CORE_WRITE_FAILURE = "Internal error from Core"  # grpc.aio's details for a wri
 @dataclass
 class LinkSettings:
     session_id: str
-    step_timeout_s: float
     max_reopens: int
     connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
     deadline: float | None = None  # the client's deadline (time.monotonic()); None: none
@@ -68,24 +76,28 @@ def _sooner(timeout_s: float, remaining: float | None) -> float:
     return timeout_s if remaining is None else min(timeout_s, remaining)
 
 
+class StepOverBudget(Exception):
+    """A worker did not answer a step within its budget (`gateway.budgets`); the link has
+    dropped the stream, and the session will be re-opened from the committed tokens."""
+
+
 class WorkerLink:
     """One request's session on one worker service, over one bidi stream at a time.
 
-    `open_stream(moved, timeout)` opens the session's stream on the endpoint its router
-    picks; moved=True after the endpoint failed it (unreachable, restarted, too slow), so
-    the router moves the session when another endpoint is ready; timeout is what is left
-    of the client's deadline (None: none). `release()` is called once the request is over
-    (the router forgets the session).
+    The stream is opened through `pool` (its router picks the endpoint; after the
+    endpoint failed the session, moved=True lets it move the session to another), with
+    `metadata` on every stream. Every step is timed against the pool's `StepBudget`.
+    `close()` is called once the request is over (the router forgets the session).
     """
 
-    def __init__(self, name: str, open_stream: Callable[[bool, float | None], grpc.aio.StreamStreamCall],
-                 release: Callable[[], None], settings: LinkSettings,
-                 identity: ModelInfo | None = None) -> None:
+    def __init__(self, name: str, pool: WorkerPool, rpc: str, settings: LinkSettings,
+                 identity: ModelInfo | None = None, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.name = name
         # The model validated at start-up; it opens every stream (None: nothing checked).
         self.identity = identity
-        self._open_stream = open_stream
-        self._release = release
+        self.pool = pool
+        self._rpc = rpc
+        self._metadata = metadata
         self.settings = settings
         self.position = 0  # committed tokens the worker holds; the next delta starts here
         self.reopens = 0  # sessions re-opened over the request (reported in stats)
@@ -99,7 +111,11 @@ class WorkerLink:
         self.position = position
 
     async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], StepMessage]):
-        """Send one step built around the delta the worker lacks; return its response."""
+        """Send one step built around the delta the worker lacks; return its response.
+
+        StepOverBudget when the worker does not answer within the step's budget (or does
+        not accept a new stream within the connect timeout): a hung worker fails nothing.
+        """
         while True:
             remaining = self.settings.remaining()
             if remaining is not None and remaining <= 0:
@@ -109,20 +125,25 @@ class WorkerLink:
                                   f"{self.name}: the request's deadline passed")
             delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
                                              tokens=committed[self.position:])
+            budget = self.pool.budget.seconds(len(delta.tokens))
+            waited = budget  # what the timeout below stands for, if it fires
             try:
                 message = build(delta)
+                sent = time.perf_counter()
                 if self._call is None:
                     if self.identity is not None:
                         message.expected_model.CopyFrom(identity_to_pb(self.identity))
-                    self._call = self._open_stream(self._moved, remaining)
+                    self._call = self.pool.open_stream(self.settings.session_id, self._rpc, self._moved,
+                                                       self._metadata, remaining)
                     # A new stream waits for its endpoint (a restarting worker keeps its
                     # address), but not for ever: a dead one is left for another.
-                    await asyncio.wait_for(self._call.write(message),
-                                           _sooner(self.settings.connect_timeout_s, remaining))
+                    waited = self.settings.connect_timeout_s
+                    await asyncio.wait_for(self._call.write(message), _sooner(waited, remaining))
+                    waited = budget
                 else:
                     await self._call.write(message)
                 # asyncio.timeout, not wait_for: no task wrapped around every step's read.
-                async with asyncio.timeout(_sooner(self.settings.step_timeout_s, remaining)):
+                async with asyncio.timeout(_sooner(budget, remaining)):
                     response = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
@@ -133,12 +154,20 @@ class WorkerLink:
             except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
                 code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
             except TimeoutError:
-                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "the worker did not answer in time"
+                self._drop_call()
+                if remaining is not None and remaining <= waited:  # the client's deadline, not the budget
+                    raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"{self.name}: the request's deadline passed") from None
+                self._moved = True
+                self.position = 0  # re-prefill from the committed tokens
+                raise StepOverBudget(f"{self.name} did not answer a step within {waited:.2f} s (the step "
+                                     f"budget: {self.pool.budget.describe()})") from None
             else:
                 if response is not grpc.aio.EOF:
+                    self.pool.budget.observe(time.perf_counter() - sent)
                     self._failures_in_row = 0
                     # grpc's stubs type EOF as object, which swallows the response's type.
-                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()  # type: ignore[attr-defined]
+                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()  # type: ignore[union-attr]
                     return response
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
             self._drop_call()
@@ -171,7 +200,7 @@ class WorkerLink:
         finished=False (the request failed or the client went away): cancel, so the
         worker stops at once instead of finishing a step nobody will read.
         """
-        self._release()
+        self.pool.router.release(self.settings.session_id)
         if self._call is None:
             return
         call, self._call = self._call, None
@@ -221,7 +250,20 @@ class DraftLink(WorkerLink):
                 message.pre_draft.draft_length, message.pre_draft.seed = pre_draft.draft_length, pre_draft.seed
             return message
 
-        response = await self.exchange(committed, build)
+        slow = self.pool.slow
+        if not slow.ask(self):
+            self._drop_call()  # a hung draft must not hold the session's stream either
+            self.position = 0
+            raise DraftSkipped(f"{self.name} is marked slow; the step goes on without it")
+        try:
+            response = await self.exchange(committed, build)
+        except StepOverBudget as exc:
+            slow.timed_out(self)
+            raise DraftSkipped(str(exc)) from exc
+        except BaseException:
+            slow.abandon(self)
+            raise
+        slow.answered()
         probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
         return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=batch_from_pb(response.batch),
                         pre_drafted=response.pre_drafted)
@@ -242,7 +284,19 @@ class VerifierLink(WorkerLink):
                 message.uniforms.extend((*draws.accept, draws.final))
             return message
 
-        response = await self.exchange(committed, build)
+        for _ in range(self.settings.max_reopens + 1):
+            try:
+                response = await self.exchange(committed, build)
+                break
+            except StepOverBudget as exc:
+                # A hung verifier: another one takes the session, if there is one.
+                if not self.pool.router.has_alternative(self.settings.session_id):
+                    raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{exc}; no other verifier to fail over to") \
+                        from exc
+                log.warning("%s; moving the session to another verifier", exc)
+                self.reopens += 1
+        else:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: every verifier tried was over budget")
         batch = batch_from_pb(response.batch)
         if transform.greedy:
             if len(response.target_argmax) != len(draft_tokens) + 1:

@@ -155,7 +155,11 @@ class GatewaySettings:
     default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
     max_draft_length: int = 16  # requests asking for more are refused
     default_max_new_tokens: int = 128
-    worker_timeout_s: float = 60.0  # how long to wait for a worker at start-up and for each step
+    worker_timeout_s: float = 60.0  # how long to wait for the workers at start-up
+    # Step budgets (gateway.budgets): max(floor, factor × measured p99 step time) per forward.
+    draft_step_floor_s: float = 0.5
+    verifier_step_floor_s: float = 5.0
+    step_budget_factor: float = 4.0
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
     worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
     max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)

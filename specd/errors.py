@@ -19,6 +19,8 @@ hit them prints the message and exits.
         │                                                     in about N ms"
         ├── WorkerError                     gateway/errors.py the code it carries: a worker failed a
         │                                                     step for good (the gateway passes it on)
+        ├── DraftSkipped                    gateway/errors.py none: the draft was too slow for a step,
+        │                                                     which goes on without a proposal
         ├── NoEndpoint (RuntimeError)       gateway/router.py none: the links report it as
         │                                                     UNAVAILABLE and re-open or give up
         ├── IncompatibleDraft (RuntimeError) gateway/backend.py  start-up: a draft's tokenizer differs

@@ -244,7 +244,8 @@ def stalled(model_dirs):
         proxies[role] = loop.run(TcpProxy(port).start())
         return proxies[role].port
 
-    stack = start_stack(model_dirs, front=front, max_streams_per_connection=2)
+    # A draft step budget longer than any test: the stalled draft holds its requests.
+    stack = start_stack(model_dirs, front=front, max_streams_per_connection=2, draft_step_floor_s=120.0)
     stack.draft_proxy = proxies["draft"]
     yield stack
     stack.draft_proxy.resume()

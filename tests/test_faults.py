@@ -188,6 +188,68 @@ def test_verifier_killed_under_serve(serve, expected):
     assert list(response.token_ids) == expected[PROMPTS[1]]
 
 
+# -- specd serve with a worker frozen (SIGSTOP): it fails nothing, it just stops answering ----
+
+def test_draft_frozen_under_serve(serve, expected):
+    """Requests in flight finish by plain decoding within a second or so, unchanged; new ones
+    are served; once the draft answers again a probe finds it and speculation resumes."""
+    draft_pid = serve.pid("draft")
+    frozen = {}
+
+    def freeze():
+        os.kill(draft_pid, signal.SIGSTOP)
+        frozen["at"] = time.monotonic()
+
+    try:
+        outcomes = run_in_flight(serve.stub, freeze)
+        finished_s = time.monotonic() - frozen["at"]
+        assert assert_same_or_unavailable(outcomes, expected, allow_unavailable=False) == len(PROMPTS)
+        assert finished_s < 8, f"the requests in flight took {finished_s:.1f} s after the freeze"
+        served = serve.stub.Generate(request(PROMPTS[2], max_new_tokens=NEW_TOKENS, mode="AUTO"), timeout=5)
+        assert list(served.token_ids) == expected[PROMPTS[2]]
+    finally:
+        os.kill(draft_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while serve.stub.Generate(request(PROMPTS[0], max_new_tokens=8)).stats.proposed_tokens == 0:
+        assert time.monotonic() < deadline, "the gateway never went back to the thawed draft"
+        time.sleep(0.5)
+
+
+def test_verifier_frozen_under_serve(serve, expected):
+    """With no other verifier, a request without a deadline ends UNAVAILABLE in bounded time
+    and the gateway's health says NOT_SERVING; after SIGCONT both recover."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(serve.channel)
+    verifier_pid = serve.pid("verifier")
+    os.kill(verifier_pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            serve.stub.Generate(request(PROMPTS[0], max_new_tokens=NEW_TOKENS))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "did not answer" in err.value.details()
+        assert time.monotonic() - frozen_at < 15
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() - frozen_at < 15, "the gateway's health still says SERVING"
+            time.sleep(0.2)
+    finally:
+        os.kill(verifier_pid, signal.SIGCONT)
+    thawed_at = time.monotonic()
+    while True:
+        try:
+            response = serve.stub.Generate(request(PROMPTS[1], max_new_tokens=NEW_TOKENS), timeout=10)
+            break
+        except grpc.RpcError as exc:
+            assert time.monotonic() - thawed_at < 10, exc
+            time.sleep(0.2)
+    assert list(response.token_ids) == expected[PROMPTS[1]]
+    assert time.monotonic() - thawed_at < 10
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() - thawed_at < 10, "the gateway's health never came back"
+        time.sleep(0.2)
+
+
 # -- connections cut between the gateway and a worker ---------------------------------------
 
 @pytest.mark.parametrize("worker", ["draft", "verifier"])

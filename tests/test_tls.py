@@ -217,11 +217,12 @@ def test_pods_dialled_by_ip_are_checked_against_their_service_name(secure, pki, 
     """How the gateway reaches pods found through EndpointSlices: by IP, checking the
     certificate for the Service's name (`_pool` passes it as server_name)."""
     from gateway.backend import WorkerPool
+    from gateway.budgets import BudgetSettings
     from gateway.router import Router
 
     async def infos():
         pool = WorkerPool("verifier", Router.static("verifier", [f"127.0.0.1:{secure['verifier']}"]),
-                          worker_pb2_grpc.VerifierStub,
+                          worker_pb2_grpc.VerifierStub, BudgetSettings(floor_s=5.0),
                           tls=ClientTLS(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]),
                           server_name=server_name)
         try:

@@ -252,7 +252,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         draft_address=args.draft_address, verifier_service=args.verifier_service,
         draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
         max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
-        worker_timeout_s=args.worker_timeout, auto_policy=args.policy, overlap=args.overlap,
+        worker_timeout_s=args.worker_timeout, draft_step_floor_s=args.draft_step_floor,
+        verifier_step_floor_s=args.verifier_step_floor, step_budget_factor=args.step_budget_factor,
+        auto_policy=args.policy, overlap=args.overlap,
         task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -605,7 +607,17 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-draft-length", type=int, default=GATEWAY.max_draft_length,
                          help="largest γ a request may ask")
     gateway.add_argument("--worker-timeout", type=float, default=GATEWAY.worker_timeout_s,
-                         help="seconds to wait for a worker at start-up and for each step")
+                         help="seconds to wait for the workers at start-up")
+    gateway.add_argument("--step-budget-factor", type=float, default=GATEWAY.step_budget_factor,
+                         help="a worker step may take this many times the service's measured p99 step time "
+                              "(per 128 tokens fed), and never less than its floor (docs/reliability.md)")
+    gateway.add_argument("--draft-step-floor", type=float, default=GATEWAY.draft_step_floor_s, metavar="SECONDS",
+                         help="shortest draft step budget; a draft step past its budget is skipped and the "
+                              f"draft probed later (default {GATEWAY.draft_step_floor_s})")
+    gateway.add_argument("--verifier-step-floor", type=float, default=GATEWAY.verifier_step_floor_s,
+                         metavar="SECONDS",
+                         help="shortest verifier step budget; past it the session moves to another verifier, "
+                              f"or the request ends UNAVAILABLE (default {GATEWAY.verifier_step_floor_s})")
     gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
                          help="reach the workers over TLS, trusting certificates signed by this CA")
     gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
