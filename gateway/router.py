@@ -66,12 +66,15 @@ class EndpointState:
 
 
 def parse_addresses(text: str) -> list[str]:
-    """`"a:1, b:2"` → `["a:1", "b:2"]`; raise ValueError naming a malformed entry."""
+    """`"a:1, b:2"` → `["a:1", "b:2"]`; `unix:/PATH` names a Unix domain socket. Raise
+    ValueError naming a malformed entry."""
     addresses = [part.strip() for part in text.split(",") if part.strip()]
     for address in addresses:
+        if address.startswith("unix:/"):
+            continue
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ValueError(f"worker address {address!r} is not HOST:PORT")
+            raise ValueError(f"worker address {address!r} is not HOST:PORT or unix:/PATH")
     return addresses
 
 

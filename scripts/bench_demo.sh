@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/python scripts/make_unrelated_draft.py
 dtype=${DTYPE:-float32}
 out=bench-out; [[ $dtype == float32 ]] || out=bench-out/$dtype
-.venv/bin/specd serve --port 50061 --draft-port 50062 --verifier-port 50063 --dtype "$dtype" \
+.venv/bin/specd serve --port 50061 --dtype "$dtype" \
   --draft distilled=models/demo/draft-distilled --draft generic=models/demo/draft-generic \
   --draft unrelated=runs/unrelated-draft &
 server=$!

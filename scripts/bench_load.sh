@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/python scripts/make_unrelated_draft.py
-.venv/bin/specd serve --port 50071 --draft-port 50072 --verifier-port 50073 \
+.venv/bin/specd serve --port 50071 \
   --draft distilled=models/demo/draft-distilled --draft unrelated=runs/unrelated-draft &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT

@@ -65,10 +65,13 @@ class ServerSettings:
     # > 0: also serve grpc.health.v1 alone, in plaintext, on this port: Kubernetes' gRPC
     # probes cannot speak TLS, so a TLS server needs a plaintext door for its probes.
     health_port: int = 0
+    # Listen on this Unix domain socket instead of host:port: only processes that may enter
+    # its directory reach it (how `specd serve` keeps its workers private).
+    socket: Path | None = None
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"unix:{self.socket}" if self.socket is not None else f"{self.host}:{self.port}"
 
 
 DRAFT_SELECTIONS = ("task-map", "goodput")

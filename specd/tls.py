@@ -163,9 +163,10 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials | None:
         private_key=key, certificate_chain=cert)
 
 
-def channel_options(tls: ClientTLS, server_name: str = "") -> list[tuple[str, str]]:
-    """The option that checks the server's certificate against a name, not the dialled host."""
-    name = tls.server_name or server_name
+def channel_options(tls: ClientTLS, server_name: str = "", address: str = "") -> list[tuple[str, str]]:
+    """The option that checks the server's certificate against a name, not the dialled host.
+    A Unix domain socket has no host name: its server is checked as `localhost` unless told."""
+    name = tls.server_name or server_name or ("localhost" if address.startswith("unix:") else "")
     return [("grpc.ssl_target_name_override", name)] if tls.enabled and name else []
 
 
@@ -173,7 +174,7 @@ def client_channel(address: str, tls: ClientTLS = ClientTLS(),
                    options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
     """A blocking channel to a specd service: TLS when tls is enabled, else plaintext."""
     credentials = channel_credentials(tls)
-    options = [*options, *channel_options(tls)]
+    options = [*options, *channel_options(tls, address=address)]
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, credentials, options=options)
@@ -183,7 +184,7 @@ def aio_channel(address: str, tls: ClientTLS = ClientTLS(), options: Sequence[tu
                 server_name: str = "") -> grpc.aio.Channel:
     """An asyncio channel to a specd service (the gateway's to its workers)."""
     credentials = channel_credentials(tls)
-    options = [*options, *channel_options(tls, server_name)]
+    options = [*options, *channel_options(tls, server_name, address)]
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, credentials, options=options)

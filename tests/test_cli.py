@@ -27,11 +27,11 @@ def test_serve_without_models_says_what_to_pass(tmp_path):
 
 
 def test_serve_generate_and_stop_together(model_dirs):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port()]
     serve = subprocess.Popen(
         [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
          "--draft", f"close={model_dirs['close']}", "--draft", f"unrelated={model_dirs['unrelated']}",
-         "--port", str(ports[0]), "--draft-port", str(ports[1]), "--verifier-port", str(ports[2])],
+         "--port", str(ports[0])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         result = specd("generate", "def fibonacci(n):", "--gateway", f"127.0.0.1:{ports[0]}",

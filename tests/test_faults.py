@@ -112,8 +112,7 @@ class Serve:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
-             "--draft", f"close={model_dirs['close']}", "--port", str(self.port),
-             "--draft-port", str(free_port()), "--verifier-port", str(free_port()), "--threads", "1"],
+             "--draft", f"close={model_dirs['close']}", "--port", str(self.port), "--threads", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

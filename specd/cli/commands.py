@@ -73,6 +73,9 @@ def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
                              "probes, which cannot speak TLS); 0: off")
     parser.add_argument("--port-file", type=Path, metavar="FILE",
                         help="write the port listened on to this file once serving (with --port 0)")
+    parser.add_argument("--socket", type=Path, metavar="PATH",
+                        help="listen on this Unix domain socket instead of --host/--port: only processes "
+                             "that may enter its directory can connect (how specd serve links its workers)")
 
 
 def _model_args(parser: argparse.ArgumentParser, defaults: DraftSettings | VerifierSettings) -> None:
@@ -113,7 +116,7 @@ def _batch_args(parser: argparse.ArgumentParser) -> None:
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
     tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
     check_server_tls(tls)
-    return ServerSettings(args.host, args.port, args.grace, tls, args.health_port)
+    return ServerSettings(args.host, args.port, args.grace, tls, args.health_port, args.socket)
 
 
 def _batch_settings(args: argparse.Namespace) -> BatchSettings:
@@ -151,7 +154,8 @@ async def _run_service(create, settings, what: str, port_file: Path | None) -> N
 
     running = await create(settings)
     scheme = "TLS" if settings.server.tls.enabled else "plaintext"
-    print(f"specd {what} listening on {settings.server.host}:{running.port} ({scheme})", flush=True)
+    where = settings.server.address if settings.server.socket else f"{settings.server.host}:{running.port}"
+    print(f"specd {what} listening on {where} ({scheme})", flush=True)
     if port_file is not None:
         # Whole or absent: a supervisor polling the file never reads half a number.
         partial = port_file.with_name(port_file.name + ".partial")
@@ -170,7 +174,7 @@ def _serve(create, settings, what: str, port_file: Path | None) -> int:
 
     server = settings.server
     try:
-        for port, kind in ((server.port, "port"), (server.health_port, "health port")):
+        for port, kind in (((0 if server.socket else server.port), "port"), (server.health_port, "health port")):
             if _port_taken(server.host, port):
                 raise PortInUse(f"{server.host}:{port}", kind)
         asyncio.run(_run_service(create, settings, what, port_file))
@@ -297,18 +301,6 @@ def wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
     return False
 
 
-def _wait_port_files(files: list[Path], procs: list[subprocess.Popen], timeout_s: float) -> list[int] | None:
-    """The ports the workers wrote once serving; None if one exited or time ran out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return None
-        if all(f.exists() for f in files):
-            return [int(f.read_text()) for f in files]
-        time.sleep(0.1)
-    return None
-
-
 def _port_taken(host: str, port: int) -> bool:
     """Whether something already listens on (or holds) host:port. Port 0 is never taken."""
     if not port:
@@ -352,24 +344,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"(transformers model directories sharing one tokenizer), or make the demo pair "
                   f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
-    # Checked before anything loads; the servers' exclusive binds make it certain.
-    for flag, host, port in (("--port", args.host, args.port), ("--draft-port", "127.0.0.1", args.draft_port),
-                             ("--verifier-port", "127.0.0.1", args.verifier_port)):
-        if _port_taken(host, port):
-            print(f"specd serve: port {port} on {host} is taken (another specd serve?); pass {flag} "
-                  f"with a free port", file=sys.stderr)
-            return 2
+    # Checked before anything loads; the server's exclusive bind makes it certain.
+    if _port_taken(args.host, args.port):
+        print(f"specd serve: port {args.port} on {args.host} is taken (another specd serve?); pass --port "
+              f"with a free port", file=sys.stderr)
+        return 2
     worker_tls: list[str] = []
     gateway_tls: list[str] = []
     client_tls = ClientTLS()
+    link_tls = ClientTLS()  # how serve itself checks that a worker is up
     if args.tls:
-        # Mutual TLS among the three processes; TLS without client certificates at the edge.
+        # TLS without client certificates at the edge; mutual TLS on the workers' sockets.
         files = {name: str(path) for name, path in _tls_dir(Path(args.tls)).items()}
         server = ["--tls-cert", files["server.pem"], "--tls-key", files["server-key.pem"]]
         worker_tls = [*server, "--tls-client-ca", files["ca.pem"]]
         gateway_tls = [*server, "--worker-ca", files["ca.pem"], "--worker-cert", files["client.pem"],
                        "--worker-key", files["client-key.pem"]]
         client_tls = ClientTLS(ca=Path(files["ca.pem"]))
+        link_tls = ClientTLS(Path(files["ca.pem"]), Path(files["client.pem"]), Path(files["client-key.pem"]))
     me = [sys.executable, "-m", "specd.cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     # The three processes share this machine's cores and take turns (draft, then
@@ -386,35 +378,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specd.cli.supervisor import Supervisor
 
     supervisor = Supervisor(env)
+    # The workers listen on Unix domain sockets in a directory only this user may enter
+    # (mkdtemp makes it 0700): no other local user, and no other host, reaches them. A
+    # restarted worker binds the same path, which the gateway keeps dialling.
     with tempfile.TemporaryDirectory(prefix="specd-serve-") as run_dir:
-        # Workers bind port 0 by default (the OS picks a free one) and report it in a file:
-        # two `specd serve` on one host never meet on a worker port.
-        port_files = {"verifier": Path(run_dir) / "verifier.port", "draft": Path(run_dir) / "draft.port"}
+        sockets = {"verifier": Path(run_dir) / "verifier.sock", "draft": Path(run_dir) / "draft.sock"}
         workers = {
-            "verifier": me + ["verifier", "--port", str(args.verifier_port), "--port-file", str(port_files["verifier"]),
+            "verifier": me + ["verifier", "--socket", str(sockets["verifier"]),
                               "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads),
                               *worker_tls, *_batch_flags(args),
                               *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
-            "draft": me + ["draft", "--port", str(args.draft_port), "--port-file", str(port_files["draft"]),
+            "draft": me + ["draft", "--socket", str(sockets["draft"]),
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
                            "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
                            "--pre-draft-branches", args.pre_draft_branches,
                            *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         }
         try:
-            children = {name: supervisor.start(name, argv) for name, argv in workers.items()}
-            ports = _wait_port_files(list(port_files.values()), supervisor.processes, args.startup_timeout)
-            if ports is None:
-                print("specd serve: the workers did not start; see the messages above", file=sys.stderr)
-                return 1
-            verifier_port, draft_port = ports
-            # A worker that dies is restarted on the port the gateway already dials.
-            for child, port in ((children["verifier"], verifier_port), (children["draft"], draft_port)):
-                child.argv[child.argv.index("--port") + 1] = str(port)
+            for name, argv in workers.items():
+                supervisor.start(name, argv)
+            for name, path in sockets.items():
+                if not wait_healthy(f"unix:{path}", supervisor.processes, args.startup_timeout, link_tls):
+                    print(f"specd serve: the {name} worker did not start; see the messages above", file=sys.stderr)
+                    return 1
             supervisor.start("gateway", restart=False, argv=me + [
                 "gateway", "--host", args.host, "--port", str(args.port),
-                "--verifier-address", f"127.0.0.1:{verifier_port}",
-                "--draft-address", f"127.0.0.1:{draft_port}", *gateway_tls,
+                "--verifier-address", f"unix:{sockets['verifier']}",
+                "--draft-address", f"unix:{sockets['draft']}", *gateway_tls,
                 "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
                 "--policy", args.policy, *(["--overlap"] if args.overlap else []),
                 "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
@@ -426,8 +416,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 1
             print(f"specd serve: ready on {args.host}:{args.port}{' (TLS)' if args.tls else ''} "
-                  f"(target {target}, drafts {list(drafts)}; verifier on 127.0.0.1:{verifier_port}, "
-                  f"draft on 127.0.0.1:{draft_port}); try: specd generate "
+                  f"(target {target}, drafts {list(drafts)}; workers on private sockets "
+                  f"unix:{sockets['verifier']}, unix:{sockets['draft']}); try: specd generate "
                   f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
                   flush=True)
             # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
@@ -545,13 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default: the demo draft, {DEMO_DRAFT})")
     serve.add_argument("--host", default=SERVER.host, help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
-    serve.add_argument("--draft-port", type=int, default=0,
-                       help="port of the draft worker on 127.0.0.1 (default 0: a free one)")
-    serve.add_argument("--verifier-port", type=int, default=0,
-                       help="port of the verifier worker on 127.0.0.1 (default 0: a free one)")
     serve.add_argument("--tls", metavar="DIR",
-                       help="a `specd certs` directory: mutual TLS among the three processes, TLS "
-                            "(no client certificates) for clients of the gateway")
+                       help="a `specd certs` directory: TLS (no client certificates) for clients of the "
+                            "gateway, and mutual TLS on the workers' private sockets as well")
     _gateway_default_args(serve)
     serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
     serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
