@@ -5,8 +5,9 @@ The key file (`specd gateway --api-keys FILE`) has one key a line, `SEGMENT KEY`
 clear); blank lines and `#` comments are skipped. Callers send the metadata
 `authorization: Bearer KEY`. `ApiKeyInterceptor` refuses a missing or unknown key with
 UNAUTHENTICATED before any handler runs, sets the request's `user_segment` to the key's
-segment (a tenant cannot label its traffic as another's), and optionally caps each
-key's requests in flight (RESOURCE_EXHAUSTED). Keys are compared as sha256 digests with
+segment (a tenant cannot label its traffic as another's), and caps each tenant's
+(segment's) requests in flight (RESOURCE_EXHAUSTED), so that no tenant holds all of the
+gateway's capacity while another waits. Keys are compared as sha256 digests with
 `hmac.compare_digest` and are never logged or echoed.
 """
 from __future__ import annotations
@@ -95,6 +96,11 @@ class KeyRing:
             raise KeyFileError(f"cannot read the API key file {path}: {exc}") from exc
         return cls.parse(text, str(path))
 
+    @property
+    def segments(self) -> set[str]:
+        """The tenants: every segment a key maps to."""
+        return {key.segment for key in self.keys}
+
     def find(self, key: str) -> ApiKey | None:
         """The entry of `key`, or None. Compares against every entry, in constant time each."""
         wanted = digest(key)
@@ -131,14 +137,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED without a known key; the key's segment on every request it sends.
 
     Health checks are always open (probes carry no key); reflection is open unless
-    `protect_reflection`. `max_in_flight` > 0 caps each key's concurrent requests.
+    `protect_reflection`. `max_in_flight` > 0 caps each segment's concurrent requests
+    (all its keys together).
     """
 
     def __init__(self, keys: KeyRing, protect_reflection: bool = False, max_in_flight: int = 0) -> None:
         self.keys = keys
         self.open_prefixes = (HEALTH_PREFIX,) if protect_reflection else (HEALTH_PREFIX, *REFLECTION_PREFIXES)
         self.max_in_flight = max_in_flight
-        self.in_flight: collections.Counter[bytes] = collections.Counter()  # by key digest
+        self.in_flight: collections.Counter[str] = collections.Counter()  # by segment
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -154,17 +161,17 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._bind(handler, key)
 
     def _admit(self, key: ApiKey) -> str | None:
-        """Count a request in for `key`; the refusal message when the key is at its limit."""
-        if self.max_in_flight and self.in_flight[key.digest] >= self.max_in_flight:
-            return (f"this API key (segment {key.segment!r}) has {self.max_in_flight} requests in flight, "
-                    f"its limit; wait for one to finish or retry with backoff")
-        self.in_flight[key.digest] += 1
+        """Count a request in for `key`; the refusal message when its segment is at its limit."""
+        if self.max_in_flight and self.in_flight[key.segment] >= self.max_in_flight:
+            return (f"segment {key.segment!r} has {self.max_in_flight} requests in flight, its share of this "
+                    f"gateway; wait for one to finish or retry with backoff")
+        self.in_flight[key.segment] += 1
         return None
 
     def _leave(self, key: ApiKey) -> None:
-        self.in_flight[key.digest] -= 1
-        if not self.in_flight[key.digest]:
-            del self.in_flight[key.digest]
+        self.in_flight[key.segment] -= 1
+        if not self.in_flight[key.segment]:
+            del self.in_flight[key.segment]
 
     def _bind(self, handler: grpc.RpcMethodHandler, key: ApiKey) -> grpc.RpcMethodHandler:
         """The handler with the key's segment stamped on each request and its quota held."""

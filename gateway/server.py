@@ -509,11 +509,19 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
 
 
 def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerInterceptor]:
-    """API keys, when the gateway has a key file (KeyFileError when it is malformed)."""
+    """API keys, when the gateway has a key file (KeyFileError when it is malformed).
+
+    Each tenant (segment) may hold --key-max-in-flight requests; unset, three quarters of
+    --max-concurrent-requests when the file names more than one tenant (a lone tenant
+    may use everything): no tenant takes all the capacity while another waits.
+    """
     if settings.api_keys_file is None:
         return []
-    return [ApiKeyInterceptor(KeyRing.load(settings.api_keys_file), settings.protect_reflection,
-                              settings.key_max_in_flight)]
+    keys = KeyRing.load(settings.api_keys_file)
+    share = settings.key_max_in_flight
+    if not share and len(keys.segments) > 1:
+        share = max(1, settings.max_concurrent_requests * 3 // 4)
+    return [ApiKeyInterceptor(keys, settings.protect_reflection, share)]
 
 
 def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:

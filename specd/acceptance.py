@@ -152,8 +152,10 @@ class AcceptanceStats:
     """Lifetime and windowed acceptance counters by label set, and drift sums by segment.
 
     Written from the gateway's event loop, read from the metrics thread: one lock.
-    `max_user_segments` and `max_task_types` cap label cardinality: later segments and
-    task types (free text a caller sends) are counted as "other".
+    `max_user_segments` and `max_task_types` cap label cardinality: later segments, and
+    a segment's later task types (free text a caller sends), are counted as "other". Task
+    types are capped per segment, and with API keys a segment is a tenant: one tenant's
+    junk task types never push another's into "other".
     """
 
     def __init__(self, window_steps: int = 2000, max_user_segments: int = 50, max_task_types: int = 50,
@@ -169,7 +171,7 @@ class AcceptanceStats:
         self._lifetime: dict[Labels, Counts] = {}
         self._window: deque[tuple[Labels, int, int, int, int]] = deque(maxlen=window_steps)
         self._segments: set[str] = set()
-        self._task_types: set[str] = set()
+        self._task_types: dict[str, set[str]] = {}  # segment (as counted) → its task types
         self._pre_drafts: dict[Labels, list[int]] = {}  # labels → [steps that could hit, hits]
         # (model pair, task type) → lifetime counts: the per-position curve the cost
         # policy reads every step, kept up to date here instead of re-summed per read.
@@ -187,21 +189,23 @@ class AcceptanceStats:
             self._segments.add(user_segment)
         return user_segment
 
-    def task_type(self, task_type: str) -> str:
-        """The task type as counted: past `max_task_types` distinct ones, "other"."""
+    def task_type(self, task_type: str, segment: str) -> str:
+        """The task type as counted in a segment (as counted): past the segment's
+        `max_task_types` distinct ones, "other"."""
         task_type = task_type or "general"
         with self._lock:
             # A client that sends a new task_type on every request must not grow the
             # counters (and the /metrics page) without bound.
-            if task_type not in self._task_types and len(self._task_types) >= self.max_task_types:
+            known = self._task_types.setdefault(segment, set())
+            if task_type not in known and len(known) >= self.max_task_types:
                 task_type = "other"
-            self._task_types.add(task_type)
+            known.add(task_type)
         return task_type
 
     def labels(self, model_pair: str, task_type: str, user_segment: str, prompt_tokens: int) -> Labels:
-        """The labels of a request, with the user segment and the task type capped."""
-        return Labels(model_pair, self.task_type(task_type), self.segment(user_segment),
-                      bucket(prompt_tokens, PROMPT_BUCKETS))
+        """The labels of a request, with the user segment and its task type capped."""
+        segment = self.segment(user_segment)
+        return Labels(model_pair, self.task_type(task_type, segment), segment, bucket(prompt_tokens, PROMPT_BUCKETS))
 
     def record(self, labels: Labels, draft_length: int, accepted: int, emitted: int, generated_before: int) -> None:
         """Count one step (hot path)."""

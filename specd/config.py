@@ -179,7 +179,9 @@ class GatewaySettings:
     # The edge (docs/reliability.md): who may call, and how much one call may ask.
     api_keys_file: Path | None = None  # `SEGMENT KEY` / `SEGMENT sha256:HEX` lines; None: no keys needed
     protect_reflection: bool = False  # with keys: reflection needs a key too (health never does)
-    key_max_in_flight: int = 0  # requests in flight per API key; 0: no per-key limit
+    # Requests in flight per tenant (segment); 0: three quarters of max_concurrent_requests
+    # when the key file names several tenants, no limit for a lone one.
+    key_max_in_flight: int = 0
     max_request_bytes: int = 1024 * 1024  # largest request message the public API receives
     max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
     max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask

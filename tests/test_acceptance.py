@@ -167,3 +167,5 @@ def test_task_types_are_capped_like_segments():
     labels = [stats.labels("d->t", f"role-{n}", "s", 10).task_type for n in range(5)]
     assert labels == ["role-0", "role-1", "other", "other", "other"]
     assert stats.labels("d->t", "role-1", "s", 10).task_type == "role-1"  # known ones keep their name
+    # Per segment (a tenant, with API keys): another segment's task types are its own.
+    assert [stats.labels("d->t", f"role-{n}", "t", 10).task_type for n in (4, 5, 6)] == ["role-4", "role-5", "other"]

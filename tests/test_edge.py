@@ -231,6 +231,42 @@ def test_bad_utf8_is_invalid_argument(stack):
     assert len(stack.stub.Generate(request("def f():", max_new_tokens=2)).token_ids) == 2
 
 
+def test_no_tenant_takes_all_the_capacity_by_default(model_dirs, tmp_path):
+    """No --key-max-in-flight: with two tenants, each may hold three quarters of the gateway."""
+    proxies = {}
+
+    def front(loop, role, port):
+        if role != "draft":
+            return port
+        proxies[role] = loop.run(TcpProxy(port).start())
+        return proxies[role].port
+
+    # The draft's step budget outlasts the test: alpha's speculative requests wait on it.
+    stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path), max_concurrent_requests=4,
+                        draft_step_floor_s=120.0)
+    proxy = proxies["draft"]
+    held = []
+    try:
+        for _ in range(3):
+            held.append(stack.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=60),
+                                                  metadata=bearer(KEYS["alpha"])))
+            next(held[-1])
+        proxy.pause()  # alpha's three requests wait on the draft: still in flight
+        with pytest.raises(grpc.RpcError) as err:
+            stack.stub.Generate(request("x", max_new_tokens=2), metadata=bearer(KEYS["alpha"]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "share" in err.value.details()
+        # beta is served from the quarter alpha cannot take (plain decoding: the draft is stalled).
+        served = stack.stub.Generate(request("x", max_new_tokens=2, mode="OFF"), metadata=bearer(KEYS["beta"]),
+                                     timeout=30)
+        assert len(served.token_ids) == 2
+    finally:
+        proxy.resume()
+        for stream in held:
+            assert list(stream)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        stack.loop.run(proxy.close())
+        stack.close()
+
+
 # -- deadlines and streams per connection ---------------------------------------------------
 
 @pytest.fixture()

@@ -521,7 +521,8 @@ def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protect-reflection", action="store_true",
                         help="with --api-keys, server reflection needs a key too (health checks never do)")
     parser.add_argument("--key-max-in-flight", type=int, default=GATEWAY.key_max_in_flight,
-                        help="requests in flight per API key; more get RESOURCE_EXHAUSTED (0: no limit)")
+                        help="requests in flight per tenant (segment of the key file); more get RESOURCE_EXHAUSTED "
+                             "(0: three quarters of --max-concurrent-requests when the file names several tenants)")
 
 
 def build_parser() -> argparse.ArgumentParser:
