@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway.errors import refuse_busy
 from specd.interceptors import replace_behavior
 
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
@@ -192,7 +193,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request, context):
                 stamp(request)
                 if (refusal := self._admit(key)) is not None:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                    await refuse_busy(context, refusal)
                 try:
                     async with contextlib.aclosing(behavior(request, context)) as responses:
                         async for response in responses:
@@ -206,7 +207,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         async def unary_unary(request, context):
             stamp(request)
             if (refusal := self._admit(key)) is not None:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                await refuse_busy(context, refusal)
             try:
                 return await behavior(request, context)
             finally:

@@ -25,3 +25,15 @@ class WorkerError(SpecdError):
 class DraftSkipped(SpecdError):
     """The draft sits this step out: it is marked slow (`gateway.budgets`), or this step ran
     past its budget. The step goes on without a proposal; the request is not affected."""
+
+
+# gRPC's retry pushback (proposal A6): a client with a retry policy waits this long before
+# retrying a RESOURCE_EXHAUSTED, instead of at once; the message says the same to people.
+RETRY_PUSHBACK_MS = 250
+
+
+async def refuse_busy(context, message: str) -> None:
+    """Abort a call with RESOURCE_EXHAUSTED and retry advice (the message, and the
+    grpc-retry-pushback-ms trailer)."""
+    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

@@ -28,7 +28,7 @@ from gateway.engine import (
     StepRecord,
     speculate,
 )
-from gateway.errors import InvalidRequest, WorkerError
+from gateway.errors import RETRY_PUSHBACK_MS, InvalidRequest, WorkerError, refuse_busy
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
@@ -271,19 +271,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         began = time.perf_counter()
-        # Off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
+        # Parsed off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
         # and the other requests' steps must not wait for it. One thread: a fast
         # tokenizer is not safe to call from several threads at once. InvalidRequest
         # leaves as INVALID_ARGUMENT (specd.interceptors).
-        parsed = await asyncio.get_running_loop().run_in_executor(
-            self._parser, parse_request, request, self.backend, self.settings,
-            self._choose if self.selector is not None else None)
+        # Admission first: in a burst, a request refused costs no tokenizing.
         if self._in_flight >= self.settings.max_concurrent_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
-                                f"requests; retry with backoff, or add gateway and worker replicas")
+            await refuse_busy(context, f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
+                                       f"requests; retry after {RETRY_PUSHBACK_MS} ms with backoff, or add gateway "
+                                       f"and worker replicas")
         self._in_flight += 1
         try:
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._parser, parse_request, request, self.backend, self.settings,
+                self._choose if self.selector is not None else None)
             # aclosing: a client that goes away closes the links now, not at garbage collection.
             async with contextlib.aclosing(self._generate(parsed, began, context)) as chunks:
                 async for chunk in chunks:

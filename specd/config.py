@@ -188,7 +188,10 @@ class GatewaySettings:
     max_stop_strings: int = 16
     max_stop_bytes: int = 256  # per stop string
     max_label_bytes: int = 64  # task_type, draft_model and policy names
-    max_streams_per_connection: int = 100  # HTTP/2 concurrent streams one client connection may open
+    # HTTP/2 concurrent streams one client connection may open. Far above
+    # max_concurrent_requests: in a burst, admission answers RESOURCE_EXHAUSTED before
+    # HTTP/2 would refuse a stream (REFUSED_STREAM, which clients see as UNAVAILABLE).
+    max_streams_per_connection: int = 1024
     min_client_ping_interval_s: float = 10.0  # client keepalive pings closer than this are strikes
     # How a request that names no draft gets one: "task-map" (--task-draft, else the
     # default draft) or "goodput" (specd.selection: the best measured tokens/ms per task

@@ -1,6 +1,7 @@
 """The public edge: API keys, small limits, deadlines, and errors that fit in a status."""
 from __future__ import annotations
 
+import collections
 import hashlib
 
 import grpc
@@ -10,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import request, start_stack
 from gateway.auth import KeyFileError, KeyRing
-from specd.v1 import gateway_pb2
+from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from tcpproxy import TcpProxy
 
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-9876543210"}
@@ -314,14 +315,35 @@ def test_streams_per_connection_are_capped(stalled):
         assert stalled.gateway.servicer._in_flight == 2  # it never reached the gateway's handler
         # Another connection (its own subchannel, not the shared one) is served meanwhile.
         with grpc.insecure_channel(stalled.gateway_address, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
-            from specd.v1 import gateway_pb2_grpc
-
             assert gateway_pb2_grpc.GatewayStub(other).Generate(
                 request("x", max_new_tokens=2, mode="OFF"), timeout=60).token_ids
     finally:
         stalled.draft_proxy.resume()
     for stream in held:
         assert list(stream)[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+
+def test_bursts_are_refused_by_admission_not_by_http2(stack):
+    """Two bursts of 600 streams over 4 connections (150 each, over the old stream limit of
+    100): every stream is served or refused RESOURCE_EXHAUSTED with retry advice, never
+    UNAVAILABLE (an HTTP/2 REFUSED_STREAM), which clients retry at once."""
+    for _ in range(2):
+        channels = [grpc.insecure_channel(stack.gateway_address, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(4)]
+        try:
+            stubs = [gateway_pb2_grpc.GatewayStub(channel) for channel in channels]
+            calls = [stubs[n % 4].Generate.future(request("def f():", max_new_tokens=4), timeout=120)
+                     for n in range(600)]
+            codes = collections.Counter()
+            for call in calls:
+                codes[call.code().name] += 1
+                if call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    assert "retry after" in call.details()
+                    assert ("grpc-retry-pushback-ms", "250") in call.trailing_metadata()
+        finally:
+            for channel in channels:
+                channel.close()
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"] >= 64, codes
 
 
 def test_free_text_task_types_do_not_grow_the_gateway_without_bound(stack):
