@@ -112,15 +112,21 @@ class KeyRing:
         return found
 
 
+class AmbiguousCredentials(ValueError):
+    """A call carries more than one `authorization` entry: which one decides is not the
+    client's to leave to the server."""
+
+
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The KEY of an `authorization: Bearer KEY` metadata entry, if any."""
-    for name, value in metadata or ():
-        if name.lower() != "authorization" or not isinstance(value, str):
-            continue
-        scheme, _, token = value.strip().partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-    return None
+    """The KEY of the `authorization: Bearer KEY` metadata entry, if any;
+    AmbiguousCredentials when there are several `authorization` entries."""
+    values = [value for name, value in metadata or () if name.lower() == "authorization"]
+    if len(values) > 1:
+        raise AmbiguousCredentials(f"{len(values)} 'authorization' metadata entries; send exactly one")
+    if not values or not isinstance(values[0], str):
+        return None
+    scheme, _, token = values[0].strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def _same_kind(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
@@ -153,7 +159,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or method.startswith(self.open_prefixes):
             return handler
-        token = bearer_token(handler_call_details.invocation_metadata)
+        try:
+            token = bearer_token(handler_call_details.invocation_metadata)
+        except AmbiguousCredentials as exc:
+            return _same_kind(handler, _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, str(exc)))
         key = self.keys.find(token) if token is not None else None
         if key is None:
             message = ("an API key is required: send metadata 'authorization: Bearer KEY'" if token is None

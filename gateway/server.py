@@ -89,6 +89,10 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
         problems.append(f"prompt is {len(prompt_ids)} tokens but the target's context window is "
                         f"{context}; shorten the prompt to at most {context - 1} tokens")
     room = max(context - len(prompt_ids), 0)
+    asked = sampling.HasField("max_new_tokens")
+    if asked and sampling.max_new_tokens == 0:
+        problems.append("max_new_tokens=0 asks for nothing; ask for at least 1, or leave it unset for this "
+                        f"gateway's default of {settings.default_max_new_tokens}")
     max_new = sampling.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap, room)
     if sampling.max_new_tokens > settings.max_new_tokens_cap:
         problems.append(f"max_new_tokens={sampling.max_new_tokens} exceeds this gateway's cap of "
@@ -423,9 +427,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def GetGatewayInfo(self, request, context) -> gateway_pb2.GatewayInfoResponse:
         backend, settings = self.backend, self.settings
         drafts = [(info, "") for info in backend.drafts.values()] + list(backend.unusable.values())
+        # Tenants (callers with API keys) see names and digests, not the host's paths.
+        paths = settings.api_keys_file is None
         return gateway_pb2.GatewayInfoResponse(
-            target=_served_model(backend.target, ""),
-            drafts=[_served_model(info, problem) for info, problem in drafts],
+            target=_served_model(backend.target, "", paths),
+            drafts=[_served_model(info, problem, paths) for info, problem in drafts],
             max_draft_length=settings.max_draft_length, default_draft_length=settings.default_draft_length,
             auto_policy=settings.auto_policy, task_drafts=settings.task_drafts,
             draft_selection="goodput" if self.selector is not None else "task-map",
@@ -452,12 +458,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
 
-def _served_model(info: ModelInfo, problem: str) -> gateway_pb2.ServedModel:
-    """A worker's ModelInfo as the public API shows it (no tokenizer files)."""
+def _served_model(info: ModelInfo, problem: str, path: bool) -> gateway_pb2.ServedModel:
+    """A worker's ModelInfo as the public API shows it (no tokenizer files; the model's
+    directory only when `path`)."""
     return gateway_pb2.ServedModel(
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
         tokenizer_fingerprint=info.tokenizer_fingerprint, weights_digest=info.weights_digest,
-        parameter_bytes=info.parameter_bytes, card_json=info.card_json, model_path=info.model_path,
+        parameter_bytes=info.parameter_bytes, card_json=info.card_json, model_path=info.model_path if path else "",
         usable=not problem, problem=problem)
 
 

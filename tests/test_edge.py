@@ -88,6 +88,7 @@ def keyed(model_dirs, tmp_path_factory):
     ([], "an API key is required"),
     (bearer("not-a-key"), "not valid"),
     ([("authorization", KEYS["alpha"])], "an API key is required"),  # no "Bearer"
+    (bearer(KEYS["alpha"]) + bearer(KEYS["beta"]), "send exactly one"),  # which one decides? neither
 ])
 def test_missing_or_wrong_key_is_unauthenticated(keyed, metadata, says):
     for call in (keyed.stub.Generate, lambda r, metadata: list(keyed.stub.GenerateStream(r, metadata=metadata)),
@@ -123,6 +124,14 @@ def test_the_key_decides_the_segment(keyed):
     assert [dict(row.labels) for row in stats.rows] == []  # beta sees only its own rows: none yet
     segments = {labels["user_segment"] for labels, _ in keyed.gateway.servicer.stats.query(["user_segment"], {})}
     assert segments == {"alpha"}
+
+
+def test_tenants_see_model_names_not_host_paths(keyed, stack):
+    info = keyed.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest(), metadata=bearer(KEYS["alpha"]))
+    assert info.target.name == "target" and info.target.weights_digest
+    assert [m.model_path for m in (info.target, *info.drafts)] == [""] * (1 + len(info.drafts))
+    # A gateway without keys is its operator's own: the paths tell `specd doctor` what to distill.
+    assert stack.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest()).target.model_path.endswith("target")
 
 
 def test_per_key_in_flight_quota(keyed):

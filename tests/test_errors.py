@@ -26,6 +26,7 @@ def bad_requests():
         "empty prompt": (request("", max_new_tokens=1), "prompt is empty"),
         "draft_length": (request("x", draft_length=99), "exceeds this gateway's maximum of 16"),
         "draft_model": (request("x", draft_model="llama-70b-draft"), "unknown draft model 'llama-70b-draft'"),
+        "max_new_tokens=0": (request("x", max_new_tokens=0), "leave it unset for this gateway's default"),
     }
 
 
@@ -38,6 +39,13 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, case):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in err.value.details()
     assert len(stack.stub.Generate(GOOD).token_ids) == 8
+
+
+def test_unset_max_new_tokens_takes_the_default(stack):
+    unset = request("def f():")
+    unset.sampling.ClearField("max_new_tokens")
+    default = request("def f():", max_new_tokens=stack.gateway.servicer.settings.default_max_new_tokens)
+    assert stack.stub.Generate(unset).token_ids == stack.stub.Generate(default).token_ids
 
 
 def test_every_problem_is_named_at_once(stack):

@@ -444,7 +444,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         sampling=gateway_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                             top_p=args.top_p, seed=args.seed,
-                                            max_new_tokens=args.max_new_tokens, stop=args.stop or []),
+                                            max_new_tokens=args.max_new_tokens or None, stop=args.stop or []),
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)

@@ -143,7 +143,7 @@ def check_tokenizers(info) -> list[Finding]:
                 f"but the target {target.name!r} has {target.tokenizer_fingerprint[:12]} (vocab {target.vocab_size}): "
                 f"the gateway never uses it",
                 f"drop `--draft {draft.name}=...` from the draft service, or train a draft on the target's "
-                f"tokenizer ({target.model_path})", figures))
+                f"tokenizer ({target.model_path or target.name})", figures))
     return findings
 
 
@@ -207,7 +207,9 @@ def card_expectation(card_json: str, tasks: list[str], temperature: float) -> tu
 
 
 def distill_command(target_path: str, draft_path: str, prompts_file: str) -> str:
-    """The `specd distill` command line that trains this pair's draft on the target's outputs."""
+    """The `specd distill` command line that trains this pair's draft on the target's outputs
+    (TARGET_DIR and DRAFT_DIR where the gateway does not show paths: it requires API keys)."""
+    target_path, draft_path = target_path or "TARGET_DIR", draft_path or "DRAFT_DIR"
     return (f"specd distill --target {target_path} --draft {draft_path} --data {prompts_file} "
             f"--out {draft_path.rstrip('/')}-distilled")
 
