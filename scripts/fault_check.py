@@ -42,7 +42,8 @@ def check(name: str, ok: bool, figures: str) -> None:
         failed.append(name)
 
 
-def generate_request(prompt: str, new_tokens: int, mode: int = gateway_pb2.SPECULATION_MODE_AUTO):
+def generate_request(prompt: str, new_tokens: int,
+                     mode: gateway_pb2.SpeculationMode = gateway_pb2.SPECULATION_MODE_AUTO):
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=gateway_pb2.SamplingParams(max_new_tokens=new_tokens),
                                        speculation=gateway_pb2.SpeculationParams(mode=mode))
 
