@@ -57,7 +57,7 @@ def main() -> None:
 
         reference = median_ms(transformers_step, args.repeats)
     kvstore.use_paged_attention(model)
-    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32, cpu, 16,
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
                   32 * (args.prefix // 32 + 2) + 1)
     print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session; "
           f"transformers' DynamicCache step alone: {reference:.2f} ms")

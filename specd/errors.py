@@ -23,6 +23,7 @@ hit them prints the message and exits.
         │                                                     which goes on without a proposal
         ├── NoEndpoint (RuntimeError)       gateway/router.py none: the links report it as
         │                                                     UNAVAILABLE and re-open or give up
+        ├── UnsupportedModel (ValueError)   specd/errors.py   start-up: the KV store cannot serve a model
         ├── IncompatibleDraft (RuntimeError) gateway/backend.py  start-up: a draft's tokenizer differs
         ├── KeyFileError (ValueError)       gateway/auth.py   start-up: a malformed API key file
         ├── TLSConfigError (ValueError)     specd/tls.py      start-up: a TLS flag names a bad file
@@ -86,3 +87,8 @@ class Overloaded(SpecdError, RuntimeError):
 
     def status_message(self, service: str) -> str:
         return f"{service}: {self}"
+
+
+class UnsupportedModel(SpecdError, ValueError):
+    """Start-up: the model loads, but the batched KV store cannot serve it exactly; the
+    message names the model's family and why (`specd.kvstore`)."""

@@ -23,18 +23,22 @@ the gather's copy costs memory bandwidth: docs/performance.md has the measuremen
 against a loop over sessions on views of their own storage.
 
 Models whose attention goes through `cache.update` and transformers' attention interface
-(every transformers decoder with full attention: Llama, Mistral, Qwen, ...) work;
-sliding-window and linear-attention layers are refused at load. No gRPC here.
+work: full attention, sliding windows and hybrids of the two (Llama, Mistral, Qwen,
+Gemma 2 and 3, OPT, ...), and keys and values of different sizes (multi-head latent
+attention). What the store cannot serve exactly is found when the model loads
+(`kv_shape`, `batching_problem`) and refused there with the reason. No gRPC here.
 """
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specd.errors import UnsupportedModel
 
 PAGED_ATTENTION = "specd_paged"  # the attention implementation `use_paged_attention` sets
 NULL_BLOCK = 0  # a block never handed out: a block table's padding points at it
@@ -43,7 +47,8 @@ NULL_BLOCK = 0  # a block never handed out: a block table's padding points at it
 class KVPool:
     """Every session's keys and values for one model, in fixed blocks allocated up front.
 
-    `keys`/`values`: [layers, blocks × block_tokens, KV heads, head dim]. Every block is
+    `keys`/`values`: [layers, blocks × block_tokens, KV heads, key dim / value dim] (the
+    two dims differ under multi-head latent attention). Every block is
     zeroed when it is handed out, and block 0 is never handed out (table padding points
     at it): a gather reads whole blocks, and the masked positions it reads are then
     finite, never uninitialised memory (in SDPA, weight 0 × NaN would poison a row).
@@ -51,20 +56,19 @@ class KVPool:
     GIL: sessions are let go on the event loop and, rarely, on the model's thread.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 block_tokens: int, blocks: int) -> None:
+    def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_tokens: int, blocks: int) -> None:
         if blocks < 2:
             raise ValueError("a KV pool needs at least 2 blocks (block 0 is reserved)")
         self.block_tokens = block_tokens
         self.blocks = blocks
-        shape = (layers, blocks * block_tokens, kv_heads, head_dim)
         # torch.empty: on a CPU the pages are committed as sessions first write them.
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys = torch.empty((layers, blocks * block_tokens, kv_heads, key_dim), dtype=dtype, device=device)
+        self.values = torch.empty((layers, blocks * block_tokens, kv_heads, value_dim), dtype=dtype, device=device)
         self.keys[:, :block_tokens].zero_()
         self.values[:, :block_tokens].zero_()
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # pop() hands out low blocks first
-        self.block_bytes = 2 * layers * block_tokens * kv_heads * head_dim * self.keys.element_size()
+        self.block_bytes = layers * block_tokens * kv_heads * (key_dim + value_dim) * self.keys.element_size()
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # see `gather`
 
     @property
@@ -90,13 +94,15 @@ class KVPool:
         thread, the only caller): a fresh output per call would cost the page faults of
         megabytes of new memory on every layer of every forward.
         """
-        shape = (self.blocks, self.block_tokens, *self.keys.shape[2:])
+        key_shape = (self.blocks, self.block_tokens, *self.keys.shape[2:])
+        value_shape = (self.blocks, self.block_tokens, *self.values.shape[2:])
         needed = blocks.shape[0]
         if self._scratch is None or self._scratch[0].shape[0] < needed:
-            self._scratch = (self.keys.new_empty((needed, *shape[1:])), self.values.new_empty((needed, *shape[1:])))
+            self._scratch = (self.keys.new_empty((needed, *key_shape[1:])),
+                             self.values.new_empty((needed, *value_shape[1:])))
         keys, values = self._scratch[0][:needed], self._scratch[1][:needed]
-        torch.index_select(self.keys[layer].view(shape), 0, blocks, out=keys)
-        torch.index_select(self.values[layer].view(shape), 0, blocks, out=values)
+        torch.index_select(self.keys[layer].view(key_shape), 0, blocks, out=keys)
+        torch.index_select(self.values[layer].view(value_shape), 0, blocks, out=values)
         return keys, values
 
     def release(self, blocks: list[int]) -> None:
@@ -186,6 +192,8 @@ class BatchCache:
       with no gather (a lone session's blocks usually are).
     - allowed [B, 1, T, keys]: which keys each padded query sees (None: one query, which
       sees all it reads).
+    - query_positions [B, T]: the position of each padded query, from which a sliding
+      window's narrower mask is made the first time a layer asks (`window`).
     - query_rows [Σ T]: where each new token sits in the padded [B × T] query layout
       (None: every row feeds T tokens, so the ragged row is already that layout).
     """
@@ -197,8 +205,19 @@ class BatchCache:
     keys: int
     run: tuple[int, int] | None
     allowed: torch.Tensor | None
+    query_positions: torch.Tensor
     query_rows: torch.Tensor | None
     longest_feed: int  # T
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window → its mask
+
+    def window(self, sliding_window: int) -> torch.Tensor:
+        """The mask of a sliding-window layer: `allowed`, and only the last `sliding_window`
+        positions up to each query (transformers' rule: key > query − window)."""
+        if sliding_window not in self.windows:
+            key_pos = torch.arange(self.keys, device=self.query_positions.device)
+            recent = (key_pos > self.query_positions[..., None] - sliding_window).unsqueeze(1)  # [B, 1, T, keys]
+            self.windows[sliding_window] = recent if self.allowed is None else recent & self.allowed
+        return self.windows[sliding_window]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +228,20 @@ class BatchCache:
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        # Only asked when position_ids are missing; `prepare` always passes them.
-        raise NotImplementedError("a BatchCache forward carries explicit position ids")
+        """0: the rows of a batch hold different lengths, so no one length is right. Models
+        ask for it to infer positions, which `prepare` always passes (OPT, Falcon), or to
+        size a mask that `paged_attention` does not read; one that truly depends on it
+        (BLOOM's ALiBi) disagrees with its plain forward and is refused at load
+        (`batching_problem`)."""
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """As `get_seq_length`: the positions are explicit."""
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(key length, key offset) of the mask a model builds and `paged_attention` ignores."""
+        return query_length, 0
 
 
 @dataclass
@@ -262,14 +293,14 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
     if batch == 1 and read_blocks == list(range(first, first + width)):
         run = (first * size, first * size + keys)
     allowed = None
+    query_pos = torch.tensor(starts)[:, None] + torch.arange(longest)  # [B, T]
     if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
         key_pos = torch.arange(keys)
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(longest)  # [B, T]
         end_t = torch.tensor(ends)[:, None, None]  # [B, 1, 1]: keys each row holds after this forward
         allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1).to(device)
     uniform = all(len(row.tokens) == longest for row in rows)
     cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device),
-                       torch.tensor(read_blocks, device=device), batch, keys, run, allowed,
+                       torch.tensor(read_blocks, device=device), batch, keys, run, allowed, query_pos.to(device),
                        None if uniform else torch.tensor(query_rows, device=device), longest)
     return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
                        torch.tensor(kept, device=device), reads)
@@ -277,19 +308,27 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    batch_cache: BatchCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                    batch_cache: BatchCache | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of a ragged batch through the pool, in a fixed number of operator calls.
 
     query: [1, heads, Σ T, head dim]; returns [1, Σ T, heads, head dim] as transformers'
     attention functions do. The queries are scattered into a padded [B, heads, T, D], every
     session's keys and values gathered through its block table (`BatchCache.update` has
     already stored the new ones), one SDPA call with the batch's mask, and the rows that
-    are tokens gathered back. Without a batch cache (a plain forward of the same model)
-    this is transformers' SDPA.
+    are tokens gathered back. A sliding-window layer (Mistral, Gemma, Qwen2 with windows)
+    masks what lies outside its window; a layer that soft-caps its scores (Gemma 2), which
+    SDPA cannot, computes them in three matrix operations instead. Without a batch cache
+    (a plain forward of the same model) this is transformers' SDPA, or its eager
+    attention where scores are soft-capped.
     """
     if batch_cache is None:
+        if softcap is not None:
+            causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                                device=query.device).tril(key.shape[-2] - query.shape[-2])
+            return _eager(query, key, value, causal if attention_mask is None else attention_mask, scaling, softcap)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
     layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     cache = batch_cache
     _, heads, tokens, dim = query.shape
@@ -307,14 +346,34 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     else:
         keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
         kv_heads = keys.shape[2]
-        keys = keys.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
-        values = values.view(batch, -1, kv_heads, dim)[:, :cache.keys].transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=cache.allowed,
-                                                           scale=scaling, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(batch * longest, heads, dim)  # [B × T, heads, D]
+        keys = keys.view(batch, -1, kv_heads, keys.shape[-1])[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
+        values = values.view(batch, -1, kv_heads, values.shape[-1])[:, :cache.keys].transpose(1, 2)
+    mask = cache.allowed if sliding_window is None else cache.window(sliding_window)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+    else:
+        out = _eager(padded, keys, values, mask, scaling, softcap)[0].transpose(1, 2)
+    out = out.transpose(1, 2).reshape(batch * longest, heads, out.shape[-1])  # [B × T, heads, D]
     if cache.query_rows is not None:
         out = out.index_select(0, cache.query_rows)
     return out.unsqueeze(0), None
+
+
+def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scaling: float | None, softcap: float) -> tuple[torch.Tensor, None]:
+    """Attention with soft-capped scores (softcap · tanh(scores / softcap)), as Gemma 2's
+    eager attention computes it; `mask` is boolean (True: seen) or additive. Returns
+    [B, T, heads, D] like the attention interface."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention)
@@ -337,3 +396,85 @@ def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.devi
     # The math after the forward runs where the logits are (specd.jobs): only token ids, a
     # few probabilities and the rows a sampled step needs ever reach the host.
     return out.logits[0].float(), inputs.kept
+
+
+# Attention layers the store serves: full causal attention, and a sliding window over it.
+LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+@torch.inference_mode()
+def kv_shape(model: PreTrainedModel, device: torch.device) -> tuple[int, int, int, int]:
+    """(layers, KV heads, key dim, value dim) of a decoder, read from the cache of a
+    two-token forward rather than guessed from its config (families name these fields
+    differently, and multi-head latent attention has keys and values of different sizes).
+    UnsupportedModel for layers the store cannot hold, or layers of different shapes."""
+    config = model.config
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES)
+    if other:
+        raise UnsupportedModel(f"{config.model_type}: layers of type {other} keep no key/value cache the batched "
+                               f"store can hold (it serves {sorted(LAYER_TYPES)})")
+    cache = DynamicCache(config=config)
+    try:
+        model(input_ids=torch.tensor([[1, 2]], device=device), cache=cache, use_cache=True)
+        shapes = {(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in cache.layers}
+    except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
+        raise UnsupportedModel(f"{config.model_type}: a forward with transformers' own cache fails or keeps no "
+                               f"keys and values: {type(exc).__name__}: {exc}") from exc
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"{config.model_type}: its layers cache keys and values of different shapes "
+                               f"{sorted(shapes)}; the store keeps one shape for all layers")
+    (heads, key_dim, value_dim), = shapes
+    return len(cache.layers), heads, key_dim, value_dim
+
+
+# How far a batched forward's logits may stray from the plain forward's, as a share of the
+# largest logit: float32 differs in rounding only; half precision in more than that.
+_AGREEMENT = {torch.float32: 1e-3, torch.float64: 1e-6}
+_HALF_AGREEMENT = 3e-2
+
+
+@torch.inference_mode()
+def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, device: torch.device) -> str | None:
+    """Why the store cannot serve `model` exactly (None: it can), found by trying it at load.
+
+    Two sessions of different lengths go through three batched forwards together, as
+    serving runs them: a prefill, a verification-sized step of 5 tokens, and a decoding
+    step of 1. Every logit must match the model's own eager forward over the same
+    sequences. An exception (a cache method the model needs and `BatchCache` lacks, keys
+    and values of shapes the pool cannot hold) or a disagreement (a model that reads
+    positions or masks some other way) is the reason; a model refused here never fails at
+    a request instead.
+    """
+    sequences = [[(7 * i + 3) % vocab_size for i in range(1, 21)], [(11 * i + 5) % vocab_size for i in range(1, 14)]]
+    cuts = [(0, len(s) - 6, len(s) - 1, len(s)) for s in sequences]  # prefill | 5 tokens | 1 token
+    sessions = [SessionKV(pool) for _ in sequences]
+    batched: list[list[torch.Tensor]] = [[], []]
+    try:
+        for session, tokens in zip(sessions, sequences):
+            if not session.reserve(len(tokens)):
+                return "the KV pool has no room for a two-session trial forward"
+            session.tokens = list(tokens)
+        for phase in range(3):
+            rows = [BatchRow(session, tokens[cut[phase]:cut[phase + 1]], cut[phase + 1] - cut[phase])
+                    for session, tokens, cut in zip(sessions, sequences, cuts)]
+            logits, kept = forward(model, rows, device)
+            for row, rows_kept in enumerate(kept):
+                batched[row].append(logits[rows_kept])
+    except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
+        return f"a batched forward fails: {type(exc).__name__}: {exc}"
+    # The reference: the model's own eager attention over each whole sequence.
+    model.set_attn_implementation("eager")
+    try:
+        plains = [model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
+                  for tokens in sequences]
+    finally:
+        use_paged_attention(model)
+    for row, plain in enumerate(plains):
+        got, want = torch.cat(batched[row]), plain
+        scale = want.abs().max().item() or 1.0
+        error = (got - want).abs().max().item() / scale
+        if not error <= _AGREEMENT.get(pool.keys.dtype, _HALF_AGREEMENT):
+            return (f"its batched forward disagrees with its plain forward (largest difference "
+                    f"{error:.2g} of the largest logit): it reads positions or masks in a way the store "
+                    f"does not reproduce")
+    return None

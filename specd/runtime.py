@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specd import kvstore
 from specd.batching import Job, Scheduler
 from specd.config import BatchSettings
-from specd.errors import InvalidArgument, Overloaded, SessionNotFound
+from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.identity import weights_digest
 from specd.jobs import ProposeJob, ScoreJob
 from specd.kvstore import BatchRow, KVPool, SessionKV
@@ -139,10 +139,15 @@ class ModelRunner:
             card_json=(path / "card.json").read_text() if (path / "card.json").is_file() else "",
             model_path=str(path.resolve()),
         )
-        self._kv_shape = _kv_shape(config)
+        # What the store can hold, and whether it serves the model exactly, is found by
+        # trying the model at load: a model refused here never fails at a request.
+        self._kv_shape = kvstore.kv_shape(self.model, self.device)
         kvstore.use_paged_attention(self.model)
         self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
                            self._pool_blocks(batching, max_sessions))
+        problem = kvstore.batching_problem(self.model, self.pool, self.info.vocab_size, self.device)
+        if problem is not None:
+            raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
         # An evicted session's pre-drafted branches go with it: they hold pool blocks.
         self.sessions = SessionStore(max_sessions, on_evict=lambda session_id: self.pre_drafts.cancel(session_id))
         self.batching = batching
@@ -166,9 +171,9 @@ class ModelRunner:
         return {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.name in names}
 
     def kv_bytes_per_token(self) -> int:
-        """The arithmetic: layers × 2 × KV heads × head dim × bytes per element."""
-        layers, heads, dim = self._kv_shape
-        return layers * 2 * heads * dim * torch.finfo(self.dtype).bits // 8
+        """The arithmetic: layers × KV heads × (key dim + value dim) × bytes per element."""
+        layers, heads, key_dim, value_dim = self._kv_shape
+        return layers * heads * (key_dim + value_dim) * torch.finfo(self.dtype).bits // 8
 
     def _pool_blocks(self, batching: BatchSettings, max_sessions: int) -> int:
         """Blocks of the KV pool: --kv-cache-tokens, else room at full context for every
@@ -325,14 +330,3 @@ class ModelRunner:
         session.tokens.extend(draft_tokens)
         job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
         return await self._step(session_id, session, job)
-
-
-def _kv_shape(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a full-attention decoder; refuse what BatchCache cannot hold."""
-    if getattr(config, "sliding_window", None) or getattr(config, "layer_types", None) and any(
-            t != "full_attention" for t in config.layer_types):
-        raise ValueError(f"{config.model_type}: only full-attention decoders are supported by the batched "
-                         f"KV store (this one has sliding-window or linear-attention layers)")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim

@@ -146,8 +146,9 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
 
 def _pool(model, blocks: int = 64, block_tokens: int = 8) -> KVPool:
     cfg = model.config
-    return KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                  torch.float32, torch.device("cpu"), block_tokens, blocks)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32,
+                  torch.device("cpu"), block_tokens, blocks)
 
 
 def _per_row(result: tuple[torch.Tensor, list[slice]]) -> list[torch.Tensor]:

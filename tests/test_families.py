@@ -1,0 +1,146 @@
+"""Every causal-LM family transformers knows is either served exactly or refused at load.
+
+For each model type in transformers' causal-LM auto mapping, a tiny model is built from
+its config alone (shrunk to a few layers of 64 wide; a family that cannot be built that
+way, or that transformers' own `generate` cannot run, is skipped with the reason). The
+runtime then loads it as a worker does: either it refuses the model at load with
+`UnsupportedModel` naming the family, or greedy decoding through the batched store, two
+sessions sharing every forward, equals `generate` token for token. No family may fail
+at a request. A few families also go through the three services.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from conftest import request, start_stack
+from specd.config import BatchSettings
+from specd.errors import UnsupportedModel
+from specd.runtime import ModelRunner
+from specd.sampling import Transform
+
+# Field names families use for their sizes, and the tiny values they get.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, n_embd=64, n_layer=2, n_head=4, d_model=64, ffn_dim=128,
+            n_positions=256, num_layers=2, num_heads=4, word_embed_proj_dim=64, sliding_window=8,
+            kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+            n_routed_experts=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_group=1, topk_group=1, tie_word_embeddings=False)
+MAX_PARAMETERS = 5_000_000  # more after shrinking: its sizes live in fields we do not know
+PROMPTS = [[5, 17, 23, 42, 8, 99], [3, 3, 61, 20]]
+NEW_TOKENS = 6
+
+
+def tiny_config(model_type: str, vocab_size: int):
+    """The family's default config, shrunk; its sliding windows (if any) shorter than a test sequence."""
+    config = AutoConfig.for_model(model_type)
+    for name, value in TINY.items():
+        if name == "head_dim" and hasattr(config, "qk_rope_head_dim"):
+            continue  # multi-head latent attention derives its own
+        if hasattr(config, name):
+            setattr(config, name, value)
+    config.vocab_size = vocab_size
+    if getattr(config, "layer_types", None):
+        layers = config.num_hidden_layers
+        config.layer_types = [config.layer_types[-1 - i % len(config.layer_types)] for i in range(layers)][::-1]
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = 0, 0, 1
+    return config
+
+
+def build(model_type: str, directory: Path, tokenizer) -> list[list[int]]:
+    """Save the family's tiny model with the tokenizer; transformers' greedy continuation of
+    each prompt. pytest.skip when it cannot be built from its config, or generate fails."""
+    try:
+        config = tiny_config(model_type, len(tokenizer))
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if parameters > MAX_PARAMETERS:
+            pytest.skip(f"{model_type}: {parameters:,} parameters after shrinking; its sizes are not in the "
+                        f"usual fields")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        # The reference is the model as it loads back: a config re-derives fields when read.
+        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    except Exception as exc:
+        pytest.skip(f"{model_type}: cannot be built from its config alone: {type(exc).__name__}: {exc}")
+    try:
+        expected = []
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+    except Exception as exc:
+        pytest.skip(f"{model_type}: transformers' own generate fails on it: {type(exc).__name__}: {exc}")
+    tokenizer.save_pretrained(directory)
+    return expected
+
+
+async def decode_together(runner: ModelRunner) -> list[list[int]]:
+    """Greedy decoding of every prompt, one session each, their steps batched together."""
+    async def decode(session: str, prompt: list[int]) -> list[int]:
+        tokens, start, out = list(prompt), 0, []
+        for _ in range(NEW_TOKENS):
+            scores = await runner.score(session, start, tokens[start:], [], Transform())
+            assert scores.argmax is not None
+            start = len(tokens)
+            out.append(scores.argmax[0])
+            tokens.append(out[-1])
+        return out
+
+    try:
+        return list(await asyncio.gather(*(decode(f"s{i}", p) for i, p in enumerate(PROMPTS))))
+    finally:
+        await runner.close()
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_every_family_is_exact_or_refused_at_load(model_type, tokenizer, tmp_path, caplog):
+    caplog.set_level(logging.ERROR)
+    expected = build(model_type, tmp_path / model_type, tokenizer)
+    try:
+        runner = ModelRunner(tmp_path / model_type, max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))
+    except UnsupportedModel as refused:
+        assert model_type in str(refused)
+        print(f"refused at load: {refused}")
+        return
+    got = [until_eos(tokens) for tokens in asyncio.run(decode_together(runner))]
+    for prompt, ours, theirs in zip(PROMPTS, got, expected):
+        if ours != theirs:  # allowed only where the reference's top two logits tie in float32 rounding
+            at = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            reference = AutoModelForCausalLM.from_pretrained(tmp_path / model_type).eval()
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt + theirs[:at]])).logits[0, -1]
+            top = logits.topk(2).values
+            assert top[0] - top[1] <= 1e-4 * logits.abs().max(), (model_type, at, ours, theirs)
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """The tokens up to the first end of sequence (id 0), which `generate` stops at."""
+    return tokens[:tokens.index(0) + 1] if 0 in tokens else tokens
+
+
+# Through the three services: a sliding-window hybrid with soft-capped scores (Gemma 2),
+# positions read from a learned table (OPT), keys and values of different sizes (DeepSeek-V3).
+@pytest.mark.parametrize("model_type", ["gemma2", "opt", "deepseek_v3"])
+def test_new_families_through_the_services(model_type, tokenizer, tmp_path):
+    directory = tmp_path / model_type
+    build(model_type, directory, tokenizer)
+    prompt = "def fibonacci(n): return n"  # with the new tokens, longer than the tiny sliding window
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                  do_sample=False)[0, ids.shape[1]:].tolist()
+    stack = start_stack({"target": directory, "close": directory}, drafts=("close",))
+    try:
+        response = stack.stub.Generate(request(prompt, max_new_tokens=12))
+        assert list(response.token_ids) == expected
+        assert response.stats.proposed_tokens > 0
+    finally:
+        stack.close()
