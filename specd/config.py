@@ -135,10 +135,11 @@ class DraftSettings:
 @dataclass(frozen=True)
 class VerifierSettings:
     server: ServerSettings
-    target: Path = DEMO_TARGET
+    target: Path = DEMO_TARGET  # the model directory (a hub id resolved: specd.hub)
     model: ModelSettings = ModelSettings()
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
+    target_name: str = ""  # the target's name; empty: its directory's name
 
 
 @dataclass(frozen=True)

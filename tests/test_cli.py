@@ -23,7 +23,8 @@ def specd(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def test_serve_without_models_says_what_to_pass(tmp_path):
     result = specd("serve", "--target", str(tmp_path / "nothing"), "--port", str(free_port()))
     assert result.returncode == 2
-    assert "no target model at" in result.stderr and "--target DIR and --draft DIR" in result.stderr
+    assert "no target model" in result.stderr and "is not a model directory" in result.stderr
+    assert "--target and --draft as model directories or hub ids" in result.stderr
 
 
 def test_serve_generate_and_stop_together(model_dirs):

@@ -74,7 +74,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
 async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
-    target = ModelRunner(settings.target, dtype=settings.model.dtype,
+    target = ModelRunner(settings.target, name=settings.target_name or None, dtype=settings.model.dtype,
                          max_sessions=settings.model.max_sessions,
                          device=settings.model.device, batching=settings.model.batching)
     servicer = VerifierServicer(target)

@@ -48,6 +48,7 @@ from specd.config import (
     VerifierSettings,
 )
 from specd.drift import DriftSettings
+from specd.hub import ModelNotFound, model_name, resolve
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 # Flag defaults come from the settings objects (specd.config), never from literals here.
@@ -138,14 +139,15 @@ def _batch_flags(args: argparse.Namespace) -> list[str]:
             "--batch-wait-ms", str(args.batch_wait_ms)]
 
 
-def _parse_drafts(values: list[str]) -> dict[str, Path]:
-    """`NAME=DIR` or `DIR` (named after the directory) → {name: dir}, in order."""
-    drafts: dict[str, Path] = {}
+def _parse_drafts(values: list[str]) -> dict[str, str]:
+    """`NAME=MODEL` or `MODEL` (named after its directory, or NAME of ORG/NAME) → {name:
+    model}, in order; a model is a directory or a hub id (`specd.hub`)."""
+    drafts: dict[str, str] = {}
     for value in values:
-        name, sep, path = value.partition("=")
+        name, sep, model = value.partition("=")
         if not sep:
-            name, path = Path(value).name, value
-        drafts[name] = Path(path)
+            name, model = model_name(value), value
+        drafts[name] = model
     return drafts
 
 
@@ -225,8 +227,14 @@ def cmd_draft(args: argparse.Namespace) -> int:
         print(f"specd draft: --pre-draft-branches: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads, args.cpus)
-    settings = DraftSettings(_server_settings(args), _parse_drafts(args.draft or [str(DEMO_DRAFT)]),
-                             _model_settings(args), args.metrics_host, args.metrics_port, args.pre_draft_branches)
+    try:
+        drafts = {name: resolve(model, args.revision) for name, model in
+                  _parse_drafts(args.draft or [str(DEMO_DRAFT)]).items()}
+    except ModelNotFound as exc:
+        print(f"specd draft: {exc}", file=sys.stderr)
+        return 2
+    settings = DraftSettings(_server_settings(args), drafts, _model_settings(args), args.metrics_host,
+                             args.metrics_port, args.pre_draft_branches)
     return _serve(create_server, settings, "draft", args.port_file)
 
 
@@ -237,8 +245,13 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     setup_tracing("specd-verifier")
 
     _set_threads(args.threads, args.cpus)
-    settings = VerifierSettings(_server_settings(args), Path(args.target), _model_settings(args),
-                                args.metrics_host, args.metrics_port)
+    try:
+        target = resolve(args.target, args.revision)
+    except ModelNotFound as exc:
+        print(f"specd verifier: {exc}", file=sys.stderr)
+        return 2
+    settings = VerifierSettings(_server_settings(args), target, _model_settings(args), args.metrics_host,
+                                args.metrics_port, target_name=model_name(args.target))
     return _serve(create_server, settings, "verifier", args.port_file)
 
 
@@ -336,13 +349,15 @@ def _edge_flags(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    target = Path(args.target or DEMO_TARGET)
+    target = args.target or str(DEMO_TARGET)
     drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
-    for role, path in (("target", target), *(("draft", p) for p in drafts.values())):
-        if not (path / "config.json").is_file():
-            print(f"specd serve: no {role} model at {path}. Pass --target DIR and --draft DIR "
-                  f"(transformers model directories sharing one tokenizer), or make the demo pair "
-                  f"with `python scripts/make_demo_pair.py`.", file=sys.stderr)
+    for role, model in (("target", target), *(("draft", m) for m in drafts.values())):
+        try:  # resolved here (fetched into the cache once) so that a wrong name stops serve at once
+            resolve(model, args.revision)
+        except ModelNotFound as exc:
+            print(f"specd serve: no {role} model: {exc}. Pass --target and --draft as model directories "
+                  f"or hub ids ORG/NAME sharing one tokenizer, or make the demo pair with "
+                  f"`python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
     # Checked before anything loads; the server's exclusive bind makes it certain.
     if _port_taken(args.host, args.port):
@@ -385,10 +400,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sockets = {"verifier": Path(run_dir) / "verifier.sock", "draft": Path(run_dir) / "draft.sock"}
         workers = {
             "verifier": me + ["verifier", "--socket", str(sockets["verifier"]),
-                              "--target", str(target), "--dtype", args.dtype, "--threads", str(args.threads),
+                              "--target", target, "--revision", args.revision, "--dtype", args.dtype,
+                              "--threads", str(args.threads),
                               *worker_tls, *_batch_flags(args),
                               *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
-            "draft": me + ["draft", "--socket", str(sockets["draft"]),
+            "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
                            "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
                            "--pre-draft-branches", args.pre_draft_branches,
@@ -506,6 +522,12 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                              "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
 
 
+def _revision_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--revision", default="",
+                        help="branch, tag or commit of the hub ids that name none (default: main); HF_HOME is the "
+                             "cache, HF_HUB_OFFLINE=1 reads only the cache, HF_TOKEN opens gated models")
+
+
 def _gateway_default_args(parser: argparse.ArgumentParser) -> None:
     """What a request gets when it does not say (gateway and serve)."""
     parser.add_argument("--draft-length", type=int, default=GATEWAY.default_draft_length, help="default γ")
@@ -530,10 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run draft, verifier and gateway locally (the demo)")
-    serve.add_argument("--target", help=f"target model directory (default: the demo target, {DEMO_TARGET})")
-    serve.add_argument("--draft", action="append", metavar="[NAME=]DIR",
-                       help=f"draft model directory; repeat to host several, the first is the default "
-                            f"(default: the demo draft, {DEMO_DRAFT})")
+    serve.add_argument("--target", help=f"target model: a directory or a hub id ORG/NAME[@REVISION] (default: the "
+                                        f"demo target, {DEMO_TARGET})")
+    _revision_arg(serve)
+    serve.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
+                       help=f"draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several, the "
+                            f"first is the default (default: the demo draft, {DEMO_DRAFT})")
     serve.add_argument("--host", default=SERVER.host, help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
     serve.add_argument("--tls", metavar="DIR",
@@ -561,8 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     draft = sub.add_parser("draft", help="run the draft service")
     _server_args(draft, DEFAULT_DRAFT_PORT)
-    draft.add_argument("--draft", action="append", metavar="[NAME=]DIR",
-                       help="a draft model directory; repeat to host several (the first is the default)")
+    draft.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
+                       help="a draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several "
+                            "(the first is the default)")
+    _revision_arg(draft)
     _model_args(draft, DRAFT)
     draft.add_argument("--pre-draft-branches", default=DRAFT.pre_draft_branches, metavar="all|bonus|K",
                        help="overlapped speculation: pre-draft for every accepted length (all), only for everything "
@@ -572,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     verifier = sub.add_parser("verifier", help="run the verifier service")
     _server_args(verifier, DEFAULT_VERIFIER_PORT)
-    verifier.add_argument("--target", default=str(VERIFIER.target), help="target model directory")
+    verifier.add_argument("--target", default=str(VERIFIER.target),
+                          help="target model: a directory or a hub id ORG/NAME[@REVISION]")
+    _revision_arg(verifier)
     _model_args(verifier, VERIFIER)
     verifier.set_defaults(func=cmd_verifier)
 
