@@ -24,8 +24,8 @@ against a loop over sessions on views of their own storage.
 
 Models whose attention goes through `cache.update` and transformers' attention interface
 work: full attention, sliding windows and hybrids of the two (Llama, Mistral, Qwen,
-Gemma 2 and 3, OPT, ...), and keys and values of different sizes (multi-head latent
-attention). What the store cannot serve exactly is found when the model loads
+Gemma 2 and 3, OPT, ...), and multi-head latent attention (DeepSeek-V2/V3), whose
+compressed latents are what the pool holds. What the store cannot serve exactly is found when the model loads
 (`kv_shape`, `batching_problem`) and refused there with the reason. No gRPC here.
 """
 from __future__ import annotations
@@ -316,9 +316,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     attention functions do. The queries are scattered into a padded [B, heads, T, D], every
     session's keys and values gathered through its block table (`BatchCache.update` has
     already stored the new ones), one SDPA call with the batch's mask, and the rows that
-    are tokens gathered back. A sliding-window layer (Mistral, Gemma, Qwen2 with windows)
-    masks what lies outside its window; a layer that soft-caps its scores (Gemma 2), which
-    SDPA cannot, computes them in three matrix operations instead. Without a batch cache
+    are tokens gathered back. Multi-head latent attention (DeepSeek-V2/V3) stores its
+    compressed latents, which the layer's own `expand_kv` turns into keys and values
+    after the gather, so the pool holds the compressed cache. A sliding-window layer
+    (Mistral, Gemma, Qwen2 with windows) masks what lies outside its window; a layer that
+    soft-caps its scores (Gemma 2), which SDPA cannot, computes them in three matrix
+    operations instead. Without a batch cache
     (a plain forward of the same model) this is transformers' SDPA, or its eager
     attention where scores are soft-capped.
     """
@@ -348,6 +351,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         kv_heads = keys.shape[2]
         keys = keys.view(batch, -1, kv_heads, keys.shape[-1])[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
         values = values.view(batch, -1, kv_heads, values.shape[-1])[:, :cache.keys].transpose(1, 2)
+    expand = getattr(module, "expand_kv", None)
+    if expand is not None:  # multi-head latent attention caches its compressed latents: expand them here
+        keys, values = expand(keys, values)
     mask = cache.allowed if sliding_window is None else cache.window(sliding_window)
     if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scaling,
@@ -405,8 +411,10 @@ LAYER_TYPES = {"full_attention", "sliding_attention"}
 @torch.inference_mode()
 def kv_shape(model: PreTrainedModel, device: torch.device) -> tuple[int, int, int, int]:
     """(layers, KV heads, key dim, value dim) of a decoder, read from the cache of a
-    two-token forward rather than guessed from its config (families name these fields
-    differently, and multi-head latent attention has keys and values of different sizes).
+    two-token forward rather than guessed from its config: families name these fields
+    differently, and what a layer caches need not be its keys and values (multi-head
+    latent attention caches one head of compressed latent and one of rotary key, of
+    different sizes).
     UnsupportedModel for layers the store cannot hold, or layers of different shapes."""
     config = model.config
     other = sorted(set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES)

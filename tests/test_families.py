@@ -31,7 +31,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             n_positions=256, num_layers=2, num_heads=4, word_embed_proj_dim=64, sliding_window=8,
             kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
             n_routed_experts=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            first_k_dense_replace=1, n_group=1, topk_group=1, tie_word_embeddings=False)
+            first_k_dense_replace=2, n_group=1, topk_group=1, tie_word_embeddings=False)
 MAX_PARAMETERS = 5_000_000  # more after shrinking: its sizes live in fields we do not know
 PROMPTS = [[5, 17, 23, 42, 8, 99], [3, 3, 61, 20]]
 NEW_TOKENS = 6
@@ -41,10 +41,10 @@ def tiny_config(model_type: str, vocab_size: int):
     """The family's default config, shrunk; its sliding windows (if any) shorter than a test sequence."""
     config = AutoConfig.for_model(model_type)
     for name, value in TINY.items():
-        if name == "head_dim" and hasattr(config, "qk_rope_head_dim"):
-            continue  # multi-head latent attention derives its own
         if hasattr(config, name):
             setattr(config, name, value)
+    if hasattr(config, "qk_rope_head_dim"):  # multi-head latent attention: rotary on qk_rope_head_dim, no GQA
+        config.head_dim, config.num_key_value_heads = config.qk_rope_head_dim, config.num_attention_heads
     config.vocab_size = vocab_size
     if getattr(config, "layer_types", None):
         layers = config.num_hidden_layers
@@ -127,7 +127,7 @@ def until_eos(tokens: list[int]) -> list[int]:
 
 
 # Through the three services: a sliding-window hybrid with soft-capped scores (Gemma 2),
-# positions read from a learned table (OPT), keys and values of different sizes (DeepSeek-V3).
+# positions read from a learned table (OPT), a compressed latent cache (DeepSeek-V3).
 @pytest.mark.parametrize("model_type", ["gemma2", "opt", "deepseek_v3"])
 def test_new_families_through_the_services(model_type, tokenizer, tmp_path):
     directory = tmp_path / model_type
