@@ -53,9 +53,10 @@ def tiny_config(model_type: str, vocab_size: int):
     return config
 
 
-def build(model_type: str, directory: Path, tokenizer) -> list[list[int]]:
+def build(model_type: str, directory: Path, tokenizer, dtype: str = "float32") -> list[list[int]]:
     """Save the family's tiny model with the tokenizer; transformers' greedy continuation of
-    each prompt. pytest.skip when it cannot be built from its config, or generate fails."""
+    each prompt in `dtype`. pytest.skip when it cannot be built from its config, or
+    generate fails."""
     try:
         config = tiny_config(model_type, len(tokenizer))
         with torch.device("meta"):
@@ -66,7 +67,7 @@ def build(model_type: str, directory: Path, tokenizer) -> list[list[int]]:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(directory)
         # The reference is the model as it loads back: a config re-derives fields when read.
-        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     except Exception as exc:
         pytest.skip(f"{model_type}: cannot be built from its config alone: {type(exc).__name__}: {exc}")
     try:
@@ -102,19 +103,31 @@ async def decode_together(runner: ModelRunner) -> list[list[int]]:
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 def test_every_family_is_exact_or_refused_at_load(model_type, tokenizer, tmp_path, caplog):
+    check_family(model_type, tokenizer, tmp_path, "float32", caplog)
+
+
+# bfloat16 on this CPU (float16 needs the GPU check): greedy output equals generate in the same dtype.
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gemma3_text", "qwen3", "opt", "deepseek_v3"])
+def test_half_precision_is_exact_in_the_same_dtype(model_type, tokenizer, tmp_path, caplog):
+    check_family(model_type, tokenizer, tmp_path, "bfloat16", caplog, refusable=False)
+
+
+def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog, refusable: bool = True) -> None:
+    """Refused at load naming the family (when `refusable`), or greedy-exact against generate."""
     caplog.set_level(logging.ERROR)
-    expected = build(model_type, tmp_path / model_type, tokenizer)
+    expected = build(model_type, tmp_path / model_type, tokenizer, dtype)
     try:
-        runner = ModelRunner(tmp_path / model_type, max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))
+        runner = ModelRunner(tmp_path / model_type, dtype=dtype, max_sessions=4,
+                             batching=BatchSettings(kv_cache_tokens=2048))
     except UnsupportedModel as refused:
-        assert model_type in str(refused)
+        assert refusable and model_type in str(refused), refused
         print(f"refused at load: {refused}")
         return
     got = [until_eos(tokens) for tokens in asyncio.run(decode_together(runner))]
     for prompt, ours, theirs in zip(PROMPTS, got, expected):
         if ours != theirs:  # allowed only where the reference's top two logits tie in float32 rounding
             at = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-            reference = AutoModelForCausalLM.from_pretrained(tmp_path / model_type).eval()
+            reference = AutoModelForCausalLM.from_pretrained(tmp_path / model_type, dtype=getattr(torch, dtype)).eval()
             with torch.no_grad():
                 logits = reference(torch.tensor([prompt + theirs[:at]])).logits[0, -1]
             top = logits.topk(2).values
