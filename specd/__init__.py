@@ -19,7 +19,8 @@ The core's modules:
     selection     which hosted draft serves a request that names none (measured goodput)
     tasks         task types: the prompt classifier and per-task priors for the γ policies
     runtime       model loading and the per-session runtime of the draft and verifier services
-    kvstore       batched KV caches: per-session block-grown storage, one batched forward
+    hub           where a model comes from: a directory, or a hub id resolved into the local cache
+    kvstore       the paged KV pool, one batched forward, and the trial at load of what it can serve
     batching      the scheduler that batches one model's steps across sessions
     jobs          one step of one session as the scheduler runs it: a proposal, a verification
     steps         the plain types gateway and workers exchange: ModelInfo, BatchStats, Proposal, Scores
