@@ -7,6 +7,7 @@ fails); `resume()` lets it flow again; `cut()` closes every proxied connection a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 
 class TcpProxy:
@@ -66,3 +67,17 @@ class TcpProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+def proxy_front(role: str) -> tuple[Callable, dict[str, TcpProxy]]:
+    """A `start_stack` front that puts a TcpProxy before the `role` worker ("draft" or
+    "verifier"); the dict gets the proxy once the stack starts."""
+    proxies: dict[str, TcpProxy] = {}
+
+    def front(loop, worker: str, port: int) -> int:
+        if worker != role:
+            return port
+        proxies[worker] = loop.run(TcpProxy(port).start())
+        return proxies[worker].port
+
+    return front, proxies

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from conftest import request, start_stack
 from gateway.auth import KeyFileError, KeyRing
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
-from tcpproxy import TcpProxy
+from tcpproxy import proxy_front
 
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-9876543210"}
 
@@ -68,13 +68,7 @@ def test_gateway_refuses_to_start_with_a_malformed_key_file(tmp_path):
 @pytest.fixture(scope="module")
 def keyed(model_dirs, tmp_path_factory):
     """A gateway with keys, one request in flight per key, and a proxy before its verifier."""
-    proxies = {}
-
-    def front(loop, role, port):
-        if role != "verifier":
-            return port
-        proxies[role] = loop.run(TcpProxy(port).start())
-        return proxies[role].port
+    front, proxies = proxy_front("verifier")
 
     stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path_factory.mktemp("keys")),
                         key_max_in_flight=1)
@@ -243,13 +237,7 @@ def test_bad_utf8_is_invalid_argument(stack):
 
 def test_no_tenant_takes_all_the_capacity_by_default(model_dirs, tmp_path):
     """No --key-max-in-flight: with two tenants, each may hold three quarters of the gateway."""
-    proxies = {}
-
-    def front(loop, role, port):
-        if role != "draft":
-            return port
-        proxies[role] = loop.run(TcpProxy(port).start())
-        return proxies[role].port
+    front, proxies = proxy_front("draft")
 
     # The draft's step budget outlasts the test: alpha's speculative requests wait on it.
     stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path), max_concurrent_requests=4,
@@ -282,13 +270,7 @@ def test_no_tenant_takes_all_the_capacity_by_default(model_dirs, tmp_path):
 @pytest.fixture()
 def stalled(model_dirs):
     """A stack whose gateway reaches the draft through a proxy the test can stall."""
-    proxies = {}
-
-    def front(loop, role, port):
-        if role != "draft":
-            return port
-        proxies[role] = loop.run(TcpProxy(port).start())
-        return proxies[role].port
+    front, proxies = proxy_front("draft")
 
     # A draft step budget longer than any test: the stalled draft holds its requests.
     stack = start_stack(model_dirs, front=front, max_streams_per_connection=2, draft_step_floor_s=120.0)

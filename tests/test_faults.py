@@ -22,7 +22,7 @@ import pytest
 from conftest import request, start_stack
 from specd.cli.supervisor import Backoff, Supervisor
 from specd.v1 import gateway_pb2_grpc
-from tcpproxy import TcpProxy
+from tcpproxy import proxy_front
 from test_cli import free_port
 from test_pipeline import reference_greedy
 
@@ -253,13 +253,7 @@ def test_verifier_frozen_under_serve(serve, expected):
 
 @pytest.mark.parametrize("worker", ["draft", "verifier"])
 def test_connections_cut_mid_run(model_dirs, expected, worker):
-    proxies = {}
-
-    def front(loop, role, port):
-        if role != worker:
-            return port
-        proxies[role] = loop.run(TcpProxy(port).start())
-        return proxies[role].port
+    front, proxies = proxy_front(worker)
 
     stack = start_stack(model_dirs, front=front)
     proxy = proxies[worker]

@@ -58,6 +58,18 @@ def render(directory: Path) -> str:
     return result.stdout
 
 
+def with_component(overlay: str, component: str, directory: Path) -> list[dict]:
+    """The overlay rendered with an optional component (a kustomization written in
+    `directory`), validated strictly; its objects."""
+    base = os.path.relpath(K8S, directory)
+    (directory / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{base}/overlays/{overlay}]\ncomponents: [{base}/components/{component}]\n")
+    manifest = render(directory)
+    assert validate(manifest).returncode == 0
+    return [doc for doc in yaml.safe_load_all(manifest) if doc]
+
+
 def objects(overlay: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(rendered(overlay)) if doc]
 

@@ -1,26 +1,15 @@
 """The optional `k8s/components/hub-cache` component: a Hugging Face cache volume and token."""
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
-import yaml
 
-from test_k8s import K8S, KUBECTL, OVERLAYS, pytestmark, validate  # noqa: F401 - pytestmark skips without kubectl
+from test_k8s import OVERLAYS, pytestmark, with_component  # noqa: F401 - pytestmark skips without kubectl
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_hub_cache_component_gives_the_workers_a_cache_and_an_optional_token(overlay, tmp_path):
-    base = os.path.relpath(K8S, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{base}/overlays/{overlay}]\ncomponents: [{base}/components/hub-cache]\n")
-    result = subprocess.run([KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert validate(result.stdout).returncode == 0
-    deployments = {d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout)
-                   if d and d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["name"]: d for d in with_component(overlay, "hub-cache", tmp_path)
+                   if d["kind"] == "Deployment"}
     for name in ("specd-verifier", "specd-draft"):
         pod = deployments[name]["spec"]["template"]["spec"]
         container = pod["containers"][0]
