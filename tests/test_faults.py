@@ -108,11 +108,11 @@ def test_supervisor_restarts_workers_and_stops_when_the_gateway_exits(tmp_path):
 class Serve:
     """`specd serve` on free ports with the tiny models; its output lines in a queue."""
 
-    def __init__(self, model_dirs) -> None:
+    def __init__(self, model_dirs, *flags: str) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
-             "--draft", f"close={model_dirs['close']}", "--port", str(self.port), "--threads", "1"],
+             "--draft", f"close={model_dirs['close']}", "--port", str(self.port), "--threads", "1", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -214,11 +214,20 @@ def test_draft_frozen_under_serve(serve, expected):
         time.sleep(0.5)
 
 
-def test_verifier_frozen_under_serve(serve, expected):
-    """With no other verifier, a request without a deadline ends UNAVAILABLE in bounded time
-    and the gateway's health says NOT_SERVING; after SIGCONT both recover."""
+@pytest.fixture()
+def serve_2s_verifier_floor(model_dirs):
+    running = Serve(model_dirs, "--verifier-step-floor", "2")  # serve hands it to its gateway
+    yield running
+    running.close()
+
+
+def test_verifier_frozen_under_serve(serve_2s_verifier_floor, expected):
+    """With no other verifier, a request without a deadline ends UNAVAILABLE within the
+    verifier's step budget, and the gateway's health says NOT_SERVING; after SIGCONT both
+    recover."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    serve = serve_2s_verifier_floor
     health = health_pb2_grpc.HealthStub(serve.channel)
     verifier_pid = serve.pid("verifier")
     os.kill(verifier_pid, signal.SIGSTOP)
@@ -226,8 +235,8 @@ def test_verifier_frozen_under_serve(serve, expected):
     try:
         with pytest.raises(grpc.RpcError) as err:
             serve.stub.Generate(request(PROMPTS[0], max_new_tokens=NEW_TOKENS))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "did not answer" in err.value.details()
-        assert time.monotonic() - frozen_at < 15
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "within 2.00 s" in err.value.details()
+        assert time.monotonic() - frozen_at < 4.5  # the 2 s floor, not the default 5 s
         while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
                 health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() - frozen_at < 15, "the gateway's health still says SERVING"

@@ -426,7 +426,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
                 "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
                 *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
-                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args)])
+                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args),
+                "--step-budget-factor", str(args.step_budget_factor),
+                "--draft-step-floor", str(args.draft_step_floor),
+                "--verifier-step-floor", str(args.verifier_step_floor)])
             if not wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
                       file=sys.stderr)
@@ -497,6 +500,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # -- the parser -----------------------------------------------------------------------------
+
+def _step_budget_args(parser: argparse.ArgumentParser) -> None:
+    """How long a worker step may take before the gateway stops waiting (gateway and serve)."""
+    parser.add_argument("--step-budget-factor", type=float, default=GATEWAY.step_budget_factor,
+                        help="a worker step may take this many times the service's measured p99 step time "
+                             "(per 128 tokens fed), and never less than its floor (docs/reliability.md)")
+    parser.add_argument("--draft-step-floor", type=float, default=GATEWAY.draft_step_floor_s, metavar="SECONDS",
+                        help="shortest draft step budget; a draft step past its budget is skipped and the "
+                             f"draft probed later (default {GATEWAY.draft_step_floor_s})")
+    parser.add_argument("--verifier-step-floor", type=float, default=GATEWAY.verifier_step_floor_s,
+                        metavar="SECONDS",
+                        help="shortest verifier step budget; past it the session moves to another verifier, "
+                             f"or the request ends UNAVAILABLE (default {GATEWAY.verifier_step_floor_s})")
+
 
 def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     from gateway.policy import POLICIES
@@ -581,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_args(serve)
     _gateway_policy_args(serve)
     _gateway_edge_args(serve)
+    _step_budget_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("draft", help="run the draft service")
@@ -623,16 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest γ a request may ask")
     gateway.add_argument("--worker-timeout", type=float, default=GATEWAY.worker_timeout_s,
                          help="seconds to wait for the workers at start-up")
-    gateway.add_argument("--step-budget-factor", type=float, default=GATEWAY.step_budget_factor,
-                         help="a worker step may take this many times the service's measured p99 step time "
-                              "(per 128 tokens fed), and never less than its floor (docs/reliability.md)")
-    gateway.add_argument("--draft-step-floor", type=float, default=GATEWAY.draft_step_floor_s, metavar="SECONDS",
-                         help="shortest draft step budget; a draft step past its budget is skipped and the "
-                              f"draft probed later (default {GATEWAY.draft_step_floor_s})")
-    gateway.add_argument("--verifier-step-floor", type=float, default=GATEWAY.verifier_step_floor_s,
-                         metavar="SECONDS",
-                         help="shortest verifier step budget; past it the session moves to another verifier, "
-                              f"or the request ends UNAVAILABLE (default {GATEWAY.verifier_step_floor_s})")
+    _step_budget_args(gateway)
     gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
                          help="reach the workers over TLS, trusting certificates signed by this CA")
     gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
