@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from specd import wire, workerservice
 from specd.config import DraftSettings
-from specd.errors import clip
+from specd.errors import InvalidArgument, clip
 from specd.grpcserver import RunningServer, start_server
 from specd.runtime import ModelRunner
 from specd.steps import PreDraftRequest, Proposal
@@ -42,7 +42,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
 
 
 class DraftServicer(worker_pb2_grpc.DraftServicer):
-    """Proposes draft tokens; one bidi stream per client request."""
+    """Proposes draft tokens; one multiplexed stream per gateway connection."""
 
     def __init__(self, drafts: dict[str, ModelRunner]) -> None:
         if not drafts:
@@ -54,24 +54,22 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         return worker_pb2.ModelInfoResponse(
             models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()])
 
-    async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResponse]:
-        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
-                                                   lambda r, s: self._propose(r, s, context))) as responses:
-            async for response in responses:
-                yield response
+    async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeSteps],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResults]:
+        async with contextlib.aclosing(workerservice.serve_multiplexed(
+                request_iterator, self._propose, worker_pb2.ProposeResults, worker_pb2.ProposeResult,
+                "/specd.v1.Draft/Propose")) as results:
+            async for message in results:
+                yield message
 
-    async def _propose(self, request: worker_pb2.ProposeRequest, stream: workerservice.StepStream,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
+    async def _propose(self, request: worker_pb2.ProposeRequest,
+                       stream: workerservice.StepStream) -> worker_pb2.ProposeResponse:
         name = request.draft_model or self.default
         runner = self.drafts.get(name)
-        if request.HasField("expected_model"):  # the first message of the stream
-            held = runner.info if runner else None
-            await workerservice.refuse_wrong_model(context, request.expected_model, held, "draft")
+        if request.HasField("expected_model"):  # a step that opens a session
+            workerservice.check_model(request.expected_model, runner.info if runner else None, "draft")
         if runner is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
-        assert runner is not None  # aborted otherwise
+            raise InvalidArgument(f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
         problems = wire.step_problems(runner.info, delta, transform, request.draft_length)
@@ -79,7 +77,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
             problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
-        await workerservice.refuse_problems(context, problems)
+        workerservice.check_problems(problems)
         session = stream.session(runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)

@@ -31,6 +31,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from gateway.budgets import BudgetSettings, SlowMark, StepBudget
 from gateway.endpointslices import EndpointSliceWatcher
 from gateway.router import NoEndpoint, Router, parse_addresses
+from gateway.streams import StepFailed, WorkerStream
 from specd.config import ClientTLS, GatewaySettings
 from specd.grpcserver import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
@@ -64,6 +65,7 @@ class WorkerPool:
         self.server_name = server_name
         self._stub_class = stub_class
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+        self._streams: dict[tuple[str, str], WorkerStream] = {}  # (address, rpc) → its stream
 
     def stub(self, address: str):
         """The stub for an endpoint (its channel is made on first use and kept while listed)."""
@@ -73,12 +75,12 @@ class WorkerPool:
             self._channels[address] = (channel, self._stub_class(channel))
         return self._channels[address][1]
 
-    def open_stream(self, session_id: str, rpc: str, moved: bool, metadata=(), timeout: float | None = None):
-        """Open a session's stream on the endpoint the router picks for it.
+    def stream(self, session_id: str, rpc: str, moved: bool) -> WorkerStream:
+        """The stream to the endpoint the router picks for a session (shared by every
+        session there; a new one when the last one failed).
 
         moved=True: the session's endpoint failed it (dead or unreachable), so the router
         moves it to another endpoint when there is one; otherwise the session stays put.
-        timeout: the stream's deadline in seconds (the client's, so the worker sees it too).
         """
         try:
             address = self.router.fail_over(session_id) if moved else self.router.place(session_id)
@@ -86,17 +88,22 @@ class WorkerPool:
             # mid-renewal they may not load, and the step is retried like any lost worker.
             stub = self.stub(address)
         except (NoEndpoint, TLSConfigError) as exc:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), str(exc)) from exc
-        # wait_for_ready: a restarted pod that keeps its address is waited for (bounded by
-        # the step timeout) instead of failing at once.
-        return getattr(stub, rpc)(metadata=metadata, wait_for_ready=True, timeout=timeout)
+            raise StepFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        stream = self._streams.get((address, rpc))
+        if stream is None or stream.failure is not None:
+            # wait_for_ready: a restarted pod that keeps its address is waited for (bounded
+            # by the link's connect timeout) instead of failing at once.
+            stream = WorkerStream(getattr(stub, rpc)(wait_for_ready=True), rpc, self._channels[address][0])
+            self._streams[(address, rpc)] = stream
+        return stream
 
     def _close_unlisted(self) -> None:
         """Close the channels of endpoints that left the service (pods come and go)."""
         listed = {state.address for state in self.router.snapshot()}
         for address in [a for a in self._channels if a not in listed]:
             channel, _ = self._channels.pop(address)
+            for key in [k for k in self._streams if k[0] == address]:
+                self._streams.pop(key).close()
             asyncio.get_running_loop().create_task(channel.close())
 
     async def serving(self, address: str, timeout_s: float) -> bool:
@@ -133,6 +140,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        for stream in self._streams.values():
+            stream.close()
         for channel, _ in self._channels.values():
             await channel.close()
 

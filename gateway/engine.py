@@ -136,8 +136,8 @@ class DraftClient(Protocol):
     def advance(self, position: int) -> None:
         """The committed sequence is settled up to `position`: the rest of the session's cache is stale."""
 
-    async def close(self, finished: bool = True) -> None:
-        """End the session (finished False: drop it, it will not be resumed)."""
+    def close(self) -> None:
+        """End the session (a step of it still running is dropped)."""
 
 
 class VerifierClient(Protocol):
@@ -332,7 +332,7 @@ class _Speculation:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise  # the client's deadline passed: the request is over, not just the draft
             log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
-            await self.draft.close(finished=False)
+            self.draft.close()
             self.draft = None
             return empty
         return _DraftHop(proposal.tokens, proposal.probs if proposal.probs is not None else empty.probs,

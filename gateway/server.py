@@ -35,7 +35,7 @@ from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
 from gateway.request import ParsedRequest
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink, close_links
+from gateway.workers import DraftLink, LinkSettings, VerifierLink
 from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
@@ -171,21 +171,19 @@ def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettin
 
 
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
-               metadata: tuple[tuple[str, str], ...] = (),
                deadline: float | None = None) -> tuple[DraftLink | None, VerifierLink]:
     """One request's links to its workers (no draft link when it decodes plainly).
 
-    `deadline` (time.monotonic()) is the client's: each worker stream carries what is
-    left of it, so a worker ends the session by itself when the request expires.
+    `deadline` (time.monotonic()) is the client's: no step waits past it, and the links
+    then end their sessions on the workers.
     """
     session_id = uuid.uuid4().hex
     link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline)
-    verifier = VerifierLink("verifier", backend.verifier, "Verify", link, backend.target, metadata)
+    verifier = VerifierLink("verifier", backend.verifier, "Verify", link, backend.target)
     draft = None
     if draft_model:
         assert backend.draft is not None  # a draft model is chosen only with a draft service
-        draft = DraftLink(f"draft {draft_model!r}", backend.draft, "Propose", link, backend.drafts[draft_model],
-                          metadata)
+        draft = DraftLink(f"draft {draft_model!r}", backend.draft, "Propose", link, backend.drafts[draft_model])
     return draft, verifier
 
 
@@ -318,18 +316,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
                                            policy=parsed.policy)
-        # The trace context also rides on the worker streams, so their RPC spans join the trace.
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, request_trace.metadata,
-                                     deadline)
+        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         observers: list[StepObserver] = [stats]
         if not diagnostic:
             observers.append(_GatewayCounts(self, labels, model_pair, request_trace))
         finish = Finish.LENGTH
-        finished = False
         if load_cap is not None:
             load_cap.enter()
         try:
@@ -354,7 +349,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
-                    finished = True
                     yield gateway_pb2.GenerateChunk(
                         text=delta + text.finish(), token_ids=kept, finish_reason=_FINISH[finish],
                         stats=stats_pb, trace_id=request_trace.trace_id)
@@ -366,7 +360,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if load_cap is not None:
                 load_cap.leave()
             request_trace.end()
-            await close_links([draft, verifier], finished)
+            for link in (draft, verifier):
+                if link is not None:
+                    link.close()
 
     def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                   model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,

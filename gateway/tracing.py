@@ -119,13 +119,6 @@ class RequestTrace:
         self.step_tracer: StepTracer = StepSpans(tracer, span) if recording else NoTracer()
         # The W3C trace id the response reports, when the trace will exist somewhere.
         self.trace_id = format(span.get_span_context().trace_id, "032x") if recording else ""
-        # gRPC metadata for the worker streams, so their server spans join this trace;
-        # sent even when sampled out, so the workers' parent-based samplers drop them too.
-        self.metadata: tuple[tuple[str, str], ...] = ()
-        if span.get_span_context().is_valid:
-            carrier: dict[str, str] = {}
-            propagate.inject(carrier, context=trace.set_span_in_context(span))
-            self.metadata = tuple(carrier.items())
         self._ended = False
 
     def step_event(self, name: str, attributes: dict[str, int | float | str]) -> None:

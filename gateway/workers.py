@@ -1,22 +1,24 @@
-"""The gateway's side of the worker streams: one `WorkerLink` per request and worker.
+"""The gateway's side of the worker protocol: one `WorkerLink` per request and worker.
 
 Who owns what in the gateway: a link belongs to one request; it asks `gateway.backend`'s
-pool for a stream, and the pool's `gateway.router` picks the replica.
+pool for the stream to its session's endpoint (the pool's `gateway.router` picks the
+replica), a `gateway.streams.WorkerStream` that the sessions of every request on that
+endpoint share.
 
 A link knows how much of the committed sequence its worker holds (`position`) and sends
 only the rest. When the worker has lost the session (NOT_FOUND: evicted or out of sync)
-or the stream broke (UNAVAILABLE: the worker restarted), the link opens a new stream and
-re-sends the whole committed sequence: workers are caches, the gateway holds the truth.
-The first message of every stream names the model the gateway expects; a worker holding
-another one (FAILED_PRECONDITION: swapped behind the address) is treated as lost: the
-session moves to another endpoint, and no answer from the wrong model is ever used.
-A worker that hangs fails nothing by itself, so every step has a budget learned from
-measured step times (`gateway.budgets`): a draft step past it is skipped (the step goes
-on without a proposal, and the draft service is left alone until a probe finds it
+or the stream broke (UNAVAILABLE: the worker restarted), the link re-opens the session
+and re-sends the whole committed sequence: workers are caches, the gateway holds the
+truth. The step that opens a session names the model the gateway expects; a worker
+holding another one (FAILED_PRECONDITION: swapped behind the address) is treated as
+lost: the session moves to another endpoint, and no answer from the wrong model is ever
+used. A worker that hangs fails nothing by itself, so every step has a budget learned
+from measured step times (`gateway.budgets`): a draft step past it is skipped (the step
+goes on without a proposal, and the draft service is left alone until a probe finds it
 answering); a verifier step past it moves the session to another verifier, or ends the
 request with UNAVAILABLE when there is none.
-This is the gateway's side of the worker protocol: it builds the step messages and turns
-the answers back into `specd.steps` types, through `specd.wire`.
+It builds the step messages and turns the answers back into `specd.steps` types, through
+`specd.wire`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway.errors import DraftSkipped, WorkerError
+from gateway.streams import StepFailed, WorkerStream
 from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
@@ -57,9 +60,6 @@ _REOPENABLE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.Stat
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-_CORE_WRITE_FAILURE = "Internal error from Core"  # grpc.aio's details for a write that failed in Core
-
-
 @dataclass
 class LinkSettings:
     session_id: str
@@ -78,33 +78,40 @@ def _sooner(timeout_s: float, remaining: float | None) -> float:
 
 class StepOverBudget(Exception):
     """A worker did not answer a step within its budget (`gateway.budgets`); the link has
-    dropped the stream, and the session will be re-opened from the committed tokens."""
+    left the session, which will be re-opened from the committed tokens."""
 
 
 class WorkerLink:
-    """One request's session on one worker service, over one bidi stream at a time.
+    """One request's session on one worker service, over its endpoint's shared stream.
 
-    The stream is opened through `pool` (its router picks the endpoint; after the
-    endpoint failed the session, moved=True lets it move the session to another), with
-    `metadata` on every stream. Every step is timed against the pool's `StepBudget`.
-    `close()` is called once the request is over (the router forgets the session).
+    The stream comes from `pool` (its router picks the endpoint; after the endpoint
+    failed the session, moved=True lets it move the session to another). Every step is
+    timed against the pool's `StepBudget`. `close()` is called once the request is over
+    (the worker forgets the session, the router releases it).
     """
 
     def __init__(self, name: str, pool: WorkerPool, rpc: str, settings: LinkSettings,
-                 identity: ModelInfo | None = None, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 identity: ModelInfo | None = None) -> None:
         self.name = name
-        # The model validated at start-up; it opens every stream (None: nothing checked).
+        # The model validated at start-up; it opens every session (None: nothing checked).
         self.identity = identity
         self.pool = pool
         self._rpc = rpc
-        self._metadata = metadata
         self.settings = settings
         self.position = 0  # committed tokens the worker holds; the next delta starts here
         self.reopens = 0  # sessions re-opened over the request (reported in stats)
         self._failures_in_row = 0  # a step that succeeds after a re-open resets this
         self.last_exchange_bytes = 0  # request + response bytes of the last step
-        self._call: grpc.aio.StreamStreamCall[StepMessage, StepResponse] | None = None
+        self._stream: WorkerStream | None = None
+        # The worker's name of the session: a new one each time it is re-opened, so a
+        # step of the session left behind (still running on a hung worker) is never mixed
+        # up with the new one.
+        self._incarnation = 0
         self._moved = False  # the last stream's endpoint failed: move the session
+
+    @property
+    def worker_session(self) -> str:
+        return f"{self.settings.session_id}.{self._incarnation}"
 
     def advance(self, position: int) -> None:
         """After a step: the worker holds the old committed length plus the accepted tokens."""
@@ -113,66 +120,61 @@ class WorkerLink:
     async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], StepMessage]):
         """Send one step built around the delta the worker lacks; return its response.
 
-        StepOverBudget when the worker does not answer within the step's budget (or does
-        not accept a new stream within the connect timeout): a hung worker fails nothing.
+        StepOverBudget when the worker does not answer within the step's budget (plus the
+        connect timeout on a stream the endpoint has not answered yet): a hung worker
+        fails nothing.
         """
         while True:
             remaining = self.settings.remaining()
             if remaining is not None and remaining <= 0:
                 # Past the client's deadline nothing is re-opened: the request is over.
-                self._drop_call()
+                self._leave()
                 raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"{self.name}: the request's deadline passed")
-            delta = worker_pb2.SequenceDelta(session_id=self.settings.session_id, start=self.position,
-                                             tokens=committed[self.position:])
+            delta = worker_pb2.SequenceDelta(session_id=self.worker_session, start=self.position,
+                                             tokens=committed[self.position:],
+                                             expires_in_ms=0 if remaining is None else max(1, int(remaining * 1e3)))
+            message = build(delta)
+            if self.position == 0 and self.identity is not None:  # the step opens the session
+                message.expected_model.CopyFrom(identity_to_pb(self.identity))
             budget = self.pool.budget.seconds(len(delta.tokens))
             waited = budget  # what the timeout below stands for, if it fires
             try:
-                message = build(delta)
+                if self._stream is None:
+                    self._stream = self.pool.stream(self.settings.session_id, self._rpc, self._moved)
+                stream = self._stream
+                connecting = stream.connecting()
+                if connecting:
+                    # A new stream waits for its endpoint, but not for ever: a dead one is left
+                    # for another.
+                    waited += self.settings.connect_timeout_s
                 sent = time.perf_counter()
-                if self._call is None:
-                    if self.identity is not None:
-                        message.expected_model.CopyFrom(identity_to_pb(self.identity))
-                    self._call = self.pool.open_stream(self.settings.session_id, self._rpc, self._moved,
-                                                       self._metadata, remaining)
-                    # A new stream waits for its endpoint (a restarting worker keeps its
-                    # address), but not for ever: a dead one is left for another.
-                    waited = self.settings.connect_timeout_s
-                    await asyncio.wait_for(self._call.write(message), _sooner(waited, remaining))
-                    waited = budget
-                else:
-                    await self._call.write(message)
-                # asyncio.timeout, not wait_for: no task wrapped around every step's read.
-                async with asyncio.timeout(_sooner(budget, remaining)):
-                    response = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                code, details = exc.code(), exc.details()
-                if code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_FAILURE:
-                    # grpc/grpc#36066: a write to a stream the worker's end already closed (it
-                    # died) reports this instead of the stream's own status.
-                    code = grpc.StatusCode.UNAVAILABLE
-            except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
-                code, details = grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed"
+                step_id, answer = stream.send(message)
+                try:
+                    async with asyncio.timeout(_sooner(waited, remaining)):
+                        response = await answer
+                finally:
+                    stream.forget(step_id)
+            except StepFailed as exc:
+                code, details = exc.code, exc.details
             except TimeoutError:
-                self._drop_call()
+                if connecting:
+                    stream.close()  # an endpoint that never took the stream: others leave it too
+                self._leave()
                 if remaining is not None and remaining <= waited:  # the client's deadline, not the budget
                     raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"{self.name}: the request's deadline passed") from None
                 self._moved = True
-                self.position = 0  # re-prefill from the committed tokens
                 raise StepOverBudget(f"{self.name} did not answer a step within {waited:.2f} s (the step "
                                      f"budget: {self.pool.budget.describe()})") from None
             else:
-                if response is not grpc.aio.EOF:
-                    self.pool.budget.observe(time.perf_counter() - sent)
-                    self._failures_in_row = 0
-                    # grpc's stubs type EOF as object, which swallows the response's type.
-                    self.last_exchange_bytes = message.ByteSize() + response.ByteSize()  # type: ignore[union-attr]
-                    return response
-                code, details = grpc.StatusCode.UNAVAILABLE, "stream ended early"
-            self._drop_call()
+                self.pool.budget.observe(time.perf_counter() - sent)
+                self._failures_in_row = 0
+                self.last_exchange_bytes = message.ByteSize() + response.ByteSize()
+                return response
+            self._leave()
             if code == grpc.StatusCode.FAILED_PRECONDITION:
-                log.error("%s refused a stream, it holds another model (moving the session): %s",
+                log.error("%s refused a session, it holds another model (moving the session): %s",
                           self.name, details)
             # NOT_FOUND: the endpoint is fine but evicted the session; re-open it there.
             # Anything else reopenable: the endpoint itself failed; move if possible.
@@ -187,51 +189,23 @@ class WorkerLink:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"{self.name} failed {self._failures_in_row} times in a row: {details}")
             self.reopens += 1
-            self.position = 0  # re-prefill from the committed tokens
 
-    def _drop_call(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+    def _leave(self) -> None:
+        """Leave the session on its worker (which forgets it, cancelling a step of it that
+        is still running); the next step re-opens it, from the committed tokens."""
+        if self._stream is not None:
+            self._stream.end_session(self.worker_session)
+            self._stream = None
+        self._incarnation += 1
+        self.position = 0
 
-    async def close(self, finished: bool = True) -> None:
-        """End the stream; the worker forgets the session, the router releases it.
-
-        finished=False (the request failed or the client went away): cancel, so the
-        worker stops at once instead of finishing a step nobody will read.
-        """
+    def close(self) -> None:
+        """The request is over: the worker forgets the session (and stops a step of it
+        still running, when the client went away), the router releases it."""
         self.pool.router.release(self.settings.session_id)
-        if self._call is None:
-            return
-        call, self._call = self._call, None
-        if not finished:
-            call.cancel()
-            return
-        try:
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass
-        except asyncio.CancelledError:
-            call.cancel()  # interrupted half-way: never leave the worker's stream (and session) open
-            raise
-
-
-async def close_links(links: list[WorkerLink | None], finished: bool) -> None:
-    """Close every link of a request, even when the request is cancelled while closing one.
-
-    Soak-tested: a client that cancels just as its request finishes used to interrupt the
-    draft's close, skip the verifier's, and leave the verifier's session open for good.
-    """
-    interrupted: asyncio.CancelledError | None = None
-    for link in links:
-        if link is None:
-            continue
-        try:
-            await link.close(finished and interrupted is None)
-        except asyncio.CancelledError as exc:
-            interrupted = exc
-    if interrupted is not None:
-        raise interrupted
+        if self._stream is not None:
+            self._stream.end_session(self.worker_session)
+            self._stream = None
 
 
 class DraftLink(WorkerLink):
@@ -252,8 +226,7 @@ class DraftLink(WorkerLink):
 
         slow = self.pool.slow
         if not slow.ask(self):
-            self._drop_call()  # a hung draft must not hold the session's stream either
-            self.position = 0
+            self._leave()  # a hung draft must not hold the session either
             raise DraftSkipped(f"{self.name} is marked slow; the step goes on without it")
         try:
             response = await self.exchange(committed, build)

@@ -28,7 +28,7 @@ The core's modules:
     identity      which model a worker holds: a digest of its weights
     wire          the worker protocol's conversions, both ways: steps, distributions, model facts
     workermetrics Prometheus exposition of a worker's load
-    workerservice what the draft and verifier servicers share: the step stream's skeleton
+    workerservice what the draft and verifier servicers share: the multiplexed step stream
     grpcserver    the gRPC server plumbing every service shares: health, reflection, TLS, graceful stop
     errors        the exception tree, and the gRPC status each exception leaves a server with
     interceptors  server interceptors: every failure leaves with a real status (the one place errors map)

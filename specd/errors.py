@@ -17,6 +17,9 @@ hit them prints the message and exits.
         │                                                     the gateway re-opens the session
         ├── Overloaded (RuntimeError)       specd/errors.py   RESOURCE_EXHAUSTED "<service>: … retry
         │                                                     in about N ms"
+        ├── WrongModel                      specd/errors.py   FAILED_PRECONDITION: a step opens a
+        │                                                     session for a model this worker does
+        │                                                     not hold; the gateway moves it
         ├── WorkerError                     gateway/errors.py the code it carries: a worker failed a
         │                                                     step for good (the gateway passes it on)
         ├── DraftSkipped                    gateway/errors.py none: the draft was too slow for a step,
@@ -87,6 +90,13 @@ class Overloaded(SpecdError, RuntimeError):
 
     def status_message(self, service: str) -> str:
         return f"{service}: {self}"
+
+
+class WrongModel(SpecdError):
+    """A step opens a session for a model this worker does not hold (another worker is
+    behind the address the gateway checked); the message names both identities."""
+
+    status = "FAILED_PRECONDITION"
 
 
 class UnsupportedModel(SpecdError, ValueError):

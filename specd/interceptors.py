@@ -6,6 +6,8 @@ is the one place exceptions become statuses: a specd exception leaves with the s
 names (`specd.errors`, which draws the tree), a body that does not decode is
 `INVALID_ARGUMENT`, and anything unexpected is `INTERNAL` with a reference the server
 logged the traceback under. Handlers that abort with a code of their own pass untouched.
+`status_of` is the same mapping for one step of a multiplexed worker stream, which fails
+alone, in its result (`specd.workerservice`).
 """
 from __future__ import annotations
 
@@ -49,20 +51,24 @@ def _undecodable_message(method: str, request: Undecodable) -> str:
             f"string fields must be UTF-8")
 
 
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status `exc` stands for in `method`, and its message; an unexpected exception is
+    INTERNAL, logged here under the reference the message names."""
+    if isinstance(exc, SpecdError) and exc.status is not None:
+        return grpc.StatusCode[exc.status], exc.status_message(service_of(method))
+    if isinstance(exc, DecodeError):  # a streamed request message that did not decode
+        return grpc.StatusCode.INVALID_ARGUMENT, f"a request message is not valid for {method}: {clip(str(exc), 200)}"
+    reference = uuid.uuid4().hex[:12]
+    log.error("unexpected error in %s (reference %s)", method, reference, exc_info=exc)
+    return (grpc.StatusCode.INTERNAL,
+            f"internal error in {method}, reference {reference}: the server logged it; please report it")
+
+
 async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContext) -> None:
     """Abort with the status that `exc` stands for (re-raises what is already a status)."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    if isinstance(exc, SpecdError) and exc.status is not None:
-        await context.abort(grpc.StatusCode[exc.status], exc.status_message(service_of(method)))
-    if isinstance(exc, DecodeError):  # a streamed request message that did not decode
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a request message is not valid for {method}: {clip(str(exc), 200)}")
-    reference = uuid.uuid4().hex[:12]
-    log.error("unexpected error in %s (reference %s)", method, reference, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"internal error in {method}, reference {reference}: the server logged it; "
-                        f"please report it")
+    await context.abort(*status_of(exc, method))
 
 
 def service_of(method: str) -> str:

@@ -66,16 +66,21 @@ def tracing_enabled() -> bool:
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    """OpenTelemetry's aio server interceptor, health checks excluded; none when tracing is off.
+    """OpenTelemetry's aio server interceptor; none when tracing is off.
 
     Passed to each server explicitly instead of instrumenting grpc globally, so nothing
-    outside our servers changes behaviour.
+    outside our servers changes behaviour. Health checks are left out, and so are the
+    workers' step streams: one lives as long as its gateway's connection and carries the
+    steps of many requests, so its span would belong to no request; each step has a span
+    of its own (`worker_step_span`).
     """
     if not tracing_enabled():
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
-    return [aio_server_interceptor(filter_=filters.negate(filters.health_check()))]
+    untraced = filters.any_of(filters.health_check(), filters.full_method_name("/specd.v1.Draft/Propose"),
+                              filters.full_method_name("/specd.v1.Verifier/Verify"))
+    return [aio_server_interceptor(filter_=filters.negate(untraced))]
 
 
 def batch_span_attributes(batch: BatchStats) -> dict:

@@ -150,7 +150,7 @@ def step_problems(info: ModelInfo, delta: worker_pb2.SequenceDelta, transform: T
 
 
 def identity_mismatch(expected: worker_pb2.ModelIdentity, held: ModelInfo) -> str | None:
-    """Why a stream meant for `expected` must not be served by the model `held`; None if it may.
+    """Why a session meant for `expected` must not be served by the model `held`; None if it may.
 
     The message names both identities (digests shortened), for the gateway's log.
     """
@@ -158,7 +158,7 @@ def identity_mismatch(expected: worker_pb2.ModelIdentity, held: ModelInfo) -> st
     wanted = (expected.name, expected.weights_digest, expected.tokenizer_fingerprint)
     if mine == wanted:
         return None
-    return (f"this worker holds {describe_identity(*mine)}, but the stream expects "
+    return (f"this worker holds {describe_identity(*mine)}, but the session expects "
             f"{describe_identity(*wanted)}: the worker behind this address changed since the "
             f"gateway checked it; the gateway must use another worker or be restarted")
 

@@ -1,25 +1,34 @@
-"""What the draft and verifier servicers share: a step stream's skeleton.
+"""What the draft and verifier servicers share: a multiplexed step stream's skeleton.
 
-Both workers serve one bidi stream per client request, one step message at a time:
-check the message (refusing a stream meant for another model, or a step that cannot
-run), run the step on the model's thread under a span that is the child of the
-gateway's step span, convert, answer; when the stream ends, for whatever reason, the
-sessions it opened are forgotten. A session belongs to the stream that opened it: the
-runtime knows it by the stream's id and the gateway's session id together, so a step
-from another stream or connection that names the same session id reaches a different
-session (NOT_FOUND unless it opens its own) and changes nothing of the first. Failures leave as statuses through
-`specd.interceptors` (`SessionNotFound` NOT_FOUND, `Overloaded` RESOURCE_EXHAUSTED,
-`InvalidArgument` INVALID_ARGUMENT); nothing here catches to abort.
+A gateway keeps one stream open to each worker endpoint it uses (worker protocol 3,
+`proto/specd/v1/worker.proto`); each message carries the ready steps of its sessions and
+the sessions it is done with. `serve_multiplexed` runs every step as a task of its own
+(so the steps of one message meet in the model's next batched forward), answers each in
+a result that names it, and sends the results that finish together in one message. A
+step that fails, fails alone: its result carries the status that
+`specd.interceptors.status_of` gives its exception (`SessionNotFound` NOT_FOUND,
+`Overloaded` RESOURCE_EXHAUSTED, `InvalidArgument` INVALID_ARGUMENT, `WrongModel`
+FAILED_PRECONDITION), and the stream goes on. Each step runs under a span that is the
+child of the gateway's step span.
+
+A session belongs to the stream that opened it: the runtime knows it by the stream's id
+and the gateway's session id together, so a step from another stream or connection that
+names the same session id reaches a different session (NOT_FOUND unless it opens its
+own) and changes nothing of the first. A session ends when the gateway names it ended
+(a step of it still running is cancelled: its client went away), when its request's
+deadline passes (`SequenceDelta.expires_in_ms`), or when the stream ends.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import grpc
 from opentelemetry import trace
 
+from specd.errors import InvalidArgument, WrongModel, clip
+from specd.interceptors import status_of
 from specd.runtime import ModelRunner
 from specd.steps import BatchStats, ModelInfo
 from specd.telemetry import batch_span_attributes, worker_step_span
@@ -34,7 +43,7 @@ Result = TypeVar("Result")
 
 
 class StepStream:
-    """One client stream: the owner of the sessions it opens, which end when it ends."""
+    """One gateway's stream: the owner of the sessions its steps open."""
 
     def __init__(self) -> None:
         self.id = uuid.uuid4().hex
@@ -43,42 +52,147 @@ class StepStream:
     def session(self, runner: ModelRunner, session_id: str) -> str:
         """The runtime's key of this stream's session `session_id` on `runner`, which a
         step of this stream is about to touch."""
-        key = f"{self.id}/{session_id}"
+        key = self._key(session_id)
         self._opened[(id(runner), key)] = (runner, key)
         return key
+
+    def end_session(self, session_id: str) -> None:
+        """Forget this stream's session `session_id` on every model it touched."""
+        key = self._key(session_id)
+        for opened in [o for o in self._opened if o[1] == key]:
+            runner, _ = self._opened.pop(opened)
+            runner.end_session(key)
 
     def end(self) -> None:
         for runner, key in self._opened.values():
             runner.end_session(key)
+        self._opened.clear()
+
+    def _key(self, session_id: str) -> str:
+        return f"{self.id}/{session_id}"
 
 
-async def serve_steps(requests: AsyncIterator[Request],
-                      step: Callable[[Request, StepStream], Awaitable[Response]]) -> AsyncGenerator[Response, None]:
-    """Answer each step message of one stream with `step`; end its sessions when it ends."""
-    stream = StepStream()
+class _Steps:
+    """The steps of one stream that are running, and the results not yet sent."""
+
+    def __init__(self, step: Callable[[Any, StepStream], Awaitable[Any]], result_type: Callable[..., Any],
+                 method: str) -> None:
+        self.stream = StepStream()
+        self._step, self._result_type, self._method = step, result_type, method
+        self.running: dict[str, asyncio.Task] = {}  # session id → its step in flight
+        self._expiry: dict[str, asyncio.TimerHandle] = {}  # session id → when its request's deadline passes
+        self.finished: list = []  # results to send
+        self.ready = asyncio.Event()  # a result finished, or the gateway stopped sending
+
+    async def read(self, messages: AsyncIterator) -> None:
+        """Start each step of each message; end the sessions each one names ended."""
+        try:
+            async for message in messages:
+                for session_id in message.ended_sessions:
+                    self.end_session(session_id)
+                for entry in message.steps:
+                    session_id = entry.request.delta.session_id
+                    if session_id in self.running:
+                        self._finish(entry.step_id, InvalidArgument(
+                            f"session {clip(session_id)} already has a step running; send one step a session"))
+                        continue
+                    self.running[session_id] = asyncio.create_task(self._run(entry, session_id))
+                    if entry.request.delta.expires_in_ms:
+                        self._expire_later(session_id, entry.request.delta.expires_in_ms / 1e3)
+        finally:
+            self.ready.set()
+
+    async def _run(self, entry, session_id: str) -> None:
+        try:
+            response = await self._step(entry.request, self.stream)
+        except asyncio.CancelledError:  # the gateway ended the session: nobody reads a result
+            return
+        except Exception as exc:  # noqa: BLE001 - a step fails alone, with a status
+            self._finish(entry.step_id, exc)
+        else:
+            self.finished.append(self._result_type(step_id=entry.step_id, response=response))
+            self.ready.set()
+        finally:
+            if self.running.get(session_id) is asyncio.current_task():
+                del self.running[session_id]
+
+    def end_session(self, session_id: str) -> None:
+        """The session is over: cancel a step of it still running, and forget it."""
+        task = self.running.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+        expiry = self._expiry.pop(session_id, None)
+        if expiry is not None:
+            expiry.cancel()
+        self.stream.end_session(session_id)
+
+    def _expire_later(self, session_id: str, seconds: float) -> None:
+        """End the session when its request's deadline passes (each step moves the time)."""
+        expiry = self._expiry.pop(session_id, None)
+        if expiry is not None:
+            expiry.cancel()
+        self._expiry[session_id] = asyncio.get_running_loop().call_later(seconds, self.end_session, session_id)
+
+    def _finish(self, step_id: int, exc: BaseException) -> None:
+        code, message = status_of(exc, self._method)
+        self.finished.append(self._result_type(step_id=step_id, status={"code": code.value[0], "message": message}))
+        self.ready.set()
+
+    def cancel(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        self.running.clear()
+        for expiry in self._expiry.values():
+            expiry.cancel()
+        self._expiry.clear()
+        self.stream.end()
+
+
+async def serve_multiplexed(messages: AsyncIterator, step: Callable[[Request, StepStream], Awaitable[Response]],
+                            results_type: Callable[..., Any], result_type: Callable[..., Any],
+                            method: str) -> AsyncGenerator[Any, None]:
+    """Serve one multiplexed stream: run every step of every message with `step`, and
+    answer with `results_type` messages of `result_type` results (see the module's text).
+
+    The stream ends once the gateway has stopped sending and every step has answered;
+    its sessions end with it, whatever ended it.
+    """
+    steps = _Steps(step, result_type, method)
+    reader = asyncio.create_task(steps.read(messages))
     try:
-        async for request in requests:
-            yield await step(request, stream)
+        while True:
+            await steps.ready.wait()
+            steps.ready.clear()
+            # One turn of the loop first: steps that finished in the same batched forward
+            # resume one after the other, and their results leave in one message.
+            await asyncio.sleep(0)
+            if steps.finished:
+                results, steps.finished = steps.finished, []
+                yield results_type(results=results)
+            if reader.done():
+                if reader.exception() is not None:  # a message that did not decode: the stream's status
+                    reader.result()
+                if not steps.running and not steps.finished:
+                    return
     finally:
-        stream.end()
+        reader.cancel()
+        steps.cancel()
 
 
-async def refuse_wrong_model(context: grpc.aio.ServicerContext, expected: worker_pb2.ModelIdentity,
-                             held: ModelInfo | None, service: str) -> None:
-    """FAILED_PRECONDITION unless this worker holds the model the stream expects
-    (`held` None: the model it names is not hosted here)."""
+def check_model(expected: worker_pb2.ModelIdentity, held: ModelInfo | None, service: str) -> None:
+    """WrongModel unless this worker holds the model a session expects (`held` None: the
+    model it names is not hosted here)."""
     if held is None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"this {service} service does not host {expected.name!r}, which the stream expects")
+        raise WrongModel(f"this {service} service does not host {expected.name!r}, which the session expects")
     problem = identity_mismatch(expected, held)
     if problem is not None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        raise WrongModel(problem)
 
 
-async def refuse_problems(context: grpc.aio.ServicerContext, problems: list[str]) -> None:
-    """INVALID_ARGUMENT naming every problem of a step message, if it has any."""
+def check_problems(problems: list[str]) -> None:
+    """InvalidArgument naming every problem of a step, if it has any."""
     if problems:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+        raise InvalidArgument("; ".join(problems))
 
 
 async def traced_step(tracer: trace.Tracer, span_name: str, carrier: Mapping[str, str],

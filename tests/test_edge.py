@@ -288,7 +288,7 @@ def test_deadline_travels_to_the_workers_and_frees_their_sessions(stalled):
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # Still stalled: the draft drops its session because its stream carried the deadline.
+    # Still stalled: the draft drops its session because its steps carried the deadline.
     assert stalled.wait_no_sessions() == 0
     stalled.draft_proxy.resume()
     assert len(stalled.stub.Generate(request("def f():", max_new_tokens=4)).token_ids) == 4

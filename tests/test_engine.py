@@ -34,7 +34,7 @@ class ScriptedDraft:
         self.wrong, self.fail_at, self.fail = wrong, fail_at, fail
         self.tokens = tokens or {}  # position → token proposed there, whatever the target says
         self.steps = 0
-        self.closed: bool | None = None
+        self.closed = False
         self.last_exchange_bytes = 0
         self.prompt_length: int | None = None
 
@@ -58,8 +58,8 @@ class ScriptedDraft:
     def advance(self, position: int) -> None:
         pass
 
-    async def close(self, finished: bool = True) -> None:
-        self.closed = finished
+    def close(self) -> None:
+        self.closed = True
 
 
 class ScriptedVerifier:
@@ -155,7 +155,7 @@ def test_a_draft_lost_mid_request_leaves_the_rest_to_the_target():
     draft = ScriptedDraft(wrong={5}, fail_at=2)
     tokens, finish, records = run(draft, ScriptedVerifier(), gamma=3)
     assert tokens == target_alone() and finish is Finish.LENGTH
-    assert draft.closed is False  # closed as unfinished: its session is dropped
+    assert draft.closed  # its session is dropped
     assert [r.draft_length for r in records[:2]] == [3, 3] and all(r.draft_length == 0 for r in records[2:])
 
 

@@ -11,6 +11,7 @@ from gateway.backend import IncompatibleDraft
 from gateway.server import create_server as create_gateway
 from specd.config import DraftSettings, GatewaySettings, ServerSettings
 from specd.v1 import worker_pb2, worker_pb2_grpc
+from workerstream import WorkerSteps
 
 GOOD = request("def fibonacci(n):", max_new_tokens=8)
 
@@ -56,13 +57,14 @@ def test_every_problem_is_named_at_once(stack):
 
 def test_worker_answers_not_found_for_unknown_session(stack):
     with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
-        stub = worker_pb2_grpc.DraftStub(channel)
+        steps = WorkerSteps(worker_pb2_grpc.DraftStub(channel))
         step = worker_pb2.ProposeRequest(
             delta=worker_pb2.SequenceDelta(session_id="never-opened", start=5, tokens=[1]), draft_length=2)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Propose(iter([step])))
+            steps.step(step)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "never-opened" in err.value.details()
+        steps.close()
 
 
 def test_draft_with_another_tokenizer_is_refused(stack, model_dirs):

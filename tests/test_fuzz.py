@@ -6,8 +6,6 @@ end the workers hold no session. Each test prints how many cases it ran.
 """
 from __future__ import annotations
 
-import queue
-
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import request, start_stack
 from specd.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
+from workerstream import WorkerSteps, result_code
 
 # Derandomized: the same cases every run, so a failure reproduces; bounded in count.
 FUZZ = settings(derandomize=True, deadline=None, database=None, print_blob=True,
@@ -144,43 +143,40 @@ def test_public_api_still_serves_after_fuzzing(fuzzed):
 # -- the worker protocol --------------------------------------------------------------------
 
 class Stream:
-    """One worker stream fed from a queue, so a test decides when each message goes out."""
+    """One multiplexed worker stream whose messages are sent when the test says."""
 
-    def __init__(self, rpc) -> None:
-        self._outbox: queue.Queue = queue.Queue()
-        self.call = rpc(iter(self._outbox.get, None), timeout=CALL_TIMEOUT_S)
-        self.ended: grpc.RpcError | None = None
-        self.answered = 0  # steps answered with a response
+    def __init__(self, stub) -> None:
+        self.steps = WorkerSteps(stub, timeout=CALL_TIMEOUT_S)
+        self.codes: list[grpc.StatusCode] = []  # each step's status, then the stream's if it failed
+        self.ended = False
 
-    def step(self, message) -> None:
-        """Send one message and read its answer (or the stream's end)."""
-        if self.ended is not None:
+    def send(self, messages: list, ended: list[str]) -> None:
+        """Send one message of steps (and sessions named ended); read their results (or the stream's end)."""
+        if self.ended:
             return
-        self._outbox.put(message)
         try:
-            next(self.call)
-            self.answered += 1
+            for result in self.steps.send(*messages, ended=tuple(ended)):
+                self.codes.append(result_code(result))
+                assert len(result.status.message) < 2000  # an echoed value never swells a status
         except grpc.RpcError as exc:
-            self.ended = exc
+            self.codes.append(exc.code())
+            self.ended = True
         except StopIteration:
-            self.ended = grpc.RpcError()
+            self.codes.append(grpc.StatusCode.UNKNOWN)  # ended without a status: never acceptable
+            self.ended = True
 
     def finish(self, drop: bool) -> None:
         """End the stream: drop it (cancel, as a gateway that goes away) or close it cleanly."""
         if drop:
-            self.call.cancel()
+            self.steps.call.cancel()
             return
-        self._outbox.put(None)
-        if self.ended is None:
+        self.steps.close()
+        if not self.ended:
             try:
-                for _ in self.call:
+                for _ in self.steps.call:
                     pass
             except grpc.RpcError as exc:
-                self.ended = exc
-
-
-def worker_codes(streams: list[Stream]) -> list[grpc.StatusCode]:
-    return [s.ended.code() for s in streams if s.ended is not None and hasattr(s.ended, "code")]
+                self.codes.append(exc.code())
 
 
 token_ids = mostly(st.integers(0, VOCAB - 1), int32)
@@ -199,11 +195,12 @@ verifications = st.builds(worker_pb2.VerifyRequest, delta=deltas, draft_tokens=s
                           transform=transforms)
 
 
-def run_streams(rpc, plan, drops) -> list[Stream]:
-    """Open one stream per entry of drops, send plan's (stream, message) steps in order, end them."""
-    streams = [Stream(rpc) for _ in drops]
-    for index, message in plan:
-        streams[index % len(streams)].step(message)
+def run_streams(stub, plan, drops) -> list[Stream]:
+    """Open one stream per entry of drops, send plan's (stream, steps, ended sessions)
+    messages in order, end them."""
+    streams = [Stream(stub) for _ in drops]
+    for index, messages, ended in plan:
+        streams[index % len(streams)].send(messages, ended)
     for stream, drop in zip(streams, drops):
         stream.finish(drop)
     return streams
@@ -212,22 +209,23 @@ def run_streams(rpc, plan, drops) -> list[Stream]:
 @pytest.mark.parametrize("worker", ["draft", "verifier"])
 def test_worker_protocol(fuzzed, worker):
     channel = grpc.insecure_channel(f"127.0.0.1:{getattr(fuzzed, worker).port}")
-    rpc = worker_pb2_grpc.DraftStub(channel).Propose if worker == "draft" else \
-        worker_pb2_grpc.VerifierStub(channel).Verify
+    stub = worker_pb2_grpc.DraftStub(channel) if worker == "draft" else worker_pb2_grpc.VerifierStub(channel)
     messages = proposals if worker == "draft" else verifications
 
     # Up to three streams at once on sessions "s1"/"s2": a second stream for a live
-    # session, steps out of order, and streams dropped (cancelled) mid-way.
+    # session, two steps of one session in one message, steps out of order, sessions
+    # named ended, and streams dropped (cancelled) mid-way.
     @settings(FUZZ, max_examples=250)
-    @given(plan=st.lists(st.tuples(st.integers(0, 2), messages), min_size=1, max_size=6),
+    @given(plan=st.lists(st.tuples(st.integers(0, 2), st.lists(messages, min_size=1, max_size=3),
+                                   st.lists(st.sampled_from(["s1", "s2"]), max_size=2)), min_size=1, max_size=6),
            drops=st.lists(st.booleans(), min_size=1, max_size=3))
     def fuzz(plan, drops):
-        streams = run_streams(rpc, plan, drops)
-        codes = worker_codes(streams)
+        streams = run_streams(stub, plan, drops)
+        codes = [code for s in streams for code in s.codes]
         for code in codes:
             assert code not in BROKEN, code
         assert fuzzed.wait_no_sessions() == 0
-        count(fuzzed, f"{worker} protocol", *codes, *[grpc.StatusCode.OK] * sum(s.answered for s in streams))
+        count(fuzzed, f"{worker} protocol", *codes)
 
     try:
         fuzz()
@@ -237,16 +235,23 @@ def test_worker_protocol(fuzzed, worker):
 
 
 def test_worker_streams_dropped_mid_step_leak_nothing(fuzzed):
-    """A gateway that goes away while a step runs: the worker finishes it, then forgets the session."""
+    """A gateway that goes away while a step runs, or names its session ended: the worker
+    forgets the session."""
     channel = grpc.insecure_channel(f"127.0.0.1:{fuzzed.verifier.port}")
     try:
-        verify = worker_pb2_grpc.VerifierStub(channel).Verify
+        stub = worker_pb2_grpc.VerifierStub(channel)
+        kept = WorkerSteps(stub, timeout=CALL_TIMEOUT_S)
         for n in range(20):
             opening = worker_pb2.VerifyRequest(delta=worker_pb2.SequenceDelta(
                 session_id=f"drop-{n}", start=0, tokens=list(range(1, 120))), draft_tokens=[5] * 8)
-            call = verify(iter([opening]), timeout=CALL_TIMEOUT_S)
-            call.cancel()  # before the answer: the forward may be running
+            dropped = WorkerSteps(stub, timeout=CALL_TIMEOUT_S)
+            dropped.post(opening)
+            dropped.call.cancel()  # before the answer: the forward may be running
+            # The same on a stream that lives on: the session is named ended mid-step.
+            kept.post(opening)
+            kept.end(f"drop-{n}")
         assert fuzzed.wait_no_sessions() == 0
+        kept.close()
     finally:
         channel.close()
     still_serving(fuzzed)

@@ -14,6 +14,7 @@ from specd.identity import weights_digest
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from test_pipeline import reference_greedy
 from verifier_service.server import create_server as create_verifier
+from workerstream import WorkerSteps
 
 
 def model_info(channel, stub_class) -> worker_pb2.ModelInfo:
@@ -34,27 +35,30 @@ def test_weights_digest_tells_models_apart(model_dirs, tmp_path):
 
 @pytest.mark.parametrize("worker", ["verifier", "draft"])
 @pytest.mark.parametrize("field", ["name", "weights_digest", "tokenizer_fingerprint"])
-def test_worker_refuses_a_stream_for_another_model(stack, worker, field):
+def test_worker_refuses_a_session_for_another_model(stack, worker, field):
     port = getattr(stack, worker).port
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         if worker == "verifier":
             info = model_info(channel, worker_pb2_grpc.VerifierStub)
-            rpc = worker_pb2_grpc.VerifierStub(channel).Verify
-            make = lambda expected: worker_pb2.VerifyRequest(  # noqa: E731
-                delta=worker_pb2.SequenceDelta(session_id="s", start=0, tokens=[5, 6]), expected_model=expected)
+            stub = worker_pb2_grpc.VerifierStub(channel)
+            make = lambda expected, session: worker_pb2.VerifyRequest(  # noqa: E731
+                delta=worker_pb2.SequenceDelta(session_id=session, start=0, tokens=[5, 6]), expected_model=expected)
         else:
             info = model_info(channel, worker_pb2_grpc.DraftStub)
-            rpc = worker_pb2_grpc.DraftStub(channel).Propose
-            make = lambda expected: worker_pb2.ProposeRequest(  # noqa: E731
-                delta=worker_pb2.SequenceDelta(session_id="s", start=0, tokens=[5, 6]), draft_length=2,
+            stub = worker_pb2_grpc.DraftStub(channel)
+            make = lambda expected, session: worker_pb2.ProposeRequest(  # noqa: E731
+                delta=worker_pb2.SequenceDelta(session_id=session, start=0, tokens=[5, 6]), draft_length=2,
                 draft_model=info.name, expected_model=expected)
         assert info.weights_digest  # reported at start-up, so the gateway can name it
-        assert len(list(rpc(iter([make(identity(info))]), timeout=30))) == 1  # its own model: served
-        with pytest.raises(grpc.RpcError) as err:
-            list(rpc(iter([make(identity(info, **{field: "someone-else"}))]), timeout=30))
+        steps = WorkerSteps(stub, timeout=30)
+        steps.step(make(identity(info), "mine"))  # its own model: served
+        with pytest.raises(grpc.RpcError) as err:  # another model: that session is refused...
+            steps.step(make(identity(info, **{field: "someone-else"}), "theirs"))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         details = err.value.details()
         assert f"holds {info.name!r}" in details and "expects" in details
+        steps.step(make(identity(info), "mine-too"))  # ...and the stream goes on serving
+        steps.close()
 
 
 def imposter(model_dirs, tmp_path, like: str, weights_from: str):
@@ -110,6 +114,6 @@ def test_draft_swapped_behind_its_address_means_plain_decoding(model_dirs, targe
         response = swapped.stub.Generate(request(prompt, max_new_tokens=30, draft_model="close"))
         assert list(response.token_ids) == expected
         assert set(response.stats.draft_lengths) == {0}  # the imposter proposed nothing
-        assert "refused a stream, it holds another model" in caplog.text  # the mismatch is logged
+        assert "refused a session, it holds another model" in caplog.text  # the mismatch is logged
     finally:
         swapped.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import socket
 import stat
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.v1 import worker_pb2, worker_pb2_grpc
+from workerstream import WorkerSteps
 
 PROMPT = [5, 17, 23, 42, 8, 99]
 
@@ -24,17 +24,15 @@ class VerifyStream:
     def __init__(self, port: int) -> None:
         # A local subchannel pool: this stream's connection is shared with no other channel.
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
-        self._steps: queue.Queue = queue.Queue()
-        self._answers = worker_pb2_grpc.VerifierStub(self.channel).Verify(iter(self._steps.get, None))
+        self._steps = WorkerSteps(worker_pb2_grpc.VerifierStub(self.channel))
 
     def step(self, session_id: str, start: int, tokens: list[int]) -> list[int]:
         """A plain greedy step: the target's argmax after the sequence."""
-        self._steps.put(worker_pb2.VerifyRequest(
-            delta=worker_pb2.SequenceDelta(session_id=session_id, start=start, tokens=tokens)))
-        return list(next(self._answers).target_argmax)
+        return list(self._steps.step(worker_pb2.VerifyRequest(
+            delta=worker_pb2.SequenceDelta(session_id=session_id, start=start, tokens=tokens))).target_argmax)
 
     def close(self) -> None:
-        self._steps.put(None)
+        self._steps.close()
         self.channel.close()
 
 

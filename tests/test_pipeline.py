@@ -191,8 +191,8 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
         async for _ in speculate(request_, ScriptedPolicy([3, 0, 0, 2, 0, 3, 0, 0, 0, 4]), draft, verifier,
                                  bounds):
             pass
-        await draft.close()
-        await verifier.close()
+        draft.close()
+        verifier.close()
         await backend.close()
 
     stack.loop.run(scenario())

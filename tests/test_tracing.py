@@ -120,7 +120,7 @@ def test_tracing_off_builds_nothing_per_step():
     request_trace = RequestTrace.start(generation, target_model="t", model_pair="d->t", task_type="",
                                        user_segment="", mode="FIXED", policy="fixed")
     assert isinstance(request_trace.step_tracer, NoTracer)
-    assert request_trace.trace_id == "" and request_trace.metadata == ()
+    assert request_trace.trace_id == ""
     with worker_step_span(trace.get_tracer("test"), "specd.draft.propose", {}) as span:
         assert span is None
     request_trace.end()
@@ -136,14 +136,14 @@ def test_one_trace_per_request_with_a_span_per_step_and_hop(traced_stack, memory
     assert len(response.trace_id) == 32
     spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
     check_trace(spans, response)
-    # The gRPC instrumentation's spans of the public call and of both worker streams join the
-    # trace; the streams end (and their spans with them) just after the response is sent.
-    streams = {"/specd.v1.Gateway/Generate", "/specd.v1.Draft/Propose", "/specd.v1.Verifier/Verify"}
+    # The gRPC instrumentation's span of the public call joins the trace; it ends just after
+    # the response is sent. The worker streams outlive requests and have no span.
     deadline = time.monotonic() + 10
-    while not streams <= {s.name for s in memory_spans.get_finished_spans()} and time.monotonic() < deadline:
+    while "/specd.v1.Gateway/Generate" not in {s.name for s in memory_spans.get_finished_spans()} \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
-    assert streams <= {s["name"] for s in spans}
+    assert "/specd.v1.Gateway/Generate" in {s["name"] for s in spans}
     (generate,) = [s for s in spans if s["name"] == "specd.generate"]
     assert generate["attributes"]["gen_ai.request.model"] == "target"
     assert generate["attributes"]["specd.model_pair"] == "close->target"

@@ -23,7 +23,7 @@ _TRACER = trace.get_tracer("specd.verifier")
 
 
 class VerifierServicer(worker_pb2_grpc.VerifierServicer):
-    """Scores proposals with the target; one bidi stream per client request."""
+    """Scores proposals with the target; one multiplexed stream per gateway connection."""
 
     def __init__(self, target: ModelRunner) -> None:
         self.target = target
@@ -32,22 +32,22 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         target = self.target
         return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())])
 
-    async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifyRequest],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResponse]:
-        async with contextlib.aclosing(workerservice.serve_steps(request_iterator,
-                                                   lambda r, s: self._verify(r, s, context))) as responses:
-            async for response in responses:
-                yield response
+    async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifySteps],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResults]:
+        async with contextlib.aclosing(workerservice.serve_multiplexed(
+                request_iterator, self._verify, worker_pb2.VerifyResults, worker_pb2.VerifyResult,
+                "/specd.v1.Verifier/Verify")) as results:
+            async for message in results:
+                yield message
 
-    async def _verify(self, request: worker_pb2.VerifyRequest, stream: workerservice.StepStream,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.VerifyResponse:
+    async def _verify(self, request: worker_pb2.VerifyRequest,
+                      stream: workerservice.StepStream) -> worker_pb2.VerifyResponse:
         target = self.target
-        if request.HasField("expected_model"):  # the first message of the stream
-            await workerservice.refuse_wrong_model(context, request.expected_model, target.info, "verifier")
+        if request.HasField("expected_model"):  # a step that opens a session
+            workerservice.check_model(request.expected_model, target.info, "verifier")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
-        problems = wire.step_problems(target.info, delta, transform, len(request.draft_tokens))
-        await workerservice.refuse_problems(context, problems)
+        workerservice.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
         session = stream.session(target, delta.session_id)
         scores = await workerservice.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,

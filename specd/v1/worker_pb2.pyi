@@ -31,14 +31,16 @@ class Distributions(_message.Message):
     def __init__(self, positions: _Optional[int] = ..., vocab_size: _Optional[int] = ..., probs: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., support_offsets: _Optional[bytes] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("session_id", "start", "tokens")
+    __slots__ = ("session_id", "start", "tokens", "expires_in_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    expires_in_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("carrier",)
@@ -156,6 +158,78 @@ class BatchInfo(_message.Message):
     forwards: int
     sessions: int
     def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class StepStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProposeSteps(_message.Message):
+    __slots__ = ("steps", "ended_sessions")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[ProposeStep]
+    ended_sessions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[ProposeStep, _Mapping]]] = ..., ended_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ProposeStep(_message.Message):
+    __slots__ = ("step_id", "request")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    request: ProposeRequest
+    def __init__(self, step_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
+
+class ProposeResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...
+
+class ProposeResult(_message.Message):
+    __slots__ = ("step_id", "status", "response")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    status: StepStatus
+    response: ProposeResponse
+    def __init__(self, step_id: _Optional[int] = ..., status: _Optional[_Union[StepStatus, _Mapping]] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ...) -> None: ...
+
+class VerifySteps(_message.Message):
+    __slots__ = ("steps", "ended_sessions")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[VerifyStep]
+    ended_sessions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[VerifyStep, _Mapping]]] = ..., ended_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyStep(_message.Message):
+    __slots__ = ("step_id", "request")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    request: VerifyRequest
+    def __init__(self, step_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifyResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("step_id", "status", "response")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    status: StepStatus
+    response: VerifyResponse
+    def __init__(self, step_id: _Optional[int] = ..., status: _Optional[_Union[StepStatus, _Mapping]] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -37,8 +37,8 @@ class DraftStub:
         """
         self.Propose = channel.stream_stream(
                 '/specd.v1.Draft/Propose',
-                request_serializer=specd_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
+                request_serializer=specd_dot_v1_dot_worker__pb2.ProposeSteps.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_worker__pb2.ProposeResults.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/specd.v1.Draft/GetModelInfo',
@@ -52,7 +52,7 @@ class DraftServicer:
     """
 
     def Propose(self, request_iterator, context):
-        """One stream per client request; one ProposeResponse per ProposeRequest.
+        """One stream per gateway connection, multiplexing its sessions' steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,8 +69,8 @@ def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.stream_stream_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.ProposeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.ProposeResponse.SerializeToString,
+                    request_deserializer=specd_dot_v1_dot_worker__pb2.ProposeSteps.FromString,
+                    response_serializer=specd_dot_v1_dot_worker__pb2.ProposeResults.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -104,8 +104,8 @@ class Draft:
             request_iterator,
             target,
             '/specd.v1.Draft/Propose',
-            specd_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
+            specd_dot_v1_dot_worker__pb2.ProposeSteps.SerializeToString,
+            specd_dot_v1_dot_worker__pb2.ProposeResults.FromString,
             options,
             channel_credentials,
             insecure,
@@ -156,8 +156,8 @@ class VerifierStub:
         """
         self.Verify = channel.stream_stream(
                 '/specd.v1.Verifier/Verify',
-                request_serializer=specd_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
+                request_serializer=specd_dot_v1_dot_worker__pb2.VerifySteps.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_worker__pb2.VerifyResults.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/specd.v1.Verifier/GetModelInfo',
@@ -171,7 +171,7 @@ class VerifierServicer:
     """
 
     def Verify(self, request_iterator, context):
-        """One stream per client request; one VerifyResponse per VerifyRequest.
+        """One stream per gateway connection, multiplexing its sessions' steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,8 +188,8 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.stream_stream_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.VerifyRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.VerifyResponse.SerializeToString,
+                    request_deserializer=specd_dot_v1_dot_worker__pb2.VerifySteps.FromString,
+                    response_serializer=specd_dot_v1_dot_worker__pb2.VerifyResults.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -223,8 +223,8 @@ class Verifier:
             request_iterator,
             target,
             '/specd.v1.Verifier/Verify',
-            specd_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
+            specd_dot_v1_dot_worker__pb2.VerifySteps.SerializeToString,
+            specd_dot_v1_dot_worker__pb2.VerifyResults.FromString,
             options,
             channel_credentials,
             insecure,
