@@ -49,6 +49,7 @@ from specd.config import (
 )
 from specd.drift import DriftSettings
 from specd.hub import ModelNotFound, model_name, resolve
+from specd.identity import weight_files
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 
 # Flag defaults come from the settings objects (specd.config), never from literals here.
@@ -81,7 +82,9 @@ def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
 
 def _model_args(parser: argparse.ArgumentParser, defaults: DraftSettings | VerifierSettings) -> None:
     parser.add_argument("--dtype", default=defaults.model.dtype, choices=DTYPES)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: one for a model under 32 MiB of weights on a CPU, "
+                             "else torch's default)")
     parser.add_argument("--max-sessions", type=int, default=defaults.model.max_sessions,
                         help="KV caches kept (LRU beyond)")
     parser.add_argument("--device", default=defaults.model.device,
@@ -199,6 +202,20 @@ def _set_threads(threads: int, cpus: str = "") -> None:
         torch.set_num_threads(threads)
 
 
+# Below this much weight, a model's matrices are too small to split across torch threads
+# on a CPU: one thread ran the near-free target (6 MB) 2.3× faster at 1 request in flight,
+# and the demo target (61 MB) was faster with torch's default (docs/performance.md).
+SMALL_MODEL_BYTES = 32 * 1024 * 1024
+
+
+def _default_threads(model: Path, device: str) -> int:
+    """Torch threads for a worker when --threads is 0: one for a small model on a CPU,
+    else 0 (torch's default). A draft service takes the default of its largest draft."""
+    if device != "cpu" or not model.is_dir():
+        return 0
+    return 1 if sum(f.stat().st_size for f in weight_files(model)) < SMALL_MODEL_BYTES else 0
+
+
 def _parse_cpus(value: str) -> set[int]:
     """"0,2-3" → {0, 2, 3}; a CPU this machine lacks is a clear error."""
     cpus: set[int] = set()
@@ -226,13 +243,13 @@ def cmd_draft(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd draft: --pre-draft-branches: {exc}", file=sys.stderr)
         return 2
-    _set_threads(args.threads, args.cpus)
     try:
         drafts = {name: resolve(model, args.revision) for name, model in
                   _parse_drafts(args.draft or [str(DEMO_DRAFT)]).items()}
     except ModelNotFound as exc:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
+    _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
     settings = DraftSettings(_server_settings(args), drafts, _model_settings(args), args.metrics_host,
                              args.metrics_port, args.pre_draft_branches)
     return _serve(create_server, settings, "draft", args.port_file)
@@ -244,12 +261,12 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
     setup_tracing("specd-verifier")
 
-    _set_threads(args.threads, args.cpus)
     try:
         target = resolve(args.target, args.revision)
     except ModelNotFound as exc:
         print(f"specd verifier: {exc}", file=sys.stderr)
         return 2
+    _set_threads(args.threads or _default_threads(target, args.device), args.cpus)
     settings = VerifierSettings(_server_settings(args), target, _model_settings(args), args.metrics_host,
                                 args.metrics_port, target_name=model_name(args.target))
     return _serve(create_server, settings, "verifier", args.port_file)
@@ -582,7 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "gateway, and mutual TLS on the workers' private sockets as well")
     _gateway_default_args(serve)
     serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
-    serve.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    serve.add_argument("--threads", type=int, default=0,
+                       help="torch threads of the verifier (0: one for a target under 32 MiB of weights on a CPU, "
+                            "else torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
     # processes on the same cores a second thread only adds wake-ups (the figures: README,
     # Benchmarks). -1: as --threads.
