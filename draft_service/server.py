@@ -52,7 +52,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         return worker_pb2.ModelInfoResponse(
-            models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()])
+            models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()], protocol=wire.WORKER_PROTOCOL)
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeSteps],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResults]:

@@ -11,8 +11,8 @@ gateway asks each service for its models, sets aside a draft whose tokenizer dif
 the target's (and refuses to start when no draft fits), and builds the target's
 tokenizer from the files the verifier ships, so the gateway never mounts or loads a
 model. The identities it validated there (name,
-weights digest, tokenizer fingerprint) open every worker stream afterwards, so a worker
-swapped behind an address refuses the stream instead of answering for another model.
+weights digest, tokenizer fingerprint) open every worker session afterwards, so a worker
+swapped behind an address refuses the session instead of answering for another model.
 Channels are TLS (mutual with a client certificate) when `GatewaySettings.worker_tls` is.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from specd.grpcserver import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
 from specd.tls import TLSConfigError, aio_channel
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.wire import model_info_from_pb
+from specd.wire import WORKER_PROTOCOL, model_info_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class WorkerPool:
             raise StepFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         stream = self._streams.get((address, rpc))
         if stream is None or stream.failure is not None:
-            # wait_for_ready: a restarted pod that keeps its address is waited for (bounded
-            # by the link's connect timeout) instead of failing at once.
+            # wait_for_ready: a restarted pod that keeps its address is waited for instead
+            # of failing at once (a step on a stream still connecting waits its budget plus
+            # the link's connect timeout, then the stream is closed).
             stream = WorkerStream(getattr(stub, rpc)(wait_for_ready=True), rpc, self._channels[address][0])
             self._streams[(address, rpc)] = stream
         return stream
@@ -135,6 +136,10 @@ class WorkerPool:
                         f"{self.server_name or address.rpartition(':')[0]!r}, and that the worker's "
                         f"--tls-client-ca signed --worker-cert")
             raise ConnectionError(f"no {self.name} answered at {address} within {timeout_s} s{hint}") from exc
+        if response.protocol != WORKER_PROTOCOL:
+            raise ConnectionError(
+                f"the {self.name} at {address} speaks worker protocol {response.protocol or 'before 3'}, this "
+                f"gateway {WORKER_PROTOCOL}: run workers and gateways of one release (upgrade the workers first)")
         return list(response.models)
 
     async def close(self) -> None:

@@ -435,7 +435,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drift_baseline_pinned=bool(self.stats.baseline))
 
     async def GenerateStream(self, request, context):
-        # aclosing: a cancelled call closes the request's worker streams now, not at garbage collection.
+        # aclosing: a cancelled call ends the request's worker sessions now, not at garbage collection.
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
             async for chunk in chunks:
                 yield chunk

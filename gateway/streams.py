@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ STEP_TYPES: dict[str, tuple[Any, Any]] = {
     "Verify": (worker_pb2.VerifySteps, worker_pb2.VerifyStep),
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+log = logging.getLogger(__name__)
 _CORE_WRITE_FAILURE = "Internal error from Core"  # grpc.aio's details for a write that failed in Core
 
 
@@ -38,6 +40,11 @@ class StepFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code, self.details = code, details
+
+    def copy(self) -> StepFailed:
+        """A new exception of the same status: each waiting step raises its own, so no
+        traceback piles up on one shared object."""
+        return StepFailed(self.code, self.details)
 
 
 class WorkerStream:
@@ -61,7 +68,7 @@ class WorkerStream:
     def send(self, request) -> tuple[int, asyncio.Future]:
         """Queue one step; its id and the future its answer (or `StepFailed`) lands on."""
         if self.failure is not None:
-            raise self.failure
+            raise self.failure.copy()
         step_id = next(self._step_ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[step_id] = future
@@ -75,8 +82,10 @@ class WorkerStream:
         return not self.answered and self._channel.get_state() != grpc.ChannelConnectivity.READY
 
     def forget(self, step_id: int) -> None:
-        """Its link gave up on a step: drop its answer when it comes."""
+        """Its link is done with a step: drop it if it has not left yet, and its answer
+        when it comes."""
         self._waiting.pop(step_id, None)
+        self._outbox = [step for step in self._outbox if step.step_id != step_id]
 
     def end_session(self, session_id: str) -> None:
         """Tell the worker to forget a session, and to cancel a step of it still running."""
@@ -108,6 +117,8 @@ class WorkerStream:
             self._fail(code, details)
         except asyncio.InvalidStateError as exc:  # wrote to a stream that already ended
             self._fail(grpc.StatusCode.UNAVAILABLE, str(exc) or "stream closed")
+        finally:
+            self._ended_otherwise("writer")
 
     async def _read(self) -> None:
         try:
@@ -128,6 +139,15 @@ class WorkerStream:
                         future.set_result(result.response)
         except grpc.aio.AioRpcError as exc:
             self._fail(exc.code(), exc.details() or "")
+        finally:
+            self._ended_otherwise("reader")
+
+    def _ended_otherwise(self, task: str) -> None:
+        """A reader or writer that stops leaves a failed stream, whatever stopped it (a
+        cancelled call, an unexpected error): never one that takes steps nobody answers."""
+        if self.failure is None:
+            log.warning("the %s of a worker stream stopped unexpectedly; opening a new stream", task)
+            self._fail(grpc.StatusCode.UNAVAILABLE, f"the stream's {task} stopped")
 
     def _fail(self, code: grpc.StatusCode, details: str) -> None:
         if self.failure is not None:
@@ -135,7 +155,7 @@ class WorkerStream:
         self.failure = StepFailed(code, details)
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(self.failure)
+                future.set_exception(self.failure.copy())
         self._waiting.clear()
         self._call.cancel()
         current = asyncio.current_task()

@@ -1,8 +1,8 @@
 """The gateway's spans: `specd.generate` per request and `specd.step` per speculative step.
 
-DESIGN.md §5: the bidi worker streams live as long as a request, so the span that the
-gRPC instrumentation gives them says nothing about single steps. Each step gets its own
-span here; its W3C trace context rides inside that step's worker messages (the
+DESIGN.md §5: a worker stream carries the steps of many requests (worker protocol 3),
+so the gRPC instrumentation gives it no span (`specd.telemetry.server_interceptors`).
+Each step gets its own span here; its W3C trace context rides inside that step's worker messages (the
 `trace_context.carrier` map), and the draft and verifier open their spans as its
 children. The names and attributes are API, documented in docs/tracing.md.
 

@@ -72,6 +72,14 @@ class LinkSettings:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
 
+def _expires_in_ms(remaining: float | None) -> int:
+    """The wire's milliseconds to a deadline `remaining` seconds away (0: none; a deadline
+    beyond what uint32 holds, about 49 days, is sent as the longest it can say)."""
+    if remaining is None:
+        return 0
+    return min(max(1, int(remaining * 1e3)), 2 ** 32 - 1)
+
+
 def _sooner(timeout_s: float, remaining: float | None) -> float:
     return timeout_s if remaining is None else min(timeout_s, remaining)
 
@@ -133,7 +141,7 @@ class WorkerLink:
                                   f"{self.name}: the request's deadline passed")
             delta = worker_pb2.SequenceDelta(session_id=self.worker_session, start=self.position,
                                              tokens=committed[self.position:],
-                                             expires_in_ms=0 if remaining is None else max(1, int(remaining * 1e3)))
+                                             expires_in_ms=_expires_in_ms(remaining))
             message = build(delta)
             if self.position == 0 and self.identity is not None:  # the step opens the session
                 message.expected_model.CopyFrom(identity_to_pb(self.identity))
@@ -143,8 +151,7 @@ class WorkerLink:
                 if self._stream is None:
                     self._stream = self.pool.stream(self.settings.session_id, self._rpc, self._moved)
                 stream = self._stream
-                connecting = stream.connecting()
-                if connecting:
+                if stream.connecting():
                     # A new stream waits for its endpoint, but not for ever: a dead one is left
                     # for another.
                     waited += self.settings.connect_timeout_s
@@ -158,7 +165,7 @@ class WorkerLink:
             except StepFailed as exc:
                 code, details = exc.code, exc.details
             except TimeoutError:
-                if connecting:
+                if stream.connecting():
                     stream.close()  # an endpoint that never took the stream: others leave it too
                 self._leave()
                 if remaining is not None and remaining <= waited:  # the client's deadline, not the budget

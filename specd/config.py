@@ -165,7 +165,7 @@ class GatewaySettings:
     verifier_step_floor_s: float = 5.0
     step_budget_factor: float = 4.0
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
-    worker_connect_timeout_s: float = 5.0  # a new worker stream must be accepted within this
+    worker_connect_timeout_s: float = 5.0  # a worker not yet connected must accept the stream within this
     max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
     auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
     overlap: bool = False  # overlapped speculation unless a request says otherwise (specd.predraft)

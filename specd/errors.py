@@ -17,6 +17,8 @@ hit them prints the message and exits.
         │                                                     the gateway re-opens the session
         ├── Overloaded (RuntimeError)       specd/errors.py   RESOURCE_EXHAUSTED "<service>: … retry
         │                                                     in about N ms"
+        ├── StepCancelled                   specd/errors.py   CANCELLED: a step's session ended while
+        │                                                     it ran (the gateway named it ended)
         ├── WrongModel                      specd/errors.py   FAILED_PRECONDITION: a step opens a
         │                                                     session for a model this worker does
         │                                                     not hold; the gateway moves it
@@ -90,6 +92,13 @@ class Overloaded(SpecdError, RuntimeError):
 
     def status_message(self, service: str) -> str:
         return f"{service}: {self}"
+
+
+class StepCancelled(SpecdError):
+    """A step's session ended while the step ran (the gateway named it ended, or its
+    request's deadline passed); the step is answered with this, and nobody waits for more."""
+
+    status = "CANCELLED"
 
 
 class WrongModel(SpecdError):

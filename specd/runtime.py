@@ -160,7 +160,8 @@ class ModelRunner:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def end_session(self, session_id: str) -> None:
-        """Forget a session once the stream that opened it ends (and any branches pre-drafted for it)."""
+        """Forget a session (and any branches pre-drafted for it): the gateway named it ended,
+        its request's deadline passed, or the stream that opened it ended."""
         if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 

@@ -24,6 +24,9 @@ from specd.v1 import worker_pb2
 # Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
 # low enough that a bad message cannot keep a model thread busy for long.
 MAX_DRAFT_LENGTH = 128
+# The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
+# in ModelInfoResponse.protocol and the gateway refuses a worker of another.
+WORKER_PROTOCOL = 3
 
 
 # -- distributions ------------------------------------------------------------------------
@@ -86,7 +89,7 @@ def verdict_problem(response: worker_pb2.VerifyResponse, gamma: int) -> str | No
         return None if response.accepted == gamma else f"a bonus token after {response.accepted} of {gamma} accepted"
     if response.accepted >= gamma or response.target_probs.positions != 1:
         return (f"no verdict on {gamma} draft tokens ({response.accepted} accepted, "
-                f"{response.target_probs.positions} rows): is the verifier of worker protocol 2?")
+                f"{response.target_probs.positions} rows): does the verifier speak worker protocol {WORKER_PROTOCOL}?")
     return None
 
 

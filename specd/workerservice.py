@@ -15,8 +15,9 @@ A session belongs to the stream that opened it: the runtime knows it by the stre
 and the gateway's session id together, so a step from another stream or connection that
 names the same session id reaches a different session (NOT_FOUND unless it opens its
 own) and changes nothing of the first. A session ends when the gateway names it ended
-(a step of it still running is cancelled: its client went away), when its request's
-deadline passes (`SequenceDelta.expires_in_ms`), or when the stream ends.
+(a step of it still running is cancelled and answered CANCELLED: its client went away,
+or the gateway gave up on the step), when its request's deadline passes
+(`SequenceDelta.expires_in_ms`), or when the stream ends.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import trace
 
-from specd.errors import InvalidArgument, WrongModel, clip
+from specd.errors import InvalidArgument, StepCancelled, WrongModel, clip
 from specd.interceptors import status_of
 from specd.runtime import ModelRunner
 from specd.steps import BatchStats, ModelInfo
@@ -79,7 +80,7 @@ class _Steps:
                  method: str) -> None:
         self.stream = StepStream()
         self._step, self._result_type, self._method = step, result_type, method
-        self.running: dict[str, asyncio.Task] = {}  # session id → its step in flight
+        self.running: dict[str, tuple[asyncio.Task, int]] = {}  # session id → its step in flight, and its id
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # session id → when its request's deadline passes
         self.finished: list = []  # results to send
         self.ready = asyncio.Event()  # a result finished, or the gateway stopped sending
@@ -88,24 +89,25 @@ class _Steps:
         """Start each step of each message; end the sessions each one names ended."""
         try:
             async for message in messages:
-                for session_id in message.ended_sessions:
-                    self.end_session(session_id)
                 for entry in message.steps:
                     session_id = entry.request.delta.session_id
                     if session_id in self.running:
                         self._finish(entry.step_id, InvalidArgument(
                             f"session {clip(session_id)} already has a step running; send one step a session"))
                         continue
-                    self.running[session_id] = asyncio.create_task(self._run(entry, session_id))
+                    self.running[session_id] = (asyncio.create_task(self._run(entry, session_id)), entry.step_id)
                     if entry.request.delta.expires_in_ms:
                         self._expire_later(session_id, entry.request.delta.expires_in_ms / 1e3)
+                # After the steps: a step that left beside its session's end is ended too.
+                for session_id in message.ended_sessions:
+                    self.end_session(session_id)
         finally:
             self.ready.set()
 
     async def _run(self, entry, session_id: str) -> None:
         try:
             response = await self._step(entry.request, self.stream)
-        except asyncio.CancelledError:  # the gateway ended the session: nobody reads a result
+        except asyncio.CancelledError:  # its session ended, which answered the step
             return
         except Exception as exc:  # noqa: BLE001 - a step fails alone, with a status
             self._finish(entry.step_id, exc)
@@ -113,14 +115,17 @@ class _Steps:
             self.finished.append(self._result_type(step_id=entry.step_id, response=response))
             self.ready.set()
         finally:
-            if self.running.get(session_id) is asyncio.current_task():
+            if self.running.get(session_id, (None,))[0] is asyncio.current_task():
                 del self.running[session_id]
 
     def end_session(self, session_id: str) -> None:
-        """The session is over: cancel a step of it still running, and forget it."""
-        task = self.running.pop(session_id, None)
-        if task is not None:
+        """The session is over: cancel a step of it still running (answered CANCELLED, so
+        every step gets one result), and forget it."""
+        running = self.running.pop(session_id, None)
+        if running is not None:
+            task, step_id = running
             task.cancel()
+            self._finish(step_id, StepCancelled(f"session {clip(session_id)} ended while its step ran"))
         expiry = self._expiry.pop(session_id, None)
         if expiry is not None:
             expiry.cancel()
@@ -139,7 +144,7 @@ class _Steps:
         self.ready.set()
 
     def cancel(self) -> None:
-        for task in self.running.values():
+        for task, _ in self.running.values():
             task.cancel()
         self.running.clear()
         for expiry in self._expiry.values():

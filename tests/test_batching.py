@@ -130,8 +130,8 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
             next(stream)  # each request is in the batch
         for stream in streams:
             stream.cancel()
-        # The gateway closes the worker streams of a cancelled request at once; allow the
-        # workers a moment to see the streams end.
+        # The gateway ends the worker sessions of a cancelled request at once; allow the
+        # workers a moment to see the message.
         for _ in range(100):
             if worker_sessions(metrics_port) == 0:
                 break

@@ -206,3 +206,12 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     tokens = asyncio.run(drive())
     assert len(tokens) == 12 and all(r.accepted == r.draft_length for r in stats.records)
+
+
+def test_a_deadline_too_far_for_the_wire_is_sent_as_the_longest_it_can_say():
+    from gateway.workers import _expires_in_ms
+
+    assert _expires_in_ms(None) == 0
+    assert _expires_in_ms(0.0001) == 1  # a deadline just ahead is never "none"
+    assert _expires_in_ms(2.5) == 2500
+    assert _expires_in_ms(60 * 86400.0) == 2 ** 32 - 1  # 60 days

@@ -103,3 +103,39 @@ def test_overload_is_resource_exhausted(model_dirs):
         assert len(small.stub.Generate(request("x", max_new_tokens=2)).token_ids) == 2
     finally:
         small.close()
+
+
+class _Protocol2Verifier(worker_pb2_grpc.VerifierServicer):
+    """Stands in for a verifier of the release before worker protocol 3 (whose code is
+    not here): it answers GetModelInfo as that release did, with no protocol field."""
+
+    def __init__(self, models) -> None:
+        self.models = models
+
+    async def GetModelInfo(self, request, context):
+        return worker_pb2.ModelInfoResponse(models=self.models)
+
+
+def test_a_worker_of_another_protocol_is_refused_at_start_up(stack):
+    import grpc.aio
+
+    loop = LoopThread()
+    with grpc.insecure_channel(f"127.0.0.1:{stack.verifier.port}") as channel:
+        models = worker_pb2_grpc.VerifierStub(channel).GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=30).models
+
+    async def start_old() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_VerifierServicer_to_server(_Protocol2Verifier(models), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    old, port = loop.run(start_old())
+    try:
+        settings = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5), verifier_address=f"127.0.0.1:{port}",
+                                   draft_address=f"127.0.0.1:{stack.draft.port}")
+        with pytest.raises(ConnectionError, match="speaks worker protocol before 3, this gateway 3"):
+            loop.run(create_gateway(settings))
+    finally:
+        loop.run(old.stop(0))
+        loop.close()

@@ -247,11 +247,30 @@ def test_worker_streams_dropped_mid_step_leak_nothing(fuzzed):
             dropped = WorkerSteps(stub, timeout=CALL_TIMEOUT_S)
             dropped.post(opening)
             dropped.call.cancel()  # before the answer: the forward may be running
-            # The same on a stream that lives on: the session is named ended mid-step.
+            # The same on a stream that lives on: the session is named ended mid-step...
             kept.post(opening)
             kept.end(f"drop-{n}")
+            # ...or in the very message that carries its step.
+            kept.post(worker_pb2.VerifyRequest(delta=worker_pb2.SequenceDelta(
+                session_id=f"late-{n}", start=0, tokens=list(range(1, 120)))), ended=(f"late-{n}",))
         assert fuzzed.wait_no_sessions() == 0
         kept.close()
     finally:
         channel.close()
     still_serving(fuzzed)
+
+
+def test_a_stream_ends_when_its_last_step_expires(fuzzed):
+    """A client that stopped sending while a step runs, whose deadline then passes: the
+    step is answered, its session forgotten, and the stream ends."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{fuzzed.verifier.port}")
+    try:
+        steps = WorkerSteps(worker_pb2_grpc.VerifierStub(channel), timeout=CALL_TIMEOUT_S)
+        steps.post(worker_pb2.VerifyRequest(delta=worker_pb2.SequenceDelta(
+            session_id="expiring", start=0, tokens=list(range(1, 200)), expires_in_ms=1)))
+        steps.close()
+        (result,) = [result for message in steps.call for result in message.results]
+        assert result.step_id == 1  # answered: by its response, or CANCELLED if it expired first
+        assert fuzzed.wait_no_sessions() == 0
+    finally:
+        channel.close()

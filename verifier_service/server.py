@@ -30,7 +30,8 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         target = self.target
-        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())])
+        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())],
+                                            protocol=wire.WORKER_PROTOCOL)
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifySteps],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResults]:

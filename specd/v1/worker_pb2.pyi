@@ -267,7 +267,9 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "protocol")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    protocol: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., protocol: _Optional[int] = ...) -> None: ...
