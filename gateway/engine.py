@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from gateway.errors import DraftSkipped, WorkerError
+from gateway.hybrid import HybridChoice
 from specd.acceptance import Counts
 from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
@@ -59,6 +60,7 @@ class ModelBounds:
     draft_context: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    target_context: int = 0  # a model-free proposal may run up to the target's context
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class StepRecord:
     verify_batch: BatchStats = BatchStats()  # how the verifier batched it (the load it ran at)
     pre_draft_asked: bool = False  # the previous step asked the draft to pre-draft this one
     pre_drafted: bool = False  # ...and this step's proposal came from a pre-drafted branch (a hit)
+    proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
+    model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
 
     @property
     def first_rejected(self) -> int | None:
@@ -219,10 +223,13 @@ class RequestStats:
     def verify_queue_ms(self) -> float:
         return sum(r.verify_batch.queue_ms for r in self.records)
 
-    def counts(self) -> Counts:
-        """This request's steps as acceptance counters (the same ones the gateway keeps)."""
+    def counts(self, model_drafts_only: bool = False) -> Counts:
+        """This request's steps as acceptance counters (the same ones the gateway keeps);
+        model_drafts_only: leave out the steps a model-free proposer drafted."""
         counts = Counts()
         for r in self.records:
+            if model_drafts_only and r.model_free:
+                continue
             counts.add(r.draft_length, r.accepted, len(r.emitted), r.generated)
         return counts
 
@@ -270,6 +277,8 @@ class _DraftHop:
     batch: BatchStats = BatchStats(size=0)
     pre_drafted: bool = False
     pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
+    proposer: str = ""
+    model_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,11 +297,12 @@ class _Speculation:
     """One request's state across steps: the committed sequence, the RNG and the links."""
 
     def __init__(self, request: GenerationRequest, draft: DraftClient | None, verifier: VerifierClient,
-                 bounds: ModelBounds) -> None:
+                 bounds: ModelBounds, hybrid: HybridChoice | None = None) -> None:
         self.request = request
         self.draft = draft
         self.verifier = verifier
         self.bounds = bounds
+        self.hybrid = hybrid
         self.generator = torch.Generator().manual_seed(request.seed)
         self.committed = list(request.prompt_ids)
         self.generated = 0
@@ -306,6 +316,24 @@ class _Speculation:
         gamma = 0 if self.draft is None else policy.next_draft_length()
         remaining = self.request.max_new_tokens - self.generated
         return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
+
+    def propose_model_free(self, gamma: int, max_tokens: int) -> _DraftHop | None:
+        """A model-free proposal (up to max_tokens) when one beats the model draft at γ
+        (`gateway.hybrid`); its q is one-hot, since the proposal is deterministic."""
+        if self.hybrid is None:
+            return None
+        room = self.bounds.target_context - len(self.committed) - 1
+        remaining = self.request.max_new_tokens - self.generated - 1
+        began = time.perf_counter()
+        match = self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
+        if match is None:
+            return None
+        probs = self.no_proposal.probs
+        if not self.request.transform.greedy:
+            probs = torch.zeros(len(match.tokens), self.bounds.vocab_size)
+            probs[torch.arange(len(match.tokens)), torch.tensor(match.tokens, dtype=torch.long)] = 1.0
+        ms = (time.perf_counter() - began) * 1e3
+        return _DraftHop(match.tokens, probs, ms, proposer=match.proposer, model_free=True)
 
     async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
         """The draft hop. A draft that sits the step out (DraftSkipped: too slow) leaves this
@@ -337,7 +365,7 @@ class _Speculation:
             return empty
         return _DraftHop(proposal.tokens, proposal.probs if proposal.probs is not None else empty.probs,
                          (time.perf_counter() - began) * 1e3, proposal.forward_ms, self.draft.last_exchange_bytes,
-                         proposal.batch, proposal.pre_drafted, pre_draft is not None)
+                         proposal.batch, proposal.pre_drafted, pre_draft is not None, request.draft_model)
 
     async def decide(self, hop: _DraftHop, carrier: dict[str, str]) -> _Verdict:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
@@ -367,7 +395,10 @@ class _Speculation:
         position = len(self.committed)
         self.committed.extend(emitted)
         self.verifier.advance(kept_before)
-        if hop.tokens and self.draft is not None:  # a draft that sat this step out still holds only what it held
+        if hop.model_free and self.hybrid is not None:
+            self.hybrid.observe(hop.proposer, verdict.accepted, len(hop.tokens))
+        # A draft that sat this step out (or a model-free match made it) still holds only what it held.
+        if hop.tokens and not hop.model_free and self.draft is not None:
             self.draft.advance(kept_before)
         finish = None
         eos_at = next((i for i, t in enumerate(emitted) if t in self.bounds.eos_token_ids), None)
@@ -384,7 +415,7 @@ class _Speculation:
             draft_ms=hop.ms, verify_ms=verdict.ms, draft_forward_ms=hop.forward_ms,
             verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
             draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
-            pre_drafted=hop.pre_drafted)
+            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
         return record, StepOutput(emitted, finish)
@@ -392,7 +423,8 @@ class _Speculation:
 
 async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
                     verifier: VerifierClient, bounds: ModelBounds, observers: Sequence[StepObserver] = (),
-                    tracer: StepTracer | None = None) -> AsyncGenerator[StepOutput, None]:
+                    tracer: StepTracer | None = None, hybrid: HybridChoice | None = None,
+                    max_model_free: int = 0) -> AsyncGenerator[StepOutput, None]:
     """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
 
     After each step its record goes to the policy, then to `observers` in order, then to
@@ -400,14 +432,18 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     an event on it. With request.overlap, every proposal also asks the draft to pre-draft
     the next step while the target verifies this one (`specd.predraft`); the draft seeds
     depend only on the step index, so the output is the same either way.
+
+    With `hybrid`, each step first asks the request's model-free proposers for up to
+    `max_model_free` tokens, and verifies their match instead of drafting when the match
+    promises more tokens per millisecond (`gateway.hybrid`).
     """
     tracer = tracer or NoTracer()
     everyone = (policy, *observers, tracer)
-    speculation = _Speculation(request, draft, verifier, bounds)
+    speculation = _Speculation(request, draft, verifier, bounds, hybrid)
     while True:
         gamma = speculation.draft_length(policy)
         carrier = tracer.begin_step(speculation.steps)
-        hop = await speculation.propose(gamma, carrier)
+        hop = speculation.propose_model_free(gamma, max_model_free) or await speculation.propose(gamma, carrier)
         verdict = await speculation.decide(hop, carrier)
         record, output = speculation.commit(hop, verdict)
         for observer in everyone:

@@ -37,6 +37,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.proposers import SuffixCache
 from specd.acceptance import LABEL_NAMES, AcceptanceStats
 from specd.paircosts import PairCosts
 from specd.selection import DraftSelector
@@ -58,10 +59,11 @@ class AcceptanceCollector(Collector):
     """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
 
     def __init__(self, stats: AcceptanceStats, costs: PairCosts | None = None,
-                 selector: DraftSelector | None = None) -> None:
+                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
         self.stats = stats
         self.costs = costs or PairCosts()
         self.selector = selector
+        self.suffix_cache = suffix_cache
 
     def collect(self):
         labels = list(LABEL_NAMES)
@@ -99,6 +101,18 @@ class AcceptanceCollector(Collector):
         yield from self._pre_drafts()
         yield from self._drift()
         yield from self._selection()
+        yield from self._suffix_cache()
+
+    def _suffix_cache(self):
+        """How full the suffix proposer's cache of previous responses is."""
+        if self.suffix_cache is None:
+            return []
+        held = GaugeMetricFamily("specd_suffix_cache_tokens", "Tokens of previous responses the suffix proposer "
+                                 "holds, over every tenant.")
+        held.add_metric([], self.suffix_cache.tokens)
+        limit = GaugeMetricFamily("specd_suffix_cache_max_tokens", "The suffix cache's budget (--suffix-cache-tokens).")
+        limit.add_metric([], self.suffix_cache.max_tokens)
+        return [held, limit]
 
     def _pre_drafts(self):
         """Overlapped speculation: hit rate = rate(…hits_total) / rate(…steps_total)."""
@@ -177,8 +191,8 @@ class AcceptanceCollector(Collector):
 
 
 def start_metrics_server(stats: AcceptanceStats, costs: PairCosts, host: str, port: int,
-                         selector: DraftSelector | None = None):
+                         selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None):
     """Serve /metrics on host:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats, costs, selector))
+    registry.register(AcceptanceCollector(stats, costs, selector, suffix_cache))
     return start_http_server(port, addr=host, registry=registry)

@@ -78,7 +78,7 @@ class EmaPolicy:
         return self.draft_length
 
     def observe(self, record: StepRecord) -> None:
-        if record.draft_length == 0:
+        if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
             return
         self.rate += self.weight * (record.accepted / record.draft_length - self.rate)
         if self.rate > self.target_rate + 0.05:
@@ -192,7 +192,8 @@ class LoadCap:
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
         load = self._current_load()
         if load <= 1:
-            self.widest = max(self.widest, record.draft_length)
+            if not record.model_free:
+                self.widest = max(self.widest, record.draft_length)
             return
         level = self._level(load)
         if cap != level.arm or record.index == 0:  # the first step also prefills the prompt
@@ -305,7 +306,7 @@ class CostPolicy:
     def observe(self, record: StepRecord) -> None:
         if self.load_cap is not None:
             self.load_cap.observe(self._cap, record)
-        if record.draft_length == 0:
+        if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
             return
         if self._probing:
             self.probes.record(failed=record.accepted == 0)

@@ -24,3 +24,7 @@ class ParsedRequest:
     user_segment: str
     stop: list[str]
     selected: bool = False  # the draft was chosen by goodput selection (the request named none)
+    # The model-free proposers the request's steps may use (gateway.proposers): all the
+    # gateway hosts under AUTO, the one named in draft_model, none under OFF or FIXED.
+    model_free: tuple[str, ...] = ()
+    forced: str = ""  # the model-free proposer the request named (it alone proposes)

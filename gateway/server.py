@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 
@@ -29,9 +30,11 @@ from gateway.engine import (
     speculate,
 )
 from gateway.errors import RETRY_PUSHBACK_MS, InvalidRequest, WorkerError, refuse_busy
+from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, LoadCap, Mode, ProbeSchedule, build_policy
+from gateway.policy import POLICIES, CostPolicy, LoadCap, Mode, ProbeSchedule, build_policy
+from gateway.proposers import MAX_PATTERN, MODEL_FREE, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
 from gateway.request import ParsedRequest
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
@@ -120,25 +123,34 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
         problems.append(f"min_draft_confidence must be in [0, 1), got {speculation.min_draft_confidence}")
 
     task_type = request.task_type or classify(request.prompt)
+    forced = speculation.draft_model if speculation.draft_model in settings.model_free else ""
     draft_model = (speculation.draft_model or settings.task_drafts.get(task_type, "")
                    or backend.default_draft)
     if speculation.draft_model in backend.unusable:
         problems.append(f"{backend.unusable[speculation.draft_model][1]} Use one of {sorted(backend.drafts)}")
-    elif speculation.draft_model and speculation.draft_model not in backend.drafts:
+    elif speculation.draft_model and not forced and speculation.draft_model not in backend.drafts:
+        available = sorted(backend.drafts) + list(settings.model_free)
         problems.append(f"unknown draft model {clip(speculation.draft_model)}; available: "
-                        f"{sorted(backend.drafts) or 'none (no draft service configured)'}")
-    if mode is Mode.FIXED and not backend.drafts:
-        problems.append("speculation mode FIXED needs a draft service, and this gateway has none; "
-                        "use AUTO or OFF")
+                        f"{available or 'none (no draft service configured)'}")
+    if mode is Mode.FIXED and not backend.drafts and not forced:
+        problems.append("speculation mode FIXED needs a draft service or a model-free proposer, and this "
+                        "gateway has neither; use AUTO or OFF")
     if problems:
         raise InvalidRequest("; ".join(problems))
     assert mode is not None  # an unknown mode is one of the problems
 
-    if mode is Mode.OFF or not backend.drafts:
+    if mode is Mode.OFF or not backend.drafts or forced:
         draft_model = ""
     selected = False
     if mode is not Mode.OFF and backend.drafts and not speculation.draft_model and choose is not None:
         draft_model, selected = choose(task_type, request.user_segment), True
+    # Model-free proposers beside the draft model under AUTO; a named proposer (model-free
+    # or not) alone; none when OFF, nor under FIXED with a draft model (which proposes
+    # draft_length tokens every step).
+    if mode is Mode.OFF or (speculation.draft_model and not forced):
+        model_free: tuple[str, ...] = ()
+    else:
+        model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
     highest = min(speculation.max_draft_length or prior.max_draft_length, settings.max_draft_length)
     lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
@@ -151,7 +163,7 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
     generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile, task_type,
-        request.user_segment, list(sampling.stop), selected)
+        request.user_segment, list(sampling.stop), selected, model_free, forced)
 
 
 def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettings) -> list[str]:
@@ -189,37 +201,48 @@ def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
 
 class _GatewayCounts:
     """Feeds one request's steps into the gateway's shared statistics: acceptance and step
-    costs, the verifier's load, pre-draft hits, drift. (Not for the doctor's requests.)"""
+    costs, the verifier's load, pre-draft hits, drift. (Not for the doctor's requests.)
+
+    A step a model-free proposer drafted counts under that proposer's model pair
+    ("suffix->target"), acceptance and costs alike; its verify hop also teaches the
+    request's own pair what verifying that many tokens costs."""
 
     def __init__(self, servicer: GatewayServicer, labels: Labels, model_pair: str, request_trace: RequestTrace) -> None:
         self.servicer, self.labels, self.model_pair, self.request_trace = servicer, labels, model_pair, request_trace
 
     def observe(self, record: StepRecord) -> None:
         stats, costs = self.servicer.stats, self.servicer.costs
-        stats.record(self.labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
+        labels = self.labels
+        if record.model_free:
+            labels = replace(labels, model_pair=self.servicer._model_pair(record.proposer))
+        stats.record(labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
         batch = record.verify_batch
         if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
             costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
-                          record.pre_draft_asked, record.pre_drafted)
+                          record.pre_draft_asked, record.pre_drafted, verify_only=record.model_free)
+            if record.model_free:
+                costs.observe(labels.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
         if record.pre_draft_asked and record.draft_length:
-            stats.record_pre_draft(self.labels, record.pre_drafted)
+            stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
-            self.servicer.check_drift(self.labels, self.request_trace)
+            self.servicer.check_drift(labels, self.request_trace)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and GenerateStream over the draft and verifier workers."""
 
     def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats, costs: PairCosts,
-                 selector: DraftSelector | None = None) -> None:
+                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
         """stats, costs: what every request's steps add up to (acceptance; step costs and load);
-        selector: picks the draft of requests that name none (None: the task map)."""
+        selector: picks the draft of requests that name none (None: the task map);
+        suffix_cache: previous responses, for the suffix proposer (when hosted)."""
         self.backend = backend
         self.settings = settings
         self.stats = stats
         self.costs = costs
         self.selector = selector
+        self.suffix_cache = suffix_cache
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
         # The cost policy's state shared across requests: probe spacing per (model pair, task
@@ -268,7 +291,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_context=draft.max_context if draft else 0,
             vocab_size=target.vocab_size,
             eos_token_ids=frozenset(target.eos_token_ids),
+            target_context=target.max_context,
         )
+
+    def _hybrid(self, parsed: ParsedRequest, policy: DraftLengthPolicy, model_pair: str,
+                diagnostic: bool) -> HybridChoice | None:
+        """The request's model-free proposers and how its steps choose between them and the draft."""
+        if not parsed.model_free:
+            return None
+        proposers: list[ModelFreeProposer] = []
+        for name in parsed.model_free:
+            if name == SUFFIX:
+                # The doctor's requests neither read nor fill the tenants' cache.
+                cache = None if diagnostic else self.suffix_cache
+                proposers.append(SuffixProposer(cache, parsed.user_segment))
+            else:
+                proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
+        prior = self.stats.measured_acceptance(model_pair, parsed.task_type) or parsed.profile.prior_acceptance
+        model_alpha = (lambda: policy.alpha) if isinstance(policy, CostPolicy) else (lambda: prior)
+        fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
+        return HybridChoice(proposers, self.costs.costs(model_pair),
+                            lambda name: self.costs.costs(self._model_pair(name)), model_alpha, fixed)
 
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
@@ -328,8 +371,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if load_cap is not None:
             load_cap.enter()
         try:
+            hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
+            most = parsed.draft_length if parsed.mode is Mode.FIXED else parsed.profile.max_draft_length
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
-                              tracer=request_trace.step_tracer)
+                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=most)
             async with contextlib.aclosing(steps):
                 async for output in steps:
                     delta, kept = text.add(output.tokens)
@@ -345,7 +390,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if parsed.selected and draft is not None and not diagnostic:
                         assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              stats.counts().conditional_acceptance(), *stats.goodput())
+                                              stats.counts(model_drafts_only=True).conditional_acceptance(),
+                                              *stats.goodput())
+                    if self.suffix_cache is not None and not diagnostic:
+                        # The prompt's end goes in before the response: the same prompt again
+                        # then matches straight into it.
+                        self.suffix_cache.add(parsed.user_segment,
+                                              generation.prompt_ids[-MAX_PATTERN:] + text.token_ids)
                     stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
@@ -387,7 +438,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             verify_ms=stats.verify_ms,
             total_ms=(time.perf_counter() - began) * 1e3,
             seed=generation.seed,
-            draft_model=generation.draft_model,
+            draft_model=generation.draft_model or parsed.forced,
             session_reopens=verifier.reopens + (draft.reopens if draft else 0),
             proposed_per_position=proposed_per_position,
             accepted_per_position=accepted_per_position,
@@ -400,6 +451,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             verify_queue_ms=stats.verify_queue_ms,
             pre_draft_hits=stats.pre_draft_hits,
             pre_draft_steps=stats.pre_draft_steps,
+            proposers=[r.proposer for r in stats.records],
         )
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
@@ -425,9 +477,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         drafts = [(info, "") for info in backend.drafts.values()] + list(backend.unusable.values())
         # Tenants (callers with API keys) see names and digests, not the host's paths.
         paths = settings.api_keys_file is None
+        target = backend.target
+        model_free = [gateway_pb2.ServedModel(name=name, vocab_size=target.vocab_size, max_context=target.max_context,
+                                              tokenizer_fingerprint=target.tokenizer_fingerprint, usable=True,
+                                              model_free=True) for name in settings.model_free]
         return gateway_pb2.GatewayInfoResponse(
             target=_served_model(backend.target, "", paths),
-            drafts=[_served_model(info, problem, paths) for info, problem in drafts],
+            drafts=[_served_model(info, problem, paths) for info, problem in drafts] + model_free,
             max_draft_length=settings.max_draft_length, default_draft_length=settings.default_draft_length,
             auto_policy=settings.auto_policy, task_drafts=settings.task_drafts,
             draft_selection="goodput" if self.selector is not None else "task-map",
@@ -474,6 +530,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     problems = settings.drift.problems()
     if settings.draft_selection not in DRAFT_SELECTIONS:
         problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
+    problems += model_free_problems(settings)
     if problems:
         raise ValueError("; ".join(problems))
     baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
@@ -486,11 +543,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         selector = DraftSelector(
             list(backend.drafts), settings.task_drafts,
             speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha, max_gamma))
-    servicer = GatewayServicer(backend, settings, stats, costs, selector)
+    suffix_cache = SuffixCache(settings.suffix_cache_tokens) if SUFFIX in settings.model_free else None
+    servicer = GatewayServicer(backend, settings, stats, costs, selector, suffix_cache)
     metrics = None
     if settings.metrics_port:
         metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
-                                          selector)
+                                          selector, suffix_cache)
 
     watch: asyncio.Task | None = None  # the verifiers' liveness, once the server runs
 
@@ -510,6 +568,20 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     running.servicer = servicer
     watch = asyncio.get_running_loop().create_task(watch_verifiers(backend.verifier, running.health, [service]))
     return running
+
+
+def model_free_problems(settings: GatewaySettings) -> list[str]:
+    """What is wrong with the model-free proposer settings."""
+    problems = []
+    unknown = [name for name in settings.model_free if name not in MODEL_FREE]
+    if unknown:
+        problems.append(f"unknown model-free proposers {unknown}; choose from {list(MODEL_FREE)}")
+    if not 1 <= settings.prompt_lookup_min <= settings.prompt_lookup_max:
+        problems.append(f"prompt lookup needs 1 ≤ min n ≤ max n, got {settings.prompt_lookup_min} and "
+                        f"{settings.prompt_lookup_max}")
+    if settings.suffix_cache_tokens < 0:
+        problems.append(f"the suffix cache cannot hold {settings.suffix_cache_tokens} tokens; give 0 or more")
+    return problems
 
 
 def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerInterceptor]:

@@ -55,6 +55,8 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
         "specd.verify.queue_ms": record.verify_batch.queue_ms,
         "specd.pre_drafted": record.pre_drafted,
     }
+    if record.proposer:  # the draft model's name, or a model-free proposer's (gateway.proposers)
+        attributes["specd.proposer"] = record.proposer
     if record.draft_batch.size:
         attributes.update({"specd.draft.batch_size": record.draft_batch.size,
                            "specd.draft.batch_tokens": record.draft_batch.tokens,

@@ -203,3 +203,10 @@ class GatewaySettings:
     # A pinned acceptance per (model pair, task type) to judge drift against instead of
     # lifetime acceptance (`specd doctor --write-baseline` writes one).
     acceptance_baseline: Path | None = None
+    # Model-free proposers the gateway hosts (gateway.proposers: "suffix", "prompt-lookup"),
+    # used beside the draft model under AUTO and by name. `specd serve` and `specd gateway`
+    # host both (CLI_MODEL_FREE); this object hosts none, so embedding code opts in.
+    model_free: tuple[str, ...] = ()
+    suffix_cache_tokens: int = 262_144  # previous responses kept for `suffix`, over every tenant
+    prompt_lookup_min: int = 2  # n-gram lengths `prompt-lookup` matches (vLLM's ngram: min/max n)
+    prompt_lookup_max: int = 5

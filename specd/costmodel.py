@@ -213,11 +213,12 @@ class StepCosts:
         self.hit_draft_ms = _Ema(weight)
 
     def observe(self, draft_length: int, draft_ms: float, verify_ms: float, batch_size: int = 1,
-                pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
+                pre_draft_asked: bool = False, pre_drafted: bool = False, verify_only: bool = False) -> None:
         """One step's hop times, at the load its verify forward reported.
 
         A step answered from a pre-drafted branch says what a hit costs, not what drafting
-        γ tokens costs; it goes to the hit figures instead of the draft table."""
+        γ tokens costs; it goes to the hit figures instead of the draft table. verify_only:
+        another proposer drafted; the verify hop alone is this pair's figure."""
         self.load = load_bucket(batch_size)
         table = self._tables.get(self.load)
         if table is None:
@@ -226,7 +227,7 @@ class StepCosts:
             self.hit_rate.add(1.0 if pre_drafted else 0.0)
         if pre_drafted:
             self.hit_draft_ms.add(draft_ms)
-        table.observe(draft_length, None if pre_drafted else draft_ms, verify_ms)
+        table.observe(draft_length, None if pre_drafted or verify_only else draft_ms, verify_ms)
 
     def table(self, load: int | None = None) -> CostTable | None:
         """The table of a load bucket (default: the current load), else the nearest measured one."""

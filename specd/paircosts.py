@@ -57,13 +57,14 @@ class PairCosts:
             return self._costs.setdefault(model_pair, StepCosts())
 
     def observe(self, model_pair: str, draft_length: int, draft_ms: float, verify_ms: float, batch_size: int = 1,
-                pre_draft_asked: bool = False, pre_drafted: bool = False) -> None:
+                pre_draft_asked: bool = False, pre_drafted: bool = False, verify_only: bool = False) -> None:
         """One step's hop times (hot path); batch_size: sessions that shared its verify
         forward (the load its costs were measured at). Not for a request's first step,
-        which also prefills the prompt."""
+        which also prefills the prompt. verify_only: the draft was not this pair's (a
+        model-free match), so only the verify hop says something about the pair."""
         with self._lock:
             costs = self._costs.setdefault(model_pair, StepCosts())
-            costs.observe(draft_length, draft_ms, verify_ms, batch_size, pre_draft_asked, pre_drafted)
+            costs.observe(draft_length, draft_ms, verify_ms, batch_size, pre_draft_asked, pre_drafted, verify_only)
 
     def record_load(self, model_pair: str, batch_size: int, batch_tokens: int, queue_ms: float) -> None:
         """Count how one step's verify forward was batched (hot path)."""

@@ -23,9 +23,9 @@ PROMPT = "def fibonacci(n):"
 TRANSFORM = Transform(temperature=1.5, top_k=4)
 
 
-def target_joint(target_model, tokenizer) -> dict[tuple[int, int], float]:
+def target_joint(target_model, tokenizer, prompt: str = PROMPT) -> dict[tuple[int, int], float]:
     """P(t1, t2) = p(t1 | prompt) · p(t2 | prompt, t1), computed directly from the target."""
-    ids = tokenizer(PROMPT)["input_ids"]
+    ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():
         first = probs_from_logits(target_model(torch.tensor([ids])).logits[:, -1], TRANSFORM)[0]
         joint = {}
@@ -54,12 +54,18 @@ def test_first_two_tokens_follow_target_joint_distribution(stack, target_model, 
 
     with ThreadPoolExecutor(4) as pool:
         counts = Counter(pool.map(sample, range(1, trials + 1)))
-    assert set(counts) <= set(joint), "a pair outside the target's top-k support was generated"
     if overlap:
         # A second token comes from a pre-drafted step only when the first was rejected
         # and the draft guessed the recovered token (41 of 1,500 here): enough to see a
         # pre-drafted path that broke the law, not a large share.
         assert sum(hits) > 20, "the test needs second tokens from pre-drafted proposals"
+    assert_follows_joint(counts, joint, trials)
+
+
+def assert_follows_joint(counts: Counter, joint: dict[tuple[int, int], float], trials: int) -> None:
+    """A chi-square test of the pairs drawn against the target's joint law, and a check
+    that the same test would reject a perturbed law (so it has the power to fail)."""
+    assert set(counts) <= set(joint), "a pair outside the target's top-k support was generated"
     pairs = sorted(joint, key=joint.get, reverse=True)
     observed = np.array([counts[p] for p in pairs], dtype=float)
     expected = np.array([joint[p] for p in pairs]) * trials

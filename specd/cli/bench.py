@@ -6,8 +6,11 @@ turn, so slow drift of a shared machine hits them all alike. It prints a table
 equal target-only's — all of them when greedy) overall and per task type, and writes a
 report folder: report.md, results.json and PNG plots (acceptance by draft position, γ
 over a request, tokens/s per configuration). With --target/--draft it
-also times transformers' own target-only and assisted generation on the same pair, in
-this process, for the "ours vs transformers" ratio.
+also times transformers' own target-only, assisted and prompt-lookup generation on the
+same pair, in this process, for the "ours vs transformers" ratio. --repeat K sends the
+workload K times and reports each pass: an agent's workload, where prompts come back.
+Each configuration's requests carry a user segment of their own, so the gateway's suffix
+cache (one per tenant) never drafts one configuration from another's responses.
 """
 from __future__ import annotations
 
@@ -57,6 +60,9 @@ class Config:
     draft_length: int = 0
     overlap: bool = False  # overlapped speculation ("+overlap")
     draft_model: str = ""  # empty: --draft-model, else the gateway's choice
+    # The user segment its requests carry: one per configuration, so that no configuration
+    # is drafted from another's responses by the gateway's suffix cache (one per tenant).
+    segment: str = ""
 
 
 @dataclass
@@ -99,7 +105,7 @@ def parse_configs(spec: str) -> list[Config]:
     hosted draft; without it the request names --draft-model, or no draft at all (the
     gateway's task map or goodput selection).
     """
-    configs = [Config("target-only", "off")]
+    configs = [Config("target-only", "off", segment="bench-0")]
     for item in spec.split(","):
         plus = "+overlap" in item
         item, _, draft = item.replace("+overlap", "").strip().partition("@")
@@ -107,12 +113,13 @@ def parse_configs(spec: str) -> list[Config]:
             continue
         name, _, gamma = item.partition(":")
         suffix = (" +overlap" if plus else "") + (f" @{draft}" if draft else "")
+        segment = f"bench-{len(configs)}"
         if name == "fixed":
             configs.append(Config(f"fixed γ={gamma}{suffix}", "fixed", "fixed", int(gamma), overlap=plus,
-                                  draft_model=draft))
+                                  draft_model=draft, segment=segment))
         else:
             configs.append(Config(f"{name}{' (AUTO)' if name == 'cost' else ''}{suffix}", "auto", name,
-                                  overlap=plus, draft_model=draft))
+                                  overlap=plus, draft_model=draft, segment=segment))
     return configs
 
 
@@ -126,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the workload")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="send the whole workload K times, one table per pass: an agent's workload, where "
+                             "the same prompts come back (the suffix proposer's cache meets them again)")
     parser.add_argument("--draft-model", default="", help="draft model name (default: the gateway's)")
     parser.add_argument("--out", default="bench-out", help="report folder")
     parser.add_argument("--target", help="also time transformers' generate on this target directory")
@@ -157,9 +167,9 @@ def build_request(prompt: str, task: str, config: Config, *, temperature: float,
                                                   overlap=config.overlap))
 
 
-def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int):
+def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int, segment: str = ""):
     return build_request(prompt, task, config, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                         seed=seed, draft_model=args.draft_model)
+                         seed=seed, draft_model=args.draft_model, user_segment=segment or config.segment)
 
 
 def add_stats(result: Result, task: str, stats, seconds: float) -> None:
@@ -230,10 +240,11 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
-        # Warm-up: one request per configuration (first-call costs; the cost policy's model).
+        # Warm-up: one request per configuration (first-call costs; the cost policy's model),
+        # in a segment of its own, so that no configuration meets the prompt in its cache.
         first_task, first_prompts = next(iter(workload.items()))
         for config in configs:
-            stub.Generate(_request(first_prompts[0], first_task, config, args, seed=1))
+            stub.Generate(_request(first_prompts[0], first_task, config, args, seed=1, segment="bench-warm-up"))
         seed = 0
         for _ in range(args.rounds):
             for task, prompts in workload.items():
@@ -259,11 +270,14 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval() if args.draft else None
-    timings = {"transformers target-only": [0, 0.0], "transformers assisted": [0, 0.0]}
+    # Prompt lookup as transformers does it: a fixed 10 tokens per match (its documented setting).
+    runs = {"transformers target-only": {}, "transformers assisted": {"assistant_model": draft},
+            "transformers prompt lookup": {"prompt_lookup_num_tokens": 10}}
+    timings = {label: [0, 0.0] for label in runs}
     prompts = [p for ps in workload.values() for p in ps] * args.rounds
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-        for label, extra in (("transformers target-only", {}), ("transformers assisted", {"assistant_model": draft})):
+        for label, extra in runs.items():
             if label.endswith("assisted") and draft is None:
                 continue
             began = time.perf_counter()
@@ -399,7 +413,7 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
-            stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1))
+            stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1, segment="bench-warm-up"))
         for n in levels:
             for config in configs:
                 reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1)
@@ -439,9 +453,16 @@ def run(args: argparse.Namespace) -> int:
     configs = parse_configs(args.configs)
     if args.concurrency:
         return run_load(args, workload, configs)
-    results, costs = run_gateway(args, workload, configs)
+    passes = []
+    for number in range(1, args.repeat + 1):
+        results, costs = run_gateway(args, workload, configs)
+        if args.repeat > 1:
+            print(f"pass {number} of {args.repeat}:\n{table(results, {}, costs)}\n", flush=True)
+        passes.append(results)
     extra = run_transformers(args, workload) if args.target else {}
     text = table(results, extra, costs)
+    if args.repeat > 1:
+        text = "\n\n".join(f"pass {n}:\n{table(r, extra, costs)}" for n, r in enumerate(passes, 1))
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -456,6 +477,9 @@ def run(args: argparse.Namespace) -> int:
                             "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace,
                             "same_output_as_target_only": r.same_as_target_only, "requests": len(r.outputs)}
                            for r in results],
+        "passes": [[{"label": r.config.label, "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance,
+                     "tokens_per_step": r.tokens_per_step, "same_output_as_target_only": r.same_as_target_only}
+                    for r in results] for results in passes],
         "transformers_tokens_per_s": extra,
         "costs": costs.__dict__ if costs else None}, indent=2))
     (out / "report.md").write_text(

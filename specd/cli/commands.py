@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gateway.proposers import MODEL_FREE
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.config import (
     CLI_DRAFT_SELECTION,
@@ -297,7 +298,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
         max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection,
         draft_selection=args.draft_selection, drift=DriftSettings(min_drop=args.drift_min_drop),
-        acceptance_baseline=args.acceptance_baseline)
+        acceptance_baseline=args.acceptance_baseline,
+        model_free=tuple(name for name in args.model_free.split(",") if name),
+        suffix_cache_tokens=args.suffix_cache_tokens, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
     except (IncompatibleDraft, ConnectionError, KeyFileError, ValueError) as exc:
@@ -443,7 +447,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
                 "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
                 *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
-                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args),
+                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args), *_model_free_flags(args),
                 "--step-budget-factor", str(args.step_budget_factor),
                 "--draft-step-floor", str(args.draft_step_floor),
                 "--verifier-step-floor", str(args.verifier_step_floor)])
@@ -554,6 +558,23 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance-baseline", type=Path, metavar="FILE",
                         help="judge drift against this pinned acceptance per model pair and task type "
                              "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
+    parser.add_argument("--model-free", default=",".join(MODEL_FREE), metavar="LIST",
+                        help="model-free proposers the gateway hosts, comma-separated (suffix, prompt-lookup; "
+                             "empty: none): they draft from tokens already seen, beside the draft model "
+                             "(default %(default)s)")
+    parser.add_argument("--suffix-cache-tokens", type=int, default=GATEWAY.suffix_cache_tokens, metavar="N",
+                        help="tokens of previous responses the suffix proposer keeps, over every tenant; the "
+                             "oldest leave first (default %(default)s)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=GATEWAY.prompt_lookup_min, metavar="N",
+                        help="shortest n-gram prompt lookup matches (default %(default)s)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=GATEWAY.prompt_lookup_max, metavar="N",
+                        help="longest n-gram prompt lookup matches (default %(default)s)")
+
+
+def _model_free_flags(args: argparse.Namespace) -> list[str]:
+    """The model-free proposer flags, as `serve` hands them to its gateway."""
+    return ["--model-free", args.model_free, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
+            "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max)]
 
 
 def _revision_arg(parser: argparse.ArgumentParser) -> None:

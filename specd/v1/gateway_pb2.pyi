@@ -78,7 +78,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., task_type: _Optional[str] = ..., user_segment: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio", "mean_verify_batch_size", "mean_verify_batch_tokens", "verify_queue_ms", "pre_draft_hits", "pre_draft_steps")
+    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio", "mean_verify_batch_size", "mean_verify_batch_tokens", "verify_queue_ms", "pre_draft_hits", "pre_draft_steps", "proposers")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class GenerationStats(_message.Message):
     VERIFY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     proposed_tokens: int
     accepted_tokens: int
@@ -131,7 +132,8 @@ class GenerationStats(_message.Message):
     verify_queue_ms: float
     pre_draft_hits: int
     pre_draft_steps: int
-    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ..., mean_verify_batch_size: _Optional[float] = ..., mean_verify_batch_tokens: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., pre_draft_hits: _Optional[int] = ..., pre_draft_steps: _Optional[int] = ...) -> None: ...
+    proposers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ..., mean_verify_batch_size: _Optional[float] = ..., mean_verify_batch_tokens: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., pre_draft_hits: _Optional[int] = ..., pre_draft_steps: _Optional[int] = ..., proposers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "trace_id")
@@ -248,7 +250,7 @@ class AcceptanceStatsResponse(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[AcceptanceRow, _Mapping]]] = ..., costs: _Optional[_Iterable[_Union[CostRow, _Mapping]]] = ..., window_steps: _Optional[int] = ...) -> None: ...
 
 class ServedModel(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "weights_digest", "parameter_bytes", "card_json", "model_path", "usable", "problem")
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "weights_digest", "parameter_bytes", "card_json", "model_path", "usable", "problem", "model_free")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +261,7 @@ class ServedModel(_message.Message):
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     USABLE_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FREE_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
@@ -269,7 +272,8 @@ class ServedModel(_message.Message):
     model_path: str
     usable: bool
     problem: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ..., usable: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
+    model_free: bool
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ..., usable: _Optional[bool] = ..., problem: _Optional[str] = ..., model_free: _Optional[bool] = ...) -> None: ...
 
 class GatewayInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,133 @@
+"""Which proposal a step takes: a model-free match, the model draft, or none.
+
+Each step, the request's model-free proposers (`gateway.proposers`) look for a match
+first: they cost microseconds. A match is then priced like any draft, in expected
+tokens per millisecond of step (`specd.costmodel`):
+
+    match of k tokens:  E = 1 + Σ_{i≤k} Π_{j≤i} r_j   over   the step at k (its draft part
+                        measured on the proposer's own steps: near zero)
+    model draft at γ:   E = (1 − α^(γ+1)) / (1 − α)  over   draft hop + verify hop at γ
+    no draft:           1 token                      over   a plain target step
+
+where r_j is the proposer's confidence in its j-th token (a suffix match's share of
+agreeing occurrences), capped by the acceptance the proposer actually achieved in this
+request, and α is the γ policy's estimate for the model draft. The match is cut to the
+length k with the best rate, and taken when that rate beats the model draft's at the γ
+the policy chose (0 included): a confident match wins the step, a weak one proposes
+nothing, and otherwise the model drafts, or nothing does, as without these proposers.
+Before any step is measured, costs are taken relative to a plain step (a verified token
+adds 5%, a draft token 20%).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from gateway.proposers import PROMPT_LOOKUP, Match
+from specd.costmodel import StepCosts, expected_tokens, expected_tokens_from_curve
+
+# Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
+PRIORS = {PROMPT_LOOKUP: 0.5}
+DEFAULT_PRIOR = 0.8
+PRIOR_WEIGHT = 2.0
+MEMORY_STEPS = 20
+# Relative step costs before anything is measured (a plain target step = 1).
+VERIFY_PER_TOKEN, DRAFT_PER_TOKEN = 0.05, 0.2
+
+
+class ModelFreeProposer(Protocol):
+    name: str
+
+    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
+        """Up to max_tokens tokens to follow `committed` (none when nothing matches)."""
+        ...
+
+
+class _Acceptance:
+    """A proposer's acceptance in one request: an EMA of pseudo-counts from a prior."""
+
+    def __init__(self, prior: float) -> None:
+        self.accepted, self.trials = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.decay = 1.0 - 1.0 / MEMORY_STEPS
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        rejected = 0 if accepted == proposed else 1
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + rejected
+
+
+class HybridChoice:
+    """One request's model-free proposers and the choice between their matches and the model draft.
+
+    costs: the step costs of the request's model pair (the model draft's, or the target's
+    alone), whose verify line every step feeds; proposer_costs(name): the steps `name`
+    proposed, whose draft part says what its proposals cost; model_alpha(): the γ
+    policy's acceptance estimate of the model draft; fixed: mode FIXED's γ, when a
+    model-free proposer is forced (its match is cut to γ and always taken).
+    """
+
+    def __init__(self, proposers: Sequence[ModelFreeProposer], costs: StepCosts,
+                 proposer_costs: Callable[[str], StepCosts], model_alpha: Callable[[], float],
+                 fixed: int | None = None) -> None:
+        self.proposers = list(proposers)
+        self.costs = costs
+        self.proposer_costs = proposer_costs
+        self.model_alpha = model_alpha
+        self.fixed = fixed
+        self._acceptance = {p.name: _Acceptance(PRIORS.get(p.name, DEFAULT_PRIOR)) for p in self.proposers}
+
+    def observe(self, proposer: str, accepted: int, proposed: int) -> None:
+        """A step proposed by a model-free proposer ended with `accepted` of `proposed` kept."""
+        if proposer in self._acceptance and proposed:
+            self._acceptance[proposer].observe(accepted, proposed)
+
+    def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Match | None:
+        """The match this step should verify, or None: the model draft (at model_gamma) or a
+        plain step does better."""
+        if max_tokens <= 0:
+            return None
+        best: tuple[float, Match] | None = None
+        for proposer in self.proposers:
+            match = proposer.propose(committed, max_tokens)
+            if not match.tokens:
+                continue
+            if self.fixed is not None:
+                return Match(match.proposer, match.tokens[: self.fixed], match.confidence)
+            rate, length = self._best_cut(match)
+            if best is None or rate > best[0]:
+                best = (rate, Match(match.proposer, match.tokens[:length], match.confidence))
+        if best is None or best[0] <= self._model_rate(model_gamma):
+            return None
+        return best[1]
+
+    def _rates(self, match: Match) -> list[float]:
+        learned = self._acceptance[match.proposer].rate
+        if match.confidence is None:
+            return [learned] * len(match.tokens)
+        return [min(share, learned) for share in match.confidence]
+
+    def _best_cut(self, match: Match) -> tuple[float, int]:
+        """The best expected tokens per ms over the match's prefixes, and that prefix's length."""
+        rates = self._rates(match)
+        draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token()
+        best_rate, best_length = 0.0, 0
+        for length in range(1, len(match.tokens) + 1):
+            estimate = self.costs.estimate(length)
+            step = (1.0 + VERIFY_PER_TOKEN * length if estimate is None
+                    else estimate.verify_ms + draft_ms * length)
+            rate = expected_tokens_from_curve(rates, length) / step
+            if rate > best_rate:
+                best_rate, best_length = rate, length
+        return best_rate, best_length
+
+    def _model_rate(self, gamma: int) -> float:
+        """Expected tokens per ms of the model draft at γ (γ = 0: of a plain step)."""
+        tokens = expected_tokens(self.model_alpha(), gamma) if gamma > 0 else 1.0
+        estimate = self.costs.estimate(gamma)
+        if estimate is None:
+            return tokens / (1.0 + (VERIFY_PER_TOKEN + DRAFT_PER_TOKEN) * gamma)
+        return tokens / estimate.step_ms

@@ -1,0 +1,249 @@
+"""Model-free proposers: prompt lookup and suffix matching, the hybrid choice, and the
+suffix cache's budget and tenants, alone and through the three services."""
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from conftest import request, start_stack
+from gateway.hybrid import HybridChoice
+from gateway.proposers import PROMPT_LOOKUP, SUFFIX, PromptLookup, SuffixCache, SuffixProposer, follow
+from specd.costmodel import StepCosts
+from specd.v1 import gateway_pb2
+from test_sampled_distribution import TRANSFORM, assert_follows_joint, target_joint
+
+# -- the proposers alone ----------------------------------------------------------------------
+
+
+def test_prompt_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
+    lookup = PromptLookup(min_n=2, max_n=3)
+    # "7 8" occurs twice; "1 7 8" only once, at the start: the longest n-gram wins.
+    tokens = [1, 7, 8, 2, 3, 5, 7, 8, 4, 9, 1, 7, 8]
+    assert lookup.propose(tokens, 3).tokens == [2, 3, 5]
+    # Growing: "9 7 8" is new, so n = 2 decides: the latest earlier "7 8" (the old end,
+    # followed now) goes on with 9 7.
+    assert lookup.propose(tokens + [9, 7, 8], 2).tokens == [9, 7]
+    # A suffix seen nowhere before proposes nothing; n = 1 is below min_n.
+    assert lookup.propose(tokens + [9, 7, 8, 6], 4).tokens == []
+
+
+def test_prompt_lookup_never_matches_its_own_end():
+    lookup = PromptLookup(min_n=2, max_n=4)
+    assert lookup.propose([5, 6, 7, 8], 4).tokens == []
+    # A run of one token repeats itself: the continuation is the run.
+    assert lookup.propose([5, 6, 7, 8, 1, 1, 1, 1], 3).tokens == [1]
+
+
+def test_suffix_follows_the_most_frequent_continuation_while_confident():
+    cache = SuffixCache(max_tokens=1000)
+    for response in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 7]):
+        cache.add("t", response)
+    proposer = SuffixProposer(cache, "t", min_token_prob=0.5, spec_factor=1.0)
+    match = proposer.propose([8, 2, 3, 4], 8)
+    # Pattern "2 3 4" (3 tokens, so at most 3 proposed): 5 follows in 2 of 3 occurrences,
+    # then the two that agree go on with 6.
+    assert match.tokens == [5, 6]
+    assert match.confidence == pytest.approx([2 / 3, 1.0])
+    # A stricter running-probability floor stops before the 2-of-3 token.
+    assert SuffixProposer(cache, "t", min_token_prob=0.7).propose([8, 2, 3, 4], 8).tokens == []
+
+
+def test_suffix_draft_length_follows_the_pattern_length():
+    occurrences = [(4, list(range(20)), 10)]
+    tokens, _, pattern = follow(occurrences, max_tokens=16, min_token_prob=0.1, spec_factor=1.0)
+    assert pattern == 4 and tokens == [10, 11, 12, 13]
+    tokens, _, _ = follow(occurrences, max_tokens=16, min_token_prob=0.1, spec_factor=2.0)
+    assert tokens == list(range(10, 18))
+
+
+def test_suffix_cache_stays_within_its_budget_oldest_out():
+    cache = SuffixCache(max_tokens=50)
+    for i in range(10):
+        cache.add("t", [100 + i] + list(range(i * 20, i * 20 + 19)))
+        assert cache.tokens <= 50
+    # Only the last two responses fit; the first ones are gone, index entries and all.
+    assert cache.occurrences("t", [0, 1, 2]) == []
+    assert cache.occurrences("t", [180, 181, 182])
+
+
+def test_suffix_cache_keeps_tenants_apart():
+    cache = SuffixCache(max_tokens=1000)
+    cache.add("alice", [1, 2, 3, 4, 5, 6, 7])
+    assert SuffixProposer(cache, "alice").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
+    assert SuffixProposer(cache, "bob").propose([9, 1, 2, 3], 4).tokens == []
+    # The budget is shared: bob's responses evict alice's oldest, never the reverse view.
+    small = SuffixCache(max_tokens=10)
+    small.add("alice", [1, 2, 3, 4, 5, 6, 7])
+    small.add("bob", [11, 12, 13, 14, 15, 16, 17])
+    assert small.occurrences("alice", [1, 2, 3]) == [] and small.occurrences("bob", [11, 12, 13])
+
+
+# -- the hybrid choice --------------------------------------------------------------------------
+
+
+class Fixed:
+    """A proposer that always proposes the same match (the choice is what is tested)."""
+
+    def __init__(self, name: str, tokens: list[int], confidence: list[float] | None) -> None:
+        self.name, self.tokens, self.confidence = name, tokens, confidence
+
+    def propose(self, committed, max_tokens):
+        from gateway.proposers import Match
+        return Match(self.name, self.tokens[:max_tokens], self.confidence and self.confidence[:max_tokens])
+
+
+def measured_costs() -> StepCosts:
+    """A pair whose plain step costs 10 ms, a verified token 0.5 ms more, a draft token 2 ms."""
+    costs = StepCosts()
+    for gamma in (0, 2, 4, 8):
+        for _ in range(5):
+            costs.observe(gamma, 2.0 * gamma, 10.0 + 0.5 * gamma)
+    return costs
+
+
+def test_a_confident_match_beats_the_model_draft_and_a_weak_one_does_not():
+    costs = measured_costs()
+    free = StepCosts()
+    confident = Fixed(SUFFIX, list(range(8)), [1.0] * 8)
+    choice = HybridChoice([confident], costs, lambda name: free, model_alpha=lambda: 0.6)
+    assert choice.choose([1, 2, 3], 8, model_gamma=4).tokens == list(range(8))
+    weak = Fixed(SUFFIX, list(range(8)), [0.3] + [0.5] * 7)
+    choice = HybridChoice([weak], costs, lambda name: free, model_alpha=lambda: 0.8)
+    assert choice.choose([1, 2, 3], 8, model_gamma=4) is None
+    # Against a plain step (no model draft) the weak match pays, cut where tokens per ms
+    # peak: E = 1.3, 1.45, 1.525, 1.5625 over 10.5, 11, 11.5, 12 ms → 3 tokens.
+    choice = HybridChoice([weak], costs, lambda name: free, model_alpha=lambda: 0.0)
+    assert choice.choose([1, 2, 3], 8, model_gamma=0).tokens == [0, 1, 2]
+
+
+def test_prompt_lookup_confidence_is_learned_from_its_own_steps():
+    costs = measured_costs()
+    lookup = Fixed(PROMPT_LOOKUP, list(range(8)), None)
+    choice = HybridChoice([lookup], costs, lambda name: StepCosts(), model_alpha=lambda: 0.9)
+    # The prior (0.5): 1.875 tokens in 11.5 ms at best, against the draft's 4.1 in 20 ms.
+    assert choice.choose([1], 8, model_gamma=4) is None
+    for _ in range(10):
+        choice.observe(PROMPT_LOOKUP, 8, 8)  # ...until its matches keep being accepted
+    assert choice.choose([1], 8, model_gamma=4).tokens == list(range(8))
+
+
+def test_a_forced_proposer_under_fixed_proposes_gamma_tokens():
+    choice = HybridChoice([Fixed(SUFFIX, list(range(8)), [0.2] * 8)], StepCosts(), lambda name: StepCosts(),
+                          model_alpha=lambda: 0.9, fixed=3)
+    assert choice.choose([1], 8, model_gamma=0).tokens == [0, 1, 2]
+
+
+# -- through the services -----------------------------------------------------------------------
+
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b"
+
+
+@pytest.fixture(scope="module")
+def hybrid_stack(model_dirs):
+    running = start_stack(model_dirs, model_free=(SUFFIX, PROMPT_LOOKUP), suffix_cache_tokens=4096)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def target_generate(model_dirs, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+
+    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, ids["input_ids"].shape[1]:].tolist()
+    return generate
+
+
+@pytest.mark.parametrize("mode,draft_model", [("AUTO", ""), ("AUTO", SUFFIX), ("AUTO", PROMPT_LOOKUP),
+                                              ("FIXED", SUFFIX), ("FIXED", PROMPT_LOOKUP)])
+def test_each_proposer_gives_the_targets_greedy_output(hybrid_stack, target_generate, mode, draft_model):
+    expected = target_generate(PROMPT, 40)
+    for segment in ("first", "again"):  # the second pass meets its own response in the cache
+        req = request(PROMPT, max_new_tokens=40, mode=mode, draft_model=draft_model)
+        req.user_segment = f"{mode}-{draft_model}-{segment}"[:60]
+        response = hybrid_stack.stub.Generate(req)
+        assert list(response.token_ids) == expected[: len(response.token_ids)]
+        assert len(response.token_ids) == 40 or response.finish_reason == gateway_pb2.FINISH_REASON_EOS
+        stats = response.stats
+        assert len(stats.proposers) == stats.steps
+        assert set(stats.proposers) <= {"", "close", SUFFIX, PROMPT_LOOKUP}
+        if draft_model:
+            assert set(stats.proposers) <= {"", draft_model} and stats.draft_model == draft_model
+
+
+def test_a_repeated_request_is_drafted_from_the_cache(hybrid_stack):
+    req = request(PROMPT, max_new_tokens=48, mode="AUTO")
+    req.user_segment = "repeat"
+    first = hybrid_stack.stub.Generate(req)
+    second = hybrid_stack.stub.Generate(req)
+    assert list(second.token_ids) == list(first.token_ids)
+    stats = second.stats
+    # The whole response is in the cache: the first step already proposes from it, and
+    # every suffix token proposed is accepted (greedy: the same continuation).
+    assert stats.proposers[0] == SUFFIX and stats.accepted_lengths[0] == stats.draft_lengths[0] > 1
+    suffix_steps = [i for i, p in enumerate(stats.proposers) if p == SUFFIX]
+    assert all(stats.accepted_lengths[i] == stats.draft_lengths[i] for i in suffix_steps)
+    assert stats.steps < first.stats.steps
+
+
+def test_another_tenant_is_not_drafted_from_the_cache(hybrid_stack):
+    prompt = "class Cache:\n    def __init__(self, size):\n        self.size = size"
+    owner = request(prompt, max_new_tokens=32, mode="AUTO", draft_model=SUFFIX)
+    owner.user_segment = "owner"
+    hybrid_stack.stub.Generate(owner)
+    assert hybrid_stack.stub.Generate(owner).stats.proposers[0] == SUFFIX
+    other = request(prompt, max_new_tokens=32, mode="AUTO", draft_model=SUFFIX)
+    other.user_segment = "someone-else"
+    # The prompt repeats no 3 tokens, so only the owner's cached response could match.
+    assert hybrid_stack.stub.Generate(other).stats.proposers[0] == ""
+
+
+def test_gateway_info_lists_the_model_free_proposers(hybrid_stack):
+    info = hybrid_stack.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest())
+    free = {d.name for d in info.drafts if d.model_free}
+    assert free == {SUFFIX, PROMPT_LOOKUP}
+    assert all(d.usable and d.vocab_size == info.target.vocab_size for d in info.drafts if d.model_free)
+
+
+def test_a_model_free_name_is_refused_where_it_is_not_hosted(stack):
+    import grpc
+    with pytest.raises(grpc.RpcError) as caught:
+        stack.stub.Generate(request(PROMPT, mode="AUTO", draft_model=SUFFIX))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown draft model" in caught.value.details()
+
+
+
+@pytest.mark.parametrize("proposer,prompt", [
+    (SUFFIX, "def fibonacci(n):"),
+    # The prompt repeats itself, so prompt lookup matches from the first step.
+    (PROMPT_LOOKUP, "def fibonacci(n):\n    return n\ndef fibonacci(n):"),
+])
+def test_sampled_output_with_a_model_free_proposer_follows_the_target(hybrid_stack, target_model, tokenizer,
+                                                                      proposer, prompt):
+    """q is one-hot for a model-free proposal: rejection sampling must still give the
+    target's law. The suffix proposer drafts from the earlier requests' responses (the
+    same tenant's), so after the first request every step is drafted."""
+    joint = target_joint(target_model, tokenizer, prompt)
+    trials = 1500
+    drafted: list[int] = []
+
+    def sample(seed: int) -> tuple[int, int]:
+        req = request(prompt, temperature=TRANSFORM.temperature, top_k=TRANSFORM.top_k, seed=seed,
+                      max_new_tokens=3, mode="FIXED", draft_length=2, draft_model=proposer)
+        req.user_segment = f"chi-{proposer}"
+        response = hybrid_stack.stub.Generate(req)
+        drafted.append(response.stats.draft_lengths[0])
+        return tuple(response.token_ids[:2])
+
+    with ThreadPoolExecutor(4) as pool:
+        counts = Counter(pool.map(sample, range(1, trials + 1)))
+    # Nearly every first step verified a proposal, so the recovered and the accepted paths
+    # both carry the test.
+    assert sum(d > 0 for d in drafted) > 0.9 * trials
+    assert_follows_joint(counts, joint, trials)
