@@ -66,7 +66,7 @@ def assert_follows_joint(counts: Counter, joint: dict[tuple[int, int], float], t
     """A chi-square test of the pairs drawn against the target's joint law, and a check
     that the same test would reject a perturbed law (so it has the power to fail)."""
     assert set(counts) <= set(joint), "a pair outside the target's top-k support was generated"
-    pairs = sorted(joint, key=joint.get, reverse=True)
+    pairs = sorted(joint, key=lambda pair: joint[pair], reverse=True)
     observed = np.array([counts[p] for p in pairs], dtype=float)
     expected = np.array([joint[p] for p in pairs]) * trials
     # Pool the rare pairs into one bin so every expected count is at least 5.
