@@ -273,7 +273,7 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
     # Prompt lookup as transformers does it: a fixed 10 tokens per match (its documented setting).
     runs: dict[str, dict[str, object]] = {
         "transformers target-only": {}, "transformers assisted": {"assistant_model": draft},
-            "transformers prompt lookup": {"prompt_lookup_num_tokens": 10}}
+        "transformers prompt lookup": {"prompt_lookup_num_tokens": 10}}
     timings = {label: [0, 0.0] for label in runs}
     prompts = [p for ps in workload.values() for p in ps] * args.rounds
     for prompt in prompts:
