@@ -28,3 +28,7 @@ class ParsedRequest:
     # gateway hosts under AUTO, the one named in draft_model, none under OFF or FIXED.
     model_free: tuple[str, ...] = ()
     forced: str = ""  # the model-free proposer the request named (it alone proposes)
+    # The longest model-free proposal: FIXED's γ; under AUTO the request's max_draft_length,
+    # else the gateway's (not the task's, which prices a model draft's tokens: a confident
+    # match costs nothing to draft, only to verify, and the hybrid cuts it where that pays).
+    model_free_max: int = 0

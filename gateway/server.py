@@ -163,7 +163,9 @@ def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settin
     generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
     return ParsedRequest(
         generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile, task_type,
-        request.user_segment, list(sampling.stop), selected, model_free, forced)
+        request.user_segment, list(sampling.stop), selected, model_free, forced,
+        min(speculation.max_draft_length or settings.max_draft_length, settings.max_draft_length)
+        if mode is Mode.AUTO else speculation.draft_length or settings.default_draft_length)
 
 
 def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettings) -> list[str]:
@@ -372,9 +374,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             load_cap.enter()
         try:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
-            most = parsed.draft_length if parsed.mode is Mode.FIXED else parsed.profile.max_draft_length
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
-                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=most)
+                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max)
             async with contextlib.aclosing(steps):
                 async for output in steps:
                     delta, kept = text.add(output.tokens)
