@@ -6,12 +6,14 @@
 #   3. `specd bench --repeat 2`: target-only, AUTO (the hybrid), AUTO with each proposer
 #      forced, beside transformers' generate and its prompt lookup, one table per pass
 #      (pass 2 repeats pass 1's prompts: an agent's workload);
-#   4. `specd bench --concurrency 8`: AUTO against target-only under load.
+#   4. `specd bench --concurrency 8`: AUTO against target-only under load, on 39 other
+#      held-out prompts, each sent once (fresh prompts: no repeat for the cache to meet).
 # Greedy, 64 new tokens. Reports land in bench-out/proposers/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-(cd scripts && ../.venv/bin/python heldout_workload.py ../runs/heldout.json --per-task "${PER_TASK:-12}")
+(cd scripts && ../.venv/bin/python heldout_workload.py ../runs/heldout.json --per-task "${PER_TASK:-12}" &&
+  ../.venv/bin/python heldout_workload.py ../runs/heldout-load.json --per-task 24 --seed 11)
 .venv/bin/specd serve --port 50062 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
@@ -20,4 +22,5 @@ echo "== one request at a time, two passes over the same prompts"
 "${bench[@]}" --repeat 2 --configs "cost,cost@suffix,cost@prompt-lookup,cost@draft-distilled" \
   --target models/demo/target --out bench-out/proposers/repeat
 echo "== 8 in flight"
-"${bench[@]}" --concurrency 8 --requests-per-level 48 --configs cost --out bench-out/proposers/load
+.venv/bin/specd bench --gateway 127.0.0.1:50062 --max-new-tokens 64 --workload runs/heldout-load.json \
+  --concurrency 8 --requests-per-level 39 --configs cost --out bench-out/proposers/load

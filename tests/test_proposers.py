@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
 from gateway.hybrid import HybridChoice
+from gateway.metrics import AcceptanceCollector
 from gateway.proposers import PROMPT_LOOKUP, SUFFIX, PromptLookup, SuffixCache, SuffixProposer, follow
 from specd.costmodel import StepCosts
 from specd.v1 import gateway_pb2
@@ -247,3 +248,15 @@ def test_sampled_output_with_a_model_free_proposer_follows_the_target(hybrid_sta
     # both carry the test.
     assert sum(d > 0 for d in drafted) > 0.9 * trials
     assert_follows_joint(counts, joint, trials)
+
+
+def test_the_suffix_cache_gauge_reads_what_the_cache_holds(hybrid_stack):
+    servicer = hybrid_stack.gateway.servicer
+    cache = servicer.suffix_cache
+    req = request(PROMPT, max_new_tokens=16, mode="AUTO")
+    req.user_segment = "gauge"
+    hybrid_stack.stub.Generate(req)
+    families = {f.name: f for f in AcceptanceCollector(servicer.stats, servicer.costs, None, cache).collect()}
+    held = families["specd_suffix_cache_tokens"].samples[0].value
+    assert held == cache.tokens and 0 < held <= cache.max_tokens == 4096
+    assert families["specd_suffix_cache_max_tokens"].samples[0].value == 4096
