@@ -112,6 +112,28 @@ class KeyRing:
         return found
 
 
+class TenantQuota:
+    """Requests in flight per tenant (segment), over every transport: a tenant at its
+    share is refused until one of its requests ends. 0: no cap."""
+
+    def __init__(self, max_in_flight: int = 0) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight: collections.Counter[str] = collections.Counter()
+
+    def admit(self, segment: str) -> str | None:
+        """Count a request in; the refusal message when the segment is at its share."""
+        if self.max_in_flight and self.in_flight[segment] >= self.max_in_flight:
+            return (f"segment {segment!r} has {self.max_in_flight} requests in flight, its share of this "
+                    f"gateway; wait for one to finish or retry with backoff")
+        self.in_flight[segment] += 1
+        return None
+
+    def leave(self, segment: str) -> None:
+        self.in_flight[segment] -= 1
+        if not self.in_flight[segment]:
+            del self.in_flight[segment]
+
+
 class AmbiguousCredentials(ValueError):
     """A call carries more than one `authorization` entry: which one decides is not the
     client's to leave to the server."""
@@ -144,15 +166,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED without a known key; the key's segment on every request it sends.
 
     Health checks are always open (probes carry no key); reflection is open unless
-    `protect_reflection`. `max_in_flight` > 0 caps each segment's concurrent requests
-    (all its keys together).
+    `protect_reflection`. `quota` caps each segment's concurrent requests (all its keys
+    together, over gRPC and HTTP).
     """
 
-    def __init__(self, keys: KeyRing, protect_reflection: bool = False, max_in_flight: int = 0) -> None:
+    def __init__(self, keys: KeyRing, protect_reflection: bool = False, quota: TenantQuota | None = None) -> None:
         self.keys = keys
         self.open_prefixes = (HEALTH_PREFIX,) if protect_reflection else (HEALTH_PREFIX, *REFLECTION_PREFIXES)
-        self.max_in_flight = max_in_flight
-        self.in_flight: collections.Counter[str] = collections.Counter()  # by segment
+        self.quota = quota or TenantQuota()  # shared with the HTTP front end
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -171,17 +192,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._bind(handler, key)
 
     def _admit(self, key: ApiKey) -> str | None:
-        """Count a request in for `key`; the refusal message when its segment is at its limit."""
-        if self.max_in_flight and self.in_flight[key.segment] >= self.max_in_flight:
-            return (f"segment {key.segment!r} has {self.max_in_flight} requests in flight, its share of this "
-                    f"gateway; wait for one to finish or retry with backoff")
-        self.in_flight[key.segment] += 1
-        return None
+        return self.quota.admit(key.segment)
 
     def _leave(self, key: ApiKey) -> None:
-        self.in_flight[key.segment] -= 1
-        if not self.in_flight[key.segment]:
-            del self.in_flight[key.segment]
+        self.quota.leave(key.segment)
 
     def _bind(self, handler: grpc.RpcMethodHandler, key: ApiKey) -> grpc.RpcMethodHandler:
         """The handler with the key's segment stamped on each request and its quota held."""

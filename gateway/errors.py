@@ -27,6 +27,12 @@ class DraftSkipped(SpecdError):
     past its budget. The step goes on without a proposal; the request is not affected."""
 
 
+class Busy(SpecdError):
+    """The gateway is at --max-concurrent-requests (or a tenant at its share): come back
+    later. Each transport refuses with its own retry advice (gRPC's pushback trailer,
+    HTTP's Retry-After)."""
+
+
 # gRPC's retry pushback (proposal A6): a client with a retry policy waits this long before
 # retrying a RESOURCE_EXHAUSTED, instead of at once; the message says the same to people.
 RETRY_PUSHBACK_MS = 250

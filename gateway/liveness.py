@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 async def watch_verifiers(verifier: WorkerPool, health: health_aio.HealthServicer, services: Sequence[str],
-                          interval_s: float = 1.0, timeout_s: float = 1.0, failures: int = 3) -> None:
-    """Set `services` (and the server's "") SERVING or NOT_SERVING as the verifiers answer;
-    runs until cancelled."""
+                          interval_s: float = 1.0, timeout_s: float = 1.0, failures: int = 3,
+                          on_change: Callable[[bool], None] | None = None) -> None:
+    """Set `services` (and the server's "") SERVING or NOT_SERVING as the verifiers answer,
+    and tell `on_change` (the HTTP front end's /health reads it); runs until cancelled."""
     failed_rounds = 0
     serving = True
     while True:
@@ -45,4 +46,6 @@ async def watch_verifiers(verifier: WorkerPool, health: health_aio.HealthService
                       failures, ", ".join(addresses) or "none listed")
         for name in ("", *services):
             await health.set(name, status)
+        if on_change is not None:
+            on_change(serving)
 

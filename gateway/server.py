@@ -1,54 +1,38 @@
 """The public `specd.v1.Gateway` servicer and the gateway's server factory.
 
-Each RPC: validate the request (INVALID_ARGUMENT with every problem named), open one
-session on each worker, run `gateway.engine.speculate`, turn tokens into text, reply.
+The servicer is a thin adapter over `gateway.core.GatewayCore`: it turns a
+GenerateRequest into `GenerateParams` and the core's chunks and errors into protobuf and
+statuses (the interceptors map the typed errors; Busy gets gRPC's retry pushback here).
+`create_server` builds the core once and serves it over gRPC, and over OpenAI-compatible
+HTTP (`gateway.http`) when --http-port is given.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.auth import ApiKeyInterceptor, KeyRing
-from gateway.backend import Backend, connect
-from gateway.engine import (
-    DraftLengthPolicy,
-    Finish,
-    GenerationRequest,
-    ModelBounds,
-    RequestStats,
-    StepObserver,
-    StepRecord,
-    speculate,
-)
-from gateway.errors import RETRY_PUSHBACK_MS, InvalidRequest, WorkerError, refuse_busy
-from gateway.hybrid import HybridChoice, ModelFreeProposer
+from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
+from gateway.backend import connect
+from gateway.core import Chunk, GatewayCore, GenerateParams
+from gateway.engine import Finish
+from gateway.errors import Busy, refuse_busy
+from gateway.http import HttpServer, OpenAIApp
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
-from gateway.policy import POLICIES, CostPolicy, LoadCap, Mode, ProbeSchedule, build_policy
-from gateway.proposers import MAX_PATTERN, MODEL_FREE, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
-from gateway.request import ParsedRequest
-from gateway.text import TextAssembler
-from gateway.tracing import RequestTrace
-from gateway.workers import DraftLink, LinkSettings, VerifierLink
-from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
+from gateway.policy import Mode
+from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
+from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats
 from specd.config import DRAFT_SELECTIONS, GatewaySettings
 from specd.drift import load_baseline
-from specd.errors import clip
 from specd.grpcserver import RunningServer, start_server
 from specd.paircosts import PairCosts, model_pair_label
-from specd.sampling import Transform
 from specd.selection import DraftSelector
 from specd.steps import ModelInfo
-from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,400 +49,53 @@ _FINISH = {
 }
 
 
-def parse_request(request: gateway_pb2.GenerateRequest, backend: Backend, settings: GatewaySettings,
-                  choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
-    """Validate a public request against the models and settings; collect every problem.
-
-    Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
-    tokenized at all. Values echoed back are clipped (`specd.errors.clip`).
-    choose(task type, user segment): picks the draft of a request that names none
-    (`specd.selection`); None: the task map, else the default draft.
-    """
+def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
+    """A GenerateRequest as the core's parameters (proto3's unset fields as None)."""
     sampling, speculation = request.sampling, request.speculation
-    transform = Transform.from_fields(sampling.temperature, sampling.top_k, sampling.top_p)
-    problems = transform.problems() + _size_problems(request, settings)
-
-    prompt_bytes = len(request.prompt.encode("utf-8"))
-    if prompt_bytes > settings.max_prompt_bytes:
-        problems.append(f"prompt is {prompt_bytes} bytes, over this gateway's limit of {settings.max_prompt_bytes}; "
-                        f"shorten it")
-        prompt_ids = []
-    else:
-        prompt_ids = backend.tokenizer(request.prompt)["input_ids"]
-        if not prompt_ids:
-            problems.append("prompt is empty after tokenization; send some text")
-    context = backend.target.max_context
-    if len(prompt_ids) >= context:
-        problems.append(f"prompt is {len(prompt_ids)} tokens but the target's context window is "
-                        f"{context}; shorten the prompt to at most {context - 1} tokens")
-    room = max(context - len(prompt_ids), 0)
-    asked = sampling.HasField("max_new_tokens")
-    if asked and sampling.max_new_tokens == 0:
-        problems.append("max_new_tokens=0 asks for nothing; ask for at least 1, or leave it unset for this "
-                        f"gateway's default of {settings.default_max_new_tokens}")
-    max_new = sampling.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap, room)
-    if sampling.max_new_tokens > settings.max_new_tokens_cap:
-        problems.append(f"max_new_tokens={sampling.max_new_tokens} exceeds this gateway's cap of "
-                        f"{settings.max_new_tokens_cap}")
-    if prompt_ids and sampling.max_new_tokens and len(prompt_ids) + max_new > context:
-        problems.append(f"max_new_tokens={max_new} with a {len(prompt_ids)}-token prompt exceeds the "
-                        f"target's context window of {context}; ask for at most {room}")
-
     mode = _MODES.get(speculation.mode)
-    if mode is None:
-        problems.append(f"unknown speculation mode {speculation.mode}")
-    for name in ("draft_length", "min_draft_length", "max_draft_length"):
-        if getattr(speculation, name) > settings.max_draft_length:
-            problems.append(f"{name}={getattr(speculation, name)} exceeds this gateway's maximum of "
-                            f"{settings.max_draft_length}")
-    if speculation.min_draft_length > (speculation.max_draft_length or settings.max_draft_length):
-        problems.append("min_draft_length must not exceed max_draft_length")
-    policy = speculation.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
-    if mode is Mode.FIXED and policy != "fixed":
-        problems.append(f"policy {clip(policy)} chooses γ itself: use it with mode AUTO; mode FIXED proposes "
-                        f"draft_length tokens every step")
-    elif policy not in POLICIES:
-        problems.append(f"unknown policy {clip(speculation.policy)}; use one of {list(POLICIES)}")
-    if not 0.0 <= speculation.min_draft_confidence < 1.0:
-        problems.append(f"min_draft_confidence must be in [0, 1), got {speculation.min_draft_confidence}")
-
-    task_type = request.task_type or classify(request.prompt)
-    forced = speculation.draft_model if speculation.draft_model in settings.model_free else ""
-    draft_model = (speculation.draft_model or settings.task_drafts.get(task_type, "")
-                   or backend.default_draft)
-    if speculation.draft_model in backend.unusable:
-        problems.append(f"{backend.unusable[speculation.draft_model][1]} Use one of {sorted(backend.drafts)}")
-    elif speculation.draft_model and not forced and speculation.draft_model not in backend.drafts:
-        available = sorted(backend.drafts) + list(settings.model_free)
-        problems.append(f"unknown draft model {clip(speculation.draft_model)}; available: "
-                        f"{available or 'none (no draft service configured)'}")
-    if mode is Mode.FIXED and not backend.drafts and not forced:
-        problems.append("speculation mode FIXED needs a draft service or a model-free proposer, and this "
-                        "gateway has neither; use AUTO or OFF")
-    if problems:
-        raise InvalidRequest("; ".join(problems))
-    assert mode is not None  # an unknown mode is one of the problems
-
-    if mode is Mode.OFF or not backend.drafts or forced:
-        draft_model = ""
-    selected = False
-    if mode is not Mode.OFF and backend.drafts and not speculation.draft_model and choose is not None:
-        draft_model, selected = choose(task_type, request.user_segment), True
-    # Model-free proposers beside the draft model under AUTO; a named proposer (model-free
-    # or not) alone; none when OFF, nor under FIXED with a draft model (which proposes
-    # draft_length tokens every step).
-    if mode is Mode.OFF or (speculation.draft_model and not forced):
-        model_free: tuple[str, ...] = ()
-    else:
-        model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
-    prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-    highest = min(speculation.max_draft_length or prior.max_draft_length, settings.max_draft_length)
-    lowest = min(speculation.min_draft_length or prior.min_draft_length, highest)
-    profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
-    seed = sampling.seed or secrets.randbits(63)
-    overlap = speculation.overlap if speculation.HasField("overlap") else settings.overlap
-    # The confidence policy's threshold is carried out by the draft, inside each step.
-    min_confidence = ((speculation.min_draft_confidence or settings.default_min_confidence)
-                      if policy == "confidence" and draft_model else 0.0)
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
-    return ParsedRequest(
-        generation, mode, policy, speculation.draft_length or settings.default_draft_length, profile, task_type,
-        request.user_segment, list(sampling.stop), selected, model_free, forced,
-        min(speculation.max_draft_length or settings.max_draft_length, settings.max_draft_length)
-        if mode is Mode.AUTO else speculation.draft_length or settings.default_draft_length)
+    return GenerateParams(
+        prompt=request.prompt, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        seed=sampling.seed, max_new_tokens=sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None,
+        stop=list(sampling.stop), mode=mode.value if mode is not None else str(speculation.mode),
+        draft_length=speculation.draft_length, min_draft_length=speculation.min_draft_length,
+        max_draft_length=speculation.max_draft_length, draft_model=speculation.draft_model,
+        policy=speculation.policy, min_draft_confidence=speculation.min_draft_confidence,
+        overlap=speculation.overlap if speculation.HasField("overlap") else None,
+        task_type=request.task_type, user_segment=request.user_segment)
 
 
-def _size_problems(request: gateway_pb2.GenerateRequest, settings: GatewaySettings) -> list[str]:
-    """What is too large in a request, apart from its prompt (labels, stop strings)."""
-    problems = []
-    for name, value in (("task_type", request.task_type), ("user_segment", request.user_segment),
-                        ("draft_model", request.speculation.draft_model), ("policy", request.speculation.policy)):
-        if len(value.encode("utf-8")) > settings.max_label_bytes:
-            problems.append(f"{name} is {len(value.encode('utf-8'))} bytes; at most {settings.max_label_bytes}")
-    stop = request.sampling.stop
-    if len(stop) > settings.max_stop_strings:
-        problems.append(f"{len(stop)} stop strings; at most {settings.max_stop_strings}")
-    longest = max((len(s.encode("utf-8")) for s in stop), default=0)
-    if longest > settings.max_stop_bytes:
-        problems.append(f"a stop string is {longest} bytes; at most {settings.max_stop_bytes} each")
-    return problems
-
-
-def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
-               deadline: float | None = None) -> tuple[DraftLink | None, VerifierLink]:
-    """One request's links to its workers (no draft link when it decodes plainly).
-
-    `deadline` (time.monotonic()) is the client's: no step waits past it, and the links
-    then end their sessions on the workers.
-    """
-    session_id = uuid.uuid4().hex
-    link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline)
-    verifier = VerifierLink("verifier", backend.verifier, "Verify", link, backend.target)
-    draft = None
-    if draft_model:
-        assert backend.draft is not None  # a draft model is chosen only with a draft service
-        draft = DraftLink(f"draft {draft_model!r}", backend.draft, "Propose", link, backend.drafts[draft_model])
-    return draft, verifier
-
-
-class _GatewayCounts:
-    """Feeds one request's steps into the gateway's shared statistics: acceptance and step
-    costs, the verifier's load, pre-draft hits, drift. (Not for the doctor's requests.)
-
-    A step a model-free proposer drafted counts under that proposer's model pair
-    ("suffix->target"), acceptance and costs alike; its verify hop also teaches the
-    request's own pair what verifying that many tokens costs."""
-
-    def __init__(self, servicer: GatewayServicer, labels: Labels, model_pair: str, request_trace: RequestTrace) -> None:
-        self.servicer, self.labels, self.model_pair, self.request_trace = servicer, labels, model_pair, request_trace
-
-    def observe(self, record: StepRecord) -> None:
-        stats, costs = self.servicer.stats, self.servicer.costs
-        labels = self.labels
-        if record.model_free:
-            labels = replace(labels, model_pair=self.servicer._model_pair(record.proposer))
-        stats.record(labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
-        batch = record.verify_batch
-        if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
-            costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
-                          record.pre_draft_asked, record.pre_drafted, verify_only=record.model_free)
-            if record.model_free:
-                costs.observe(labels.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
-        costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
-        if record.pre_draft_asked and record.draft_length:
-            stats.record_pre_draft(labels, record.pre_drafted)
-        if record.draft_length:
-            self.servicer.check_drift(labels, self.request_trace)
+def _chunk_pb(chunk: Chunk) -> gateway_pb2.GenerateChunk:
+    if chunk.finish is None:
+        return gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
+    return gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=_FINISH[chunk.finish],
+                                     stats=chunk.stats, trace_id=chunk.trace_id)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Serves Generate and GenerateStream over the draft and verifier workers."""
+    """Serves Generate and GenerateStream (through the core), and the read-only RPCs."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats, costs: PairCosts,
-                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
-        """stats, costs: what every request's steps add up to (acceptance; step costs and load);
-        selector: picks the draft of requests that name none (None: the task map);
-        suffix_cache: previous responses, for the suffix proposer (when hosted)."""
-        self.backend = backend
-        self.settings = settings
-        self.stats = stats
-        self.costs = costs
-        self.selector = selector
-        self.suffix_cache = suffix_cache
-        self._in_flight = 0  # requests being served (one event loop: a plain counter)
-        self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
-        # The cost policy's state shared across requests: probe spacing per (model pair, task
-        # type), the load cap per model pair.
-        self._probes: dict[tuple[str, str], ProbeSchedule] = {}
-        self._load_caps: dict[str, LoadCap] = {}
-        self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
-
-    def _choose(self, task_type: str, user_segment: str) -> str:
-        """The draft of a request that names none, under --draft-selection goodput."""
-        assert self.selector is not None  # handed out only with a selector
-        if user_segment == DIAGNOSTIC_SEGMENT:  # a diagnosis must not move the bandit either
-            return self.selector.start(task_type)
-        return self.selector.choose(task_type, self.stats.segment(user_segment))
-
-    def check_drift(self, labels: Labels, request_trace: RequestTrace) -> None:
-        """Log and mark on the step span when a segment's drift flag goes up or down."""
-        verdict = self.stats.drift(labels)
-        key = (labels.model_pair, labels.task_type, labels.user_segment)
-        flagged = verdict is not None and verdict.flagged
-        if flagged == (key in self._drifting):
-            return
-        if not flagged:
-            self._drifting.discard(key)
-            log.info("acceptance drift cleared: pair %s, task %s, segment %r", *key)
-            return
-        self._drifting.add(key)
-        assert verdict is not None  # flagged
-        log.warning("acceptance drift: pair %s, task %s, segment %r: window acceptance %.3f vs %s %.3f "
-                    "(drop %.1f points, z=%.1f); run `specd doctor --gateway ... --task %s`",
-                    *key, verdict.window_rate, verdict.reference, verdict.reference_rate,
-                    100 * verdict.drop, verdict.z, labels.task_type)
-        request_trace.step_event("specd.acceptance_drift", {
-            "specd.drift.window_acceptance": verdict.window_rate,
-            "specd.drift.reference_acceptance": verdict.reference_rate,
-            "specd.drift.reference": verdict.reference, "specd.drift.drop": verdict.drop,
-            "specd.drift.z": verdict.z})
-
-    def _model_pair(self, draft_model: str) -> str:
-        return model_pair_label(draft_model, self.backend.target.name)
-
-    def _bounds(self, draft_model: str) -> ModelBounds:
-        target = self.backend.target
-        draft = self.backend.drafts.get(draft_model)
-        return ModelBounds(
-            draft_context=draft.max_context if draft else 0,
-            vocab_size=target.vocab_size,
-            eos_token_ids=frozenset(target.eos_token_ids),
-            target_context=target.max_context,
-        )
-
-    def _hybrid(self, parsed: ParsedRequest, policy: DraftLengthPolicy, model_pair: str,
-                diagnostic: bool) -> HybridChoice | None:
-        """The request's model-free proposers and how its steps choose between them and the draft."""
-        if not parsed.model_free:
-            return None
-        proposers: list[ModelFreeProposer] = []
-        for name in parsed.model_free:
-            if name == SUFFIX:
-                # The doctor's requests neither read nor fill the tenants' cache.
-                cache = None if diagnostic else self.suffix_cache
-                proposers.append(SuffixProposer(cache, parsed.user_segment))
-            else:
-                proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
-        prior = self.stats.measured_acceptance(model_pair, parsed.task_type) or parsed.profile.prior_acceptance
-        model_alpha = (lambda: policy.alpha) if isinstance(policy, CostPolicy) else (lambda: prior)
-        fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
-        return HybridChoice(proposers, self.costs.costs(model_pair),
-                            lambda name: self.costs.costs(self._model_pair(name)), model_alpha, fixed)
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        self.http: HttpServer | None = None  # the HTTP front end over the same core, when started
 
     async def _chunks(self, request: gateway_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
-        began = time.perf_counter()
-        # Parsed off the event loop: tokenizing a prompt near --max-prompt-bytes takes a while,
-        # and the other requests' steps must not wait for it. One thread: a fast
-        # tokenizer is not safe to call from several threads at once. InvalidRequest
-        # leaves as INVALID_ARGUMENT (specd.interceptors).
-        # Admission first: in a burst, a request refused costs no tokenizing.
-        if self._in_flight >= self.settings.max_concurrent_requests:
-            await refuse_busy(context, f"this gateway is serving its limit of {self.settings.max_concurrent_requests} "
-                                       f"requests; retry after {RETRY_PUSHBACK_MS} ms with backoff, or add gateway "
-                                       f"and worker replicas")
-        self._in_flight += 1
-        try:
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                self._parser, parse_request, request, self.backend, self.settings,
-                self._choose if self.selector is not None else None)
-            # aclosing: a client that goes away closes the links now, not at garbage collection.
-            async with contextlib.aclosing(self._generate(parsed, began, context)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            self._in_flight -= 1
-
-    async def _generate(self, parsed: ParsedRequest, began: float,
-                        context: grpc.aio.ServicerContext) -> AsyncGenerator[gateway_pb2.GenerateChunk, None]:
-        generation = parsed.generation
-        model_pair = self._model_pair(generation.draft_model)
-        labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
-                                   len(generation.prompt_ids))
-        diagnostic = parsed.user_segment == DIAGNOSTIC_SEGMENT
-        # Keyed by the capped label: task_type is free text, and a new one per request
-        # must not grow these tables without bound.
-        shared = (model_pair, labels.task_type)
-        if diagnostic:  # the doctor's requests learn on their own, so they change no serving state
-            probes, load_cap = ProbeSchedule(), None
-        else:
-            probes = self._probes.setdefault(shared, ProbeSchedule())
-            load_cap = self._load_caps.get(model_pair)
-            if load_cap is None:  # one per pair: every task's sessions share the target's forwards
-                load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length)
-        policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, probes, load_cap)
-        request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
-                                           model_pair=model_pair, task_type=parsed.task_type,
-                                           user_segment=parsed.user_segment, mode=parsed.mode.name,
-                                           policy=parsed.policy)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline)
-        text = TextAssembler(self.backend.tokenizer, parsed.stop)
-        stats = RequestStats()
-        observers: list[StepObserver] = [stats]
-        if not diagnostic:
-            observers.append(_GatewayCounts(self, labels, model_pair, request_trace))
-        finish = Finish.LENGTH
-        if load_cap is not None:
-            load_cap.enter()
         try:
-            hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
-            steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
-                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max)
-            async with contextlib.aclosing(steps):
-                async for output in steps:
-                    delta, kept = text.add(output.tokens)
-                    if text.stopped:
-                        finish = Finish.STOP
-                    elif output.finish is not None:
-                        finish = output.finish
-                    if output.finish is None and not text.stopped:
-                        yield gateway_pb2.GenerateChunk(text=delta, token_ids=kept)
-                        continue
-                    # Only the selector's own choices teach it: a request that names its draft
-                    # may do so for reasons goodput does not see.
-                    if parsed.selected and draft is not None and not diagnostic:
-                        assert self.selector is not None  # it selected the draft
-                        self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              stats.counts(model_drafts_only=True).conditional_acceptance(),
-                                              *stats.goodput())
-                    if self.suffix_cache is not None and not diagnostic:
-                        # The prompt's end goes in before the response: the same prompt again
-                        # then matches straight into it.
-                        self.suffix_cache.add(parsed.user_segment,
-                                              generation.prompt_ids[-MAX_PATTERN:] + text.token_ids)
-                    stats_pb = self._stats_pb(stats, parsed, policy, model_pair, draft, verifier, text, began)
-                    # Ended before the last chunk goes out: the trace is whole when the client has it.
-                    request_trace.finish(stats, len(text.token_ids), finish.value)
-                    yield gateway_pb2.GenerateChunk(
-                        text=delta + text.finish(), token_ids=kept, finish_reason=_FINISH[finish],
-                        stats=stats_pb, trace_id=request_trace.trace_id)
-                    return
-        except WorkerError as exc:
-            request_trace.end(exc)
-            raise  # ErrorMappingInterceptor gives the client the worker's status
-        finally:
-            if load_cap is not None:
-                load_cap.leave()
-            request_trace.end()
-            for link in (draft, verifier):
-                if link is not None:
-                    link.close()
-
-    def _stats_pb(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
-                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
-                  began: float) -> gateway_pb2.GenerationStats:
-        generation = parsed.generation
-        proposed_per_position, accepted_per_position = stats.per_position()
-        costs = next((row for row in self.costs.cost_table() if row.model_pair == model_pair), None)
-        c, v = (costs.draft_cost_ratio, costs.verify_cost_ratio) if costs else (0.0, {})
-        drafted = [g for g in stats.draft_lengths if g]
-        mean_gamma = round(sum(drafted) / len(drafted)) if drafted else 0
-        return gateway_pb2.GenerationStats(
-            steps=stats.steps,
-            proposed_tokens=stats.proposed_tokens,
-            accepted_tokens=stats.accepted_tokens,
-            acceptance_rate=stats.acceptance_rate,
-            draft_lengths=stats.draft_lengths,
-            accepted_lengths=stats.accepted_lengths,
-            mean_tokens_per_step=stats.tokens_per_step(len(text.token_ids)),
-            prompt_tokens=len(generation.prompt_ids),
-            generated_tokens=len(text.token_ids),
-            draft_ms=stats.draft_ms,
-            verify_ms=stats.verify_ms,
-            total_ms=(time.perf_counter() - began) * 1e3,
-            seed=generation.seed,
-            draft_model=generation.draft_model or parsed.forced,
-            session_reopens=verifier.reopens + (draft.reopens if draft else 0),
-            proposed_per_position=proposed_per_position,
-            accepted_per_position=accepted_per_position,
-            task_type=parsed.task_type,
-            policy=policy.name,
-            draft_cost_ratio=c,
-            verify_cost_ratio=v.get(mean_gamma, 0.0),
-            mean_verify_batch_size=stats.mean_verify_batch_size,
-            mean_verify_batch_tokens=stats.mean_verify_batch_tokens,
-            verify_queue_ms=stats.verify_queue_ms,
-            pre_draft_hits=stats.pre_draft_hits,
-            pre_draft_steps=stats.pre_draft_steps,
-            proposers=[r.proposer for r in stats.records],
-        )
+            # aclosing: a client that goes away closes the links now, not at garbage collection.
+            # InvalidRequest and WorkerError leave as their statuses (specd.interceptors).
+            async with contextlib.aclosing(self.core.generate(params_from_pb(request), deadline)) as chunks:
+                async for chunk in chunks:
+                    yield _chunk_pb(chunk)
+        except Busy as exc:
+            await refuse_busy(context, str(exc))
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
         # An unknown label is InvalidArgument: INVALID_ARGUMENT (specd.interceptors).
-        rows = self.stats.query(list(request.group_by), dict(request.filter), request.window)
-        response = gateway_pb2.AcceptanceStatsResponse(window_steps=self.stats.window_steps)
+        core = self.core
+        rows = core.stats.query(list(request.group_by), dict(request.filter), request.window)
+        response = gateway_pb2.AcceptanceStatsResponse(window_steps=core.stats.window_steps)
         for labels, counts in rows:
             response.rows.add(
                 labels=labels, drafts=counts.drafts, draft_tokens=counts.draft_tokens,
@@ -467,14 +104,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 proposed_per_position=counts.proposed_per_position,
                 accepted_per_position=counts.accepted_per_position,
                 acceptance_by_generation_bucket={k: a / p for k, (p, a) in counts.by_generation_bucket.items() if p})
-        for row in self.costs.cost_table():
+        for row in core.costs.cost_table():
             response.costs.add(model_pair=row.model_pair, target_step_ms=row.target_step_ms,
                                draft_ms_per_token=row.draft_ms_per_token, draft_cost_ratio=row.draft_cost_ratio,
                                verify_cost_ratio=row.verify_cost_ratio)
         return response
 
     async def GetGatewayInfo(self, request, context) -> gateway_pb2.GatewayInfoResponse:
-        backend, settings = self.backend, self.settings
+        core = self.core
+        backend, settings = core.backend, core.settings
         drafts = [(info, "") for info in backend.drafts.values()] + list(backend.unusable.values())
         # Tenants (callers with API keys) see names and digests, not the host's paths.
         paths = settings.api_keys_file is None
@@ -487,9 +125,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drafts=[_served_model(info, problem, paths) for info, problem in drafts] + model_free,
             max_draft_length=settings.max_draft_length, default_draft_length=settings.default_draft_length,
             auto_policy=settings.auto_policy, task_drafts=settings.task_drafts,
-            draft_selection="goodput" if self.selector is not None else "task-map",
+            draft_selection="goodput" if core.selector is not None else "task-map",
             diagnostic_segment=DIAGNOSTIC_SEGMENT, drift_min_drop=settings.drift.min_drop,
-            drift_baseline_pinned=bool(self.stats.baseline))
+            drift_baseline_pinned=bool(core.stats.baseline))
 
     async def GenerateStream(self, request, context):
         # aclosing: a cancelled call ends the request's worker sessions now, not at garbage collection.
@@ -522,16 +160,23 @@ def _served_model(info: ModelInfo, problem: str, path: bool) -> gateway_pb2.Serv
 
 
 async def create_server(settings: GatewaySettings) -> RunningServer:
-    """Connect to the workers (checking their models) and start serving the public API.
+    """Connect to the workers (checking their models) and start serving the public API:
+    gRPC, and OpenAI-compatible HTTP on settings.http_port when it is set.
 
-    A malformed API key file raises `gateway.auth.KeyFileError`, a bad baseline file or
-    drift setting ValueError, before any worker is contacted.
+    A malformed API key file raises `gateway.auth.KeyFileError`, a bad baseline file,
+    chat template file or setting ValueError, before any worker is contacted.
     """
-    interceptors = edge_interceptors(settings)
+    keys, quota = edge_keys(settings)
     problems = settings.drift.problems()
     if settings.draft_selection not in DRAFT_SELECTIONS:
         problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
     problems += model_free_problems(settings)
+    chat_template = None
+    if settings.chat_template is not None:
+        try:
+            chat_template = settings.chat_template.read_text(encoding="utf-8")
+        except OSError as exc:
+            problems.append(f"cannot read the chat template {settings.chat_template}: {exc.strerror}")
     if problems:
         raise ValueError("; ".join(problems))
     baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
@@ -545,7 +190,8 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
             list(backend.drafts), settings.task_drafts,
             speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha, max_gamma))
     suffix_cache = SuffixCache(settings.suffix_cache_tokens) if SUFFIX in settings.model_free else None
-    servicer = GatewayServicer(backend, settings, stats, costs, selector, suffix_cache)
+    core = GatewayCore(backend, settings, stats, costs, selector, suffix_cache)
+    servicer = GatewayServicer(core)
     metrics = None
     if settings.metrics_port:
         metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
@@ -556,18 +202,33 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     async def stop() -> None:
         if watch is not None:
             watch.cancel()
-        servicer._parser.shutdown(wait=False, cancel_futures=True)
+        if servicer.http is not None:
+            await servicer.http.stop()
+        core.close()
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
         await backend.close()
 
     service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+    interceptors = [ApiKeyInterceptor(keys, settings.protect_reflection, quota)] if keys is not None else []
     running = await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
         [service], interceptors=interceptors, on_stop=stop, options=edge_options(settings))
     running.servicer = servicer
-    watch = asyncio.get_running_loop().create_task(watch_verifiers(backend.verifier, running.health, [service]))
+    if settings.http_port is not None:
+        tls = settings.server.tls
+        http = HttpServer(OpenAIApp(core, keys, quota, chat_template, lambda: core.serving),
+                          settings.server.host, settings.http_port,
+                          str(tls.cert) if tls.cert else None, str(tls.key) if tls.key else None)
+        try:
+            await http.start()
+        except BaseException:
+            await running.stop(0)
+            raise
+        servicer.http = http
+    watch = asyncio.get_running_loop().create_task(
+        watch_verifiers(backend.verifier, running.health, [service], on_change=core.set_serving))
     return running
 
 
@@ -585,20 +246,21 @@ def model_free_problems(settings: GatewaySettings) -> list[str]:
     return problems
 
 
-def edge_interceptors(settings: GatewaySettings) -> list[grpc.aio.ServerInterceptor]:
-    """API keys, when the gateway has a key file (KeyFileError when it is malformed).
+def edge_keys(settings: GatewaySettings) -> tuple[KeyRing | None, TenantQuota]:
+    """The API keys, when the gateway has a key file (KeyFileError when it is malformed),
+    and the per-tenant share both front ends hold requests against.
 
     Each tenant (segment) may hold --key-max-in-flight requests; unset, three quarters of
     --max-concurrent-requests when the file names more than one tenant (a lone tenant
     may use everything): no tenant takes all the capacity while another waits.
     """
     if settings.api_keys_file is None:
-        return []
+        return None, TenantQuota()
     keys = KeyRing.load(settings.api_keys_file)
     share = settings.key_max_in_flight
     if not share and len(keys.segments) > 1:
         share = max(1, settings.max_concurrent_requests * 3 // 4)
-    return [ApiKeyInterceptor(keys, settings.protect_reflection, share)]
+    return keys, TenantQuota(share)
 
 
 def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:

@@ -210,3 +210,6 @@ class GatewaySettings:
     suffix_cache_tokens: int = 262_144  # previous responses kept for `suffix`, over every tenant
     prompt_lookup_min: int = 2  # n-gram lengths `prompt-lookup` matches (vLLM's ngram: min/max n)
     prompt_lookup_max: int = 5
+    # OpenAI-compatible HTTP (gateway.http) on the gateway's host: None off, 0 a free port.
+    http_port: int | None = None
+    chat_template: Path | None = None  # Jinja template for /v1/chat/completions; None: the tokenizer's

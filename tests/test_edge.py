@@ -116,7 +116,7 @@ def test_the_key_decides_the_segment(keyed):
     stats = keyed.stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest(group_by=["user_segment"]),
                                           metadata=bearer(KEYS["beta"]))
     assert [dict(row.labels) for row in stats.rows] == []  # beta sees only its own rows: none yet
-    segments = {labels["user_segment"] for labels, _ in keyed.gateway.servicer.stats.query(["user_segment"], {})}
+    segments = {labels["user_segment"] for labels, _ in keyed.gateway.servicer.core.stats.query(["user_segment"], {})}
     assert segments == {"alpha"}
 
 
@@ -167,7 +167,7 @@ def test_message_over_the_public_limit_is_refused_by_grpc(stack):
 
 
 def test_prompt_bytes_are_checked_before_tokenizing(stack):
-    backend = stack.gateway.servicer.backend
+    backend = stack.gateway.servicer.core.backend
     tokenizer, calls = backend.tokenizer, []
 
     def counting(text, *args, **kwargs):
@@ -303,7 +303,7 @@ def test_streams_per_connection_are_capped(stalled):
         with pytest.raises(grpc.RpcError) as err:  # a third stream on the same connection waits its turn
             stalled.stub.Generate(request("x", max_new_tokens=2), timeout=2.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert stalled.gateway.servicer._in_flight == 2  # it never reached the gateway's handler
+        assert stalled.gateway.servicer.core._in_flight == 2  # it never reached the gateway's handler
         # Another connection (its own subchannel, not the shared one) is served meanwhile.
         with grpc.insecure_channel(stalled.gateway_address, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
             assert gateway_pb2_grpc.GatewayStub(other).Generate(
@@ -338,7 +338,7 @@ def test_bursts_are_refused_by_admission_not_by_http2(stack):
 
 
 def test_free_text_task_types_do_not_grow_the_gateway_without_bound(stack):
-    servicer = stack.gateway.servicer
+    servicer = stack.gateway.servicer.core
     for n in range(60):
         req = request("def f():", max_new_tokens=1, mode="AUTO", draft_length=0)
         req.task_type = f"made-up-{n}"

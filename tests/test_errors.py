@@ -45,7 +45,7 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, case):
 def test_unset_max_new_tokens_takes_the_default(stack):
     unset = request("def f():")
     unset.sampling.ClearField("max_new_tokens")
-    default = request("def f():", max_new_tokens=stack.gateway.servicer.settings.default_max_new_tokens)
+    default = request("def f():", max_new_tokens=stack.gateway.servicer.core.settings.default_max_new_tokens)
     assert stack.stub.Generate(unset).token_ids == stack.stub.Generate(default).token_ids
 
 

@@ -127,6 +127,11 @@ def test_every_container_has_liveness_and_readiness_probes(overlay):
         assert f"--health-port={HEALTH_PORT}" in c["args"], component
         assert {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"} in c["ports"], component
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if component == "gateway" and probe == "readinessProbe":
+                # The HTTP front end's /health, over the same TLS as the public API.
+                assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+                assert "--http-port=8000" in c["args"]
+                continue
             assert c[probe]["grpc"]["port"] == HEALTH_PORT, (component, probe)  # grpc.health.v1
 
 
@@ -213,7 +218,11 @@ def test_services_headless_workers_with_the_port_the_router_watches(overlay):
         spec = services[f"specd-{worker}"]["spec"]
         assert spec["clusterIP"] == "None"
         assert [(p["name"], p["port"]) for p in spec["ports"]] == [("grpc", port)]
-    assert services["specd-gateway"]["spec"].get("clusterIP") != "None"
+    gateway = services["specd-gateway"]["spec"]
+    assert gateway.get("clusterIP") != "None"
+    assert [(p["name"], p["port"]) for p in gateway["ports"]] == [("grpc", 50051), ("http", 8000)]
+    ingress = of_kind(overlay, "NetworkPolicy")["specd-gateway"]["spec"]["ingress"][0]["ports"]
+    assert {p["port"] for p in ingress} == {50051, 8000}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

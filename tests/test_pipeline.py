@@ -163,8 +163,8 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     from transformers import AutoModelForCausalLM
 
     from gateway.backend import connect
+    from gateway.core import open_links
     from gateway.engine import GenerationRequest, ModelBounds, speculate
-    from gateway.server import open_links
     from specd.config import GatewaySettings, ServerSettings
     from specd.sampling import Transform
 

@@ -251,7 +251,7 @@ def test_sampled_output_with_a_model_free_proposer_follows_the_target(hybrid_sta
 
 
 def test_the_suffix_cache_gauge_reads_what_the_cache_holds(hybrid_stack):
-    servicer = hybrid_stack.gateway.servicer
+    servicer = hybrid_stack.gateway.servicer.core
     cache = servicer.suffix_cache
     req = request(PROMPT, max_new_tokens=16, mode="AUTO")
     req.user_segment = "gauge"

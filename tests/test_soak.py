@@ -64,6 +64,6 @@ def test_rss_is_flat_over_a_500_request_soak(model_dirs):
         assert outcomes.count("INVALID_ARGUMENT") == SOAK // 5
         assert growth <= 0.10
         assert stack.wait_no_sessions() == 0
-        assert stack.gateway.servicer._in_flight == 0
+        assert stack.gateway.servicer.core._in_flight == 0
     finally:
         stack.close()

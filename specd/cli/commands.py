@@ -301,7 +301,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         acceptance_baseline=args.acceptance_baseline,
         model_free=tuple(name for name in args.model_free.split(",") if name),
         suffix_cache_tokens=args.suffix_cache_tokens, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max)
+        prompt_lookup_max=args.prompt_lookup_max, http_port=args.http_port, chat_template=args.chat_template)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
     except (IncompatibleDraft, ConnectionError, KeyFileError, ValueError) as exc:
@@ -447,7 +447,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
                 "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
                 *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
-                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args), *_model_free_flags(args),
+                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args),
+                *_proposer_and_http_flags(args),
                 "--step-budget-factor", str(args.step_budget_factor),
                 "--draft-step-floor", str(args.draft_step_floor),
                 "--verifier-step-floor", str(args.verifier_step_floor)])
@@ -457,7 +458,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 1
             print(f"specd serve: ready on {args.host}:{args.port}{' (TLS)' if args.tls else ''} "
                   f"(target {target}, drafts {list(drafts)}; workers on private sockets "
-                  f"unix:{sockets['verifier']}, unix:{sockets['draft']}); try: specd generate "
+                  f"unix:{sockets['verifier']}, unix:{sockets['draft']})"
+                  f"{f'; OpenAI-compatible HTTP on port {args.http_port}' if args.http_port is not None else ''}"
+                  f"; try: specd generate "
                   f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
                   flush=True)
             # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
@@ -569,12 +572,19 @@ def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
                         help="shortest n-gram prompt lookup matches (default %(default)s)")
     parser.add_argument("--prompt-lookup-max", type=int, default=GATEWAY.prompt_lookup_max, metavar="N",
                         help="longest n-gram prompt lookup matches (default %(default)s)")
+    parser.add_argument("--http-port", type=int, default=None, metavar="N",
+                        help="also serve OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models, "
+                             "/health) on this port of the gateway's host (default: off)")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
 
 
-def _model_free_flags(args: argparse.Namespace) -> list[str]:
-    """The model-free proposer flags, as `serve` hands them to its gateway."""
+def _proposer_and_http_flags(args: argparse.Namespace) -> list[str]:
+    """The model-free proposer and HTTP front end flags, as `serve` hands them to its gateway."""
     return ["--model-free", args.model_free, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
-            "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max)]
+            "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
+            *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
+            *(["--chat-template", str(args.chat_template)] if args.chat_template else [])]
 
 
 def _revision_arg(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,560 @@
+"""The OpenAI-compatible HTTP front end: `/v1/completions`, `/v1/chat/completions`,
+`/v1/models` and `/health`, on Starlette, served by uvicorn in the gateway's own process
+and event loop.
+
+A thin adapter over `gateway.core.GatewayCore`, as the gRPC servicer is: the JSON body
+becomes `GenerateParams`, the API key (`Authorization: Bearer KEY`, from the same
+`--api-keys` file and with the same per-tenant share as gRPC) becomes the request's user
+segment, and chunks become OpenAI's objects, streamed as server-sent events ending in
+`data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
+unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
+verifier reachable. A parameter specd does not support (`n` > 1, `logprobs`,
+`logit_bias`, `tools`, ...) is refused by name, never ignored. A client that disconnects
+stops its request at the next step, and the workers' sessions are freed.
+
+Extensions in the body, as vLLM's extra parameters: `top_k`, and `speculation` with the
+gRPC API's fields (`mode`, `draft_length`, `min_draft_length`, `max_draft_length`,
+`draft_model`, `policy`, `min_draft_confidence`, `overlap`). Each response's `usage`
+carries the request's speculative figures under vLLM's names (`speculation`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
+from gateway.core import Chunk, GatewayCore, GenerateParams
+from gateway.engine import Finish
+from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
+from gateway.policy import Mode
+
+log = logging.getLogger(__name__)
+
+# What each endpoint accepts. Anything else is refused by name (never ignored).
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
+             "speculation", "n", "user", "presence_penalty", "frequency_penalty"}
+_COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
+_CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
+                "min_draft_confidence", "overlap"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+_FINISH = {Finish.LENGTH: "length", Finish.EOS: "stop", Finish.STOP: "stop"}
+_WORKER_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400}
+
+
+class HttpError(Exception):
+    """An OpenAI error object with its HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def _busy(message: str) -> HttpError:
+    return HttpError(429, message, "rate_limit_error",
+                     headers={"Retry-After": str(max(1, math.ceil(RETRY_PUSHBACK_MS / 1000)))})
+
+
+def _from_core(exc: Exception) -> HttpError:
+    """The HTTP error of what the core raised."""
+    if isinstance(exc, InvalidRequest):
+        return HttpError(400, str(exc))
+    if isinstance(exc, Busy):
+        return _busy(str(exc))
+    if isinstance(exc, WorkerError):
+        status = _WORKER_STATUS.get(exc.code, 502)
+        return HttpError(status, str(exc), "server_error" if status >= 500 else "invalid_request_error")
+    raise exc
+
+
+# -- reading a body ---------------------------------------------------------------------------
+
+def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise HttpError(400, f"'{name}' must be {what}, got {json.dumps(value)[:60]}", param=name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = float(_typed(body, name, (int, float), default, "a number"))
+    if not math.isfinite(value):
+        raise HttpError(400, f"'{name}' must be finite", param=name)
+    return value
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int = 0) -> int | None:
+    value = _typed(body, name, (int,), default, "an integer")
+    if value is not None and value < low:
+        raise HttpError(400, f"'{name}' must be at least {low}, got {value}", param=name)
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
+    """Refuse every field specd does not know, and every known one asked for a feature it lacks."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise HttpError(400, f"unsupported parameters {unknown}: specd does not implement them (it never ignores "
+                             f"a parameter); remove them", param=unknown[0])
+    lacking = []
+    if body.get("n") not in (None, 1):
+        lacking.append("n > 1 (one completion per request)")
+    if body.get("best_of") not in (None, 1):
+        lacking.append("best_of > 1")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        lacking.append("logprobs")
+    if body.get("echo") not in (None, False):
+        lacking.append("echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            lacking.append(name)
+    if lacking:
+        raise HttpError(400, f"specd does not support {', '.join(lacking)}; leave them unset")
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise HttpError(400, "'stop' must be a string or a list of strings", param="stop")
+
+
+def _speculation(body: dict[str, Any]) -> dict[str, Any]:
+    """The `speculation` extension as GenerateParams fields."""
+    spec = body.get("speculation")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        raise HttpError(400, "'speculation' must be an object with the gRPC API's fields "
+                             f"{sorted(_SPECULATION)}", param="speculation")
+    unknown = sorted(set(spec) - _SPECULATION)
+    if unknown:
+        raise HttpError(400, f"unknown speculation fields {unknown}; known: {sorted(_SPECULATION)}",
+                        param="speculation")
+    mode = _typed(spec, "mode", (str,), Mode.AUTO.value, "a string").lower()
+    return {"mode": mode, "draft_length": _integer(spec, "draft_length", 0),
+            "min_draft_length": _integer(spec, "min_draft_length", 0),
+            "max_draft_length": _integer(spec, "max_draft_length", 0),
+            "draft_model": _typed(spec, "draft_model", (str,), "", "a string"),
+            "policy": _typed(spec, "policy", (str,), "", "a string"),
+            "min_draft_confidence": _number(spec, "min_draft_confidence", 0.0),
+            "overlap": _typed(spec, "overlap", (bool,), None, "true or false")}
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """The sampling fields shared by both endpoints, with OpenAI's defaults (temperature 1)."""
+    seed = _integer(body, "seed", 0)
+    if seed is not None and seed >= 2 ** 63:
+        raise HttpError(400, "'seed' must be below 2**63", param="seed")
+    top_p = _number(body, "top_p", 1.0)
+    return {"temperature": _number(body, "temperature", 1.0), "top_p": top_p, "top_k": _integer(body, "top_k", 0),
+            "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body), **_speculation(body)}
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+class OpenAIApp:
+    """The routes, over one gateway core. keys/quota: the gateway's API keys and per-tenant
+    share (None: no keys); chat_template: Jinja text overriding the tokenizer's;
+    serving(): whether a verifier answers (what /health reports)."""
+
+    def __init__(self, core: GatewayCore, keys: KeyRing | None, quota: TenantQuota | None,
+                 chat_template: str | None, serving: Callable[[], bool]) -> None:
+        self.core, self.keys, self.quota = core, keys, quota
+        self.chat_template = chat_template
+        self.serving = serving
+        self.max_body = core.settings.max_request_bytes
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], exception_handlers={HttpError: lambda request, exc: exc.response(),
+                               404: lambda request, exc: HttpError(404, f"no route {request.url.path}").response(),
+                               405: lambda request, exc: HttpError(405, "method not allowed").response()})
+
+    @property
+    def model_name(self) -> str:
+        return self.core.backend.target.name
+
+    async def health(self, request: Request) -> Response:
+        if self.serving():
+            return JSONResponse({"status": "ok"})
+        return HttpError(503, "no verifier answers its health checks", "server_error").response()
+
+    async def models(self, request: Request) -> Response:
+        self._segment(request, {})
+        target = self.core.backend.target
+        return JSONResponse({"object": "list", "data": [{
+            "id": target.name, "object": "model", "created": 0, "owned_by": "specd",
+            "max_model_len": target.max_context}]})
+
+    def _segment(self, request: Request, body: dict[str, Any]) -> str:
+        """The caller's user segment: its API key's when the gateway has keys (401 without a
+        valid one), else the body's `user`."""
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise HttpError(400, "'user' must be a string", param="user")
+        if self.keys is None:
+            return user or ""
+        try:
+            token = bearer_token(list(request.headers.items()))
+        except AmbiguousCredentials as exc:
+            raise HttpError(401, str(exc), "authentication_error") from exc
+        key = self.keys.find(token) if token is not None else None
+        if key is None:
+            message = ("an API key is required: send the header 'Authorization: Bearer KEY'" if token is None
+                       else "the API key is not valid for this gateway")
+            raise HttpError(401, message, "authentication_error")
+        if user is not None and user != key.segment:
+            raise HttpError(400, "'user' cannot choose a segment on a gateway with API keys: the key decides it; "
+                                 "leave 'user' unset", param="user")
+        return key.segment
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The JSON object of the body, read up to --max-request-bytes (413 past it)."""
+        length = request.headers.get("content-length", "")
+        too_large = HttpError(413, f"the body is over this gateway's limit of {self.max_body} bytes")
+        if length.isdigit() and int(length) > self.max_body:
+            raise too_large
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > self.max_body:
+                raise too_large
+        try:
+            value = json.loads(body)
+        except ValueError as exc:
+            raise HttpError(400, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        return value
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, f"'model' is required: this gateway serves {self.model_name!r}", param="model")
+        if model != self.model_name:
+            raise HttpError(404, f"the model {model[:80]!r} does not exist here; this gateway serves "
+                                 f"{self.model_name!r}", param="model")
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        segment = self._segment(request, body)
+        _refuse_unsupported(body, _COMPLETIONS)
+        self._check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            source: dict[str, Any] = {"prompt": prompt}
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            source = {"prompt_ids": prompt}
+        else:
+            raise HttpError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                            param="prompt")
+        params = GenerateParams(**source, user_segment=segment,
+                                **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)))
+        return await self._respond(request, params, body, "text_completion", "cmpl", segment)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        segment = self._segment(request, body)
+        _refuse_unsupported(body, _CHAT)
+        self._check_model(body)
+        prompt = self._render(body.get("messages"))
+        max_tokens = _integer(body, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = _integer(body, "max_tokens", None)
+        params = GenerateParams(prompt=prompt, add_special_tokens=False, user_segment=segment,
+                                **_sampling(body, max_tokens))
+        return await self._respond(request, params, body, "chat.completion", "chatcmpl", segment)
+
+    def _render(self, messages: Any) -> str:
+        """The conversation as the prompt text, through the chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        plain = []
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):  # OpenAI's content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(content, str) or set(message) - {"role", "content", "name"}:
+                raise HttpError(400, f"messages[{i}] must be {{role, content}} with text content (tool calls are "
+                                     f"not supported)", param="messages")
+            plain.append({"role": message["role"], "content": content})
+        tokenizer = self.core.backend.tokenizer
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise HttpError(400, f"the model {self.model_name!r} has no chat template, so chat messages cannot be "
+                                 f"turned into a prompt: start the gateway with --chat-template FILE (a Jinja "
+                                 f"template), or use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (roles, order) raise anything
+            raise HttpError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+        return str(text)
+
+    async def _respond(self, request: Request, params: GenerateParams, body: dict[str, Any], kind: str,
+                       prefix: str, segment: str) -> Response:
+        stream = _typed(body, "stream", (bool,), False, "true or false")
+        options = body.get("stream_options")
+        if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+            raise HttpError(400, "'stream_options' is {include_usage: bool}, with stream: true",
+                            param="stream_options")
+        include_usage = bool(options and options.get("include_usage"))
+        admitted = False
+        if self.quota is not None and self.keys is not None:
+            refusal = self.quota.admit(segment)
+            if refusal is not None:
+                raise _busy(refusal)
+            admitted = True
+        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name)
+        try:
+            chunks = self.core.generate(params)
+            if stream:
+                first = await _first(chunks)  # errors before any text still get a status
+                return _EventStream(reply.events(first, chunks, include_usage), self._leave(segment, admitted))
+            outcome = await _until_disconnect(request.receive, _collect(chunks))
+        except (InvalidRequest, Busy, WorkerError) as exc:
+            self._leave(segment, admitted)()
+            raise _from_core(exc) from exc
+        except BaseException:
+            self._leave(segment, admitted)()
+            raise
+        self._leave(segment, admitted)()
+        if outcome is None:  # the client left; nobody reads a reply
+            return Response(status_code=499)
+        return JSONResponse(reply.whole(*outcome))
+
+    def _leave(self, segment: str, admitted: bool) -> Callable[[], None]:
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            if admitted and not done and self.quota is not None:
+                done = True
+                self.quota.leave(segment)
+        return leave
+
+
+async def _first(chunks: AsyncGenerator[Chunk, None]) -> Chunk:
+    try:
+        return await anext(chunks)
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+
+async def _collect(chunks: AsyncGenerator[Chunk, None]) -> tuple[str, Chunk]:
+    parts = []
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            parts.append(chunk.text)
+            if chunk.finish is not None:
+                return "".join(parts), chunk
+    raise RuntimeError("generation ended without a last chunk")
+
+
+async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
+    """Run `work` unless the client disconnects first; then cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(chunk: Chunk) -> dict[str, Any]:
+    """OpenAI's usage, with the request's speculative figures under vLLM's names."""
+    stats = chunk.stats
+    assert stats is not None  # the last chunk
+    drafts = sum(1 for g in stats.draft_lengths if g)
+    return {
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "speculation": {
+            "num_drafts": drafts, "num_draft_tokens": stats.proposed_tokens,
+            "num_accepted_tokens": stats.accepted_tokens,
+            "draft_acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": 1 + stats.accepted_tokens / drafts if drafts else 1.0,
+            "drafted_per_step": list(stats.draft_lengths), "accepted_per_step": list(stats.accepted_lengths),
+            "proposers": list(stats.proposers), "draft_model": stats.draft_model, "policy": stats.policy,
+            "seed": stats.seed, "trace_id": chunk.trace_id,
+        },
+    }
+
+
+class _Reply:
+    """One response's OpenAI objects (completion or chat completion, whole or streamed)."""
+
+    def __init__(self, kind: str, ident: str, model: str) -> None:
+        self.kind, self.id, self.model = kind, ident, model
+        self.created = int(time.time())
+        self.chat = kind == "chat.completion"
+
+    def _object(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
+        return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
+        assert last.finish is not None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _FINISH[last.finish], "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._object([choice]), "usage": _usage(last)}
+
+    def _delta(self, text: str, finish: Finish | None, first: bool = False) -> bytes:
+        reason = _FINISH[finish] if finish is not None else None
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return _event(self._object([choice], chunk=True))
+
+    async def events(self, first: Chunk, chunks: AsyncGenerator[Chunk, None],
+                     include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """Server-sent events: a chunk object per chunk of text, the usage when asked, [DONE]."""
+        async with contextlib.aclosing(chunks):
+            chunk = first
+            yield self._delta(chunk.text, chunk.finish, first=True)
+            try:
+                while chunk.finish is None:
+                    chunk = await anext(chunks)
+                    yield self._delta(chunk.text, chunk.finish)
+            except (InvalidRequest, Busy, WorkerError) as exc:  # after the status line: an error event
+                yield _event(_from_core(exc).body())
+                yield b"data: [DONE]\n\n"
+                return
+        if include_usage:
+            yield _event({**self._object([], chunk=True), "usage": _usage(chunk)})
+        yield b"data: [DONE]\n\n"
+
+
+def _event(value: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _EventStream(Response):
+    """A text/event-stream response whose generation stops as soon as the client disconnects.
+
+    The events are sent by a task; another waits for `http.disconnect`. Whichever ends
+    first cancels the other, so a client that goes away cancels its request at the step
+    in progress, and closing the event generator closes the request's worker sessions."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        # No body, so no Content-Length: the events are sent as they come.
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.events, self.on_close = events, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async with contextlib.aclosing(self.events):
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            with contextlib.suppress(OSError):  # the client went away mid-send
+                await _until_disconnect(receive, stream())
+        finally:
+            self.on_close()
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the gateway's event loop: the gateway owns the process's signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The HTTP app listening on host:port (0: a free port), in the running event loop."""
+
+    def __init__(self, app: OpenAIApp, host: str, port: int, certfile: str | None = None,
+                 keyfile: str | None = None) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile)
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
+        for _ in range(1000):
+            if self._server.started or self._task.done():
+                break
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # raises what stopped it
+        log.info("OpenAI-compatible HTTP listening on port %d", self.port)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 5)
+        self._socket.close()

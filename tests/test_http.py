@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP front end, driven by the official `openai` client against a
+real gateway (uvicorn in the gateway's event loop) over real workers on loopback."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import LoopThread, request, start_stack
+from gateway.server import create_server as create_gateway
+from specd.config import GatewaySettings, ServerSettings
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def http_stack(model_dirs, tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(TEMPLATE)
+    running = start_stack(model_dirs, http_port=0, chat_template=template)
+    yield running
+    running.close()
+
+
+def base_url(stack) -> str:
+    return f"http://127.0.0.1:{stack.gateway.servicer.http.port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(http_stack):
+    return openai.OpenAI(base_url=base_url(http_stack), api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def keyed(http_stack, tmp_path_factory):
+    """A second gateway on the same workers, with API keys (one tenant may hold 1 request)."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("alpha alpha-key\nbeta beta-key\n")
+    loop = LoopThread()
+    gateway_settings = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
+                                       verifier_address=f"127.0.0.1:{http_stack.verifier.port}",
+                                       draft_address=f"127.0.0.1:{http_stack.draft.port}",
+                                       api_keys_file=keys, key_max_in_flight=1, http_port=0)
+    server = loop.run(create_gateway(gateway_settings))
+    yield f"http://127.0.0.1:{server.servicer.http.port}/v1"
+    loop.run(server.stop(0))
+    loop.close()
+
+
+def test_models_names_the_target(client, http_stack):
+    assert [m.id for m in client.models.list()] == [http_stack.gateway.servicer.core.backend.target.name]
+
+
+def test_greedy_completion_equals_grpc_generate(client, http_stack):
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    grpc_text = http_stack.stub.Generate(request(PROMPT, max_new_tokens=24, mode="AUTO")).text
+    assert completion.choices[0].text == grpc_text
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    usage = completion.usage
+    assert usage.completion_tokens == 24 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    figures = usage.model_extra["speculation"]
+    assert len(figures["drafted_per_step"]) == len(figures["accepted_per_step"]) > 0
+    assert figures["num_accepted_tokens"] == sum(figures["accepted_per_step"])
+
+
+def test_prompt_as_token_ids(client, http_stack, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    model = client.models.list().data[0].id
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_stream_joins_to_the_same_text_with_usage(client):
+    model = client.models.list().data[0].id
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+    parts, usage = [], None
+    for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        parts.extend(choice.text for choice in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(parts) == whole.choices[0].text
+    assert usage is not None and usage.completion_tokens == 20
+    assert usage.model_extra["speculation"]["mean_acceptance_length"] >= 1.0
+
+
+def test_chat_returns_an_assistant_message(client):
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "write a loop"}],
+                                           max_tokens=12, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 12
+    streamed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "write a loop"}],
+                                              max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == reply.choices[0].message.content
+
+
+def test_errors_raise_the_clients_matching_exceptions(client, keyed):
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.completions.create(model=model, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=model, prompt=PROMPT, logit_bias={"1": 5})
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    wrong = openai.OpenAI(base_url=keyed, api_key="not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="not valid"):
+        wrong.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    right = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
+    assert right.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_the_extensions_reach_the_core(client, http_stack):
+    model = client.models.list().data[0].id
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0,
+        extra_body={"top_k": 5, "speculation": {"mode": "fixed", "draft_length": 3, "draft_model": "close"}})
+    figures = completion.usage.model_extra["speculation"]
+    assert figures["draft_model"] == "close" and set(figures["drafted_per_step"][:-1]) <= {3}
+    with pytest.raises(openai.BadRequestError, match="unknown speculation fields"):
+        client.completions.create(model=model, prompt=PROMPT, extra_body={"speculation": {"gamma": 3}})
+
+
+def test_chat_without_a_template_says_how_to_give_one(model_dirs, http_stack):
+    loop = LoopThread()
+    settings_ = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
+                                verifier_address=f"127.0.0.1:{http_stack.verifier.port}", draft_address="",
+                                http_port=0)
+    server = loop.run(create_gateway(settings_))
+    try:
+        plain = openai.OpenAI(base_url=f"http://127.0.0.1:{server.servicer.http.port}/v1", api_key="x",
+                              max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="--chat-template"):
+            plain.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """The status and JSON reply of a raw POST (an event stream's reply is read and left out)."""
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            content = response.read()
+            streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+            return response.status, {} if streamed else json.loads(content)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_an_oversized_body_is_413_and_bad_json_400(http_stack):
+    url = base_url(http_stack) + "/completions"
+    status, body = post(url, b'{"prompt": "' + b"x" * (1024 * 1024 + 10) + b'"}')
+    assert status == 413 and "limit" in body["error"]["message"]
+    status, body = post(url, b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_tenant_over_its_share_gets_429_with_retry_after(keyed, client):
+    model = client.models.list().data[0].id
+    alpha = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
+    with alpha.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True) as held:
+        next(iter(held))  # alpha's one request is in flight
+        status, body = post(keyed + "/completions", json.dumps({"model": model, "prompt": PROMPT}).encode(),
+                            {"Authorization": "Bearer alpha-key"})
+        assert status == 429 and "share" in body["error"]["message"]
+        beta = openai.OpenAI(base_url=keyed, api_key="beta-key", max_retries=0)
+        assert beta.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_streams_closed_by_the_client_free_their_sessions(client, http_stack):
+    model = client.models.list().data[0].id
+    streams = [client.completions.create(model=model, prompt=f"{PROMPT} # {i}", max_tokens=200, temperature=0,
+                                         stream=True) for i in range(8)]
+    for stream in streams:
+        next(iter(stream))
+    for stream in streams:
+        stream.close()
+    assert http_stack.wait_no_sessions(within_s=10) == 0
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_health(http_stack):
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_stack.gateway.servicer.http.port}/health") as response:
+        assert response.status == 200
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-2, 3) | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                max_size=3), max_leaves=8)
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
+          "speculation", "stream_options", "logprobs", "echo", "user", "messages", "extra"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans(),
+       model=st.booleans())
+def test_fuzzed_bodies_never_get_a_500(http_stack, body, chat, model):
+    if model:
+        body["model"] = http_stack.gateway.servicer.core.backend.target.name
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 8)
+    url = base_url(http_stack) + ("/chat/completions" if chat else "/completions")
+    status, reply = post(url, json.dumps(body).encode())
+    assert status < 500, reply
+    assert status == 200 or reply["error"]["message"]
+
+
+def test_fuzzing_left_no_sessions(http_stack):
+    assert http_stack.wait_no_sessions(within_s=10) == 0
