@@ -1,6 +1,6 @@
 """The speculative loop of one request: the committed sequence, its RNG, and each step.
 
-One step (DESIGN.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
+One step (docs/design.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
 in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
 plus one recovered or bonus token are committed. A step runs in three parts: propose
 (the draft hop), decide (the verifier hop and the verdict) and commit. Each step ends in

@@ -3,7 +3,7 @@
 A worker (draft or verifier) keeps a session's KV cache in its own process, so every
 step of a session must reach the same pod; the gateway holds the committed tokens, so
 a session whose pod went away is re-opened on another pod from those tokens
-(DESIGN.md §1). `Router` makes those decisions for one worker service:
+(docs/design.md §1). `Router` makes those decisions for one worker service:
 
     place(sid)        where to open (or re-open) the session's stream: the pod that
                       holds it while that pod is listed and ready, else the least-loaded

@@ -1,4 +1,4 @@
-"""Continuous batching of one model's forwards across sessions (DESIGN.md §8).
+"""Continuous batching of one model's forwards across sessions (docs/design.md §4).
 
 Every step a worker is asked for becomes a `Job` in one bounded queue. Whenever the
 model is free, the `Scheduler` takes the jobs at the head of the queue, up to

@@ -5,10 +5,10 @@
     speedup(γ)         ≈ E / (γ·c + v(γ))
 
 c is the draft's cost per token and v(γ) the verify cost, both relative to one plain
-target step (DESIGN.md §4). `StepCosts` measures them from real steps, as wall time
+target step (docs/design.md §5). `StepCosts` measures them from real steps, as wall time
 seen by the gateway (network hops included: they are part of what a step costs).
 
-Workers batch the steps of every session (DESIGN.md §8), so what a step costs depends
+Workers batch the steps of every session (docs/design.md §4), so what a step costs depends
 on the load: with eight sessions in the target's forward, each extra draft token makes
 everyone's forward longer. `StepCosts` therefore keeps one cost table per load level
 (the number of sessions in the verifier's forward, bucketed) and answers for the load

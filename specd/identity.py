@@ -2,7 +2,7 @@
 
 The gateway validates each worker's models at start-up (name, weights digest,
 tokenizer fingerprint) and names that identity on every stream it opens; a worker
-holding another model refuses it (DESIGN.md §9). No gRPC here.
+holding another model refuses it (docs/design.md §10). No gRPC here.
 """
 from __future__ import annotations
 

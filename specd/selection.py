@@ -30,7 +30,7 @@ the task map's draft; drafts measured nowhere yet are tried next. Only the selec
 choices are observed (the gateway does not feed it requests that name their draft).
 
 Output stays exact whichever draft is chosen: rejection sampling keeps the target's
-distribution for any draft (DESIGN.md §2). No gRPC here.
+distribution for any draft (docs/design.md §3). No gRPC here.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ which split one contract in two. Light: protobuf and torch, no transformers.
 
 Distributions travel as raw little-endian bytes read with torch.frombuffer, not as a
 `repeated float` of vocabulary size, which is slow to build and parse in Python
-(DESIGN.md §6); with top-k/top-p only the support travels.
+(docs/design.md §9); with top-k/top-p only the support travels.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("draft_service", "verifier_service", "gateway")
 APPLICATION = "specd.cli"
-# The pure math imports no gRPC (DESIGN.md §1).
+# The pure math imports no gRPC (docs/design.md §1).
 MATH = ("specd.sampling", "specd.rejection", "specd.costmodel")
 
 

@@ -97,7 +97,7 @@ def test_cost_policy_probes_less_often_while_probes_fail():
 def test_cost_policy_shrinks_gamma_as_the_target_fills_up():
     """The same pair and acceptance, measured at two loads: alone, verifying more positions
     is nearly free; in a saturated batch every extra position costs as much as a plain
-    step, so no γ can pay (DESIGN.md §8)."""
+    step, so no γ can pay (docs/design.md §4)."""
     costs = StepCosts(weight=1.0)
     for gamma in (0, 2, 4, 6):
         costs.observe(gamma, 1.0 * gamma, 10.0 * (1 + 0.03 * gamma), batch_size=1)  # alone

@@ -1,4 +1,4 @@
-"""Tracing per hop (DESIGN.md §5): spans, their links across processes, and `specd trace`.
+"""Tracing per hop (docs/design.md §8): spans, their links across processes, and `specd trace`.
 
 Two levels: the three services in this process with the SDK's in-memory exporter (fast,
 every attribute checked), and the three services as separate processes exporting over

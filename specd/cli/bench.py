@@ -207,7 +207,7 @@ class Costs:
     verify_cost_ratio: dict[int, float]  # v(γ)
 
     def predicted_speedup(self, tokens_per_step: float, gamma: int) -> float | None:
-        """DESIGN.md §4: E[tokens per step] / (γ·c + v(γ)), with E as measured; None when
+        """docs/design.md §5: E[tokens per step] / (γ·c + v(γ)), with E as measured; None when
         v(γ) was not measured. (Acceptance is far from i.i.d. — a draft tends to get a
         whole run right or miss at once — so E from the per-token rate would mislead.)"""
         v = self.verify_cost_ratio.get(gamma)

@@ -1,6 +1,6 @@
 """`specd serve`'s process supervisor: restart a worker that dies, never take the gateway down.
 
-Workers are caches (DESIGN.md §1): while one restarts, the gateway re-opens its sessions
+Workers are caches (docs/design.md §1): while one restarts, the gateway re-opens its sessions
 on it once it is back, or decodes plainly when the draft is the one missing. So a dead
 worker is restarted with the same command (same port), after an exponential backoff
 that resets once the worker has stayed up a while; the gateway is never restarted behind
