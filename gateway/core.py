@@ -256,12 +256,14 @@ class _GatewayCounts:
         stats.record(labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
         batch = record.verify_batch
         if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
+            # A model-free step says nothing of the draft's pre-drafting: neither a hit nor a miss.
+            asked = record.pre_draft_asked and not record.model_free
             costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
-                          record.pre_draft_asked, record.pre_drafted, verify_only=record.model_free)
+                          asked, record.pre_drafted, verify_only=record.model_free)
             if record.model_free:
                 costs.observe(labels.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
-        if record.pre_draft_asked and record.draft_length:
+        if record.pre_draft_asked and record.draft_length and not record.model_free:
             stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
             self.servicer.check_drift(labels, self.request_trace)
@@ -355,11 +357,18 @@ class GatewayCore:
                 proposers.append(SuffixProposer(cache, parsed.user_segment))
             else:
                 proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
-        prior = self.stats.measured_acceptance(model_pair, parsed.task_type) or parsed.profile.prior_acceptance
-        model_alpha = (lambda: policy.alpha) if isinstance(policy, CostPolicy) else (lambda: prior)
         fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
+        # The cost policy reacts to timings anyway; the others replay a seed, so their
+        # choice between a match and the draft must not depend on timings (or on other
+        # requests' statistics) either.
+        if isinstance(policy, CostPolicy):
+            cost_policy = policy
+            return HybridChoice(proposers, self.costs.costs(model_pair),
+                                lambda name: self.costs.costs(self._model_pair(name)), lambda: cost_policy.alpha,
+                                fixed)
+        prior = parsed.profile.prior_acceptance
         return HybridChoice(proposers, self.costs.costs(model_pair),
-                            lambda name: self.costs.costs(self._model_pair(name)), model_alpha, fixed)
+                            lambda name: self.costs.costs(self._model_pair(name)), lambda: prior, fixed, timed=False)
 
     async def generate(self, request: GenerateParams, deadline: float | None = None) -> AsyncGenerator[Chunk, None]:
         """One request's chunks of text, the last with its statistics. `deadline`
@@ -421,6 +430,8 @@ class GatewayCore:
             load_cap.enter()
         try:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
+            if hybrid is not None:  # a long prompt's indexing must not stall the other requests' steps
+                await asyncio.get_running_loop().run_in_executor(self._parser, hybrid.index, generation.prompt_ids)
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
                               tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max)
             async with contextlib.aclosing(steps):
@@ -439,7 +450,7 @@ class GatewayCore:
                         assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
                                               stats.counts(model_drafts_only=True).conditional_acceptance(),
-                                              *stats.goodput())
+                                              *stats.goodput(model_drafts_only=True))
                     if self.suffix_cache is not None and not diagnostic:
                         # The prompt's end goes in before the response: the same prompt again
                         # then matches straight into it.

@@ -15,7 +15,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -209,7 +209,7 @@ class RequestStats:
 
     @property
     def pre_draft_steps(self) -> int:
-        return sum(r.pre_draft_asked and r.draft_length > 0 for r in self.records)
+        return sum(r.pre_draft_asked and r.draft_length > 0 and not r.model_free for r in self.records)
 
     @property
     def mean_verify_batch_size(self) -> float:
@@ -238,10 +238,11 @@ class RequestStats:
         counts = self.counts()
         return counts.proposed_per_position, counts.accepted_per_position
 
-    def goodput(self) -> tuple[int, float]:
+    def goodput(self, model_drafts_only: bool = False) -> tuple[int, float]:
         """Tokens committed and milliseconds spent by the steps after the first, which also
-        prefills the prompt and so says nothing about a step's speed."""
-        later = self.records[1:]
+        prefills the prompt and so says nothing about a step's speed; model_drafts_only:
+        leave out the steps a model-free proposer drafted."""
+        later = [r for r in self.records[1:] if not (model_drafts_only and r.model_free)]
         return sum(len(r.emitted) for r in later), sum(r.draft_ms + r.verify_ms for r in later)
 
     def tokens_per_step(self, generated_tokens: int) -> float:
@@ -328,12 +329,17 @@ class _Speculation:
         match = self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
         if match is None:
             return None
-        probs = self.no_proposal.probs
-        if not self.request.transform.greedy:
-            probs = torch.zeros(len(match.tokens), self.bounds.vocab_size)
-            probs[torch.arange(len(match.tokens)), torch.tensor(match.tokens, dtype=torch.long)] = 1.0
         ms = (time.perf_counter() - began) * 1e3
-        return _DraftHop(match.tokens, probs, ms, proposer=match.proposer, model_free=True)
+        # No q matrix: a sampled step builds the one-hot row it needs at a rejection (decide).
+        return _DraftHop(match.tokens, self.no_proposal.probs, ms, proposer=match.proposer, model_free=True)
+
+    def _one_hot(self, tokens: list[int]) -> Callable[[int], torch.Tensor]:
+        """q's row at each position of a model-free proposal: all mass on the proposed token."""
+        def row(i: int) -> torch.Tensor:
+            q = torch.zeros(self.bounds.vocab_size)
+            q[tokens[i]] = 1.0
+            return q
+        return row
 
     async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
         """The draft hop. A draft that sits the step out (DraftSkipped: too slow) leaves this
@@ -380,12 +386,17 @@ class _Speculation:
             # The gateway draws every uniform of the step; the verifier tests the proposal with
             # them and sends back the bonus token or p's row at the first rejection.
             draws = Draws.draw(len(hop.tokens), self.generator)
-            proposed = hop.probs[torch.arange(len(hop.tokens)), torch.tensor(hop.tokens, dtype=torch.long)]
+            if hop.model_free:  # deterministic: q(x) = 1 for each proposed token
+                proposed = [1.0] * len(hop.tokens)
+            else:
+                index = torch.arange(len(hop.tokens)), torch.tensor(hop.tokens, dtype=torch.long)
+                proposed = hop.probs[index].tolist()
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                proposed.tolist(), draws)
+                                                proposed, draws)
             ms = (time.perf_counter() - began) * 1e3
             assert scores.verdict is not None  # sampled scores carry the verdict
-            outcome = finish_verdict(scores.verdict, hop.probs, draws)
+            outcome = finish_verdict(scores.verdict, self._one_hot(hop.tokens) if hop.model_free else hop.probs,
+                                     draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
 
     def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
@@ -177,6 +178,8 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     if seed is not None and seed >= 2 ** 63:
         raise HttpError(400, "'seed' must be below 2**63", param="seed")
     top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:  # checked here: the core reads 0 as "unset", as proto3 does
+        raise HttpError(400, f"'top_p' must be in (0, 1] (1 = disabled), got {top_p:g}", param="top_p")
     return {"temperature": _number(body, "temperature", 1.0), "top_p": top_p, "top_k": _integer(body, "top_k", 0),
             "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body), **_speculation(body)}
 
@@ -254,8 +257,8 @@ class OpenAIApp:
                 raise too_large
         try:
             value = json.loads(body)
-        except ValueError as exc:
-            raise HttpError(400, f"the body is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
+            raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
         if not isinstance(value, dict):
             raise HttpError(400, "the body must be a JSON object")
         return value
@@ -348,7 +351,8 @@ class OpenAIApp:
             chunks = self.core.generate(params)
             if stream:
                 first = await _first(chunks)  # errors before any text still get a status
-                return _EventStream(reply.events(first, chunks, include_usage), self._leave(segment, admitted))
+                return _EventStream(reply.events(first, chunks, include_usage), chunks,
+                                    self._leave(segment, admitted))
             outcome = await _until_disconnect(request.receive, _collect(chunks))
         except (InvalidRequest, Busy, WorkerError) as exc:
             self._leave(segment, admitted)()
@@ -478,6 +482,11 @@ class _Reply:
                 yield _event(_from_core(exc).body())
                 yield b"data: [DONE]\n\n"
                 return
+            except Exception as exc:  # never a silent end: a client would take it for a whole answer
+                log.exception("a stream failed after its first chunk")
+                yield _event(HttpError(500, f"the request failed: {type(exc).__name__}", "server_error").body())
+                yield b"data: [DONE]\n\n"
+                return
         if include_usage:
             yield _event({**self._object([], chunk=True), "usage": _usage(chunk)})
         yield b"data: [DONE]\n\n"
@@ -496,11 +505,12 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], chunks: AsyncGenerator[Chunk, None],
+                 on_close: Callable[[], None]) -> None:
         # No body, so no Content-Length: the events are sent as they come.
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache"})
-        self.events, self.on_close = events, on_close
+        self.events, self.chunks, self.on_close = events, chunks, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream() -> None:
@@ -514,6 +524,10 @@ class _EventStream(Response):
             with contextlib.suppress(OSError):  # the client went away mid-send
                 await _until_disconnect(receive, stream())
         finally:
+            # Closed here too: cancelled before the events began, closing them would not
+            # reach the request's chunks, and its worker sessions would wait for the GC.
+            await self.events.aclose()
+            await self.chunks.aclose()
             self.on_close()
 
 
@@ -531,14 +545,20 @@ class HttpServer:
     """The HTTP app listening on host:port (0: a free port), in the running event loop."""
 
     def __init__(self, app: OpenAIApp, host: str, port: int, certfile: str | None = None,
-                 keyfile: str | None = None) -> None:
+                 keyfile: str | None = None, client_ca: str | None = None) -> None:
+        """With client_ca, callers must present a certificate it signed, as over gRPC."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        try:
+            self._socket.bind((host, port))
+        except OSError:
+            self._socket.close()
+            raise
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile)
+                                timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile,
+                                ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
@@ -551,6 +571,14 @@ class HttpServer:
         if self._task.done():
             self._task.result()  # raises what stopped it
         log.info("OpenAI-compatible HTTP listening on port %d", self.port)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking connections; let requests in flight finish for up to grace_s."""
+        self._server.config.timeout_graceful_shutdown = max(math.ceil(grace_s), 1)
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
 
     async def stop(self) -> None:
         self._server.should_exit = True

@@ -42,6 +42,10 @@ class ModelFreeProposer(Protocol):
         """Up to max_tokens tokens to follow `committed` (none when nothing matches)."""
         ...
 
+    def index(self, committed: Sequence[int]) -> None:
+        """Take in the tokens of `committed` not seen yet, proposing nothing."""
+        ...
+
 
 class _Acceptance:
     """A proposer's acceptance in one request: an EMA of pseudo-counts from a prior."""
@@ -67,18 +71,27 @@ class HybridChoice:
     alone), whose verify line every step feeds; proposer_costs(name): the steps `name`
     proposed, whose draft part says what its proposals cost; model_alpha(): the γ
     policy's acceptance estimate of the model draft; fixed: mode FIXED's γ, when a
-    model-free proposer is forced (its match is cut to γ and always taken).
+    model-free proposer is forced (its match is cut to γ and always taken); timed: price
+    steps by the measured costs. Untimed, the relative priors price them, so the choice
+    depends only on the request's own tokens and steps (and the suffix cache): what a
+    policy that replays a seed needs.
     """
 
     def __init__(self, proposers: Sequence[ModelFreeProposer], costs: StepCosts,
                  proposer_costs: Callable[[str], StepCosts], model_alpha: Callable[[], float],
-                 fixed: int | None = None) -> None:
+                 fixed: int | None = None, timed: bool = True) -> None:
         self.proposers = list(proposers)
-        self.costs = costs
+        self.costs = costs if timed else StepCosts()  # never observed: the priors price every step
         self.proposer_costs = proposer_costs
         self.model_alpha = model_alpha
         self.fixed = fixed
         self._acceptance = {p.name: _Acceptance(PRIORS.get(p.name, DEFAULT_PRIOR)) for p in self.proposers}
+        self.timed = timed
+
+    def index(self, committed: Sequence[int]) -> None:
+        """Let every proposer take in `committed` (the prompt) before the first step."""
+        for proposer in self.proposers:
+            proposer.index(committed)
 
     def observe(self, proposer: str, accepted: int, proposed: int) -> None:
         """A step proposed by a model-free proposer ended with `accepted` of `proposed` kept."""
@@ -113,7 +126,7 @@ class HybridChoice:
     def _best_cut(self, match: Match) -> tuple[float, int]:
         """The best expected tokens per ms over the match's prefixes, and that prefix's length."""
         rates = self._rates(match)
-        draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token()
+        draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token() if self.timed else 0.0
         best_rate, best_length = 0.0, 0
         for length in range(1, len(match.tokens) + 1):
             estimate = self.costs.estimate(length)

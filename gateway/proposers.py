@@ -205,7 +205,9 @@ class PromptLookup:
         self._after: dict[tuple[int, ...], int] = {}  # n-gram → the position after its latest occurrence
         self._tokens: list[int] = []
 
-    def _catch_up(self, committed: Sequence[int]) -> None:
+    def index(self, committed: Sequence[int]) -> None:
+        """Index the tokens not indexed yet (the engine calls this with the prompt off the
+        event loop, so a long prompt's first step does not stall other requests)."""
         tokens = self._tokens
         start = len(tokens)
         tokens.extend(committed[start:])
@@ -215,7 +217,7 @@ class PromptLookup:
                 self._after[tuple(tokens[end - n:end])] = end
 
     def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
-        self._catch_up(committed)
+        self.index(committed)
         tokens = self._tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             after = self._after.get(tuple(tokens[-n:]))
@@ -235,9 +237,13 @@ class SuffixProposer:
         self.min_token_prob, self.spec_factor = min_token_prob, spec_factor
         self._own = TokenIndex()
 
-    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
+    def index(self, committed: Sequence[int]) -> None:
+        """Index the request's tokens not indexed yet (see PromptLookup.index)."""
         own = self._own.sequences.get(0, [])
         self._own.extend(0, committed[len(own):])
+
+    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
+        self.index(committed)
         found = self._own.occurrences(committed)
         if self.cache is not None:
             found += self.cache.occurrences(self.tenant, committed)

@@ -218,15 +218,22 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     running.servicer = servicer
     if settings.http_port is not None:
         tls = settings.server.tls
-        http = HttpServer(OpenAIApp(core, keys, quota, chat_template, lambda: core.serving),
-                          settings.server.host, settings.http_port,
-                          str(tls.cert) if tls.cert else None, str(tls.key) if tls.key else None)
         try:
+            http = HttpServer(OpenAIApp(core, keys, quota, chat_template, lambda: core.serving),
+                              settings.server.host, settings.http_port, *(
+                                  str(path) if path else None for path in (tls.cert, tls.key, tls.client_ca)))
             await http.start()
         except BaseException:
             await running.stop(0)
             raise
         servicer.http = http
+
+    async def drain(grace_s: float) -> None:
+        core.set_serving(False)  # /health answers 503 at once, as gRPC health says NOT_SERVING
+        if servicer.http is not None:
+            await servicer.http.drain(grace_s)
+
+    running.draining = drain
     watch = asyncio.get_running_loop().create_task(
         watch_verifiers(backend.verifier, running.health, [service], on_change=core.set_serving))
     return running

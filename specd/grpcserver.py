@@ -61,11 +61,16 @@ class RunningServer:
     on_stop: Callable[[], Awaitable[None] | None] | None = None
     health_server: grpc.aio.Server | None = None  # the plaintext health-only port, if any
     servicer: object | None = None  # the service's servicer (tests read the workers' sessions)
+    # What else drains beside the gRPC server, over the same grace (the gateway's HTTP front end).
+    draining: Callable[[float], Awaitable[None]] | None = None
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING first, then let in-flight requests finish for up to grace_s."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if self.draining is None:
+            await self.server.stop(grace_s)
+        else:
+            await asyncio.gather(self.server.stop(grace_s), self.draining(grace_s))
         if self.health_server is not None:
             await self.health_server.stop(0)
         if self.on_stop is not None and inspect.isawaitable(result := self.on_stop()):

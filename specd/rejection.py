@@ -17,7 +17,7 @@ Pure torch; no gRPC.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,13 +118,17 @@ def target_verdict(draft_tokens: Sequence[int], draft_token_probs: Sequence[floa
     return TargetVerdict(accepted, None, target_probs[accepted])
 
 
-def finish_verdict(verdict: TargetVerdict, draft_probs: torch.Tensor, draws: Draws) -> StepOutcome:
+def finish_verdict(verdict: TargetVerdict, draft_probs: torch.Tensor | Callable[[int], torch.Tensor],
+                   draws: Draws) -> StepOutcome:
     """The gateway's part: the bonus token as the verifier drew it, or the recovered token
-    sampled from norm(max(0, p − q)) at the first rejection (draft_probs: q [γ, V])."""
+    sampled from norm(max(0, p − q)) at the first rejection. draft_probs: q [γ, V], or a
+    function giving q's row at a position (a model-free proposal's one-hot row, made only
+    when a rejection needs it)."""
     if verdict.bonus_token is not None:
         return StepOutcome(verdict.accepted, verdict.bonus_token, True)
     assert verdict.rejected_row is not None  # a rejection carries p's row
-    p, q = verdict.rejected_row, draft_probs[verdict.accepted]
+    q = draft_probs(verdict.accepted) if callable(draft_probs) else draft_probs[verdict.accepted]
+    p = verdict.rejected_row
     width = max(p.shape[0], q.shape[0])  # a draft and a target may pad their vocabularies apart
     p, q = (torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in (p, q))
     return StepOutcome(verdict.accepted, sample(residual(p, q), draws.final), False)

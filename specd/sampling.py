@@ -6,7 +6,6 @@ Pure torch; no gRPC.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,10 @@ import torch
 # Logits are divided by the temperature: below this, float32 logits of ordinary size
 # overflow to inf and softmax returns NaN. Sampling this cold is greedy in all but name.
 MIN_TEMPERATURE = 1e-3
+# What the worker protocol's float32 and int32 fields can carry.
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2 ** 31 - 1
+MIN_TOP_P = 1e-30
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,16 @@ class Transform:
         elif 0.0 < self.temperature < MIN_TEMPERATURE:
             found.append(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature:g}; "
                          f"use 0 for the most likely token")
-        elif not math.isfinite(self.temperature):
-            found.append("temperature must be finite")
+        elif not self.temperature <= FLOAT32_MAX:  # the worker protocol carries float32
+            found.append(f"temperature must be finite and at most {FLOAT32_MAX:.3g}, got {self.temperature:g}")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        elif self.top_k > INT32_MAX:
+            found.append(f"top_k must be at most {INT32_MAX}, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             found.append(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
+        elif self.top_p < MIN_TOP_P:
+            found.append(f"top_p must be at least {MIN_TOP_P:g} (smaller rounds to 0 on the wire), got {self.top_p:g}")
         return found
 
 

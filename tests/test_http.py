@@ -3,6 +3,7 @@ real gateway (uvicorn in the gateway's event loop) over real workers on loopback
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from conftest import LoopThread, request, start_stack
 from gateway.server import create_server as create_gateway
 from specd.config import GatewaySettings, ServerSettings
+from tcpproxy import TcpProxy
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -171,6 +173,53 @@ def test_an_oversized_body_is_413_and_bad_json_400(http_stack):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("top_k", 2 ** 31, "top_k must be at most"), ("temperature", 1e39, "temperature must be finite and at most"),
+    ("top_p", 0, "'top_p' must be in"), ("seed", -1, "'seed' must be at least 0"),
+])
+def test_values_the_wire_cannot_carry_are_400(http_stack, field, value, message):
+    body = {"model": http_stack.gateway.servicer.core.backend.target.name, "prompt": PROMPT, "max_tokens": 2,
+            field: value}
+    status, reply = post(base_url(http_stack) + "/completions", json.dumps(body).encode())
+    assert status == 400 and message in reply["error"]["message"], reply
+
+
+def test_a_body_nested_too_deep_is_400(http_stack):
+    status, reply = post(base_url(http_stack) + "/completions", b"[" * 100_000)
+    assert status == 400 and "nests too deep" in reply["error"]["message"]
+
+
+def test_a_stream_in_flight_finishes_while_the_gateway_drains(http_stack):
+    """Stopping the gateway gives an HTTP stream the whole grace period, as gRPC calls
+    get: the verifier is held (a paused proxy) past the HTTP server's own 2 s shutdown
+    timeout, and the stream still ends whole."""
+    import threading
+
+    loop = LoopThread()
+    proxy = loop.run(TcpProxy(http_stack.verifier.port).start())
+    gateway = loop.run(create_gateway(GatewaySettings(
+        ServerSettings("127.0.0.1", 0, grace_s=10), verifier_address=f"127.0.0.1:{proxy.port}",
+        draft_address="", http_port=0)))
+    port = gateway.servicer.http.port
+    client_ = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    stream = client_.completions.create(model="target", prompt=PROMPT, max_tokens=60, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)
+    loop.loop.call_soon_threadsafe(proxy.pause)
+    stopping = threading.Thread(target=loop.run, args=(gateway.stop(10),))
+    stopping.start()
+    time.sleep(3)
+    with pytest.raises(urllib.error.URLError):  # draining: no new connections
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    loop.loop.call_soon_threadsafe(proxy.resume)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    stopping.join(30)
+    loop.run(proxy.close())
+    loop.close()
+    assert usage and usage[0].completion_tokens == 60
+
+
 def test_a_tenant_over_its_share_gets_429_with_retry_after(keyed, client):
     model = client.models.list().data[0].id
     alpha = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
@@ -223,3 +272,55 @@ def test_fuzzed_bodies_never_get_a_500(http_stack, body, chat, model):
 
 def test_fuzzing_left_no_sessions(http_stack):
     assert http_stack.wait_no_sessions(within_s=10) == 0
+
+
+def test_specd_serve_with_http_keys_and_a_chat_template(model_dirs, tmp_path):
+    """The issue's setting end to end: `specd serve --http-port N --chat-template FILE
+    --api-keys FILE`, called with the official client and over gRPC with the same key."""
+    import signal
+    import subprocess
+    import sys
+
+    import grpc
+
+    from specd.v1 import gateway_pb2_grpc
+    from test_cli import free_port
+
+    template, keys = tmp_path / "chat.jinja", tmp_path / "keys.txt"
+    template.write_text(TEMPLATE)
+    keys.write_text("team team-key\n")
+    grpc_port, http_port = free_port(), free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]), "--draft",
+         f"close={model_dirs['close']}", "--port", str(grpc_port), "--http-port", str(http_port),
+         "--chat-template", str(template), "--api-keys", str(keys)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        grpc.channel_ready_future(channel).result(timeout=120)
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        deadline = time.monotonic() + 120
+        client_ = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="team-key", max_retries=0)
+        while True:  # the gateway answers gRPC a moment before its HTTP port is up
+            try:
+                models = [m.id for m in client_.models.list()]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the HTTP port never came up"
+                time.sleep(0.5)
+        assert models == ["target"]
+        completion = client_.completions.create(model="target", prompt=PROMPT, max_tokens=16, temperature=0)
+        by_grpc = stub.Generate(request(PROMPT, max_new_tokens=16, mode="AUTO"),
+                                metadata=[("authorization", "Bearer team-key")], timeout=120)
+        assert completion.choices[0].text == by_grpc.text
+        chat = client_.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8, temperature=0)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="wrong",
+                          max_retries=0).models.list()
+        channel.close()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        output, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 0, output

@@ -239,3 +239,31 @@ def test_pods_dialled_by_ip_are_checked_against_their_service_name(secure, pki, 
                 loop.run(infos())
     finally:
         loop.close()
+
+
+def test_the_http_front_end_requires_the_client_certificate_grpc_requires(secure, pki):
+    """An edge with --tls-client-ca asks HTTP callers for a certificate too."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    loop = LoopThread()
+    edge = ServerSettings("127.0.0.1", 0, grace_s=0.5, tls=mutual(pki))
+    gateway = loop.run(create_gateway(GatewaySettings(
+        edge, verifier_address=f"127.0.0.1:{secure['verifier']}", draft_address="",
+        worker_tls=ClientTLS(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]), worker_timeout_s=10.0,
+        http_port=0)))
+    try:
+        url = f"https://127.0.0.1:{gateway.servicer.http.port}/health"
+        anonymous = ssl.create_default_context(cafile=str(pki["ca.pem"]))
+        anonymous.check_hostname = False
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(url, context=anonymous, timeout=10).read()
+        ours = ssl.create_default_context(cafile=str(pki["ca.pem"]))
+        ours.check_hostname = False
+        ours.load_cert_chain(str(pki["client.pem"]), str(pki["client-key.pem"]))
+        with urllib.request.urlopen(url, context=ours, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        loop.run(gateway.stop(0))
+        loop.close()
