@@ -124,3 +124,15 @@ def test_threads_default_to_one_for_a_small_model_on_a_cpu(model_dirs, tmp_path)
     with open(large / "model.safetensors", "wb") as weights:  # sparse: its size, not its bytes
         weights.truncate(SMALL_MODEL_BYTES + 1)
     assert _default_threads(large, "cpu") == 0
+
+
+def test_serve_hands_device_and_max_sessions_to_both_workers():
+    """`specd serve --device --max-sessions` reach the draft and the verifier as the flags
+    their own commands take."""
+    from specd.cli.commands import _worker_flags, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7"])
+    for role in ("draft", "verifier"):
+        worker = parser.parse_args([role, *_worker_flags(args)])
+        assert (worker.device, worker.max_sessions) == ("cuda:1", 7)

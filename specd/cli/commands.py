@@ -136,9 +136,10 @@ def _model_settings(args: argparse.Namespace) -> ModelSettings:
     return ModelSettings(args.dtype, args.max_sessions, args.device, _batch_settings(args))
 
 
-def _batch_flags(args: argparse.Namespace) -> list[str]:
-    """The batching flags of `specd serve`, passed on to both workers."""
-    return ["--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
+def _worker_flags(args: argparse.Namespace) -> list[str]:
+    """The model and batching flags of `specd serve`, passed on to both workers."""
+    return ["--device", args.device, "--max-sessions", str(args.max_sessions),
+            "--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
             "--max-queue", str(args.max_queue), "--kv-cache-tokens", str(args.kv_cache_tokens),
             "--batch-wait-ms", str(args.batch_wait_ms)]
 
@@ -423,11 +424,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "verifier": me + ["verifier", "--socket", str(sockets["verifier"]),
                               "--target", target, "--revision", args.revision, "--dtype", args.dtype,
                               "--threads", str(args.threads),
-                              *worker_tls, *_batch_flags(args),
+                              *worker_tls, *_worker_flags(args),
                               *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
             "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
-                           "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_batch_flags(args),
+                           "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_worker_flags(args),
                            "--pre-draft-branches", args.pre_draft_branches,
                            *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         }
@@ -630,6 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "gateway, and mutual TLS on the workers' private sockets as well")
     _gateway_default_args(serve)
     serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
+    serve.add_argument("--device", default=MODEL.device,
+                       help="torch device of both workers' models: cpu, cuda, cuda:1 (default %(default)s)")
+    serve.add_argument("--max-sessions", type=int, default=MODEL.max_sessions,
+                       help="KV caches each worker keeps, LRU beyond (default %(default)s)")
     serve.add_argument("--threads", type=int, default=0,
                        help="torch threads of the verifier (0: one for a target under 32 MiB of weights on a CPU, "
                             "else torch's default)")
