@@ -42,7 +42,10 @@ def tiny_config(model_type: str, vocab_size: int):
     config = AutoConfig.for_model(model_type)
     for name, value in TINY.items():
         if hasattr(config, name):
-            setattr(config, name, value)
+            try:
+                setattr(config, name, value)
+            except AttributeError:  # a property derived from other fields (Falcon's head_dim)
+                pass
     if hasattr(config, "qk_rope_head_dim"):  # multi-head latent attention: rotary on qk_rope_head_dim, no GQA
         config.head_dim, config.num_key_value_heads = config.qk_rope_head_dim, config.num_attention_heads
     config.vocab_size = vocab_size
