@@ -25,8 +25,12 @@ against a loop over sessions on views of their own storage.
 Models whose attention goes through `cache.update` and transformers' attention interface
 work: full attention, sliding windows and hybrids of the two (Llama, Mistral, Qwen,
 Gemma 2 and 3, OPT, ...), and multi-head latent attention (DeepSeek-V2/V3), whose
-compressed latents are what the pool holds. What the store cannot serve exactly is found when the model loads
-(`kv_shape`, `batching_problem`) and refused there with the reason. No gRPC here.
+compressed latents are what the pool holds. A model that computes attention itself on
+what `cache.update` returns (Falcon) is found at load; its update then returns every
+session's whole context, concatenated, and it gets a mask that keeps each session's
+queries to their own keys: more memory traffic per forward, but exact. What the store
+cannot serve exactly is found when the model loads (`kv_shape`, `batching_problem`) and
+refused there with the reason. No gRPC here.
 """
 from __future__ import annotations
 
@@ -209,6 +213,12 @@ class BatchCache:
     query_rows: torch.Tensor | None
     longest_feed: int  # T
     windows: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window → its mask
+    # A model that attends on its own (`attends_itself`): the slots of every row's whole
+    # context, concatenated, which `update` hands back as the keys and values, and the
+    # additive mask [1, 1, Σ T, Σ context] that keeps each query to its own row's past.
+    dense_slots: torch.Tensor | None = None
+    dense_mask: torch.Tensor | None = None
+    attended: bool = False  # paged_attention read this forward (the model uses the interface)
 
     def window(self, sliding_window: int) -> torch.Tensor:
         """The mask of a sliding-window layer: `allowed`, and only the last `sliding_window`
@@ -225,14 +235,18 @@ class BatchCache:
         `paged_attention` reads them back from the pool."""
         self.pool.keys[layer_idx].index_copy_(0, self.write_slots, key_states[0].transpose(0, 1))
         self.pool.values[layer_idx].index_copy_(0, self.write_slots, value_states[0].transpose(0, 1))
+        if self.dense_slots is not None:  # a model that attends on its own reads what it is handed
+            keys = self.pool.keys[layer_idx].index_select(0, self.dense_slots).transpose(0, 1).unsqueeze(0)
+            values = self.pool.values[layer_idx].index_select(0, self.dense_slots).transpose(0, 1).unsqueeze(0)
+            return keys, values
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: the rows of a batch hold different lengths, so no one length is right. Models
         ask for it to infer positions, which `prepare` always passes (OPT, Falcon), or to
         size a mask that `paged_attention` does not read; one that truly depends on it
-        (BLOOM's ALiBi) disagrees with its plain forward and is refused at load
-        (`batching_problem`)."""
+        (BLOOM's ALiBi, built from a 2-D mask) fails or disagrees with its plain forward
+        and is refused at load (`batching_problem`)."""
         return 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -255,11 +269,12 @@ class BatchInputs:
     kept: list[slice]  # for each row: its slice of the kept logits
 
 
-def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
+def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False) -> BatchInputs:
     """Lay the rows out for one forward; every session has reserved room for its feed.
 
     Per-token indices and block tables are made in Python (a decoding step feeds a few
-    tokens per row); the mask [B, 1, T, keys] in a few tensor operations.
+    tokens per row); the mask [B, 1, T, keys] in a few tensor operations. dense: also the
+    whole-context read of a model that attends on its own (`attends_itself`).
     """
     size = rows[0].session.pool.block_tokens
     batch, longest = len(rows), max(len(row.tokens) for row in rows)
@@ -302,8 +317,26 @@ def prepare(rows: Sequence[BatchRow], device: torch.device) -> BatchInputs:
     cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device),
                        torch.tensor(read_blocks, device=device), batch, keys, run, allowed, query_pos.to(device),
                        None if uniform else torch.tensor(query_rows, device=device), longest)
+    if dense:
+        cache.dense_slots, cache.dense_mask = _dense_read(rows, starts, ends, cache.pool.keys.dtype, device)
     return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
                        torch.tensor(kept, device=device), reads)
+
+
+def _dense_read(rows: Sequence[BatchRow], starts: list[int], ends: list[int], dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's whole context as one run of slots, and the additive mask that lets each
+    new token see only its own row's keys up to its position."""
+    slots: list[int] = []
+    for row, end in zip(rows, ends):
+        slots += row.session.slots(0, end)
+    key_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(ends))
+    key_pos = torch.cat([torch.arange(end) for end in ends])
+    query_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(row.tokens) for row in rows]))
+    query_pos = torch.cat([torch.arange(start, start + len(row.tokens)) for start, row in zip(starts, rows)])
+    seen = (key_row[None, :] == query_row[:, None]) & (key_pos[None, :] <= query_pos[:, None])
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+    return torch.tensor(slots, device=device), mask[None, None].to(device)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -334,6 +367,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                                       dropout=dropout, sliding_window=sliding_window, **kwargs)
     layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
     cache = batch_cache
+    cache.attended = True
     _, heads, tokens, dim = query.shape
     batch, longest = cache.batch, cache.longest_feed
     if cache.query_rows is None:  # every row feeds `longest` tokens: a view, no copy
@@ -390,18 +424,34 @@ def use_paged_attention(model: PreTrainedModel) -> None:
     model.set_attn_implementation(PAGED_ATTENTION)
 
 
+# Models that attend on their own, never through the attention interface (Falcon): found
+# at load (`batching_problem`). Their cache update hands back every session's whole
+# context, concatenated, and they get the mask that keeps each session to its own.
+_ATTENDS_ITSELF: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 @torch.inference_mode()
 def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.device) -> tuple[torch.Tensor, list[slice]]:
     """One batched forward of `rows` (a model set up by `use_paged_attention`): the kept
     logits [Σ keep, V] in float32 on the model's device, and each row's slice of them."""
-    inputs = prepare(rows, device)
+    logits, kept, _ = _forward(model, rows, device)
+    return logits, kept
+
+
+@torch.inference_mode()
+def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
+             device: torch.device) -> tuple[torch.Tensor, list[slice], bool]:
+    """`forward`, and whether the model's attention read through `paged_attention`."""
+    dense = model in _ATTENDS_ITSELF
+    inputs = prepare(rows, device, dense)
     out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache,
-                use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache)
+                use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache,
+                **({"attention_mask": inputs.cache.dense_mask} if dense else {}))
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
     # The math after the forward runs where the logits are (specd.jobs): only token ids, a
     # few probabilities and the rows a sampled step needs ever reach the host.
-    return out.logits[0].float(), inputs.kept
+    return out.logits[0].float(), inputs.kept, inputs.cache.attended
 
 
 # Attention layers the store serves: full causal attention, and a sliding window over it.
@@ -465,11 +515,17 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
         for phase in range(3):
             rows = [BatchRow(session, tokens[cut[phase]:cut[phase + 1]], cut[phase + 1] - cut[phase])
                     for session, tokens, cut in zip(sessions, sequences, cuts)]
-            logits, kept = forward(model, rows, device)
+            logits, kept, attended = _forward(model, rows, device)
+            if not attended and model not in _ATTENDS_ITSELF:
+                break  # it attends on its own: try again, handing it whole contexts
             for row, rows_kept in enumerate(kept):
                 batched[row].append(logits[rows_kept])
     except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
         return f"a batched forward fails: {type(exc).__name__}: {exc}"
+    if not batched[0] or len(batched[0]) < 3:
+        sessions.clear()  # their blocks go back to the pool
+        _ATTENDS_ITSELF.add(model)
+        return batching_problem(model, pool, vocab_size, device)
     # The reference: the model's own eager attention over each whole sequence.
     model.set_attn_implementation("eager")
     try:
