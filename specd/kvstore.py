@@ -26,14 +26,15 @@ Models whose attention goes through `cache.update` and transformers' attention i
 work: full attention, sliding windows and hybrids of the two (Llama, Mistral, Qwen,
 Gemma 2 and 3, OPT, ...), and multi-head latent attention (DeepSeek-V2/V3), whose
 compressed latents are what the pool holds. A model that computes attention itself on
-what `cache.update` returns (Falcon) is found at load; its update then returns every
-session's whole context, concatenated, and it gets a mask that keeps each session's
-queries to their own keys: more memory traffic per forward, but exact. What the store
+what `cache.update` returns (Falcon, BLOOM) is found at load; its update then returns
+every session's whole context, concatenated, and it gets a mask that keeps each
+session's queries to their own keys: more memory traffic per forward, but exact. What the store
 cannot serve exactly is found when the model loads (`kv_shape`, `batching_problem`) and
 refused there with the reason. No gRPC here.
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -243,10 +244,11 @@ class BatchCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: the rows of a batch hold different lengths, so no one length is right. Models
-        ask for it to infer positions, which `prepare` always passes (OPT, Falcon), or to
-        size a mask that `paged_attention` does not read; one that truly depends on it
-        (BLOOM's ALiBi, built from a 2-D mask) fails or disagrees with its plain forward
-        and is refused at load (`batching_problem`)."""
+        ask for it to infer positions, which `prepare` always passes (OPT), or to size a
+        mask that `paged_attention` does not read. For a model that attends on its own,
+        how many of the keys it is handed precede the new tokens."""
+        if self.dense_slots is not None:
+            return self.dense_slots.shape[0] - self.write_slots.shape[0]
         return 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -254,7 +256,12 @@ class BatchCache:
         return 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """(key length, key offset) of the mask a model builds and `paged_attention` ignores."""
+        """(key length, key offset) of the mask a model builds and `paged_attention` ignores;
+        for a model that attends on its own, the length of the keys it is handed (BLOOM
+        builds its ALiBi bias from it: positions counted across the concatenated contexts
+        differ from each session's own by a constant per session, which softmax ignores)."""
+        if self.dense_slots is not None:
+            return self.dense_slots.shape[0], 0
         return query_length, 0
 
 
@@ -424,10 +431,37 @@ def use_paged_attention(model: PreTrainedModel) -> None:
     model.set_attn_implementation(PAGED_ATTENTION)
 
 
-# Models that attend on their own, never through the attention interface (Falcon): found
-# at load (`batching_problem`). Their cache update hands back every session's whole
-# context, concatenated, and they get the mask that keeps each session to its own.
-_ATTENDS_ITSELF: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# Models that attend on their own, never through the attention interface (Falcon, BLOOM):
+# found at load (`batching_problem`). Their cache update hands back every session's whole
+# context, concatenated, and they get the mask that keeps each session to its own, in one
+# of two ways, whichever the trial finds exact: as the model's `attention_mask` (MODEL_MASK:
+# most take a prepared 4-D mask as it is), or handed to each layer (LAYER_MASK: BLOOM,
+# whose ALiBi needs the model called without one).
+MODEL_MASK, LAYER_MASK = "model", "layer"
+_ATTENDS_ITSELF: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+_CACHE_ARGUMENTS = ("layer_past", "cache", "past_key_values", "past_key_value")
+
+
+def _hand_masks(model: torch.nn.Module) -> None:
+    """Give every layer of a model that attends on its own the batch's mask: each
+    submodule called with a cache and an `attention_mask` gets `BatchCache.dense_mask`
+    in place of the mask the model made (which knows nothing of the sessions). The model
+    itself is called without a mask, so what it derives from the key length (BLOOM's
+    ALiBi) covers the whole concatenated context."""
+    def hand_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if name in kwargs), None)
+        if isinstance(cache, BatchCache) and cache.dense_mask is not None and "attention_mask" in kwargs:
+            kwargs["attention_mask"] = cache.dense_mask
+        return args, kwargs
+
+    for module in model.modules():
+        if module is model or isinstance(module, PreTrainedModel):
+            continue
+        parameters = inspect.signature(module.forward).parameters
+        if "attention_mask" in parameters and any(name in parameters for name in _CACHE_ARGUMENTS):
+            module.register_forward_pre_hook(hand_mask, with_kwargs=True)
 
 
 @torch.inference_mode()
@@ -442,11 +476,11 @@ def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.devi
 def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
              device: torch.device) -> tuple[torch.Tensor, list[slice], bool]:
     """`forward`, and whether the model's attention read through `paged_attention`."""
-    dense = model in _ATTENDS_ITSELF
-    inputs = prepare(rows, device, dense)
+    mode = _ATTENDS_ITSELF.get(model)
+    inputs = prepare(rows, device, mode is not None)
     out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache,
                 use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache,
-                **({"attention_mask": inputs.cache.dense_mask} if dense else {}))
+                **({"attention_mask": inputs.cache.dense_mask} if mode == MODEL_MASK else {}))
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
     # The math after the forward runs where the logits are (specd.jobs): only token ids, a
@@ -524,8 +558,13 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
         return f"a batched forward fails: {type(exc).__name__}: {exc}"
     if not batched[0] or len(batched[0]) < 3:
         sessions.clear()  # their blocks go back to the pool
-        _ATTENDS_ITSELF.add(model)
-        return batching_problem(model, pool, vocab_size, device)
+        _ATTENDS_ITSELF[model] = MODEL_MASK
+        problem = batching_problem(model, pool, vocab_size, device)
+        if problem is not None:
+            _ATTENDS_ITSELF[model] = LAYER_MASK
+            _hand_masks(model)
+            problem = batching_problem(model, pool, vocab_size, device)
+        return problem
     # The reference: the model's own eager attention over each whole sequence.
     model.set_attn_implementation("eager")
     try:
