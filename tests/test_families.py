@@ -143,12 +143,19 @@ def until_eos(tokens: list[int]) -> list[int]:
     return tokens[:tokens.index(0) + 1] if 0 in tokens else tokens
 
 
-# Through the three services: a sliding-window hybrid with soft-capped scores (Gemma 2),
-# positions read from a learned table (OPT), a compressed latent cache (DeepSeek-V3), and
-# models that compute attention themselves on what the cache hands them (Falcon; BLOOM,
-# with ALiBi).
-@pytest.mark.parametrize("model_type", ["gemma2", "opt", "deepseek_v3", "falcon", "bloom"])
-def test_new_families_through_the_services(model_type, tokenizer, tmp_path):
+# The 19 families users bring most, through the three services with FIXED γ=4 and with
+# OFF: the twelve of the plain kind, sliding-window hybrids with soft-capped scores
+# (Mistral, Gemma 2 and 3), positions read from a learned table (OPT), a compressed latent
+# cache (DeepSeek-V3), and models that compute attention themselves on what the cache
+# hands them (Falcon; BLOOM, with ALiBi). The draft is the target itself, so its tokens
+# must be accepted.
+COMMON_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "granite", "starcoder2",
+                   "smollm3", "gpt2", "gpt_neox", "mistral", "gemma2", "gemma3_text", "falcon", "opt", "bloom",
+                   "deepseek_v3"]
+
+
+@pytest.mark.parametrize("model_type", COMMON_FAMILIES)
+def test_common_families_through_the_services(model_type, tokenizer, tmp_path):
     directory = tmp_path / model_type
     build(model_type, directory, tokenizer)
     prompt = "def fibonacci(n): return n"  # with the new tokens, longer than the tiny sliding window
@@ -158,9 +165,10 @@ def test_new_families_through_the_services(model_type, tokenizer, tmp_path):
                                   do_sample=False)[0, ids.shape[1]:].tolist()
     stack = start_stack({"target": directory, "close": directory}, drafts=("close",))
     try:
-        response = stack.stub.Generate(request(prompt, max_new_tokens=12))
-        assert list(response.token_ids) == expected
-        # The draft is the target itself: its tokens are accepted.
-        assert response.stats.accepted_tokens > 0.9 * response.stats.proposed_tokens > 0
+        fixed = stack.stub.Generate(request(prompt, max_new_tokens=12, mode="FIXED", draft_length=4))
+        assert list(fixed.token_ids) == until_eos(expected)
+        assert fixed.stats.accepted_tokens > 0.9 * fixed.stats.proposed_tokens > 0
+        off = stack.stub.Generate(request(prompt, max_new_tokens=12, mode="OFF"))
+        assert list(off.token_ids) == until_eos(expected) and off.stats.proposed_tokens == 0
     finally:
         stack.close()
