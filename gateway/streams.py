@@ -23,13 +23,13 @@ from typing import Any
 import grpc
 
 from specd.v1 import worker_pb2
+from specd.wire import status_from_pb
 
 # The message types of each multiplexed RPC: what the gateway sends, and one step of it.
 STEP_TYPES: dict[str, tuple[Any, Any]] = {
     "Propose": (worker_pb2.ProposeSteps, worker_pb2.ProposeStep),
     "Verify": (worker_pb2.VerifySteps, worker_pb2.VerifyStep),
 }
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 log = logging.getLogger(__name__)
 _CORE_WRITE_FAILURE = "Internal error from Core"  # grpc.aio's details for a write that failed in Core
 
@@ -133,8 +133,7 @@ class WorkerStream:
                     if future is None or future.done():  # a step its link gave up on
                         continue
                     if result.status.code:
-                        code = _CODES.get(result.status.code, grpc.StatusCode.UNKNOWN)
-                        future.set_exception(StepFailed(code, result.status.message))
+                        future.set_exception(StepFailed(status_from_pb(result.status), result.status.message))
                     else:
                         future.set_result(result.response)
         except grpc.aio.AioRpcError as exc:

@@ -13,6 +13,7 @@ Distributions travel as raw little-endian bytes read with torch.frombuffer, not 
 """
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import torch
 
@@ -169,3 +170,17 @@ def identity_mismatch(expected: worker_pb2.ModelIdentity, held: ModelInfo) -> st
 def describe_identity(name: str, weights_digest: str, tokenizer_fingerprint: str) -> str:
     """`'target' (weights 1a2b3c4d5e6f, tokenizer 9f8e7d6c5b4a)` for logs and errors."""
     return f"{name!r} (weights {weights_digest[:12] or '?'}, tokenizer {tokenizer_fingerprint[:12] or '?'})"
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_to_pb(code: grpc.StatusCode, message: str) -> worker_pb2.StepStatus:
+    """A step's status as its result carries it."""
+    return worker_pb2.StepStatus(code=code.value[0], message=message)
+
+
+def status_from_pb(status: worker_pb2.StepStatus) -> grpc.StatusCode:
+    """The gRPC status code a step's result carries (UNKNOWN for a number no release knows)."""
+    return _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+

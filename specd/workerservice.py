@@ -33,7 +33,7 @@ from specd.interceptors import status_of
 from specd.runtime import ModelRunner
 from specd.steps import BatchStats, ModelInfo
 from specd.telemetry import batch_span_attributes, worker_step_span
-from specd.wire import identity_mismatch
+from specd.wire import identity_mismatch, status_to_pb
 
 if TYPE_CHECKING:  # annotations only: specd.wire is this side's protobuf module
     from specd.v1 import worker_pb2
@@ -140,7 +140,7 @@ class _Steps:
 
     def _finish(self, step_id: int, exc: BaseException) -> None:
         code, message = status_of(exc, self._method)
-        self.finished.append(self._result_type(step_id=step_id, status={"code": code.value[0], "message": message}))
+        self.finished.append(self._result_type(step_id=step_id, status=status_to_pb(code, message)))
         self.ready.set()
 
     def cancel(self) -> None:

@@ -8,8 +8,7 @@ import grpc
 
 from gateway.streams import STEP_TYPES
 from specd.v1 import worker_pb2_grpc
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+from specd.wire import status_from_pb
 
 
 class StepError(grpc.RpcError):
@@ -28,7 +27,7 @@ class StepError(grpc.RpcError):
 
 def result_code(result) -> grpc.StatusCode:
     """The status of one step's result."""
-    return _CODES[result.status.code]
+    return status_from_pb(result.status)
 
 
 class WorkerSteps:
