@@ -260,3 +260,14 @@ def test_the_suffix_cache_gauge_reads_what_the_cache_holds(hybrid_stack):
     held = families["specd_suffix_cache_tokens"].samples[0].value
     assert held == cache.tokens and 0 < held <= cache.max_tokens == 4096
     assert families["specd_suffix_cache_max_tokens"].samples[0].value == 4096
+
+
+def test_specd_generate_says_which_proposers_drafted(hybrid_stack):
+    from test_cli import specd
+
+    args = ("generate", PROMPT, "--gateway", f"127.0.0.1:{hybrid_stack.gateway.port}", "--mode", "auto",
+            "--max-new-tokens", "24")
+    first = specd(*args)
+    assert first.returncode == 0, first.stderr
+    again = specd(*args)  # the same prompt again meets its response in the cache
+    assert again.returncode == 0 and "steps drafted by" in again.stderr and "suffix ×" in again.stderr

@@ -58,7 +58,7 @@ def memory_spans():
 @pytest.fixture(scope="module")
 def traced_stack(model_dirs, memory_spans):
     """A stack started after the provider, so its servers get the gRPC interceptor."""
-    stack = start_stack(model_dirs)
+    stack = start_stack(model_dirs, model_free=("suffix", "prompt-lookup"))
     yield stack
     stack.close()
 
@@ -74,7 +74,9 @@ def check_trace(spans: list[dict], response) -> None:
     rows = step_rows(spans)
     for row in rows:
         assert row.verify is not None, "every step has its verifier span as a child"
-        if row.attr("specd.draft_length"):
+        if row.model_free:  # drafted in the gateway: no draft hop, no draft span
+            assert row.draft is None and row.attr("specd.draft.hop_ms") < 5.0
+        elif row.attr("specd.draft_length"):
             assert row.draft is not None, "every drafting step has its draft span as a child"
             assert row.draft["attributes"]["specd.proposed"] == row.attr("specd.draft_length")
         assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
@@ -179,6 +181,26 @@ def test_show_renders_the_step_table(traced_stack, memory_spans):
     table = below_header[:below_header.index("")]
     assert len(table) == response.stats.steps
     assert "acceptance by draft position: 1:" in text and "worker spans missing" not in text
+
+
+def test_model_free_steps_are_traced_and_shown(traced_stack, memory_spans):
+    """A repeated request under AUTO is drafted by the suffix proposer: its steps carry
+    `specd.proposer`, have no draft span, and `specd trace show` says who proposed."""
+    req = request("class Cache:\n    def __init__(self, size):", max_new_tokens=40, mode="AUTO")
+    req.user_segment = "traced-repeat"
+    traced_stack.stub.Generate(req)
+    memory_spans.clear()
+    response = traced_stack.stub.Generate(req)
+    assert "suffix" in response.stats.proposers
+    spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
+    check_trace(spans, response)
+    rows = step_rows(spans)
+    assert [r.attr("specd.proposer", "") for r in rows] == list(response.stats.proposers)
+    text = render(spans)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "verify ms" in line)
+    assert lines[at].split()[-1] == "by" and lines[at + 2].split()[-1] == response.stats.proposers[0]
+    assert "worker spans missing" not in text
 
 
 def test_overlap_shows_the_next_draft_during_verification(traced_stack, memory_spans):

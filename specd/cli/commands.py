@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import signal
 import socket
@@ -521,6 +522,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"draft tokens accepted), {stats.mean_tokens_per_step:.2f} tokens per step over {stats.steps} steps, "
           f"draft {stats.draft_model or 'none'}, policy {stats.policy}, task {stats.task_type}, "
           f"γ per step {list(stats.draft_lengths)}, seed {stats.seed}", file=sys.stderr)
+    drafted = collections.Counter(p for p in stats.proposers if p)
+    if set(drafted) - {stats.draft_model}:  # model-free proposers drafted some steps: say which
+        print("steps drafted by " + ", ".join(f"{name} ×{n}" for name, n in drafted.most_common()), file=sys.stderr)
     return 0
 
 

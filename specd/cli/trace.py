@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.proposers import MODEL_FREE
+
 DEFAULT_FILE = "specd-traces.jsonl"
 
 
@@ -162,6 +164,11 @@ class StepRow:
         return self.step["attributes"].get(key, default)
 
     @property
+    def model_free(self) -> bool:
+        """The step's proposal was made in the gateway, with no draft hop (gateway.proposers)."""
+        return self.attr("specd.proposer", "") in MODEL_FREE
+
+    @property
     def gateway_ms(self) -> float:
         """The step's time outside both hops: rejection sampling and bookkeeping."""
         return self.step["duration_ms"] - self.attr("specd.draft.hop_ms") - self.attr("specd.verify.hop_ms")
@@ -214,8 +221,11 @@ def render(spans: list[dict]) -> str:
 
     out.append("")
     overlapped = any(row.pre_draft is not None or row.attr("specd.pre_drafted", False) for row in rows)
+    # Who proposed, when a model-free proposer or more than one proposer did.
+    proposers = {row.attr("specd.proposer", "") for row in rows} - {""}
+    by = len(proposers) > 1 or any(row.model_free for row in rows)
     header = (f"{'step':>4} {'γ':>3} {'acc':>4} {'rej':>4} {'token':>9} {'draft ms':>9} {'(fwd)':>7} "
-              f"{'verify ms':>10} {'(fwd)':>7} {'gateway ms':>11} {'bytes':>9}")
+              f"{'verify ms':>10} {'(fwd)':>7} {'gateway ms':>11} {'bytes':>9}") + (f" {'by':>15}" if by else "")
     if overlapped:
         # "hit": this step's proposal was pre-drafted; "‖ N ms": the next step was being
         # drafted for N ms while the target verified this one.
@@ -223,13 +233,14 @@ def render(spans: list[dict]) -> str:
     out += [header, "-" * len(header)]
     for row in rows:
         rejected = row.attr("specd.first_rejected", None)
-        drafted = row.attr("specd.draft_length") > 0
+        drafted = row.attr("specd.draft_length") > 0 and not row.model_free
         out.append(
             f"{row.attr('specd.step.index'):>4} {row.attr('specd.draft_length'):>3} {row.attr('specd.accepted'):>4} "
             f"{'-' if rejected is None else rejected:>4} {row.attr('specd.token.kind', '?'):>9} "
             f"{_ms(row.attr('specd.draft.hop_ms')):>9} {_ms(_forward(row.draft)) if drafted else '-':>7} "
             f"{_ms(row.attr('specd.verify.hop_ms')):>10} {_ms(_forward(row.verify)):>7} "
             f"{_ms(row.gateway_ms):>11} {row.attr('specd.draft.bytes') + row.attr('specd.verify.bytes'):>9,}"
+            + (f" {row.attr('specd.proposer', '-')[:15]:>15}" if by else "")
             + (f" {_overlap_cell(row):>14}" if overlapped else ""))
     out += ["", *summary(rows, request)]
     return "\n".join(out)
@@ -255,8 +266,9 @@ def summary(rows: list[StepRow], request: dict | None) -> list[str]:
             f"{p}: {kept[p]}/{reached[p]} ({kept[p] / reached[p]:.2f})" for p in sorted(reached)))
     lines.append("time per hop, summed over steps (ms):")
     for hop in ("draft", "verify"):
-        # Plain target steps (γ = 0) have no draft hop, hence no draft span.
-        hopped = [r for r in rows if hop == "verify" or r.attr("specd.draft_length")]
+        # Plain target steps (γ = 0) have no draft hop, hence no draft span; nor do steps a
+        # model-free proposer drafted in the gateway.
+        hopped = [r for r in rows if hop == "verify" or (r.attr("specd.draft_length") and not r.model_free)]
         hop_ms = sum(r.attr(f"specd.{hop}.hop_ms") for r in rows)
         workers = [getattr(r, hop) for r in hopped]
         forward_ms = sum(_forward(w) or 0.0 for w in workers if w is not None)
