@@ -28,7 +28,7 @@ Which proposal a step takes is `gateway.hybrid`'s choice.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -153,15 +153,15 @@ class SuffixCache:
     Partitioned by tenant (the request's user segment, which an API key decides): one
     tenant's outputs are never proposed to another's requests. The target decides every
     token, so output would not change; but how fast a request runs would tell what
-    others had generated. The oldest response leaves first once the budget is spent.
-    Shared by the gateway's requests (which run on its event loop; a lock keeps the
-    metrics thread's reads whole).
+    others had generated. Once the budget is spent, the tenant holding the most tokens
+    gives up its oldest response: a tenant that sends a lot pushes out its own entries,
+    not the others'. Shared by the gateway's requests (which run on its event loop; a
+    lock keeps the metrics thread's reads whole).
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self._tenants: dict[str, TokenIndex] = {}
-        self._order: OrderedDict[int, str] = OrderedDict()  # response id → tenant, oldest first
         self._next = 0
         self._lock = threading.Lock()
 
@@ -173,20 +173,20 @@ class SuffixCache:
 
     def add(self, tenant: str, tokens: Sequence[int]) -> None:
         """Keep one response (with the end of its prompt before it, so that the same prompt
-        again matches into the response), evicting the oldest ones past the budget."""
+        again matches into the response), evicting past the budget (see the class)."""
         tokens = list(tokens)[-self.max_tokens:] if self.max_tokens > 0 else []
         if len(tokens) <= ANCHOR:
             return
         with self._lock:
             index = self._tenants.setdefault(tenant, TokenIndex())
             index.extend(self._next, tokens)
-            self._order[self._next] = tenant
             self._next += 1
             held = sum(i.tokens for i in self._tenants.values())
-            while held > self.max_tokens and self._order:
-                oldest, owner = self._order.popitem(last=False)
-                held -= self._tenants[owner].drop(oldest)
-                if not self._tenants[owner].tokens:
+            while held > self.max_tokens:
+                owner = max(self._tenants, key=lambda name: self._tenants[name].tokens)
+                largest = self._tenants[owner]
+                held -= largest.drop(next(iter(largest.sequences)))  # its oldest response
+                if not largest.tokens:
                     del self._tenants[owner]
 
     def occurrences(self, tenant: str, context: Sequence[int]) -> list[tuple[int, list[int], int]]:

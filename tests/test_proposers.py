@@ -75,11 +75,17 @@ def test_suffix_cache_keeps_tenants_apart():
     cache.add("alice", [1, 2, 3, 4, 5, 6, 7])
     assert SuffixProposer(cache, "alice").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
     assert SuffixProposer(cache, "bob").propose([9, 1, 2, 3], 4).tokens == []
-    # The budget is shared: bob's responses evict alice's oldest, never the reverse view.
-    small = SuffixCache(max_tokens=10)
-    small.add("alice", [1, 2, 3, 4, 5, 6, 7])
-    small.add("bob", [11, 12, 13, 14, 15, 16, 17])
-    assert small.occurrences("alice", [1, 2, 3]) == [] and small.occurrences("bob", [11, 12, 13])
+
+
+
+def test_a_tenant_that_sends_a_lot_pushes_out_its_own_entries():
+    cache = SuffixCache(max_tokens=40)
+    cache.add("alice", list(range(100, 110)))
+    for i in range(5):  # bob floods: 50 tokens into a 40-token budget shared with alice
+        cache.add("bob", list(range(i * 10, i * 10 + 10)))
+        assert cache.tokens <= 40
+    assert cache.occurrences("alice", [100, 101, 102])  # alice's one response stays
+    assert cache.occurrences("bob", [0, 1, 2]) == [] and cache.occurrences("bob", [40, 41, 42])
 
 
 # -- the hybrid choice --------------------------------------------------------------------------
