@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gateway.proposers import PROMPT_LOOKUP, Match
-from specd.costmodel import StepCosts, expected_tokens, expected_tokens_from_curve
+from specd.costmodel import CostEstimate, StepCosts, expected_tokens
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
 PRIORS = {PROMPT_LOOKUP: 0.5}
@@ -103,6 +103,9 @@ class HybridChoice:
         plain step does better."""
         if max_tokens <= 0:
             return None
+        # Every length's step cost at once: one fit of the measured lines per step, not one
+        # per length priced ([] before any measurement: the priors price them).
+        estimates = self.costs.estimates(range(max(max_tokens, model_gamma) + 1))
         best: tuple[float, Match] | None = None
         for proposer in self.proposers:
             match = proposer.propose(committed, max_tokens)
@@ -110,10 +113,10 @@ class HybridChoice:
                 continue
             if self.fixed is not None:
                 return Match(match.proposer, match.tokens[: self.fixed], match.confidence)
-            rate, length = self._best_cut(match)
+            rate, length = self._best_cut(match, estimates)
             if best is None or rate > best[0]:
                 best = (rate, Match(match.proposer, match.tokens[:length], match.confidence))
-        if best is None or best[0] <= self._model_rate(model_gamma):
+        if best is None or best[0] <= self._model_rate(model_gamma, estimates):
             return None
         return best[1]
 
@@ -123,24 +126,23 @@ class HybridChoice:
             return [learned] * len(match.tokens)
         return [min(share, learned) for share in match.confidence]
 
-    def _best_cut(self, match: Match) -> tuple[float, int]:
+    def _best_cut(self, match: Match, estimates: list[CostEstimate]) -> tuple[float, int]:
         """The best expected tokens per ms over the match's prefixes, and that prefix's length."""
-        rates = self._rates(match)
         draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token() if self.timed else 0.0
         best_rate, best_length = 0.0, 0
-        for length in range(1, len(match.tokens) + 1):
-            estimate = self.costs.estimate(length)
-            step = (1.0 + VERIFY_PER_TOKEN * length if estimate is None
-                    else estimate.verify_ms + draft_ms * length)
-            rate = expected_tokens_from_curve(rates, length) / step
-            if rate > best_rate:
-                best_rate, best_length = rate, length
+        tokens, survive = 1.0, 1.0  # E[tokens] of the prefix so far, and P(all of it accepted)
+        for length, rate in enumerate(self._rates(match), start=1):
+            survive *= rate
+            tokens += survive
+            step = (estimates[length].verify_ms + draft_ms * length if estimates
+                    else 1.0 + VERIFY_PER_TOKEN * length)
+            if tokens / step > best_rate:
+                best_rate, best_length = tokens / step, length
         return best_rate, best_length
 
-    def _model_rate(self, gamma: int) -> float:
+    def _model_rate(self, gamma: int, estimates: list[CostEstimate]) -> float:
         """Expected tokens per ms of the model draft at γ (γ = 0: of a plain step)."""
         tokens = expected_tokens(self.model_alpha(), gamma) if gamma > 0 else 1.0
-        estimate = self.costs.estimate(gamma)
-        if estimate is None:
+        if not estimates:
             return tokens / (1.0 + (VERIFY_PER_TOKEN + DRAFT_PER_TOKEN) * gamma)
-        return tokens / estimate.step_ms
+        return tokens / estimates[gamma].step_ms

@@ -159,16 +159,21 @@ class CostTable:
         lets a lucky sample win. The lines pool every γ seen and keep a longer draft at
         least as costly as a shorter one.
         """
+        estimates = self.estimates([gamma])
+        return estimates[0] if estimates else None
+
+    def estimates(self, gammas: Sequence[int]) -> list[CostEstimate]:
+        """`estimate` at each of `gammas`, the lines fitted once; [] before any measurement."""
         line = self._verify_line()
         if line is None:
-            return None
+            return []
         verify, (intercept, slope) = line
         target = self._plain_step(verify, (intercept, slope))
         plain = max(intercept, min(verify.values()) * 0.5)
-        if gamma == 0:
-            return CostEstimate(target, 0.0, plain)
         draft_fit = self._fit(self._fresh(self._draft), through_origin=True) or (0.0, self.prior_draft_ratio * target)
-        return CostEstimate(target, max(draft_fit[0] + draft_fit[1] * gamma, 0.0), plain + slope * gamma)
+        return [CostEstimate(target, 0.0, plain) if gamma == 0 else
+                CostEstimate(target, max(draft_fit[0] + draft_fit[1] * gamma, 0.0), plain + slope * gamma)
+                for gamma in gammas]
 
     def ratios(self) -> tuple[float, dict[int, float]]:
         """(c, {γ: v(γ)}) for the γ values seen, relative to one plain target step."""
@@ -251,6 +256,12 @@ class StepCosts:
         if estimate is None or not overlap or gamma == 0 or h is None or hit_ms is None:
             return estimate
         return replace(estimate, draft_ms=h * hit_ms + (1.0 - h) * estimate.draft_ms)
+
+    def estimates(self, gammas: Sequence[int]) -> list[CostEstimate]:
+        """`estimate` (without overlap) at each of `gammas`, the lines fitted once; [] before
+        any measurement. What a caller pricing many lengths in one step wants."""
+        table = self.table()
+        return table.estimates(gammas) if table is not None else []
 
     def _summary_table(self) -> CostTable | None:
         return self.table(1)
