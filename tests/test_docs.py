@@ -1,6 +1,7 @@
-"""References in the repository lead somewhere: every `FILE.md §N` citation names a file
-that is in the repository and a section `## N.` it has, and every relative link in a
-Markdown file points to a file or folder that exists."""
+"""References in the repository lead somewhere: every citation of a Markdown file's
+numbered section (a path ending in .md, then § and the number) names a file that is in
+the repository and a section `## N.` it has, and every relative link in a Markdown file
+points to a file or folder that exists."""
 from __future__ import annotations
 
 import re
