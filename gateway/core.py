@@ -360,15 +360,15 @@ class GatewayCore:
         fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
         # The cost policy reacts to timings anyway; the others replay a seed, so their
         # choice between a match and the draft must not depend on timings (or on other
-        # requests' statistics) either.
-        if isinstance(policy, CostPolicy):
-            cost_policy = policy
-            return HybridChoice(proposers, self.costs.costs(model_pair),
-                                lambda name: self.costs.costs(self._model_pair(name)), lambda: cost_policy.alpha,
-                                fixed)
+        # requests' statistics) either: fixed priors price it.
+        timed = isinstance(policy, CostPolicy)
         prior = parsed.profile.prior_acceptance
+
+        def model_alpha() -> float:
+            return policy.alpha if isinstance(policy, CostPolicy) else prior
+
         return HybridChoice(proposers, self.costs.costs(model_pair),
-                            lambda name: self.costs.costs(self._model_pair(name)), lambda: prior, fixed, timed=False)
+                            lambda name: self.costs.costs(self._model_pair(name)), model_alpha, fixed, timed=timed)
 
     async def generate(self, request: GenerateParams, deadline: float | None = None) -> AsyncGenerator[Chunk, None]:
         """One request's chunks of text, the last with its statistics. `deadline`

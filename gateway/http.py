@@ -340,40 +340,35 @@ class OpenAIApp:
             raise HttpError(400, "'stream_options' is {include_usage: bool}, with stream: true",
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
-        admitted = False
-        if self.quota is not None and self.keys is not None:
-            refusal = self.quota.admit(segment)
-            if refusal is not None:
-                raise _busy(refusal)
-            admitted = True
+        leave = self._admit(segment)
         reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name)
+        streaming = False  # once the stream is handed out, it gives the tenant's slot back
         try:
             chunks = self.core.generate(params)
             if stream:
                 first = await _first(chunks)  # errors before any text still get a status
-                return _EventStream(reply.events(first, chunks, include_usage), chunks,
-                                    self._leave(segment, admitted))
+                streaming = True
+                return _EventStream(reply.events(first, chunks, include_usage), chunks, leave)
             outcome = await _until_disconnect(request.receive, _collect(chunks))
         except (InvalidRequest, Busy, WorkerError) as exc:
-            self._leave(segment, admitted)()
             raise _from_core(exc) from exc
-        except BaseException:
-            self._leave(segment, admitted)()
-            raise
-        self._leave(segment, admitted)()
+        finally:
+            if not streaming:
+                leave()
         if outcome is None:  # the client left; nobody reads a reply
             return Response(status_code=499)
         return JSONResponse(reply.whole(*outcome))
 
-    def _leave(self, segment: str, admitted: bool) -> Callable[[], None]:
-        done = False
-
-        def leave() -> None:
-            nonlocal done
-            if admitted and not done and self.quota is not None:
-                done = True
-                self.quota.leave(segment)
-        return leave
+    def _admit(self, segment: str) -> Callable[[], None]:
+        """Hold one of the tenant's requests in flight (429 at its share, with keys); the
+        function that gives it back."""
+        quota = self.quota
+        if quota is None or self.keys is None:
+            return lambda: None
+        refusal = quota.admit(segment)
+        if refusal is not None:
+            raise _busy(refusal)
+        return lambda: quota.leave(segment)
 
 
 async def _first(chunks: AsyncGenerator[Chunk, None]) -> Chunk:

@@ -441,6 +441,19 @@ MODEL_MASK, LAYER_MASK = "model", "layer"
 _ATTENDS_ITSELF: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
+def _trial_handing_whole_contexts(model: PreTrainedModel, pool: KVPool, vocab_size: int,
+                                  device: torch.device) -> str | None:
+    """`batching_problem` for a model that attends on its own: the mask as its
+    `attention_mask`, else handed to each layer; the reason when neither is exact."""
+    _ATTENDS_ITSELF[model] = MODEL_MASK
+    problem = batching_problem(model, pool, vocab_size, device)
+    if problem is not None:
+        _ATTENDS_ITSELF[model] = LAYER_MASK
+        _hand_masks(model)
+        problem = batching_problem(model, pool, vocab_size, device)
+    return problem
+
+
 _CACHE_ARGUMENTS = ("layer_past", "cache", "past_key_values", "past_key_value")
 
 
@@ -541,6 +554,7 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
     cuts = [(0, len(s) - 6, len(s) - 1, len(s)) for s in sequences]  # prefill | 5 tokens | 1 token
     sessions = [SessionKV(pool) for _ in sequences]
     batched: list[list[torch.Tensor]] = [[], []]
+    attends_itself = False  # the first forward never reached paged_attention
     try:
         for session, tokens in zip(sessions, sequences):
             if not session.reserve(len(tokens)):
@@ -551,20 +565,15 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
                     for session, tokens, cut in zip(sessions, sequences, cuts)]
             logits, kept, attended = _forward(model, rows, device)
             if not attended and model not in _ATTENDS_ITSELF:
-                break  # it attends on its own: try again, handing it whole contexts
+                attends_itself = True
+                break
             for row, rows_kept in enumerate(kept):
                 batched[row].append(logits[rows_kept])
     except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
         return f"a batched forward fails: {type(exc).__name__}: {exc}"
-    if not batched[0] or len(batched[0]) < 3:
+    if attends_itself:
         sessions.clear()  # their blocks go back to the pool
-        _ATTENDS_ITSELF[model] = MODEL_MASK
-        problem = batching_problem(model, pool, vocab_size, device)
-        if problem is not None:
-            _ATTENDS_ITSELF[model] = LAYER_MASK
-            _hand_masks(model)
-            problem = batching_problem(model, pool, vocab_size, device)
-        return problem
+        return _trial_handing_whole_contexts(model, pool, vocab_size, device)
     # The reference: the model's own eager attention over each whole sequence.
     model.set_attn_implementation("eager")
     try:
