@@ -1,7 +1,7 @@
 """The `specd.v1.Draft` servicer and its server factory.
 
 Thin by design: look up the draft, call the runtime on the model's thread, convert; the
-stream's skeleton is `specd.workerservice`'s, shared with the verifier.
+stream's skeleton is `specd.worker.service`'s, shared with the verifier.
 """
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from specd import wire, workerservice
-from specd.config import DraftSettings
+from specd import wire
 from specd.errors import InvalidArgument, clip
 from specd.grpcserver import RunningServer, start_server
-from specd.runtime import ModelRunner
 from specd.steps import PreDraftRequest, Proposal
 from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.workermetrics import start_worker_metrics
+from specd.worker import service
+from specd.worker.metrics import start_worker_metrics
+from specd.worker.runtime import ModelRunner
+from specd.worker.settings import DraftSettings
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.draft")
@@ -30,7 +31,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
     """Attributes of a `specd.draft.propose` span (docs/tracing.md)."""
     probs = proposal.token_probs
     attributes = {
-        **workerservice.step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
+        **service.step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
         "specd.draft_length": request.draft_length,
         "specd.proposed": len(proposal.tokens),
         "specd.pre_drafted": proposal.pre_drafted,
@@ -56,18 +57,18 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeSteps],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResults]:
-        async with contextlib.aclosing(workerservice.serve_multiplexed(
+        async with contextlib.aclosing(service.serve_multiplexed(
                 request_iterator, self._propose, worker_pb2.ProposeResults, worker_pb2.ProposeResult,
                 "/specd.v1.Draft/Propose")) as results:
             async for message in results:
                 yield message
 
     async def _propose(self, request: worker_pb2.ProposeRequest,
-                       stream: workerservice.StepStream) -> worker_pb2.ProposeResponse:
+                       stream: service.StepStream) -> worker_pb2.ProposeResponse:
         name = request.draft_model or self.default
         runner = self.drafts.get(name)
         if request.HasField("expected_model"):  # a step that opens a session
-            workerservice.check_model(request.expected_model, runner.info if runner else None, "draft")
+            service.check_model(request.expected_model, runner.info if runner else None, "draft")
         if runner is None:
             raise InvalidArgument(f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
         delta = request.delta
@@ -77,11 +78,11 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
             problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
-        workerservice.check_problems(problems)
+        service.check_problems(problems)
         session = stream.session(runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
-        proposal = await workerservice.traced_step(
+        proposal = await service.traced_step(
             _TRACER, "specd.draft.propose", request.trace_context.carrier,
             runner.propose(session, delta.start, list(delta.tokens), request.draft_length, transform,
                            request.seed, request.min_confidence, request.vocab_limit, pre_draft),

@@ -31,8 +31,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from gateway.budgets import BudgetSettings, SlowMark, StepBudget
 from gateway.endpointslices import EndpointSliceWatcher
 from gateway.router import NoEndpoint, Router, parse_addresses
+from gateway.settings import GatewaySettings
 from gateway.streams import StepFailed, WorkerStream
-from specd.config import ClientTLS, GatewaySettings
+from specd.config import ClientTLS
 from specd.grpcserver import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
 from specd.tls import TLSConfigError, aio_channel

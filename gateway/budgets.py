@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 WINDOW = 512  # recent steps the p99 is taken over
 MIN_SAMPLES = 32  # fewer measured steps: the floor alone
-PREFILL_CHUNK = 128  # tokens a worker feeds per forward (specd.config.BatchSettings.prefill_chunk)
+PREFILL_CHUNK = 128  # tokens a worker feeds per forward (specd.worker.settings.BatchSettings.prefill_chunk)
 
 
 @dataclass(frozen=True)

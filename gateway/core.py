@@ -22,32 +22,24 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
 from gateway.backend import Backend
-from gateway.engine import (
-    DraftLengthPolicy,
-    Finish,
-    GenerationRequest,
-    ModelBounds,
-    RequestStats,
-    StepObserver,
-    StepRecord,
-    speculate,
-)
+from gateway.engine import ModelBounds, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.hybrid import HybridChoice, ModelFreeProposer
-from gateway.policy import POLICIES, CostPolicy, LoadCap, Mode, ProbeSchedule, build_policy
+from gateway.paircosts import PairCosts, model_pair_label
+from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, build_policy
 from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
-from gateway.request import ParsedRequest
+from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
+from gateway.request import GenerationRequest, Mode, ParsedRequest
+from gateway.selection import DraftSelector
+from gateway.settings import GatewaySettings
+from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink
-from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
-from specd.config import GatewaySettings
 from specd.errors import clip
-from specd.paircosts import PairCosts, model_pair_label
 from specd.sampling import Transform
-from specd.selection import DraftSelector
-from specd.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -98,7 +90,7 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
     tokenized at all. Values echoed back are clipped (`specd.errors.clip`).
     choose(task type, user segment): picks the draft of a request that names none
-    (`specd.selection`); None: the task map, else the default draft.
+    (`gateway.selection`); None: the task map, else the default draft.
     """
     transform = Transform.from_fields(request.temperature, request.top_k, request.top_p)
     problems = transform.problems() + _size_problems(request, settings)
@@ -326,10 +318,10 @@ class GatewayCore:
                     *key, verdict.window_rate, verdict.reference, verdict.reference_rate,
                     100 * verdict.drop, verdict.z, labels.task_type)
         request_trace.step_event("specd.acceptance_drift", {
-            "specd.drift.window_acceptance": verdict.window_rate,
-            "specd.drift.reference_acceptance": verdict.reference_rate,
-            "specd.drift.reference": verdict.reference, "specd.drift.drop": verdict.drop,
-            "specd.drift.z": verdict.z})
+            "gateway.drift.window_acceptance": verdict.window_rate,
+            "gateway.drift.reference_acceptance": verdict.reference_rate,
+            "gateway.drift.reference": verdict.reference, "gateway.drift.drop": verdict.drop,
+            "gateway.drift.z": verdict.z})
 
     def _model_pair(self, draft_model: str) -> str:
         return model_pair_label(draft_model, self.backend.target.name)

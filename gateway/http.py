@@ -41,9 +41,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
 from gateway.core import Chunk, GatewayCore, GenerateParams
-from gateway.engine import Finish
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
-from gateway.policy import Mode
+from gateway.records import Finish
+from gateway.request import Mode
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each step, the request's model-free proposers (`gateway.proposers`) look for a match
 first: they cost microseconds. A match is then priced like any draft, in expected
-tokens per millisecond of step (`specd.costmodel`):
+tokens per millisecond of step (`gateway.costmodel`):
 
     match of k tokens:  E = 1 + Σ_{i≤k} Π_{j≤i} r_j   over   the step at k (its draft part
                         measured on the proposer's own steps: near zero)
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from gateway.costmodel import CostEstimate, StepCosts, expected_tokens
 from gateway.proposers import PROMPT_LOOKUP, Match
-from specd.costmodel import CostEstimate, StepCosts, expected_tokens
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
 PRIORS = {PROMPT_LOOKUP: 0.5}

@@ -15,7 +15,7 @@ model_pair, task_type, user_segment, prompt_bucket. PromQL:
 The acceptance rate falls when the policy lengthens drafts at the same agreement; α does
 not, so alerts (k8s/prometheus/specd-rules.yaml) and drift use α.
 
-Drift (`specd.drift`), per model_pair, task_type, user_segment and reference
+Drift (`gateway.drift`), per model_pair, task_type, user_segment and reference
 ("lifetime" or "baseline"): `specd_spec_decode_acceptance_drift` is the drop in
 acceptance points (reference − window; negative when it rose) and
 `specd_spec_decode_acceptance_drift_flagged` is 1 while the drop is large and
@@ -37,10 +37,10 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.acceptance import LABEL_NAMES, AcceptanceStats
+from gateway.paircosts import PairCosts
 from gateway.proposers import SuffixCache
-from specd.acceptance import LABEL_NAMES, AcceptanceStats
-from specd.paircosts import PairCosts
-from specd.selection import DraftSelector
+from gateway.selection import DraftSelector
 
 PREFIX = "specd_spec_decode_"
 

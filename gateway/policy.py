@@ -9,7 +9,7 @@
   measured per-position acceptance curve shapes E[tokens] once there is data. When
   speculation does not pay it decodes plainly and probes again (one draft token) after
   `probe_every` plain steps, twice as long after each probe the target rejected outright.
-  The step costs are measured per load level (`specd.costmodel.StepCosts`), and a
+  The step costs are measured per load level (`gateway.costmodel.StepCosts`), and a
   `LoadCap` shared by the pair's requests caps γ at each load level by measured goodput,
   so γ follows the load of the target's batched forwards, down to 0 when the target is
   saturated.
@@ -21,29 +21,17 @@ registry (name → builder) that `POLICIES`, the names a request may ask for, de
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-from gateway.engine import DraftLengthPolicy, StepRecord
-from specd.acceptance import AcceptanceStats
-from specd.costmodel import StepCosts, best_draft_length, load_bucket
-from specd.tasks import TaskProfile
-
-if TYPE_CHECKING:  # gateway.request imports Mode from here
-    from gateway.request import ParsedRequest
+from gateway.acceptance import AcceptanceStats
+from gateway.costmodel import StepCosts, best_draft_length, load_bucket
+from gateway.records import DraftLengthPolicy, StepRecord
+from gateway.request import Mode, ParsedRequest
+from gateway.tasks import TaskProfile
 
 MAX_PROBE_INTERVAL = 256
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
-
-
-class Mode(enum.Enum):
-    """Speculation mode of a request (mirrors specd.v1.SpeculationMode)."""
-
-    AUTO = "auto"
-    FIXED = "fixed"
-    OFF = "off"
 
 
 class FixedPolicy:

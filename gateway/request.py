@@ -1,14 +1,41 @@
-"""One public request once validated: what the gateway's servicer hands to the engine and
-the γ policy (`gateway.server.parse_request` builds it, `gateway.policy.build_policy`
-reads it). A module of its own so that the policy module need not import the servicer.
+"""One public request once validated: its speculation mode, what the engine generates
+(`GenerationRequest`), and what the γ policy reads (`ParsedRequest`). `gateway.core`
+builds them, `gateway.engine.speculate` and `gateway.policy.build_policy` read them.
+Plain records: importing this loads neither grpc nor torch.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gateway.engine import GenerationRequest
-from gateway.policy import Mode
-from specd.tasks import TaskProfile
+from gateway.tasks import TaskProfile
+
+if TYPE_CHECKING:
+    from specd.sampling import Transform
+
+
+class Mode(enum.Enum):
+    """Speculation mode of a request (mirrors specd.v1.SpeculationMode)."""
+
+    AUTO = "auto"
+    FIXED = "fixed"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, in token ids."""
+
+    prompt_ids: list[int]
+    transform: Transform
+    seed: int
+    max_new_tokens: int
+    draft_model: str  # empty: no draft (plain decoding)
+    overlap: bool = False  # pre-draft the next step while the target verifies (specd.worker.predraft)
+    # > 0: the draft stops proposing inside a step once its top probability falls below
+    # this (the confidence policy's setting, carried out by the draft).
+    min_confidence: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -16,22 +16,22 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.core import Chunk, GatewayCore, GenerateParams
-from gateway.engine import Finish
+from gateway.drift import load_baseline
 from gateway.errors import Busy, refuse_busy
 from gateway.http import HttpServer, OpenAIApp
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
-from gateway.policy import Mode
+from gateway.paircosts import PairCosts, model_pair_label
 from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
-from specd.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats
-from specd.config import DRAFT_SELECTIONS, GatewaySettings
-from specd.drift import load_baseline
+from gateway.records import Finish
+from gateway.request import Mode
+from gateway.selection import DraftSelector
+from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
 from specd.grpcserver import RunningServer, start_server
-from specd.paircosts import PairCosts, model_pair_label
-from specd.selection import DraftSelector
 from specd.steps import ModelInfo
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -19,7 +19,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.engine import GenerationRequest, NoTracer, RequestStats, StepRecord, StepTracer
+from gateway.records import NoTracer, RequestStats, StepRecord, StepTracer
+from gateway.request import GenerationRequest
 
 TRACER_NAME = "specd.gateway"
 

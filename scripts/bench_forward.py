@@ -17,9 +17,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specd import kvstore
 from specd.config import DEMO_TARGET
-from specd.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker import kvstore
+from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 
 
 def median_ms(run, repeats: int) -> float:

@@ -13,8 +13,8 @@ import asyncio
 import resource
 
 from specd.config import DEMO_TARGET
-from specd.runtime import ModelRunner
 from specd.sampling import Transform
+from specd.worker.runtime import ModelRunner
 
 
 def rss_mb() -> float:

@@ -7,7 +7,7 @@ names (`specd.errors`, which draws the tree), a body that does not decode is
 `INVALID_ARGUMENT`, and anything unexpected is `INTERNAL` with a reference the server
 logged the traceback under. Handlers that abort with a code of their own pass untouched.
 `status_of` is the same mapping for one step of a multiplexed worker stream, which fails
-alone, in its result (`specd.workerservice`).
+alone, in its result (`specd.worker.service`).
 """
 from __future__ import annotations
 

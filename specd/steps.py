@@ -2,19 +2,21 @@
 
 A model's facts (`ModelInfo`), a request to pre-draft the next step (`PreDraftRequest`),
 how a step was batched (`BatchStats`), and a step's two results: the draft's
-`Proposal` and the target's `Scores`. The workers build them (`specd.jobs`,
-`specd.runtime`), `specd.wire` turns them into worker messages and back, and the
-gateway's engine reads them. Light on purpose: torch for the tensors, nothing that
-loads transformers or grpc, so the gateway's step code imports them for free.
+`Proposal` and the target's `Scores`. The workers build them (`specd.worker.jobs`,
+`specd.worker.runtime`), `specd.wire` turns them into worker messages and back, and the
+gateway's engine reads them. Light on purpose: nothing that loads torch, transformers or
+grpc, so the gateway's records and policies import them for free.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing the step types loads no torch
+    import torch
 
-from specd.rejection import TargetVerdict
+    from specd.rejection import TargetVerdict
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class ModelInfo:
     max_context: int
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
-    weights_digest: str = ""  # specd.identity.weights_digest of the model directory
+    weights_digest: str = ""  # specd.worker.identity.weights_digest of the model directory
     parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
     card_json: str = ""  # the directory's card.json, verbatim, when it has one
     model_path: str = ""  # the directory the model was loaded from

@@ -23,9 +23,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from draft_service.server import DraftServicer
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
-from specd.config import BatchSettings, DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifierSettings
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from specd.grpcserver import RunningServer
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd.worker.settings import BatchSettings, DraftSettings, ModelSettings, VerifierSettings
 from verifier_service.server import VerifierServicer
 from verifier_service.server import create_server as create_verifier
 

@@ -17,12 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
-from specd.config import BatchSettings
-from specd.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
-from specd.runtime import ModelRunner
 from specd.sampling import Transform
 from specd.steps import PreDraftRequest
 from specd.v1 import gateway_pb2
+from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
+from specd.worker.runtime import ModelRunner
+from specd.worker.settings import BatchSettings
 from test_cli import free_port
 from test_pipeline import reference_greedy
 

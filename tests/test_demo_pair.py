@@ -9,8 +9,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
-from specd.config import DEMO_DRAFT, DEMO_TARGET, DraftSettings, GatewaySettings, ServerSettings, VerifierSettings
+from gateway.settings import GatewaySettings
+from specd.config import DEMO_DRAFT, DEMO_TARGET, ServerSettings
 from specd.v1 import gateway_pb2_grpc
+from specd.worker.settings import DraftSettings, VerifierSettings
 from verifier_service.server import create_server as create_verifier
 
 pytestmark = pytest.mark.skipif(not (DEMO_TARGET / "config.json").is_file(), reason="no demo pair in models/demo")

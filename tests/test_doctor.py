@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import make_model, request, start_stack
-from specd.acceptance import DIAGNOSTIC_SEGMENT
+from gateway.acceptance import DIAGNOSTIC_SEGMENT
+from gateway.drift import load_baseline
 from specd.cli import main
 from specd.cli.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma
-from specd.drift import load_baseline
 from specd.v1 import gateway_pb2
 
 PROMPTS = ["def fibonacci(n):", "The acceptance rate is"]

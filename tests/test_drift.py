@@ -10,10 +10,11 @@ import urllib.request
 import pytest
 
 from conftest import request, start_stack
+from gateway.acceptance import AcceptanceStats
+from gateway.drift import DriftSettings, Sample, baseline_document, judge, load_baseline
 from gateway.server import create_server as create_gateway
-from specd.acceptance import AcceptanceStats
-from specd.config import GatewaySettings, ServerSettings
-from specd.drift import DriftSettings, Sample, baseline_document, judge, load_baseline
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from test_cli import free_port
 
 GAMMA = 4

@@ -194,7 +194,7 @@ def test_a_prompt_at_the_byte_limit_is_answered_promptly(stack):
 
 
 def test_a_long_prompt_is_classified_by_its_ends():
-    from specd.tasks import classify
+    from gateway.tasks import classify
 
     assert classify("The meeting notes. " * 2000 + "Summarize the above in a few sentences.") == "summarization"
     assert classify("Translate into French: " + "the cat sat on the mat. " * 2000) == "translation"

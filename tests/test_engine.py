@@ -9,9 +9,11 @@ import grpc
 import pytest
 import torch
 
-from gateway.engine import Finish, GenerationRequest, ModelBounds, RequestStats, StepRecord, speculate
+from gateway.engine import ModelBounds, speculate
 from gateway.errors import WorkerError
 from gateway.policy import FixedPolicy
+from gateway.records import Finish, RequestStats, StepRecord
+from gateway.request import GenerationRequest
 from specd.rejection import target_verdict
 from specd.sampling import Transform
 from specd.steps import Proposal, Scores

@@ -9,8 +9,10 @@ from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
 from gateway.backend import IncompatibleDraft
 from gateway.server import create_server as create_gateway
-from specd.config import DraftSettings, GatewaySettings, ServerSettings
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from specd.v1 import worker_pb2, worker_pb2_grpc
+from specd.worker.settings import DraftSettings
 from workerstream import WorkerSteps
 
 GOOD = request("def fibonacci(n):", max_new_tokens=8)

@@ -20,10 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from conftest import request, start_stack
-from specd.config import BatchSettings
 from specd.errors import UnsupportedModel
-from specd.runtime import ModelRunner
 from specd.sampling import Transform
+from specd.worker.runtime import ModelRunner
+from specd.worker.settings import BatchSettings
 
 # Field names families use for their sizes, and the tiny values they get.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import LoopThread, request, start_stack
 from gateway.server import create_server as create_gateway
-from specd.config import GatewaySettings, ServerSettings
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from tcpproxy import TcpProxy
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from conftest import request
-from specd.hub import ModelNotFound, model_name, resolve
-from specd.identity import weights_digest
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd.worker.hub import ModelNotFound, model_name, resolve
+from specd.worker.identity import weights_digest
 from test_cli import free_port
 from test_pipeline import reference_greedy
 

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import request, start_stack
 from draft_service.server import create_server as create_draft
-from specd.identity import weights_digest
 from specd.v1 import worker_pb2, worker_pb2_grpc
+from specd.worker.identity import weights_digest
 from test_pipeline import reference_greedy
 from verifier_service.server import create_server as create_verifier
 from workerstream import WorkerSteps

@@ -1,7 +1,11 @@
-"""The layering rule: core → services → application, never upward or sideways.
+"""The layering rule: shared core → worker runtime → services → application, never upward
+or sideways.
 
-    core         specd (all but specd.cli): math, runtime, config, wire, telemetry
-    services     draft_service, verifier_service, gateway: each imports the core only
+    core         specd (but not specd.worker or specd.cli): what both sides share, the wire
+                 types, sampling, rejection, settings, telemetry, errors, the gRPC plumbing
+    worker       specd.worker: the model runtime both worker services run; imports the core only
+    services     draft_service and verifier_service import the core and the worker runtime;
+                 gateway imports the core only (it runs no model)
     application  specd.cli: the `specd` command and its tools, the only importer of services
 
 Checked twice: statically, every import statement of every module (those inside
@@ -20,15 +24,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("draft_service", "verifier_service", "gateway")
+WORKERS = ("draft_service", "verifier_service")  # the services that run a model
 APPLICATION = "specd.cli"
+WORKER = "specd.worker"
 # The pure math imports no gRPC (docs/design.md §1).
-MATH = ("specd.sampling", "specd.rejection", "specd.costmodel")
+MATH = ("specd.sampling", "specd.rejection", "gateway.costmodel")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def layer(module: str) -> str | None:
-    """"core", a service package's name, "application", or None (not ours)."""
-    if module == APPLICATION or module.startswith(APPLICATION + "."):
+    """"core", "worker", a service package's name, "application", or None (not ours)."""
+    if _within(module, APPLICATION):
         return "application"
+    if _within(module, WORKER):
+        return "worker"
     root = module.split(".")[0]
     if root in SERVICES:
         return root
@@ -39,6 +51,8 @@ def allowed(importer: str, imported: str | None) -> bool:
     """May a module of layer `importer` import one of layer `imported`?"""
     if importer == "application" or imported is None or imported == "core":
         return True
+    if imported == "worker":  # the model runtime: the workers' own, never the gateway's
+        return importer == "worker" or importer in WORKERS
     return imported == importer  # a service imports itself; nobody imports the application
 
 
@@ -89,7 +103,7 @@ def test_no_module_imports_upward_or_sideways(module):
     mine = layer(module)
     wrong = [f"line {line}: {name} ({layer(name)})" for line, name in imports_of(module)
              if not allowed(mine, layer(name))]
-    assert not wrong, f"{module} ({mine}) may import only the core{'' if mine == 'core' else ' and ' + mine}: {wrong}"
+    assert not wrong, f"{module} ({mine}) imports what its layer may not: {wrong}"
 
 
 @pytest.mark.parametrize("module", MATH)
@@ -113,7 +127,7 @@ def pulled_in(modules: list[str]) -> list[str]:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("package", ["core", *SERVICES])
+@pytest.mark.parametrize("package", ["core", "worker", *SERVICES])
 def test_importing_a_layer_pulls_in_nothing_above_it(package):
     """Every module of the layer in one interpreter: what they pull in together is the union
     of what each pulls in alone, so one process answers for all; on a failure, one process
@@ -129,25 +143,37 @@ def test_importing_a_layer_pulls_in_nothing_above_it(package):
         pytest.fail(f"importing the {package} layer pulls in {({m: w for m, w in culprits.items() if w})}")
 
 
+def test_the_gateways_records_and_policies_load_neither_grpc_nor_torch():
+    """The policies, the step records and the request types are plain: a module that borrows
+    one of their types does not load the engine, gRPC or torch with it."""
+    loaded = pulled_in(["gateway.records", "gateway.request", "gateway.policy", "gateway.hybrid", "specd.steps"])
+    heavy = ("grpc", "torch", "transformers", "gateway.engine", "gateway.workers", "gateway.backend")
+    assert not [m for m in loaded if any(_within(m, h) for h in heavy)]
+
+
 def test_the_gateways_step_code_loads_no_model_code():
     """The links and the step types they return are plain: importing them loads neither
     transformers nor the workers' runtime (the gateway's tokenizer, in gateway.backend, does)."""
     loaded = pulled_in(["gateway.workers", "specd.steps", "specd.wire"])
-    assert not [m for m in loaded if m.split(".")[0] == "transformers" or m in ("specd.runtime", "specd.jobs")]
+    assert not [m for m in loaded if m.split(".")[0] == "transformers" or m.startswith("specd.worker")]
 
 
 def test_the_maps_name_every_module():
-    """specd/__init__.py maps the core module by module, and the README's Layout names every
-    module of the core, the application and the gateway: a new module goes on both maps."""
-    core_map = (REPO / "specd" / "__init__.py").read_text(encoding="utf-8")
-    mapped = {line.split()[0] for line in core_map.splitlines() if line.startswith("    ") and line.strip()}
-    core = {m.split(".")[1] for m in our_modules() if layer(m) == "core" and m.count(".") == 1}
-    assert core <= mapped, f"specd/__init__.py does not map {sorted(core - mapped)}"
+    """specd/__init__.py and specd/worker/__init__.py map their modules one by one, and the
+    README's Layout names every module of the core, the worker runtime, the application and
+    the gateway: a new module goes on both maps."""
+    for package, depth in (("core", 1), ("worker", 2)):
+        folder = REPO / Path(*(["specd"] if package == "core" else ["specd", "worker"]))
+        mapping = (folder / "__init__.py").read_text(encoding="utf-8")
+        mapped = {line.split()[0] for line in mapping.splitlines() if line.startswith("    ") and line.strip()}
+        modules = {m.split(".")[depth] for m in our_modules() if layer(m) == package and m.count(".") == depth}
+        assert modules <= mapped, f"{folder.relative_to(REPO)}/__init__.py does not map {sorted(modules - mapped)}"
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     layout = readme[readme.index("## Layout"):]
     layout = layout[:layout.index("\n## ")] if "\n## " in layout else layout
-    files = {path.name for folder in ("specd", "specd/cli", "gateway") for path in (REPO / folder).glob("*.py")
+    folders = ("specd", "specd/worker", "specd/cli", "gateway")
+    files = {path.name for folder in folders for path in (REPO / folder).glob("*.py")
              if path.name not in ("__init__.py", "__main__.py")}
     missing = sorted(f for f in files if f not in layout)
     assert not missing, f"the README's Layout does not name {missing}"

@@ -102,8 +102,8 @@ def test_adaptive_policies_stay_exact(stack, target_model, tokenizer, policy):
 
 
 def test_confidence_threshold_stops_the_draft_early(model_dirs):
-    from specd.runtime import ModelRunner
     from specd.sampling import Transform
+    from specd.worker.runtime import ModelRunner
 
     async def scenario():
         runner = ModelRunner(model_dirs["close"])
@@ -164,8 +164,10 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
 
     from gateway.backend import connect
     from gateway.core import open_links
-    from gateway.engine import GenerationRequest, ModelBounds, speculate
-    from specd.config import GatewaySettings, ServerSettings
+    from gateway.engine import ModelBounds, speculate
+    from gateway.request import GenerationRequest
+    from gateway.settings import GatewaySettings
+    from specd.config import ServerSettings
     from specd.sampling import Transform
 
     draft_model = AutoModelForCausalLM.from_pretrained(model_dirs[draft_name]).eval()

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import random
 
-from gateway.engine import StepRecord
+from gateway.costmodel import STALE_AFTER_STEPS, StepCosts
 from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
-from specd.costmodel import STALE_AFTER_STEPS, StepCosts
+from gateway.records import StepRecord
+from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
-from specd.tasks import TaskProfile
 
 
 def step(draft_length: int, accepted: int) -> StepRecord:

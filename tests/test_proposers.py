@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
+from gateway.costmodel import StepCosts
 from gateway.hybrid import HybridChoice
 from gateway.metrics import AcceptanceCollector
 from gateway.proposers import PROMPT_LOOKUP, SUFFIX, PromptLookup, SuffixCache, SuffixProposer, follow
-from specd.costmodel import StepCosts
 from specd.v1 import gateway_pb2
 from test_sampled_distribution import TRANSFORM, assert_follows_joint, target_joint
 

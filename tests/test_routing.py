@@ -14,7 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import LoopThread, request
 from gateway.server import create_server as create_gateway
-from specd.config import GatewaySettings, ServerSettings
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from specd.v1 import gateway_pb2_grpc
 from test_cli import free_port
 from test_pipeline import reference_greedy

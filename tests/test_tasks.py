@@ -1,7 +1,7 @@
 """The rule-based task classifier, measured on a small labelled set."""
 from __future__ import annotations
 
-from specd.tasks import classify
+from gateway.tasks import classify
 
 LABELLED = [
     ("def parse_header(line):", "code"),

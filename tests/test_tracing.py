@@ -22,12 +22,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 from conftest import request, start_stack
-from gateway.engine import GenerationRequest, NoTracer
+from gateway.drift import DriftSettings, baseline_document
+from gateway.records import NoTracer
+from gateway.request import GenerationRequest
 from gateway.tracing import RequestTrace
 from specd.cli.commands import wait_healthy
 from specd.cli.supervisor import stop_all
 from specd.cli.trace import load_spans, pick_trace, render, step_rows
-from specd.drift import DriftSettings, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
 
@@ -252,9 +253,9 @@ def test_drift_is_an_event_on_the_step_span_that_raised_it(model_dirs, memory_sp
     assert len(events) == 1, "raised once, on the step that crossed the threshold"
     index, event = events[0]
     assert index >= 9  # not before min_drafts drafts were seen
-    assert event.attributes["specd.drift.reference"] == "baseline"
-    assert event.attributes["specd.drift.reference_acceptance"] == pytest.approx(0.99)
-    assert event.attributes["specd.drift.drop"] >= 0.1
+    assert event.attributes["gateway.drift.reference"] == "baseline"
+    assert event.attributes["gateway.drift.reference_acceptance"] == pytest.approx(0.99)
+    assert event.attributes["gateway.drift.drop"] >= 0.1
 
 
 def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path):

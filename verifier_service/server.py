@@ -1,7 +1,7 @@
 """The `specd.v1.Verifier` servicer and its server factory.
 
 Thin by design: call the runtime on the target's thread, convert; the stream's skeleton
-is `specd.workerservice`'s, shared with the draft.
+is `specd.worker.service`'s, shared with the draft.
 """
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from specd import wire, workerservice
-from specd.config import VerifierSettings
+from specd import wire
 from specd.grpcserver import RunningServer, start_server
-from specd.runtime import ModelRunner
 from specd.v1 import worker_pb2, worker_pb2_grpc
-from specd.workermetrics import start_worker_metrics
+from specd.worker import service
+from specd.worker.metrics import start_worker_metrics
+from specd.worker.runtime import ModelRunner
+from specd.worker.settings import VerifierSettings
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -35,27 +36,27 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifySteps],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResults]:
-        async with contextlib.aclosing(workerservice.serve_multiplexed(
+        async with contextlib.aclosing(service.serve_multiplexed(
                 request_iterator, self._verify, worker_pb2.VerifyResults, worker_pb2.VerifyResult,
                 "/specd.v1.Verifier/Verify")) as results:
             async for message in results:
                 yield message
 
     async def _verify(self, request: worker_pb2.VerifyRequest,
-                      stream: workerservice.StepStream) -> worker_pb2.VerifyResponse:
+                      stream: service.StepStream) -> worker_pb2.VerifyResponse:
         target = self.target
         if request.HasField("expected_model"):  # a step that opens a session
-            workerservice.check_model(request.expected_model, target.info, "verifier")
+            service.check_model(request.expected_model, target.info, "verifier")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
-        workerservice.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
+        service.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
         session = stream.session(target, delta.session_id)
-        scores = await workerservice.traced_step(
+        scores = await service.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
                          list(request.draft_token_probs), wire.draws_from_pb(request)),
             lambda scores: {
-                **workerservice.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
+                **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
                 "specd.positions_scored": len(request.draft_tokens) + 1})
         response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch))

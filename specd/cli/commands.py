@@ -10,7 +10,8 @@
     specd trace      collect spans over OTLP into a file; show a request's steps (specd.cli.trace)
     specd certs      write a development CA and server/client certificates (specd.cli.certs)
 
-Settings objects (`specd.config`) are built here from the flags, once, and passed in.
+Settings objects (`specd.config`, `specd.worker.settings`, `gateway.settings`) are built
+here from the flags, once, and passed in.
 Tracing is configured by the standard OTEL_* variables only (`specd.telemetry`).
 TLS: every service takes --tls-cert/--tls-key (and --tls-client-ca for mutual TLS), the
 gateway --worker-ca/--worker-cert/--worker-key, clients --ca (docs/tls.md).
@@ -29,30 +30,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from gateway.drift import DriftSettings
 from gateway.proposers import MODEL_FREE
+from gateway.settings import CLI_DRAFT_SELECTION, DRAFT_SELECTIONS, GatewaySettings
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.config import (
-    CLI_DRAFT_SELECTION,
     DEFAULT_DRAFT_PORT,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_VERIFIER_PORT,
     DEMO_DRAFT,
     DEMO_TARGET,
-    DRAFT_SELECTIONS,
-    DTYPES,
-    BatchSettings,
     ClientTLS,
-    DraftSettings,
-    GatewaySettings,
-    ModelSettings,
     ServerSettings,
     ServerTLS,
-    VerifierSettings,
 )
-from specd.drift import DriftSettings
-from specd.hub import ModelNotFound, model_name, resolve
-from specd.identity import weight_files
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
+from specd.worker.hub import ModelNotFound, model_name, resolve
+from specd.worker.identity import weight_files
+from specd.worker.settings import DTYPES, BatchSettings, DraftSettings, ModelSettings, VerifierSettings
 
 # Flag defaults come from the settings objects (specd.config), never from literals here.
 SERVER = ServerSettings()
@@ -102,7 +97,7 @@ def _model_args(parser: argparse.ArgumentParser, defaults: DraftSettings | Verif
 
 
 def _batch_args(parser: argparse.ArgumentParser) -> None:
-    """How a worker batches the steps of all its sessions (specd.batching); defaults from BatchSettings."""
+    """How a worker batches the steps of all its sessions (specd.worker.batching); defaults from BatchSettings."""
     d = BatchSettings()
     parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                         help=f"tokens in one batched forward, all sessions together (default {d.max_batch_tokens})")
@@ -147,7 +142,7 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 def _parse_drafts(values: list[str]) -> dict[str, str]:
     """`NAME=MODEL` or `MODEL` (named after its directory, or NAME of ORG/NAME) → {name:
-    model}, in order; a model is a directory or a hub id (`specd.hub`)."""
+    model}, in order; a model is a directory or a hub id (`specd.worker.hub`)."""
     drafts: dict[str, str] = {}
     for value in values:
         name, sep, model = value.partition("=")
@@ -236,8 +231,8 @@ def _parse_cpus(value: str) -> set[int]:
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import create_server
-    from specd.predraft import check_branches
     from specd.telemetry import setup_tracing
+    from specd.worker.predraft import check_branches
 
     setup_tracing("specd-draft")
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gateway.costmodel import expected_tokens
 from specd.cli.training import resume, save_atomic, train_for_budget
-from specd.costmodel import expected_tokens
 
 __all__ = ["add_arguments", "run", "measure_acceptance", "check_same_tokenizer",
            "sample_prompts", "speculative_steps"]
@@ -225,7 +225,7 @@ def measure_acceptance(target, draft, prompts_ids, gamma: int = 4, max_new_token
     - ``alpha``: sampled acceptance rate E[sum_v min(p(v), q(v))] at temperature 1,
       averaged over every position of target-sampled continuations (p target, q draft);
     - ``expected_tokens_per_step_sampled``: (1 - alpha^(gamma+1)) / (1 - alpha)
-      (`specd.costmodel.expected_tokens`), the standard formula for sampled decoding if
+      (`gateway.costmodel.expected_tokens`), the standard formula for sampled decoding if
       acceptances were independent;
     - ``prompts``, ``new_tokens``, ``gamma``.
 

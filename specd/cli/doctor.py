@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specd.acceptance import DIAGNOSTIC_SEGMENT, Counts
+from gateway.acceptance import DIAGNOSTIC_SEGMENT, Counts
+from gateway.drift import baseline_document
+from gateway.paircosts import model_pair_label
 from specd.cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd.cli.clientauth import add_api_key_argument, with_api_key
-from specd.drift import baseline_document
-from specd.paircosts import model_pair_label
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 
 SEVERITY_EXIT = {"ok": 0, "info": 0, "warn": 1, "hurting": 2}

@@ -1,9 +1,9 @@
 """Model runtime shared by the draft and verifier services.
 
 Loads any transformers causal LM and its tokenizer from a local directory, keeps one
-KV cache per session (`specd.kvstore`; cropped to the committed length each step) and
+KV cache per session (`specd.worker.kvstore`; cropped to the committed length each step) and
 runs the steps of all sessions through one batch scheduler per model
-(`specd.batching`), whose forwards run on the model's own thread, never on the event
+(`specd.worker.batching`), whose forwards run on the model's own thread, never on the event
 loop. Every session's keys and values live in the model's one `KVPool`, sized when the
 model loads. Session state is touched only on the event loop, or by the forward of a step
 that has taken the session out of the store. No gRPC here.
@@ -23,17 +23,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specd import kvstore
-from specd.batching import Job, Scheduler
-from specd.config import BatchSettings
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
-from specd.identity import weights_digest
-from specd.jobs import ProposeJob, ScoreJob
-from specd.kvstore import BatchRow, KVPool, SessionKV
-from specd.predraft import Branch, PreDrafts
 from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
+from specd.worker import kvstore
+from specd.worker.batching import Job, Scheduler
+from specd.worker.identity import weights_digest
+from specd.worker.jobs import ProposeJob, ScoreJob
+from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker.predraft import Branch, PreDrafts
+from specd.worker.settings import BatchSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -262,7 +262,7 @@ class ModelRunner:
         draft's top probability for the next token falls below it. vocab_limit > 0 keeps
         proposals below that id (the target's vocabulary). With pre_draft, the next
         step's proposal is drafted for the likely verdicts once this one is answered
-        (`specd.predraft`); a request matching one is answered from it.
+        (`specd.worker.predraft`); a request matching one is answered from it.
         """
         if draft_length < 1:
             raise InvalidArgument("draft_length must be >= 1")

@@ -4,10 +4,10 @@ Counters (summable across replicas) of drafts, draft tokens, accepted and emitte
 tokens, keyed by labels — model pair, task type, user segment, prompt-length bucket —
 with per-draft-position and per-generation-position breakdowns; kept for the lifetime
 of the process and over a sliding window of the most recent steps; and overlapped
-speculation's hits. What steps cost is kept apart (`specd.paircosts`). The Prometheus exporter and
+speculation's hits. What steps cost is kept apart (`gateway.paircosts`). The Prometheus exporter and
 the GetAcceptanceStats RPC read it; neither writes it. Per segment (model pair, task
 type, user segment) it also keeps window and lifetime sums, updated per step, from which
-`specd.drift` judges whether recent acceptance dropped. No gRPC here.
+`gateway.drift` judges whether recent acceptance dropped. No gRPC here.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import asdict, astuple, dataclass, field
 
-from specd.drift import Drift, DriftSettings, Sample, judge
+from gateway.drift import Drift, DriftSettings, Sample, judge
 from specd.errors import InvalidArgument
 
 PROMPT_BUCKETS = (32, 128, 512, 2048)
@@ -139,7 +139,7 @@ def _segment(labels: Labels) -> tuple[str, str, str]:
 def _add_sums(sums: dict[tuple[str, str, str], list[int]], labels: Labels, draft_length: int, accepted: int,
               sign: int) -> None:
     """Add (sign=1) or remove (sign=-1) one step's draft counts to its segment's sums:
-    [drafts, positions reached, accepted] (`specd.drift.Sample`)."""
+    [drafts, positions reached, accepted] (`gateway.drift.Sample`)."""
     if draft_length == 0:
         return
     row = sums.setdefault(_segment(labels), [0, 0, 0])

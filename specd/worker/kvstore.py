@@ -496,7 +496,7 @@ def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
                 **({"attention_mask": inputs.cache.dense_mask} if mode == MODEL_MASK else {}))
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
-    # The math after the forward runs where the logits are (specd.jobs): only token ids, a
+    # The math after the forward runs where the logits are (specd.worker.jobs): only token ids, a
     # few probabilities and the rows a sampled step needs ever reach the host.
     return out.logits[0].float(), inputs.kept, inputs.cache.attended
 

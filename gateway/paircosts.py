@@ -1,17 +1,17 @@
 """What each model pair's steps cost, measured from every step the gateway runs.
 
 One `StepCosts` per model pair (the cost model's state: hop times per γ and load level,
-overlap hits; `specd.costmodel`), and how that pair's verify steps were batched
+overlap hits; `gateway.costmodel`), and how that pair's verify steps were batched
 (`LoadCounts`). The cost policy reads a pair's `StepCosts`; the Prometheus exporter,
 the GetAcceptanceStats RPC and each response's cost ratios read `cost_table` and
-`load_snapshot`. Acceptance counters live apart, in `specd.acceptance`. No gRPC here.
+`load_snapshot`. Acceptance counters live apart, in `gateway.acceptance`. No gRPC here.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
 
-from specd.costmodel import StepCosts, predicted_speedup
+from gateway.costmodel import StepCosts, predicted_speedup
 
 
 def model_pair_label(draft_model: str, target_model: str) -> str:

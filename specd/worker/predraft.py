@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from specd.jobs import ProposeJob
-from specd.kvstore import SessionKV
 from specd.sampling import Transform
 from specd.steps import PreDraftRequest, Proposal
+from specd.worker.jobs import ProposeJob
+from specd.worker.kvstore import SessionKV
 
 
 def check_branches(mode: str) -> str:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from specd.batching import Job
-from specd.kvstore import SessionKV
 from specd.rejection import Draws, sample, target_verdict
 from specd.sampling import Transform, probs_from_logits
 from specd.steps import Proposal, Scores
+from specd.worker.batching import Job
+from specd.worker.kvstore import SessionKV
 
 
 class ProposeJob(Job):

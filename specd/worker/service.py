@@ -30,10 +30,10 @@ from opentelemetry import trace
 
 from specd.errors import InvalidArgument, StepCancelled, WrongModel, clip
 from specd.interceptors import status_of
-from specd.runtime import ModelRunner
 from specd.steps import BatchStats, ModelInfo
 from specd.telemetry import batch_span_attributes, worker_step_span
 from specd.wire import identity_mismatch, status_to_pb
+from specd.worker.runtime import ModelRunner
 
 if TYPE_CHECKING:  # annotations only: specd.wire is this side's protobuf module
     from specd.v1 import worker_pb2

@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specd.costmodel import StepCosts, predicted_speedup
+from gateway.costmodel import StepCosts, predicted_speedup
 
 # A draft measured nowhere yet is drawn from this prior; its sd is also one request's α
 # spread before any arm has two requests.
@@ -99,7 +99,7 @@ class DraftSelector:
                  min_trials: int = 1, memory: int = 200, rng: random.Random | None = None) -> None:
         """drafts: the usable drafts, the default first; task_drafts: task type → draft;
         speedup(draft, α): what the cost model predicts the draft is worth at acceptance α
-        (`specd.paircosts.PairCosts.predicted_speedup`, which reads the pair's costs under
+        (`gateway.paircosts.PairCosts.predicted_speedup`, which reads the pair's costs under
         its lock; None: every draft costs the prior, γ ≤ 8)."""
         if not drafts:
             raise ValueError("draft selection needs at least one draft")

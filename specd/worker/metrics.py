@@ -12,7 +12,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specd.runtime import ModelRunner
+from specd.worker.runtime import ModelRunner
 
 PREFIX = "specd_worker_"
 
