@@ -84,8 +84,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
                      if request.pre_draft.draft_length else None)
         proposal = await service.traced_step(
             _TRACER, "specd.draft.propose", request.trace_context.carrier,
-            runner.propose(session, delta.start, list(delta.tokens), request.draft_length, transform,
-                           request.seed, request.min_confidence, request.vocab_limit, pre_draft),
+            runner.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
+                           pre_draft),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)

@@ -27,7 +27,7 @@ from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, S
 from gateway.request import GenerationRequest
 from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
-from specd.steps import BatchStats, PreDraftRequest, Proposal, Scores
+from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Scores
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,7 @@ class DraftClient(Protocol):
 
     last_exchange_bytes: int  # request + response bytes of the last hop
 
-    async def propose(self, committed: list[int], draft_length: int, transform: Transform, seed: int,
-                      draft_model: str, min_confidence: float, vocab_limit: int, carrier: dict[str, str],
+    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
                       pre_draft: PreDraftRequest | None = None) -> Proposal:
         """Up to γ draft tokens after `committed`, with q unless greedy; DraftSkipped when
         the draft cannot answer this step in time."""
@@ -184,8 +183,8 @@ class _Speculation:
             next_seed = 0 if transform.greedy else draft_seed(request.seed, self.steps + 1)
             pre_draft = PreDraftRequest(gamma, next_seed)
         try:
-            proposal = await self.draft.propose(self.committed, gamma, transform, seed, request.draft_model,
-                                                request.min_confidence, self.bounds.vocab_size, carrier, pre_draft)
+            draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size)
+            proposal = await self.draft.propose(self.committed, draft_request, request.draft_model, carrier, pre_draft)
         except DraftSkipped as exc:
             log.info("%s", exc)
             return empty

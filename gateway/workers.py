@@ -35,10 +35,11 @@ from gateway.errors import DraftSkipped, WorkerError
 from gateway.streams import StepFailed, WorkerStream
 from specd.rejection import Draws
 from specd.sampling import Transform
-from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
+from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.v1 import worker_pb2
 from specd.wire import (
     batch_from_pb,
+    draft_request_fields,
     identity_to_pb,
     transform_to_pb,
     unpack_distributions,
@@ -218,15 +219,13 @@ class WorkerLink:
 class DraftLink(WorkerLink):
     """Asks the draft service for proposals."""
 
-    async def propose(self, committed: list[int], draft_length: int, transform: Transform,
-                      seed: int, draft_model: str, min_confidence: float, vocab_limit: int,
+    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str,
                       trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None) -> Proposal:
         """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             message = worker_pb2.ProposeRequest(
-                delta=delta, draft_length=draft_length, transform=transform_to_pb(transform), seed=seed,
-                draft_model=draft_model, min_confidence=min_confidence, vocab_limit=vocab_limit,
-                trace_context=worker_pb2.TraceContext(carrier=trace_carrier))
+                delta=delta, draft_model=draft_model, trace_context=worker_pb2.TraceContext(carrier=trace_carrier),
+                **draft_request_fields(request))
             if pre_draft is not None:
                 message.pre_draft.draft_length, message.pre_draft.seed = pre_draft.draft_length, pre_draft.seed
             return message

@@ -1,6 +1,7 @@
 """The plain types the gateway and the workers exchange, one step at a time.
 
-A model's facts (`ModelInfo`), a request to pre-draft the next step (`PreDraftRequest`),
+A model's facts (`ModelInfo`), how to draft one step (`DraftRequest`) and the next one
+early (`PreDraftRequest`),
 how a step was batched (`BatchStats`), and a step's two results: the draft's
 `Proposal` and the target's `Scores`. The workers build them (`specd.worker.jobs`,
 `specd.worker.runtime`), `specd.wire` turns them into worker messages and back, and the
@@ -10,13 +11,14 @@ grpc, so the gateway's records and policies import them for free.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: importing the step types loads no torch
     import torch
 
     from specd.rejection import TargetVerdict
+    from specd.sampling import Transform
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,22 @@ class PreDraftRequest:
 
     draft_length: int
     seed: int
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """How to draft one step: what travels together from the gateway's engine to the draft's
+    sampler, and what a pre-drafted branch must match to answer a later step."""
+
+    draft_length: int  # γ: propose up to this many tokens
+    transform: Transform  # the request's sampling transform (q is built with it)
+    seed: int = 0  # the step's sampler seed (`gateway.engine.draft_seed`; 0 when greedy)
+    min_confidence: float = 0.0  # > 0: stop inside the step once the draft's top probability falls below
+    vocab_limit: int = 0  # > 0: propose only ids below it (the target's vocabulary)
+
+    def then(self, pre_draft: PreDraftRequest) -> DraftRequest:
+        """The next step's request, as a pre-draft foresees it: its γ and seed, the rest the same."""
+        return replace(self, draft_length=pre_draft.draft_length, seed=pre_draft.seed)
 
 
 @dataclass(frozen=True)

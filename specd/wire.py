@@ -19,7 +19,7 @@ import torch
 
 from specd.rejection import Draws, TargetVerdict
 from specd.sampling import Transform
-from specd.steps import BatchStats, ModelInfo
+from specd.steps import BatchStats, DraftRequest, ModelInfo
 from specd.v1 import worker_pb2
 
 # Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
@@ -70,6 +70,17 @@ def unpack_distributions(message: worker_pb2.Distributions) -> torch.Tensor:
 def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
     return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
                                 top_p=transform.top_p)
+
+
+def draft_request_fields(request: DraftRequest) -> dict:
+    """A `DraftRequest` as the fields of a ProposeRequest (the gateway's side)."""
+    return dict(draft_length=request.draft_length, transform=transform_to_pb(request.transform), seed=request.seed,
+                min_confidence=request.min_confidence, vocab_limit=request.vocab_limit)
+
+
+def draft_request_from_pb(message: worker_pb2.ProposeRequest, transform: Transform) -> DraftRequest:
+    """A ProposeRequest's `DraftRequest` (the draft's side), its transform already read."""
+    return DraftRequest(message.draft_length, transform, message.seed, message.min_confidence, message.vocab_limit)
 
 
 def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
 from specd.sampling import Transform
-from specd.steps import PreDraftRequest
+from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.worker.runtime import ModelRunner
@@ -94,6 +94,16 @@ def worker_sessions(port: int) -> float:
                if line.startswith("specd_worker_sessions{"))
 
 
+def sessions_left(port: int, timeout_s: float = 5.0) -> float:
+    """The worker's sessions once they drain, or after timeout_s: a request's sessions end
+    when the gateway names them in its next stream message, just after the response."""
+    for _ in range(int(timeout_s / 0.05)):
+        if worker_sessions(port) == 0:
+            break
+        time.sleep(0.05)
+    return worker_sessions(port)
+
+
 def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_dirs):
     metrics_port = free_port()
     running = start_stack(model_dirs, batching=BatchSettings(max_queue=1), verifier_metrics_port=metrics_port)
@@ -115,7 +125,7 @@ def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_di
             assert "retry in about" in exc.details()
         # The service keeps serving, and nothing is left behind.
         assert len(running.stub.Generate(request(PROMPTS[0], max_new_tokens=8, mode="OFF")).token_ids) == 8
-        assert worker_sessions(metrics_port) == 0
+        assert sessions_left(metrics_port) == 0
     finally:
         running.close()
 
@@ -130,13 +140,8 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
             next(stream)  # each request is in the batch
         for stream in streams:
             stream.cancel()
-        # The gateway ends the worker sessions of a cancelled request at once; allow the
-        # workers a moment to see the message.
-        for _ in range(100):
-            if worker_sessions(metrics_port) == 0:
-                break
-            time.sleep(0.05)
-        assert worker_sessions(metrics_port) == 0
+        # The gateway ends the worker sessions of a cancelled request at once.
+        assert sessions_left(metrics_port) == 0
         assert len(running.stub.Generate(request(PROMPTS[0], max_new_tokens=8)).token_ids) == 8
     finally:
         running.close()
@@ -296,9 +301,9 @@ def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs):
     runner = ModelRunner(model_dirs["close"], max_sessions=1)
 
     async def scenario() -> tuple[int, int]:
-        await runner.propose("a", 0, [5, 6, 7], 3, Transform(), 0, pre_draft=PreDraftRequest(3, 0))
+        await runner.propose("a", 0, [5, 6, 7], DraftRequest(3, Transform()), pre_draft=PreDraftRequest(3, 0))
         pending = len(runner.pre_drafts)
-        await runner.propose("b", 0, [5, 6, 8], 3, Transform(), 0)  # the store keeps one: "a" goes
+        await runner.propose("b", 0, [5, 6, 8], DraftRequest(3, Transform()))  # the store keeps one: "a" goes
         left = len(runner.pre_drafts)
         await runner.close()
         return pending, left

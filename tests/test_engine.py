@@ -16,7 +16,7 @@ from gateway.records import Finish, RequestStats, StepRecord
 from gateway.request import GenerationRequest
 from specd.rejection import target_verdict
 from specd.sampling import Transform
-from specd.steps import Proposal, Scores
+from specd.steps import DraftRequest, Proposal, Scores
 
 VOCAB = 16
 EOS = 15
@@ -40,15 +40,14 @@ class ScriptedDraft:
         self.last_exchange_bytes = 0
         self.prompt_length: int | None = None
 
-    async def propose(self, committed: list[int], draft_length: int, transform: Transform, seed: int,
-                      draft_model: str, min_confidence: float, vocab_size: int, carrier: dict[str, str],
+    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
                       pre_draft=None) -> Proposal:
-        self.min_confidence = min_confidence
+        self.min_confidence = request.min_confidence
         if self.steps == self.fail_at:
             raise WorkerError(self.fail, "scripted failure")
         self.steps += 1
         tokens, prefix = [], list(committed)
-        for _ in range(draft_length):
+        for _ in range(request.draft_length):
             position = len(prefix)
             token = self.tokens.get(position, truth(prefix))
             if position - PROMPT_LENGTH in self.wrong:
@@ -189,9 +188,9 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
     accepts with probability min(1, p/q) = 1)."""
 
     class SampledDraft(ScriptedDraft):
-        async def propose(self, committed, draft_length, *args, **kwargs) -> Proposal:
-            proposal = await super().propose(committed, draft_length, *args, **kwargs)
-            return Proposal(proposal.tokens, torch.full((draft_length, VOCAB), 1.0 / VOCAB), 0.0)
+        async def propose(self, committed, request, *args, **kwargs) -> Proposal:
+            proposal = await super().propose(committed, request, *args, **kwargs)
+            return Proposal(proposal.tokens, torch.full((request.draft_length, VOCAB), 1.0 / VOCAB), 0.0)
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),

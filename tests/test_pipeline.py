@@ -103,17 +103,18 @@ def test_adaptive_policies_stay_exact(stack, target_model, tokenizer, policy):
 
 def test_confidence_threshold_stops_the_draft_early(model_dirs):
     from specd.sampling import Transform
+    from specd.steps import DraftRequest
     from specd.worker.runtime import ModelRunner
 
     async def scenario():
         runner = ModelRunner(model_dirs["close"])
         prompt = [5, 6, 7]
-        full = await runner.propose("a", 0, prompt, 6, Transform(), seed=0)
+        full = await runner.propose("a", 0, prompt, DraftRequest(6, Transform()))
         assert len(full.tokens) == 6
-        cautious = await runner.propose("b", 0, prompt, 6, Transform(), seed=0, min_confidence=1.0)
+        cautious = await runner.propose("b", 0, prompt, DraftRequest(6, Transform(), min_confidence=1.0))
         assert cautious.tokens == full.tokens[:1]  # at least one token, then stop
         # The session stays consistent after an early stop: continue from it.
-        after = await runner.propose("b", len(prompt) + 1, [9], 2, Transform(), seed=0)
+        after = await runner.propose("b", len(prompt) + 1, [9], DraftRequest(2, Transform()))
         assert len(after.tokens) == 2
         await runner.close()
 

@@ -10,7 +10,7 @@ import torch
 
 from specd.rejection import Draws, sample, target_verdict
 from specd.sampling import Transform, probs_from_logits
-from specd.steps import Proposal, Scores
+from specd.steps import DraftRequest, Proposal, Scores
 from specd.worker.batching import Job
 from specd.worker.kvstore import SessionKV
 
@@ -26,14 +26,10 @@ class ProposeJob(Job):
     the bonus token.
     """
 
-    def __init__(self, session: SessionKV, feed: list[int], draft_length: int, transform: Transform,
-                 seed: int, min_confidence: float, vocab_limit: int, guess_first: bool = False) -> None:
+    def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False) -> None:
         super().__init__(session, feed, keep=1)
-        self.draft_length = draft_length
-        self.transform = transform
-        self.generator = torch.Generator().manual_seed(seed)
-        self.min_confidence = min_confidence
-        self.vocab_limit = vocab_limit
+        self.request = request
+        self.generator = torch.Generator().manual_seed(request.seed)
         self.guessing = guess_first
         self.guess: int | None = None
         self.drafted: list[int] = []
@@ -44,17 +40,18 @@ class ProposeJob(Job):
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
             return False
-        if self.vocab_limit:
-            logits = logits[:, :self.vocab_limit]
+        request = self.request
+        if request.vocab_limit:
+            logits = logits[:, :request.vocab_limit]
         if self.guessing:
             self.guessing = False
             self.guess = int(logits[0].argmax())
             self.session.tokens.append(self.guess)
             self.pending = [self.guess]
             return False
-        greedy = self.transform.greedy
-        q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, self.transform)[0]
-        if self.drafted and float(q.max()) < self.min_confidence:
+        greedy = request.transform.greedy
+        q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, request.transform)[0]
+        if self.drafted and float(q.max()) < request.min_confidence:
             return True
         best, second = logits[0].topk(2).indices.tolist()
         # Sampled by inverse CDF with a uniform from the step's seeded generator (on the
@@ -65,7 +62,7 @@ class ProposeJob(Job):
         self.drafted.append(token)
         self.alternatives.append(second if token == best else best)
         self.token_probs.append(float(q[token]))
-        if len(self.drafted) == self.draft_length:
+        if len(self.drafted) == request.draft_length:
             return True
         # The last proposal is not fed: nothing needs its logits yet; it stays known, so
         # the next step feeds it if it was accepted.

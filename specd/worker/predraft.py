@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from specd.sampling import Transform
-from specd.steps import PreDraftRequest, Proposal
+from specd.steps import DraftRequest, PreDraftRequest, Proposal
 from specd.worker.jobs import ProposeJob
 from specd.worker.kvstore import SessionKV
 
@@ -58,12 +57,9 @@ class Branch:
 
 @dataclass
 class PendingPreDraft:
-    """The branches of one session and the request settings they were drafted under."""
+    """The branches of one session and the request they were drafted under."""
 
-    request: PreDraftRequest
-    transform: Transform
-    min_confidence: float
-    vocab_limit: int
+    request: DraftRequest
     branches: list[Branch]
 
     def cancel(self) -> None:
@@ -80,7 +76,7 @@ class PreDrafts:
         self._pending: dict[str, PendingPreDraft] = {}
 
     def start(self, session_id: str, session: SessionKV, committed: int, proposed: ProposeJob,
-              request: PreDraftRequest, min_confidence: float, vocab_limit: int) -> asyncio.Future:
+              pre_draft: PreDraftRequest) -> asyncio.Future:
         """Pre-draft the next step of a session that has just proposed `proposed.drafted`.
 
         committed: the committed length the proposal followed (its x₁ is at that index).
@@ -88,18 +84,17 @@ class PreDrafts:
         accepted lengths they assumed.
         """
         self.cancel(session_id)
-        drafted, transform = proposed.drafted, proposed.transform
-        settings = (request, transform, min_confidence, vocab_limit)
+        drafted, request = proposed.drafted, proposed.request.then(pre_draft)
         branches = []
         for j in self._verdicts(proposed.token_probs):
             if j < len(drafted):  # x_{j+1} rejected: the target commits the draft's other guess there
                 token = proposed.alternatives[j]
-                branch = self._branch(session, committed + j, token, token, *settings)
+                branch = self._branch(session, committed + j, token, token, request)
             else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
-                branch = self._branch(session, committed + j - 1, drafted[-1], None, *settings)
+                branch = self._branch(session, committed + j - 1, drafted[-1], None, request)
             if branch is not None:
                 branches.append(branch)
-        self._pending[session_id] = PendingPreDraft(request, transform, min_confidence, vocab_limit, branches)
+        self._pending[session_id] = PendingPreDraft(request, branches)
         assumed = [branch.start - committed for branch in branches]
         settled = asyncio.gather(*(branch.task for branch in branches), return_exceptions=True)
         return asyncio.ensure_future(_then(settled, assumed))
@@ -118,31 +113,31 @@ class PreDrafts:
         ranked = [j for _, j in sorted(likelihood, reverse=True)]
         return ranked if self.mode == "all" else ranked[:int(self.mode)]
 
-    def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None, request: PreDraftRequest,
-                transform: Transform, min_confidence: float, vocab_limit: int) -> Branch | None:
+    def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None,
+                request: DraftRequest) -> Branch | None:
         """A job proposing from the first `keep` cached tokens plus `feed` (then a guess if token
         is None); None when the KV pool has no room for it (pre-drafting is only a bet)."""
         fork = session.fork(keep, keep + request.draft_length + 2)
         if fork is None:
             return None
         fork.tokens.append(feed)
-        job = ProposeJob(fork, [feed], request.draft_length, transform, request.seed, min_confidence, vocab_limit,
-                         guess_first=token is None)
+        job = ProposeJob(fork, [feed], request, guess_first=token is None)
         task = asyncio.get_running_loop().create_task(self._submit(job))
         task.add_done_callback(_consume_error)
         start = keep if token is not None else keep + 1
         return Branch(start, token, job, task)
 
-    def take(self, session_id: str, start: int, tokens: list[int], draft_length: int, transform: Transform,
-             seed: int, min_confidence: float, vocab_limit: int) -> Branch | None:
-        """The branch matching a session's next request, if any; every other branch is dropped."""
+    def take(self, session_id: str, start: int, tokens: list[int], request: DraftRequest) -> Branch | None:
+        """The branch matching a session's next request, if any; every other branch is dropped.
+        A branch answers a request that differs from the one it foresaw only by a shorter γ
+        (it takes a prefix)."""
         pending = self._pending.pop(session_id, None)
         if pending is None:
             return None
         hit = None
-        settings_match = (pending.request.seed == seed and pending.transform == transform
-                          and pending.min_confidence == min_confidence and pending.vocab_limit == vocab_limit
-                          and 0 < draft_length <= pending.request.draft_length and len(tokens) == 1)
+        foreseen = pending.request
+        settings_match = (replace(request, draft_length=foreseen.draft_length) == foreseen
+                          and 0 < request.draft_length <= foreseen.draft_length and len(tokens) == 1)
         for branch in pending.branches:
             if hit is None and settings_match and branch.assumes(start, tokens[0]):
                 hit = branch

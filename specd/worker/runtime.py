@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.rejection import Draws
 from specd.sampling import Transform
-from specd.steps import ModelInfo, PreDraftRequest, Proposal, Scores
+from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Scores
 from specd.worker import kvstore
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
@@ -252,22 +252,21 @@ class ModelRunner:
 
     # -- the two operations the services expose -----------------------------------------
 
-    async def propose(self, session_id: str, start: int, tokens: list[int], draft_length: int,
-                      transform: Transform, seed: int, min_confidence: float = 0.0, vocab_limit: int = 0,
+    async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
                       pre_draft: PreDraftRequest | None = None) -> Proposal:
-        """Draft side: bring the session up to date and propose up to `draft_length` tokens.
+        """Draft side: bring the session up to date and propose up to `request.draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
-        With min_confidence, proposing stops early (after at least one token) when the
-        draft's top probability for the next token falls below it. vocab_limit > 0 keeps
-        proposals below that id (the target's vocabulary). With pre_draft, the next
+        With request.min_confidence, proposing stops early (after at least one token) when
+        the draft's top probability for the next token falls below it. request.vocab_limit
+        > 0 keeps proposals below that id (the target's vocabulary). With pre_draft, the next
         step's proposal is drafted for the likely verdicts once this one is answered
         (`specd.worker.predraft`); a request matching one is answered from it.
         """
+        draft_length = request.draft_length
         if draft_length < 1:
             raise InvalidArgument("draft_length must be >= 1")
-        branch = self.pre_drafts.take(session_id, start, tokens, draft_length, transform, seed, min_confidence,
-                                      vocab_limit)
+        branch = self.pre_drafts.take(session_id, start, tokens, request)
         proposal = job = None
         if branch is not None:
             proposal, job = await self._adopt(session_id, branch, draft_length)
@@ -277,13 +276,12 @@ class ModelRunner:
             if not feed:
                 self.sessions.release()
                 raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
-            job = ProposeJob(session, feed, draft_length, transform, seed, min_confidence, vocab_limit)
+            job = ProposeJob(session, feed, request)
             proposal = await self._step(session_id, session, job)
         if pre_draft is not None and proposal.tokens:
             assert job is not None  # it made the proposal
             committed = len(job.session.tokens) - len(proposal.tokens)
-            settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft, min_confidence,
-                                            vocab_limit)
+            settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft)
             proposal = replace(proposal, pre_draft=settled)
         return proposal
 
