@@ -27,19 +27,22 @@ class DraftSkipped(SpecdError):
     past its budget. The step goes on without a proposal; the request is not affected."""
 
 
-class Busy(SpecdError):
-    """The gateway is at --max-concurrent-requests (or a tenant at its share): come back
-    later. Each transport refuses with its own retry advice (gRPC's pushback trailer,
-    HTTP's Retry-After)."""
-
-
 # gRPC's retry pushback (proposal A6): a client with a retry policy waits this long before
 # retrying a RESOURCE_EXHAUSTED, instead of at once; the message says the same to people.
 RETRY_PUSHBACK_MS = 250
 
 
+class Busy(SpecdError):
+    """The gateway is at --max-concurrent-requests (or a tenant at its share): come back
+    later. Each transport refuses with its own retry advice (gRPC's pushback trailer,
+    HTTP's Retry-After)."""
+
+    status = "RESOURCE_EXHAUSTED"
+    trailers = (("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),)
+
+
 async def refuse_busy(context, message: str) -> None:
-    """Abort a call with RESOURCE_EXHAUSTED and retry advice (the message, and the
-    grpc-retry-pushback-ms trailer)."""
-    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+    """Abort a call as `Busy` would leave it, from an interceptor (which runs before the
+    error mapping can see an exception)."""
+    context.set_trailing_metadata(Busy.trailers)
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

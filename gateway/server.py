@@ -21,7 +21,6 @@ from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.drift import load_baseline
-from gateway.errors import Busy, refuse_busy
 from gateway.http import HttpServer, OpenAIApp
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
@@ -82,14 +81,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        try:
-            # aclosing: a client that goes away closes the links now, not at garbage collection.
-            # InvalidRequest and WorkerError leave as their statuses (specd.interceptors).
-            async with contextlib.aclosing(self.core.generate(params_from_pb(request), deadline)) as chunks:
-                async for chunk in chunks:
-                    yield _chunk_pb(chunk)
-        except Busy as exc:
-            await refuse_busy(context, str(exc))
+        # aclosing: a client that goes away closes the links now, not at garbage collection.
+        # InvalidRequest, Busy and WorkerError leave as their statuses (specd.interceptors).
+        async with contextlib.aclosing(self.core.generate(params_from_pb(request), deadline)) as chunks:
+            async for chunk in chunks:
+                yield _chunk_pb(chunk)
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
         # An unknown label is InvalidArgument: INVALID_ARGUMENT (specd.interceptors).

@@ -22,6 +22,8 @@ hit them prints the message and exits.
         ├── WrongModel                      specd/errors.py   FAILED_PRECONDITION: a step opens a
         │                                                     session for a model this worker does
         │                                                     not hold; the gateway moves it
+        ├── Busy                            gateway/errors.py RESOURCE_EXHAUSTED with a retry pushback:
+        │                                                     the gateway (or a tenant) is at its limit
         ├── WorkerError                     gateway/errors.py the code it carries: a worker failed a
         │                                                     step for good (the gateway passes it on)
         ├── DraftSkipped                    gateway/errors.py none: the draft was too slow for a step,
@@ -56,9 +58,11 @@ def clip(value: object, limit: int = ECHO_LIMIT) -> str:
 
 class SpecdError(Exception):
     """The base of every specd exception. `status`: the name of the gRPC status code it
-    leaves a server with (None: it never reaches a client as such)."""
+    leaves a server with (None: it never reaches a client as such); `trailers`: metadata
+    that status carries (a retry pushback)."""
 
     status: str | None = None
+    trailers: tuple[tuple[str, str], ...] = ()
 
     def status_message(self, service: str) -> str:
         """The status message, for a failure in `service` ("draft", "verifier", "gateway")."""

@@ -65,9 +65,12 @@ def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
 
 
 async def _map(exc: BaseException, method: str, context: grpc.aio.ServicerContext) -> None:
-    """Abort with the status that `exc` stands for (re-raises what is already a status)."""
+    """Abort with the status that `exc` stands for, and its trailers (re-raises what is
+    already a status)."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
+    if isinstance(exc, SpecdError) and exc.trailers:
+        context.set_trailing_metadata(exc.trailers)
     await context.abort(*status_of(exc, method))
 
 
