@@ -111,8 +111,9 @@ class Counts:
         """Draft positions reached, summed over positions: α's denominator."""
         return sum(self.reached())
 
-    def conditional_acceptance(self) -> float:
-        """P(a draft token is accepted | the ones before it were): what the geometric
+    @property
+    def alpha(self) -> float:
+        """α: P(a draft token is accepted | the ones before it were): what the geometric
         model's α means, pooled over the draft positions reached. Unlike accepted /
         proposed it does not fall when drafts get longer at the same agreement."""
         reached = self.reached_tokens
@@ -292,7 +293,7 @@ class AcceptanceStats:
                 return None
             return counts.position_curve()
 
-    def measured_acceptance(self, model_pair: str, task_type: str, min_samples: int = 32) -> float | None:
+    def measured_alpha(self, model_pair: str, task_type: str, min_samples: int = 32) -> float | None:
         """Conditional acceptance of a pair over its lifetime: on this task once it has
         `min_samples` draft tokens, else over all the pair's tasks once they have; None before.
 
@@ -308,4 +309,4 @@ class AcceptanceStats:
                         counts.merge(task_counts)
             if counts.draft_tokens < min_samples:
                 return None
-            return counts.conditional_acceptance()
+            return counts.alpha

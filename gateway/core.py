@@ -182,7 +182,7 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
     highest = min(request.max_draft_length or prior.max_draft_length, settings.max_draft_length)
     lowest = min(request.min_draft_length or prior.min_draft_length, highest)
-    profile = TaskProfile(prior.prior_acceptance, max(lowest, 1), max(highest, 1))
+    profile = TaskProfile(prior.prior_alpha, max(lowest, 1), max(highest, 1))
     seed = request.seed or secrets.randbits(63)
     overlap = settings.overlap if request.overlap is None else request.overlap
     # The confidence policy's threshold is carried out by the draft, inside each step.
@@ -315,11 +315,11 @@ class GatewayCore:
         assert verdict is not None  # flagged
         log.warning("acceptance drift: pair %s, task %s, segment %r: window acceptance %.3f vs %s %.3f "
                     "(drop %.1f points, z=%.1f); run `specd doctor --gateway ... --task %s`",
-                    *key, verdict.window_rate, verdict.reference, verdict.reference_rate,
+                    *key, verdict.window_alpha, verdict.reference, verdict.reference_alpha,
                     100 * verdict.drop, verdict.z, labels.task_type)
         request_trace.step_event("specd.acceptance_drift", {
-            "gateway.drift.window_acceptance": verdict.window_rate,
-            "gateway.drift.reference_acceptance": verdict.reference_rate,
+            "gateway.drift.window_alpha": verdict.window_alpha,
+            "gateway.drift.reference_alpha": verdict.reference_alpha,
             "gateway.drift.reference": verdict.reference, "gateway.drift.drop": verdict.drop,
             "gateway.drift.z": verdict.z})
 
@@ -354,7 +354,7 @@ class GatewayCore:
         # choice between a match and the draft must not depend on timings (or on other
         # requests' statistics) either: fixed priors price it.
         timed = isinstance(policy, CostPolicy)
-        prior = parsed.profile.prior_acceptance
+        prior = parsed.profile.prior_alpha
 
         def model_alpha() -> float:
             return policy.alpha if isinstance(policy, CostPolicy) else prior
@@ -441,7 +441,7 @@ class GatewayCore:
                     if parsed.selected and draft is not None and not diagnostic:
                         assert self.selector is not None  # it selected the draft
                         self.selector.observe(parsed.task_type, labels.user_segment, generation.draft_model,
-                                              stats.counts(model_drafts_only=True).conditional_acceptance(),
+                                              stats.counts(model_drafts_only=True).alpha,
                                               *stats.goodput(model_drafts_only=True))
                     if self.suffix_cache is not None and not diagnostic:
                         # The prompt's end goes in before the response: the same prompt again

@@ -53,8 +53,8 @@ class Sample:
     accepted_tokens: int
 
     @property
-    def rate(self) -> float:
-        """Conditional acceptance α."""
+    def alpha(self) -> float:
+        """Conditional acceptance α: accepted ÷ draft positions reached."""
         return self.accepted_tokens / self.reached if self.reached else 0.0
 
 
@@ -62,8 +62,8 @@ class Sample:
 class Drift:
     """The verdict on one segment."""
 
-    window_rate: float
-    reference_rate: float
+    window_alpha: float
+    reference_alpha: float
     reference: str  # "lifetime" or "baseline"
     drop: float  # reference − window, acceptance points (negative: it rose)
     z: float
@@ -81,17 +81,17 @@ def judge(window: Sample, reference: Sample | float, settings: DriftSettings) ->
     if isinstance(reference, Sample):
         if reference.drafts < settings.min_drafts or reference.reached == 0:
             return None
-        p_ref, kind = reference.rate, "lifetime"
+        p_ref, kind = reference.alpha, "lifetime"
         pooled = ((window.accepted_tokens + reference.accepted_tokens)
                   / (window.reached + reference.reached))
         variance = pooled * (1 - pooled) * (1 / window.drafts + 1 / reference.drafts)
     else:
         p_ref, kind = float(reference), "baseline"
         variance = p_ref * (1 - p_ref) / window.drafts
-    drop = p_ref - window.rate
+    drop = p_ref - window.alpha
     # A reference of exactly 0 or 1 has no spread: any drop of min_drop is then significant.
     z = drop / math.sqrt(variance) if variance > 0 else (math.inf if drop > 0 else 0.0)
-    return Drift(window.rate, p_ref, kind, drop, z, drop >= settings.min_drop and z >= settings.min_z)
+    return Drift(window.alpha, p_ref, kind, drop, z, drop >= settings.min_drop and z >= settings.min_z)
 
 
 def load_baseline(path: Path) -> dict[tuple[str, str], float]:

@@ -48,14 +48,15 @@ class ModelFreeProposer(Protocol):
 
 
 class _Acceptance:
-    """A proposer's acceptance in one request: an EMA of pseudo-counts from a prior."""
+    """A proposer's α in one request (accepted ÷ positions reached): an EMA of pseudo-counts
+    from a prior."""
 
     def __init__(self, prior: float) -> None:
         self.accepted, self.trials = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
         self.decay = 1.0 - 1.0 / MEMORY_STEPS
 
     @property
-    def rate(self) -> float:
+    def alpha(self) -> float:
         return self.accepted / self.trials
 
     def observe(self, accepted: int, proposed: int) -> None:
@@ -121,7 +122,7 @@ class HybridChoice:
         return best[1]
 
     def _rates(self, match: Match) -> list[float]:
-        learned = self._acceptance[match.proposer].rate
+        learned = self._acceptance[match.proposer].alpha
         if match.confidence is None:
             return [learned] * len(match.tokens)
         return [min(share, learned) for share in match.confidence]

@@ -17,7 +17,7 @@ not, so alerts (k8s/prometheus/specd-rules.yaml) and drift use α.
 
 Drift (`gateway.drift`), per model_pair, task_type, user_segment and reference
 ("lifetime" or "baseline"): `specd_spec_decode_acceptance_drift` is the drop in
-acceptance points (reference − window; negative when it rose) and
+α points (reference − window; negative when it rose) and
 `specd_spec_decode_acceptance_drift_flagged` is 1 while the drop is large and
 significant (k8s/prometheus/specd-rules.yaml alerts on it). Draft selection by goodput:
 `specd_draft_selected_total{task_type,user_segment,draft_model}` counts each draft's
@@ -25,6 +25,8 @@ requests, so each draft's share is
 
     sum by (draft_model) (rate(specd_draft_selected_total[5m]))
       / ignoring(draft_model) group_left sum(rate(specd_draft_selected_total[5m]))
+
+Metric names stay as released; their help says which of the two quantities each is.
 
 The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
 time; it never writes.
@@ -129,8 +131,8 @@ class AcceptanceCollector(Collector):
     def _drift(self):
         labels = ["model_pair", "task_type", "user_segment", "reference"]
         drop = GaugeMetricFamily(PREFIX + "acceptance_drift",
-                                 "Acceptance points lost: reference (lifetime or pinned baseline) minus the "
-                                 "sliding window.", labels=labels)
+                                 "α points lost (α: accepted ÷ draft positions reached): reference (lifetime "
+                                 "or pinned baseline) minus the sliding window.", labels=labels)
         flagged = GaugeMetricFamily(PREFIX + "acceptance_drift_flagged",
                                     "1 while the drop is at least the configured points and significant.",
                                     labels=labels)
@@ -148,15 +150,15 @@ class AcceptanceCollector(Collector):
                                      labels=labels)
         goodput = GaugeMetricFamily("specd_draft_goodput_tokens_per_ms",
                                     "Measured goodput of each draft (tokens per ms of step time).", labels=labels)
-        acceptance = GaugeMetricFamily("specd_draft_selection_acceptance",
-                                       "Mean conditional acceptance of each draft's selected requests "
-                                       "(what selection chooses by, with the pair's costs).", labels=labels)
+        alpha = GaugeMetricFamily("specd_draft_selection_acceptance",
+                                  "Mean α (accepted ÷ draft positions reached) of each draft's selected requests "
+                                  "(what selection chooses by, with the pair's costs).", labels=labels)
         for key, arm in sorted(self.selector.snapshot().items()):
             chosen.add_metric(list(key), arm.pulls)
             if arm.n:
                 goodput.add_metric(list(key), arm.goodput)
-                acceptance.add_metric(list(key), arm.acceptance)
-        return [chosen, goodput, acceptance]
+                alpha.add_metric(list(key), arm.alpha)
+        return [chosen, goodput, alpha]
 
     def _load(self):
         """How the verifier batched this gateway's steps; mean = rate(_sum) / rate(_count)."""

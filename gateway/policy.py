@@ -250,7 +250,7 @@ class CostPolicy:
         self._probing = False
         self.decay = 1.0 - 1.0 / memory_steps
         # Acceptance as an EMA of pseudo-counts: the task's prior is worth prior_weight tokens.
-        self.accepted = profile.prior_acceptance * prior_weight
+        self.accepted = profile.prior_alpha * prior_weight
         self.trials = prior_weight
         self.plain_steps = 0
 
@@ -344,9 +344,9 @@ def _cost(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model
     profile = parsed.profile
     # The request's acceptance estimate starts from what this pair has measured on this
     # task, when it has, rather than from the table's prior.
-    measured = stats.measured_acceptance(model_pair, parsed.task_type)
+    measured = stats.measured_alpha(model_pair, parsed.task_type)
     if measured is not None:
-        profile = replace(profile, prior_acceptance=measured)
+        profile = replace(profile, prior_alpha=measured)
     return CostPolicy(costs, profile,
                       curve=lambda: stats.position_curve(model_pair, parsed.task_type),
                       overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)

@@ -57,19 +57,19 @@ class Arm:
 
     pulls: int = 0  # requests sent to it (observed or still running)
     n: int = 0  # requests observed, capped at the selector's memory
-    acceptance: float = 0.0  # mean conditional acceptance α of a request
+    alpha: float = 0.0  # mean α (accepted ÷ positions reached) of a request
     m2: float = 0.0  # sum of squared deviations of α (Welford), over the same weight as n
     goodput: float = 0.0  # mean tokens per ms of a request (reported, not chosen by)
 
-    def observe(self, acceptance: float, goodput: float, memory: int) -> None:
+    def observe(self, alpha: float, goodput: float, memory: int) -> None:
         """Add one request; past `memory` requests the oldest weigh out (EWMA)."""
         full = self.n >= memory
         self.n = min(self.n + 1, memory)
-        delta = acceptance - self.acceptance
-        self.acceptance += delta / self.n
+        delta = alpha - self.alpha
+        self.alpha += delta / self.n
         if full:  # the oldest request's share leaves the sum as the new one's comes in
             self.m2 *= (self.n - 1) / self.n
-        self.m2 += delta * (acceptance - self.acceptance)
+        self.m2 += delta * (alpha - self.alpha)
         self.goodput += (goodput - self.goodput) / self.n
 
     def variance(self) -> float:
@@ -142,7 +142,7 @@ class DraftSelector:
         seen = sum(arm.n for arm in others)
         if not seen:
             return PRIOR_ACCEPTANCE, 0
-        return sum(arm.acceptance * arm.n for arm in others) / seen, min(PRIOR_REQUESTS, seen)
+        return sum(arm.alpha * arm.n for arm in others) / seen, min(PRIOR_REQUESTS, seen)
 
     def _draw(self, draft: str, arm: Arm, prior: tuple[float, float], sd: float) -> float:
         """One posterior draw of what this draft is worth: the speedup its pair's costs
@@ -152,11 +152,11 @@ class DraftSelector:
         if weight == 0:  # measured nowhere yet (sent but not back, or its request failed)
             alpha = self._rng.gauss(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE_SD)
         else:
-            mean = (arm.acceptance * arm.n + prior_alpha * prior_weight) / weight
+            mean = (arm.alpha * arm.n + prior_alpha * prior_weight) / weight
             alpha = self._rng.gauss(mean, sd / math.sqrt(weight))
         return self._speedup(draft, min(max(alpha, 0.0), 0.999))
 
-    def observe(self, task_type: str, user_segment: str, draft: str, acceptance: float, tokens: int,
+    def observe(self, task_type: str, user_segment: str, draft: str, alpha: float, tokens: int,
                 ms: float) -> None:
         """What a request served by `draft` achieved: its conditional acceptance α (0 when
         it proposed nothing: its policy found speculating with this draft not worth a step),
@@ -165,12 +165,12 @@ class DraftSelector:
             return
         with self._lock:
             goodput = tokens / ms if ms > 0 else 0.0
-            self._arms_of(task_type, user_segment)[draft].observe(acceptance, goodput, self.memory)
+            self._arms_of(task_type, user_segment)[draft].observe(alpha, goodput, self.memory)
 
     def snapshot(self) -> dict[tuple[str, str, str], Arm]:
         """(task type, user segment, draft) → a copy of its arm (metrics, tests)."""
         with self._lock:
-            return {(task, segment, name): Arm(arm.pulls, arm.n, arm.acceptance, arm.m2, arm.goodput)
+            return {(task, segment, name): Arm(arm.pulls, arm.n, arm.alpha, arm.m2, arm.goodput)
                     for (task, segment), arms in self._arms.items() for name, arm in arms.items()}
 
     def _arms_of(self, task_type: str, user_segment: str) -> dict[str, Arm]:

@@ -19,7 +19,7 @@ TASK_TYPES = (CODE, QA, SUMMARIZATION, TRANSLATION, AGENTIC, GENERAL)
 class TaskProfile:
     """What the γ policies assume about a task before measuring: prior α and γ bounds."""
 
-    prior_acceptance: float
+    prior_alpha: float
     min_draft_length: int
     max_draft_length: int
 

@@ -149,17 +149,17 @@ def test_conditional_acceptance_and_measured_prior():
     counts.add(4, 4, 5, 0)  # all four accepted
     counts.add(4, 0, 1, 0)  # first rejected
     # positions reached: 2 at position 1, then 1 at 2..4: 5 reached, 4 accepted
-    assert counts.conditional_acceptance() == pytest.approx(4 / 5)
+    assert counts.alpha == pytest.approx(4 / 5)
     stats = AcceptanceStats()
     labels = stats.labels("d->t", "code", "", 1)
-    assert stats.measured_acceptance("d->t", "code") is None
+    assert stats.measured_alpha("d->t", "code") is None
     for _ in range(4):
         stats.record(labels, 4, 4, 5, 0)
         stats.record(labels, 4, 0, 1, 0)
-    assert stats.measured_acceptance("d->t", "code") == pytest.approx(4 / 5)
+    assert stats.measured_alpha("d->t", "code") == pytest.approx(4 / 5)
     # A task the pair has not served yet starts from the pair's acceptance on its other tasks.
-    assert stats.measured_acceptance("d->t", "prose") == pytest.approx(4 / 5)
-    assert stats.measured_acceptance("other->t", "code") is None
+    assert stats.measured_alpha("d->t", "prose") == pytest.approx(4 / 5)
+    assert stats.measured_alpha("other->t", "code") is None
 
 
 def test_task_types_are_capped_like_segments():

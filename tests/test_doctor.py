@@ -93,5 +93,5 @@ def test_gamma_sweep_finds_gamma_1_for_a_costly_draft_that_never_agrees(clinic):
     # γ is, and each extra draft token costs a 12-layer forward; the best γ is the least.
     prober = Prober(clinic.stub, [("code", p) for p in PROMPTS], 16, "costly")
     sweep = sweep_gamma(prober, range(1, 5), temperature=0.0)
-    assert all(run.result.acceptance < 0.05 for run in sweep), [run.result.acceptance for run in sweep]
+    assert all(run.result.acceptance_rate < 0.05 for run in sweep), [run.result.acceptance_rate for run in sweep]
     assert best_gamma(sweep) == 1, [(run.result.config.draft_length, run.result.tokens_per_s) for run in sweep]

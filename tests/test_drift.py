@@ -68,7 +68,7 @@ def test_a_longer_draft_at_the_same_acceptance_raises_no_flag():
     assert not any(feed(stats, labels, rng, 0.7, 3000, gamma=2))
     assert not any(feed(stats, labels, rng, 0.7, 600, gamma=8))
     verdict = stats.drift(labels)
-    assert abs(verdict.window_rate - 0.7) < 0.05 and abs(verdict.reference_rate - 0.7) < 0.05
+    assert abs(verdict.window_alpha - 0.7) < 0.05 and abs(verdict.reference_alpha - 0.7) < 0.05
 
 
 def test_other_segments_keep_their_own_reference():
@@ -92,7 +92,7 @@ def test_a_pinned_baseline_replaces_lifetime_acceptance():
     labels = stats.labels("d->t", "code", "acme", 40)
     flags = feed(stats, labels, random.Random(2), 0.6, 300)  # never better since start-up
     verdict = stats.drift(labels)
-    assert flags[-1] and verdict.reference == "baseline" and verdict.reference_rate == 0.9
+    assert flags[-1] and verdict.reference == "baseline" and verdict.reference_alpha == 0.9
 
 
 def test_too_few_drafts_give_no_verdict():

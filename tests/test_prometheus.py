@@ -90,7 +90,7 @@ def test_real_prometheus_scrapes_and_answers_the_readme_promql(metered_gateway, 
         assert query(base, MEAN_ACCEPTANCE_LENGTH) == pytest.approx(row.mean_acceptance_length, abs=1e-6)
         per_position = Counts(proposed_per_position=list(row.proposed_per_position),
                               accepted_per_position=list(row.accepted_per_position))
-        assert query(base, ALPHA) == pytest.approx(per_position.conditional_acceptance(), abs=1e-6)
+        assert query(base, ALPHA) == pytest.approx(per_position.alpha, abs=1e-6)
         by_position = query(base, 'sum(specd_spec_decode_num_accepted_tokens_per_pos_total{position="1"})')
         assert by_position == row.accepted_per_position[0]
     finally:

@@ -40,7 +40,7 @@ def test_bandit_converges_to_the_better_draft():
     chosen = serve(selector, {"general": 0.55, "coder": 0.7, "tiny": 0.3}, random.Random(1), 300)
     assert chosen[-100:].count("coder") >= 95, {d: chosen[-100:].count(d) for d in set(chosen)}
     arms = selector.snapshot()
-    assert abs(arms[("code", "acme", "coder")].acceptance - 0.7) < 0.05
+    assert abs(arms[("code", "acme", "coder")].alpha - 0.7) < 0.05
 
 
 def test_a_draft_the_target_never_agrees_with_is_dropped_after_its_trial():

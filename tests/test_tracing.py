@@ -254,7 +254,7 @@ def test_drift_is_an_event_on_the_step_span_that_raised_it(model_dirs, memory_sp
     index, event = events[0]
     assert index >= 9  # not before min_drafts drafts were seen
     assert event.attributes["gateway.drift.reference"] == "baseline"
-    assert event.attributes["gateway.drift.reference_acceptance"] == pytest.approx(0.99)
+    assert event.attributes["gateway.drift.reference_alpha"] == pytest.approx(0.99)
     assert event.attributes["gateway.drift.drop"] >= 0.1
 
 

@@ -90,7 +90,7 @@ class Result:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
-    def acceptance(self) -> float:
+    def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
@@ -292,10 +292,10 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
 def table(results: list[Result], extra: dict[str, float], costs: Costs | None = None) -> str:
     """The side-by-side table, plain text; with costs, the speedup the cost model predicts."""
     base = results[0].tokens_per_s
-    lines = [f"{'configuration':<26} {'acceptance':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"
+    lines = [f"{'configuration':<26} {'acc. rate':>10} {'tokens/step':>11} {'tokens/s':>9} {'× target-only':>13}"
              f" {'same output':>12} {'predicted ×':>11} {'hit rate':>8}"]
     for r in results:
-        accept = f"{r.acceptance:.3f}" if r.proposed else "—"
+        accept = f"{r.acceptance_rate:.3f}" if r.proposed else "—"
         predicted = None
         if costs is not None and r.config.mode == "fixed":
             predicted = costs.predicted_speedup(r.tokens_per_step, r.config.draft_length)
@@ -312,7 +312,7 @@ def table(results: list[Result], extra: dict[str, float], costs: Costs | None = 
     tasks = sorted({t for r in results for t in r.by_task})
     if len(tasks) > 1:
         lines.append("")
-        lines.append("per task type: acceptance / tokens/s")
+        lines.append("per task type: acceptance rate / tokens/s")
         lines.append(f"{'configuration':<26} " + " ".join(f"{t:>20}" for t in tasks))
         for r in results:
             cells = []
@@ -436,7 +436,7 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
              "ttft_p50_s": statistics.median(r.first_token) if r.first_token else None,
              "tbt_p50_s": statistics.median(r.between_tokens) if r.between_tokens else None,
              "mean_verify_batch": statistics.fmean(r.batch_sizes) if r.batch_sizes else None,
-             "acceptance": r.accepted / r.proposed if r.proposed else None, "failures": r.failures}
+             "acceptance_rate": r.accepted / r.proposed if r.proposed else None, "failures": r.failures}
             for r in [*results, *reference.values()]]
     (out / "load.json").write_text(json.dumps({
         "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -472,13 +472,13 @@ def run(args: argparse.Namespace) -> int:
         "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "rounds": args.rounds, "prompts": {t: len(p) for t, p in workload.items()},
         "configurations": [{"label": r.config.label, "tokens": r.tokens, "seconds": r.seconds,
-                            "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance,
+                            "tokens_per_s": r.tokens_per_s, "acceptance_rate": r.acceptance_rate,
                             "tokens_per_step": r.tokens_per_step, "by_task": r.by_task,
                             "proposed_per_position": r.proposed_per_position,
                             "accepted_per_position": r.accepted_per_position, "gamma_trace": r.gamma_trace,
                             "same_output_as_target_only": r.same_as_target_only, "requests": len(r.outputs)}
                            for r in results],
-        "passes": [[{"label": r.config.label, "tokens_per_s": r.tokens_per_s, "acceptance": r.acceptance,
+        "passes": [[{"label": r.config.label, "tokens_per_s": r.tokens_per_s, "acceptance_rate": r.acceptance_rate,
                      "tokens_per_step": r.tokens_per_step, "same_output_as_target_only": r.same_as_target_only}
                     for r in results] for results in passes],
         "transformers_tokens_per_s": extra,

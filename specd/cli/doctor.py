@@ -117,7 +117,7 @@ def alpha(run: Run) -> float:
     """α as the geometric model and the model cards mean it: P(a draft token is accepted |
     the ones before it were), pooled over draft positions. (accepted / proposed is lower:
     it also counts the proposals after a rejection, which never had a chance.)"""
-    return _counts(run).conditional_acceptance()
+    return _counts(run).alpha
 
 
 def reached(run: Run) -> int:
@@ -162,8 +162,8 @@ def check_sampling(greedy: Run, top1: Run, target_only: Run) -> list[Finding]:
     same_acceptance = sum(list(a.accepted_lengths) == list(b.accepted_lengths)
                           for a, b in zip(greedy.stats, top1.stats))
     figures = {"prompts": n, "greedy_equals_target_only": exact, "top1_equals_greedy": aligned,
-               "top1_same_acceptance": same_acceptance, "greedy_acceptance": greedy.result.acceptance,
-               "top1_acceptance": top1.result.acceptance}
+               "top1_same_acceptance": same_acceptance, "greedy_acceptance": greedy.result.acceptance_rate,
+               "top1_acceptance": top1.result.acceptance_rate}
     findings = []
     if exact == n:
         findings.append(Finding("exactness", "ok", f"greedy speculative output equals target-only on {n}/{n} prompts",
@@ -176,14 +176,14 @@ def check_sampling(greedy: Run, top1: Run, target_only: Run) -> list[Finding]:
         findings.append(Finding(
             "sampling alignment", "ok",
             f"temperature 1, top-k 1 reproduces greedy on {n}/{n} prompts with the same accepted/proposed "
-            f"({top1.result.acceptance:.3f} vs {greedy.result.acceptance:.3f}): draft and target apply the same "
-            f"transforms", figures=figures))
+            f"({top1.result.acceptance_rate:.3f} vs {greedy.result.acceptance_rate:.3f}): draft and target apply "
+            f"the same transforms", figures=figures))
     else:
         findings.append(Finding(
             "sampling alignment", "hurting",
             f"temperature 1, top-k 1 should reproduce greedy exactly but matched {aligned}/{n} outputs and "
-            f"{same_acceptance}/{n} acceptance traces (α {top1.result.acceptance:.3f} vs greedy "
-            f"{greedy.result.acceptance:.3f}): draft and target do not apply the same temperature/top-k/top-p",
+            f"{same_acceptance}/{n} acceptance traces (acceptance rate {top1.result.acceptance_rate:.3f} vs greedy "
+            f"{greedy.result.acceptance_rate:.3f}): draft and target do not apply the same temperature/top-k/top-p",
             "run the draft and verifier services from the same specd version (both apply "
             "specd.sampling.Transform); check for a patched worker", figures))
     return findings
@@ -220,11 +220,11 @@ def check_acceptance(measured: Run, card: tuple[float, int] | None, draft, targe
                      temperature: float) -> Finding:
     """Measured α and tokens/step at the card's γ against the card; distill below 0.6."""
     a = alpha(measured)
-    figures = {"alpha": a, "acceptance_rate": measured.result.acceptance,
+    figures = {"alpha": a, "acceptance_rate": measured.result.acceptance_rate,
                "tokens_per_step": measured.result.tokens_per_step,
                "gamma": measured.result.config.draft_length, "card_alpha": card[0] if card else None}
     against = f", card α {card[0]:.3f}" if card else ", no model card"
-    evidence = (f"draft {draft.name!r}: α {a:.3f} (accepted/proposed {measured.result.acceptance:.3f}), "
+    evidence = (f"draft {draft.name!r}: α {a:.3f} (accepted/proposed {measured.result.acceptance_rate:.3f}), "
                 f"{measured.result.tokens_per_step:.2f} tokens/step at γ={measured.result.config.draft_length}, "
                 f"temperature {temperature}{against}")
     if a < DISTILL_BELOW:
@@ -253,7 +253,7 @@ def best_gamma(sweep: list[Run]) -> int:
 def check_gamma(sweep: list[Run], auto: Run, configured_policy: str, max_gamma: int) -> Finding:
     """The γ with the best tokens/s, and how far the configured policy's choice is from it."""
     rows = [{"gamma": r.result.config.draft_length, "tokens_per_s": r.result.tokens_per_s,
-             "tokens_per_step": r.result.tokens_per_step, "acceptance": r.result.acceptance} for r in sweep]
+             "tokens_per_step": r.result.tokens_per_step, "acceptance_rate": r.result.acceptance_rate} for r in sweep]
     best = next(row for row in rows if row["gamma"] == best_gamma(sweep))
     drafted = [g for s in auto.stats for g in s.draft_lengths]
     mean_gamma = statistics.fmean(drafted) if drafted else 0.0
@@ -307,19 +307,19 @@ def check_quality(auto: Run, target_only: Run, draft, policy: str) -> Finding | 
 
 def check_temperature(rows: list[tuple[float, Run]], workload_temperature: float) -> Finding:
     """Acceptance and tokens/s at the workload's temperature and lower ones, as a table."""
-    table = [{"temperature": t, "acceptance": alpha(r), "tokens_per_s": r.result.tokens_per_s} for t, r in rows]
+    table = [{"temperature": t, "alpha": alpha(r), "tokens_per_s": r.result.tokens_per_s} for t, r in rows]
     base = table[0]
-    cells = "; ".join(f"T={row['temperature']:.1f}: α {row['acceptance']:.3f}, {row['tokens_per_s']:.1f} tokens/s"
+    cells = "; ".join(f"T={row['temperature']:.1f}: α {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tokens/s"
                       for row in table)
     figures = {"table": table}
     if len(table) == 1:
         return Finding("temperature", "info", f"greedy workload: {cells}; nothing lower to trade", figures=figures)
-    better = [row for row in table[1:] if row["acceptance"] >= base["acceptance"] + 0.05]
+    better = [row for row in table[1:] if row["alpha"] >= base["alpha"] + 0.05]
     if better:
         row = better[0]
         return Finding("temperature", "info",
                        f"{cells}: lowering T from {workload_temperature} to {row['temperature']:.1f} raises α by "
-                       f"{100 * (row['acceptance'] - base['acceptance']):.0f} points (outputs less varied)",
+                       f"{100 * (row['alpha'] - base['alpha']):.0f} points (outputs less varied)",
                        f"if the product allows: SamplingParams.temperature={row['temperature']:.1f}", figures)
     return Finding("temperature", "ok", f"{cells}: lower temperatures do not raise α much", figures=figures)
 
@@ -581,8 +581,8 @@ def plots(diagnosis: Diagnosis, out: Path) -> list[str]:
     table = figures.get("temperature", {}).get("table")
     if table and len(table) > 1:
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["temperature"] for r in table], [r["acceptance"] for r in table], marker="o")
-        ax.set(xlabel="temperature", ylabel="acceptance", title="Acceptance vs temperature", ylim=(0, 1.05))
+        ax.plot([r["temperature"] for r in table], [r["alpha"] for r in table], marker="o")
+        ax.set(xlabel="temperature", ylabel="α (accepted ÷ reached)", title="α vs temperature", ylim=(0, 1.05))
         fig.tight_layout()
         fig.savefig(out / "temperature.png", dpi=100)
         names.append("temperature.png")

@@ -142,7 +142,7 @@ def transformers_batched(target_dir: str, prompts: list[str], levels: list[int],
 def table(results: list[LoadResult], reference: dict[int, LoadResult]) -> str:
     """One row per (concurrency, configuration), ratios to target-only and to transformers."""
     lines = [f"{'N':>3} {'configuration':<32} {'tokens/s':>9} {'× OFF':>6} {'× HF':>6} {'p50 s':>6} {'p95 s':>6}"
-             f" {'TTFT ms':>8} {'TBT ms':>7} {'batch':>6} {'accept':>7} {'fail':>4}"]
+             f" {'TTFT ms':>8} {'TBT ms':>7} {'batch':>6} {'acc.rate':>8} {'fail':>4}"]
     for n in sorted({r.concurrency for r in results}):
         level = [r for r in results if r.concurrency == n]
         off = level[0].tokens_per_s
@@ -155,7 +155,7 @@ def table(results: list[LoadResult], reference: dict[int, LoadResult]) -> str:
             ratio_hf = f"{r.tokens_per_s / hf.tokens_per_s:6.2f}" if hf and hf.tokens_per_s else f"{'':>6}"
             lines.append(f"{n:>3} {r.label:<32} {r.tokens_per_s:>9.1f} {r.tokens_per_s / off:>6.2f} {ratio_hf}"
                          f" {r.percentile(r.latencies, 50):>6.2f} {r.percentile(r.latencies, 95):>6.2f}"
-                         f" {ttft:>8.0f} {tbt:>7.1f} {batch:>6.2f} {accept:>7} {r.failures:>4}")
+                         f" {ttft:>8.0f} {tbt:>7.1f} {batch:>6.2f} {accept:>8} {r.failures:>4}")
     return "\n".join(lines)
 
 

@@ -211,7 +211,7 @@ def render(spans: list[dict]) -> str:
             f"({', '.join(a.get('gen_ai.response.finish_reasons', [])) or 'unfinished'}); "
             f"{a.get('specd.steps', len(rows))} steps, {a.get('specd.accepted_tokens', '?')}/"
             f"{a.get('specd.proposed_tokens', '?')} draft tokens accepted "
-            f"(acceptance {a.get('specd.acceptance_rate', 0):.2f}), "
+            f"(acceptance rate {a.get('specd.acceptance_rate', 0):.2f}), "
             f"{a.get('specd.mean_tokens_per_step', 0):.2f} tokens per step")
         if request["status"]["code"] == "error":
             out.append(f"FAILED: {request['status']['message']}")
