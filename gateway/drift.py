@@ -24,12 +24,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.flags import setting
+
 
 @dataclass(frozen=True)
 class DriftSettings:
     """When a drop counts as drift."""
 
-    min_drop: float = 0.10  # acceptance points (0..1) below the reference
+    min_drop: float = setting(0.10, flag="--drift-min-drop", metavar="POINTS",
+                              help="acceptance drop (0..1) of the sliding window below its reference that "
+                                   "raises the drift flag when significant")
     min_z: float = 3.0  # one-sided z of the drop
     min_drafts: int = 100  # steps with a draft in the window before it may be judged
 

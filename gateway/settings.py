@@ -5,8 +5,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.drift import DriftSettings
+from gateway.policy import POLICIES
+from gateway.proposers import MODEL_FREE
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
+from specd.flags import comma_list, name_pairs, setting
 
 DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
@@ -16,72 +19,113 @@ CLI_DRAFT_SELECTION = "goodput"
 
 @dataclass(frozen=True)
 class GatewaySettings:
+    """The gateway's settings. Each field with a flag is declared once, here (`specd.flags`):
+    `specd gateway` takes every flag, `specd serve` every one it does not set itself."""
+
     server: ServerSettings
-    # Workers by address: one or a comma list of host:port (sessions are spread over them).
-    verifier_address: str = f"127.0.0.1:{DEFAULT_VERIFIER_PORT}"
-    # Empty (and no draft_service): every request decodes plainly.
-    draft_address: str = f"127.0.0.1:{DEFAULT_DRAFT_PORT}"
-    # Or by Kubernetes Service: watch its EndpointSlices (overrides the address).
-    verifier_service: str = ""
-    draft_service: str = ""
-    namespace: str = ""  # empty: the pod's own namespace
-    # TLS towards the workers (mutual with a client cert). Without a server_name, pods
-    # found through a Service are checked against that Service's name.
+    # How the gateway finds its workers: `specd serve` wires its own (serve=False).
+    verifier_address: str = setting(f"127.0.0.1:{DEFAULT_VERIFIER_PORT}", flag="--verifier-address", serve=False,
+                                    help="host:port of the verifier, or a comma list (sessions spread over them)")
+    draft_address: str = setting(f"127.0.0.1:{DEFAULT_DRAFT_PORT}", flag="--draft-address", serve=False,
+                                 help="host:port of the draft service, or a comma list; empty: no draft "
+                                      "service, every request decodes plainly")
+    verifier_service: str = setting("", flag="--verifier-service", serve=False,
+                                    help="Kubernetes Service of the verifiers: watch its EndpointSlices instead")
+    draft_service: str = setting("", flag="--draft-service", serve=False,
+                                 help="Kubernetes Service of the drafts: watch its EndpointSlices instead")
+    namespace: str = setting("", flag="--namespace", serve=False,
+                             help="namespace of those Services (default: the pod's)")
+    # TLS towards the workers (mutual with a client cert): the --worker-* flags of
+    # `specd gateway` (`specd serve` makes its own). Without a server_name, pods found
+    # through a Service are checked against that Service's name.
     worker_tls: ClientTLS = ClientTLS()
-    default_draft_length: int = 4  # γ for FIXED/AUTO when the request gives none
-    max_draft_length: int = 16  # requests asking for more are refused
-    default_max_new_tokens: int = 128
-    worker_timeout_s: float = 60.0  # how long to wait for the workers at start-up
+    # What a request gets when it does not say.
+    default_draft_length: int = setting(4, flag="--draft-length", help="default γ")
+    max_draft_length: int = setting(16, flag="--max-draft-length", help="largest γ a request may ask")
+    default_max_new_tokens: int = setting(128, flag="--max-new-tokens", help="default generation length")
+    worker_timeout_s: float = setting(60.0, flag="--worker-timeout",
+                                      help="seconds to wait for the workers at start-up")
     # Step budgets (gateway.budgets): max(floor, factor × measured p99 step time) per forward.
-    draft_step_floor_s: float = 0.5
-    verifier_step_floor_s: float = 5.0
-    step_budget_factor: float = 4.0
+    draft_step_floor_s: float = setting(0.5, flag="--draft-step-floor", metavar="SECONDS",
+                                        help="shortest draft step budget; a draft step past its budget is skipped "
+                                             "and the draft probed later")
+    verifier_step_floor_s: float = setting(5.0, flag="--verifier-step-floor", metavar="SECONDS",
+                                           help="shortest verifier step budget; past it the session moves to "
+                                                "another verifier, or the request ends UNAVAILABLE")
+    step_budget_factor: float = setting(4.0, flag="--step-budget-factor",
+                                        help="a worker step may take this many times the service's measured p99 "
+                                             "step time (per 128 tokens fed), and never less than its floor "
+                                             "(docs/reliability.md)")
     max_session_reopens: int = 3  # failed re-opens in a row per worker before UNAVAILABLE
     worker_connect_timeout_s: float = 5.0  # a worker not yet connected must accept the stream within this
-    max_concurrent_requests: int = 64  # beyond: RESOURCE_EXHAUSTED (keep ≤ the workers' --max-sessions)
-    auto_policy: str = "cost"  # the γ policy of SPECULATION_MODE_AUTO
-    overlap: bool = False  # overlapped speculation unless a request says otherwise (specd.worker.predraft)
+    max_concurrent_requests: int = setting(64, flag="--max-concurrent-requests",
+                                           help="requests served at once; more get RESOURCE_EXHAUSTED (keep ≤ the "
+                                                "workers' --max-sessions)")
+    auto_policy: str = setting("cost", flag="--policy", choices=POLICIES, help="γ policy of SPECULATION_MODE_AUTO")
+    overlap: bool = setting(False, flag="--overlap",
+                            help="overlapped speculation by default: the draft pre-drafts the next step while the "
+                                 "target verifies (requests may still set speculation.overlap)")
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (gateway.tasks.DEFAULT_PROFILES by default)
     task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
-    # task type (or agent role) → draft model name; others use the default draft
-    task_drafts: dict[str, str] = field(default_factory=dict)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # Prometheus /metrics; 0: off
+    task_drafts: dict[str, str] = setting(factory=dict, flag="--task-draft", action="append", metavar="TASK=DRAFT",
+                                          parse=name_pairs, cli_default=None,
+                                          help="use this draft model for requests of this task type (repeatable)")
+    metrics_host: str = setting("127.0.0.1", flag="--metrics-host", help="interface of the /metrics endpoint")
+    metrics_port: int = setting(0, flag="--metrics-port",
+                                help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
     window_steps: int = 2000  # steps in the acceptance sliding window
     # The edge (docs/reliability.md): who may call, and how much one call may ask.
-    api_keys_file: Path | None = None  # `SEGMENT KEY` / `SEGMENT sha256:HEX` lines; None: no keys needed
-    protect_reflection: bool = False  # with keys: reflection needs a key too (health never does)
-    # Requests in flight per tenant (segment); 0: three quarters of max_concurrent_requests
-    # when the key file names several tenants, no limit for a lone one.
-    key_max_in_flight: int = 0
-    max_request_bytes: int = 1024 * 1024  # largest request message the public API receives
-    max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
-    max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask
+    api_keys_file: Path | None = setting(flag="--api-keys", type=Path, metavar="FILE",
+                                         help="require API keys: one 'SEGMENT KEY' or 'SEGMENT sha256:HEX' a line; "
+                                              "the key decides the request's user segment")
+    protect_reflection: bool = setting(False, flag="--protect-reflection",
+                                       help="with --api-keys, server reflection needs a key too (health checks "
+                                            "never do)")
+    key_max_in_flight: int = setting(0, flag="--key-max-in-flight",
+                                     help="requests in flight per tenant (segment of the key file); more get "
+                                          "RESOURCE_EXHAUSTED (0: three quarters of --max-concurrent-requests when "
+                                          "the file names several tenants, no limit for a lone one)")
+    max_request_bytes: int = setting(1024 * 1024, flag="--max-request-bytes", help="largest request message accepted")
+    max_prompt_bytes: int = setting(256 * 1024, flag="--max-prompt-bytes",
+                                    help="largest prompt in UTF-8 bytes, checked before tokenizing")
+    max_new_tokens_cap: int = setting(4096, flag="--max-new-tokens-cap",
+                                      help="largest max_new_tokens a request may ask")
     max_stop_strings: int = 16
     max_stop_bytes: int = 256  # per stop string
     max_label_bytes: int = 64  # task_type, draft_model and policy names
-    # HTTP/2 concurrent streams one client connection may open. Far above
-    # max_concurrent_requests: in a burst, admission answers RESOURCE_EXHAUSTED before
-    # HTTP/2 would refuse a stream (REFUSED_STREAM, which clients see as UNAVAILABLE).
-    max_streams_per_connection: int = 1024
+    # Far above max_concurrent_requests: in a burst, admission answers RESOURCE_EXHAUSTED
+    # before HTTP/2 would refuse a stream (REFUSED_STREAM, which clients see as UNAVAILABLE).
+    max_streams_per_connection: int = setting(1024, flag="--max-streams-per-connection",
+                                              help="concurrent requests one client connection may carry")
     min_client_ping_interval_s: float = 10.0  # client keepalive pings closer than this are strikes
-    # How a request that names no draft gets one: "task-map" (--task-draft, else the
-    # default draft) or "goodput" (gateway.selection: the best measured tokens/ms per task
-    # type and user segment, starting from the task map). `specd gateway` defaults to
-    # goodput (CLI_DRAFT_SELECTION); this object keeps the task map so embedding code opts in.
-    draft_selection: str = "task-map"
+    # The settings object keeps the task map, so code that embeds the gateway opts in to goodput.
+    draft_selection: str = setting("task-map", flag="--draft-selection", choices=DRAFT_SELECTIONS,
+                                   cli_default=CLI_DRAFT_SELECTION,
+                                   help="draft of a request that names none: goodput (specd's selection: the best "
+                                        "measured tokens/ms per task type and user segment, starting from "
+                                        "--task-draft) or task-map (--task-draft, else the default draft)")
     drift: DriftSettings = DriftSettings()  # when a drop in acceptance raises a flag
-    # A pinned acceptance per (model pair, task type) to judge drift against instead of
-    # lifetime acceptance (`specd doctor --write-baseline` writes one).
-    acceptance_baseline: Path | None = None
-    # Model-free proposers the gateway hosts (gateway.proposers: "suffix", "prompt-lookup"),
-    # used beside the draft model under AUTO and by name. `specd serve` and `specd gateway`
-    # host both (CLI_MODEL_FREE); this object hosts none, so embedding code opts in.
-    model_free: tuple[str, ...] = ()
-    suffix_cache_tokens: int = 262_144  # previous responses kept for `suffix`, over every tenant
-    prompt_lookup_min: int = 2  # n-gram lengths `prompt-lookup` matches (vLLM's ngram: min/max n)
-    prompt_lookup_max: int = 5
-    # OpenAI-compatible HTTP (gateway.http) on the gateway's host: None off, 0 a free port.
-    http_port: int | None = None
-    chat_template: Path | None = None  # Jinja template for /v1/chat/completions; None: the tokenizer's
+    acceptance_baseline: Path | None = setting(flag="--acceptance-baseline", type=Path, metavar="FILE",
+                                               help="judge drift against this pinned acceptance per model pair and "
+                                                    "task type (`specd doctor --write-baseline FILE` writes one) "
+                                                    "instead of lifetime acceptance")
+    # This object hosts none, so code that embeds the gateway opts in.
+    model_free: tuple[str, ...] = setting((), flag="--model-free", metavar="LIST", parse=comma_list,
+                                          cli_default=",".join(MODEL_FREE),
+                                          help="model-free proposers the gateway hosts, comma-separated (suffix, "
+                                               "prompt-lookup; empty: none): they draft from tokens already seen, "
+                                               "beside the draft model")
+    suffix_cache_tokens: int = setting(262_144, flag="--suffix-cache-tokens", metavar="N",
+                                       help="tokens of previous responses the suffix proposer keeps, over every "
+                                            "tenant; the oldest leave first")
+    prompt_lookup_min: int = setting(2, flag="--prompt-lookup-min", metavar="N",
+                                     help="shortest n-gram prompt lookup matches (vLLM's ngram: min n)")
+    prompt_lookup_max: int = setting(5, flag="--prompt-lookup-max", metavar="N",
+                                     help="longest n-gram prompt lookup matches")
+    http_port: int | None = setting(flag="--http-port", type=int, metavar="N",
+                                    help="also serve OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, "
+                                         "/v1/models, /health) on this port of the gateway's host (0: a free one; "
+                                         "default: off)")
+    chat_template: Path | None = setting(flag="--chat-template", type=Path, metavar="FILE",
+                                         help="Jinja template for /v1/chat/completions (default: the tokenizer's)")

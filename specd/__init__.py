@@ -24,6 +24,7 @@ The core's modules:
     tls           TLS and mutual TLS credentials and channels
     telemetry     tracing set-up (OTEL_* variables) and the workers' step spans
     config        the settings every service shares: where it listens, TLS, default ports, demo models
+    flags         settings declared once: a settings field's flag, help and default (`setting`)
     worker        the workers' model runtime (specd/worker/__init__.py maps it)
     v1            generated protobuf code (proto/specd/v1; scripts/gen_proto.py)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.flags import setting
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
@@ -24,9 +26,12 @@ class ServerTLS:
     signed by that CA (how the workers accept only their gateways).
     """
 
-    cert: Path | None = None
-    key: Path | None = None
-    client_ca: Path | None = None
+    cert: Path | None = setting(flag="--tls-cert", type=Path, metavar="FILE", serve=False,
+                                help="serve TLS with this certificate (PEM)")
+    key: Path | None = setting(flag="--tls-key", type=Path, metavar="FILE", serve=False,
+                               help="the certificate's private key (PEM)")
+    client_ca: Path | None = setting(flag="--tls-client-ca", type=Path, metavar="FILE", serve=False,
+                                     help="require client certificates signed by this CA (mutual TLS)")
 
     @property
     def enabled(self) -> bool:
@@ -57,16 +62,20 @@ class ClientTLS:
 class ServerSettings:
     """Where a service listens, how it shuts down, and its TLS."""
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 picks a free port (tests)
-    grace_s: float = 10.0  # how long in-flight requests may finish after SIGTERM
+    host: str = setting("127.0.0.1", flag="--host", serve=False,
+                        help="interface to bind (0.0.0.0 in a container)")
+    port: int = setting(0, flag="--port", serve=False, help="port to listen on (0: a free one)")
+    grace_s: float = setting(10.0, flag="--grace", serve=False,
+                             help="seconds in-flight requests may take to finish after SIGTERM")
     tls: ServerTLS = ServerTLS()
-    # > 0: also serve grpc.health.v1 alone, in plaintext, on this port: Kubernetes' gRPC
-    # probes cannot speak TLS, so a TLS server needs a plaintext door for its probes.
-    health_port: int = 0
-    # Listen on this Unix domain socket instead of host:port: only processes that may enter
-    # its directory reach it (how `specd serve` keeps its workers private).
-    socket: Path | None = None
+    # Kubernetes' gRPC probes cannot speak TLS, so a TLS server needs a plaintext door.
+    health_port: int = setting(0, flag="--health-port", serve=False,
+                               help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
+                                    "Kubernetes probes, which cannot speak TLS); 0: off")
+    socket: Path | None = setting(flag="--socket", type=Path, metavar="PATH", serve=False,
+                                  help="listen on this Unix domain socket instead of --host/--port: only "
+                                       "processes that may enter its directory can connect (how specd serve "
+                                       "links its workers)")
 
     @property
     def address(self) -> str:

@@ -126,13 +126,58 @@ def test_threads_default_to_one_for_a_small_model_on_a_cpu(model_dirs, tmp_path)
     assert _default_threads(large, "cpu") == 0
 
 
-def test_serve_hands_device_and_max_sessions_to_both_workers():
-    """`specd serve --device --max-sessions` reach the draft and the verifier as the flags
-    their own commands take."""
-    from specd.cli.commands import _worker_flags, build_parser
+def _options(parser, command: str) -> set[str]:
+    """The option strings of one `specd` subcommand."""
+    subcommands = next(a for a in parser._actions if a.dest == "command")
+    return set(subcommands.choices[command]._option_string_actions)
+
+
+def test_serve_takes_every_setting_a_service_takes():
+    """A setting is declared once (`specd.flags`): `specd serve` has every flag of the three
+    services but those declared serve=False (where a process listens, how the gateway finds
+    its workers) and a few it puts otherwise (its own TLS, --draft-cpus for --cpus)."""
+    from specd.cli.commands import DRAFT, GATEWAY, VERIFIER, build_parser
+    from specd.flags import _flagged
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7"])
+    serve = _options(parser, "serve")
+    for command, defaults in (("draft", DRAFT), ("verifier", VERIFIER), ("gateway", GATEWAY)):
+        not_serves = {field.metadata["flag"] for field, _ in _flagged(defaults) if not field.metadata["serve"]}
+        otherwise = {"--port-file", "--cpus", "--worker-ca", "--worker-cert", "--worker-key", "--worker-server-name",
+                     "-h", "--help"}
+        missing = _options(parser, command) - serve - not_serves - otherwise
+        assert not missing, f"specd serve lacks {sorted(missing)} of specd {command}"
+        assert {"--port", "--socket", "--tls-cert"} <= not_serves  # read from the declarations
+
+
+def test_serve_hands_each_setting_to_the_process_that_owns_it():
+    """What `specd serve` is given reaches each worker and the gateway as their own flags,
+    and their settings objects read the same values back."""
+    from pathlib import Path
+
+    from gateway.proposers import MODEL_FREE
+    from specd.cli.commands import DRAFT, GATEWAY, MODEL, build_parser
+    from specd.config import ServerSettings
+    from specd.flags import forward_flags, from_flags
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7", "--batch-wait-ms", "0",
+                              "--pre-draft-branches", "all", "--overlap", "--model-free", "", "--task-draft",
+                              "code=small", "--task-draft", "chat=tiny", "--drift-min-drop", "0.2",
+                              "--http-port", "0", "--api-keys", "keys.txt", "--max-prompt-bytes", "99"])
     for role in ("draft", "verifier"):
-        worker = parser.parse_args([role, *_worker_flags(args)])
-        assert (worker.device, worker.max_sessions) == ("cuda:1", 7)
+        worker = parser.parse_args([role, *forward_flags(MODEL, args),
+                                    *(forward_flags(DRAFT, args, nested=False) if role == "draft" else [])])
+        model = from_flags(MODEL, worker)
+        assert (model.device, model.max_sessions, model.batching.max_wait_ms) == ("cuda:1", 7, 0.0)
+        if role == "draft":
+            assert from_flags(DRAFT, worker).pre_draft_branches == "all"
+    gateway = from_flags(GATEWAY, parser.parse_args(["gateway", *forward_flags(GATEWAY, args)]),
+                         server=ServerSettings())
+    assert gateway.overlap and gateway.model_free == () and gateway.http_port == 0
+    assert gateway.task_drafts == {"code": "small", "chat": "tiny"} and gateway.drift.min_drop == 0.2
+    assert (gateway.api_keys_file, gateway.max_prompt_bytes) == (Path("keys.txt"), 99)
+    # ...and what it was not given, the gateway's command line defaults (not the object's).
+    assert gateway.draft_selection == "goodput" and from_flags(
+        GATEWAY, parser.parse_args(["gateway", *forward_flags(GATEWAY, parser.parse_args(["serve"]))])
+    ).model_free == MODEL_FREE

@@ -18,4 +18,4 @@ def test_api_keys_component_mounts_the_secret_the_gateway_reads(overlay, tmp_pat
     assert volume["secret"]["secretName"] == "specd-api-keys" and mount["readOnly"] is True
     keys_arg = next(a for a in container["args"] if a.startswith("--api-keys="))
     assert keys_arg.split("=", 1)[1].startswith(mount["mountPath"] + "/")
-    assert build_parser().parse_args(["gateway", keys_arg]).api_keys == keys_arg.split("=", 1)[1]
+    assert str(build_parser().parse_args(["gateway", keys_arg]).api_keys) == keys_arg.split("=", 1)[1]

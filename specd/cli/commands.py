@@ -30,9 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.drift import DriftSettings
-from gateway.proposers import MODEL_FREE
-from gateway.settings import CLI_DRAFT_SELECTION, DRAFT_SELECTIONS, GatewaySettings
+from gateway.settings import GatewaySettings
 from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.config import (
     DEFAULT_DRAFT_PORT,
@@ -42,102 +40,49 @@ from specd.config import (
     DEMO_TARGET,
     ClientTLS,
     ServerSettings,
-    ServerTLS,
 )
+from specd.flags import add_flags, forward_flags, from_flags
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
 from specd.worker.hub import ModelNotFound, model_name, resolve
 from specd.worker.identity import weight_files
-from specd.worker.settings import DTYPES, BatchSettings, DraftSettings, ModelSettings, VerifierSettings
+from specd.worker.settings import DraftSettings, ModelSettings, VerifierSettings
 
-# Flag defaults come from the settings objects (specd.config), never from literals here.
-SERVER = ServerSettings()
+# Every settings flag is declared once, on its settings field (`specd.flags`); the
+# defaults below are the objects the flags are read from (each service its own port).
 MODEL = ModelSettings()
-DRAFT = DraftSettings(SERVER)
-VERIFIER = VerifierSettings(SERVER)
-GATEWAY = GatewaySettings(SERVER)
+DRAFT = DraftSettings(ServerSettings(port=DEFAULT_DRAFT_PORT))
+VERIFIER = VerifierSettings(ServerSettings(port=DEFAULT_VERIFIER_PORT))
+GATEWAY = GatewaySettings(ServerSettings(port=DEFAULT_GATEWAY_PORT))
 
 
 # -- the three services ---------------------------------------------------------------------
 
-def _server_args(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--host", default=SERVER.host, help="interface to bind (0.0.0.0 in a container)")
-    parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
-    parser.add_argument("--grace", type=float, default=SERVER.grace_s, help="seconds to drain on SIGTERM")
-    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this certificate (PEM)")
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the certificate's private key (PEM)")
-    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
-                        help="require client certificates signed by this CA (mutual TLS)")
-    parser.add_argument("--health-port", type=int, default=SERVER.health_port,
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes "
-                             "probes, which cannot speak TLS); 0: off")
+def _service_args(parser: argparse.ArgumentParser,
+                  defaults: DraftSettings | VerifierSettings | GatewaySettings) -> None:
+    """A service's settings flags, and --port-file."""
+    add_flags(parser, defaults)
     parser.add_argument("--port-file", type=Path, metavar="FILE",
                         help="write the port listened on to this file once serving (with --port 0)")
-    parser.add_argument("--socket", type=Path, metavar="PATH",
-                        help="listen on this Unix domain socket instead of --host/--port: only processes "
-                             "that may enter its directory can connect (how specd serve links its workers)")
 
 
-def _model_args(parser: argparse.ArgumentParser, defaults: DraftSettings | VerifierSettings) -> None:
-    parser.add_argument("--dtype", default=defaults.model.dtype, choices=DTYPES)
+def _worker_process_args(parser: argparse.ArgumentParser) -> None:
+    """How a worker process uses this machine's CPUs (not settings of the service)."""
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: one for a model under 32 MiB of weights on a CPU, "
                              "else torch's default)")
-    parser.add_argument("--max-sessions", type=int, default=defaults.model.max_sessions,
-                        help="KV caches kept (LRU beyond)")
-    parser.add_argument("--device", default=defaults.model.device,
-                        help="torch device of the model(s): cpu, cuda, cuda:1")
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the worker to these CPUs (e.g. 0 or 2-3), as it would own a GPU; torch threads "
                              "default to one per CPU")
-    _batch_args(parser)
-    parser.add_argument("--metrics-host", default=defaults.metrics_host, help="interface of the /metrics endpoint")
-    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
-                        help="serve Prometheus metrics (sessions held, steps queued, KV bytes) at "
-                             "http://HOST:PORT/metrics (0: off)")
 
 
-def _batch_args(parser: argparse.ArgumentParser) -> None:
-    """How a worker batches the steps of all its sessions (specd.worker.batching); defaults from BatchSettings."""
-    d = BatchSettings()
-    parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                        help=f"tokens in one batched forward, all sessions together (default {d.max_batch_tokens})")
-    parser.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                        help=f"feed a long prompt this many tokens per forward, so it does not hold up "
-                             f"other sessions' steps (default {d.prefill_chunk})")
-    parser.add_argument("--max-queue", type=int, default=d.max_queue,
-                        help=f"steps waiting for the model; beyond, RESOURCE_EXHAUSTED (default {d.max_queue})")
-    parser.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens,
-                        help="positions the KV pool holds, all sessions together (default 0: every session "
-                             "at full context, within half the memory free at load, the GPU's or the host's)")
-    parser.add_argument("--batch-wait-ms", type=float, default=d.max_wait_ms,
-                        help=f"how long a forward may wait for other open sessions' steps to share it, at most "
-                             f"a quarter of a forward (default {d.max_wait_ms}; 0: start at once)")
-
-
-def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
-    check_server_tls(tls)
-    return ServerSettings(args.host, args.port, args.grace, tls, args.health_port, args.socket)
-
-
-def _batch_settings(args: argparse.Namespace) -> BatchSettings:
-    settings = BatchSettings(args.max_batch_tokens, args.prefill_chunk, args.max_queue,
-                             kv_cache_tokens=args.kv_cache_tokens, max_wait_ms=args.batch_wait_ms)
-    if settings.problems():
-        raise SystemExit(f"specd: {'; '.join(settings.problems())}")
+def _settings(defaults, args: argparse.Namespace, **given):
+    """The settings object of a service from its flags; exits with the reason on a bad value."""
+    settings = from_flags(defaults, args, **given)
+    check_server_tls(settings.server.tls)
+    problems = settings.model.batching.problems() if hasattr(settings, "model") else []
+    if problems:
+        raise SystemExit(f"specd: {'; '.join(problems)}")
     return settings
-
-
-def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    return ModelSettings(args.dtype, args.max_sessions, args.device, _batch_settings(args))
-
-
-def _worker_flags(args: argparse.Namespace) -> list[str]:
-    """The model and batching flags of `specd serve`, passed on to both workers."""
-    return ["--device", args.device, "--max-sessions", str(args.max_sessions),
-            "--max-batch-tokens", str(args.max_batch_tokens), "--prefill-chunk", str(args.prefill_chunk),
-            "--max-queue", str(args.max_queue), "--kv-cache-tokens", str(args.kv_cache_tokens),
-            "--batch-wait-ms", str(args.batch_wait_ms)]
 
 
 def _parse_drafts(values: list[str]) -> dict[str, str]:
@@ -248,8 +193,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
-    settings = DraftSettings(_server_settings(args), drafts, _model_settings(args), args.metrics_host,
-                             args.metrics_port, args.pre_draft_branches)
+    settings = _settings(DRAFT, args, drafts=drafts)
     return _serve(create_server, settings, "draft", args.port_file)
 
 
@@ -265,8 +209,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
         print(f"specd verifier: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads or _default_threads(target, args.device), args.cpus)
-    settings = VerifierSettings(_server_settings(args), target, _model_settings(args), args.metrics_host,
-                                args.metrics_port, target_name=model_name(args.target))
+    settings = _settings(VERIFIER, args, target=target, target_name=model_name(args.target))
     return _serve(create_server, settings, "verifier", args.port_file)
 
 
@@ -279,26 +222,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     setup_tracing("specd-gateway")
     worker_tls = ClientTLS(args.worker_ca, args.worker_cert, args.worker_key, args.worker_server_name)
     check_client_tls(worker_tls, "--worker-ca", "--worker-cert", "--worker-key")
-    settings = GatewaySettings(
-        _server_settings(args), verifier_address=args.verifier_address, worker_tls=worker_tls,
-        draft_address=args.draft_address, verifier_service=args.verifier_service,
-        draft_service=args.draft_service, namespace=args.namespace, default_draft_length=args.draft_length,
-        max_draft_length=args.max_draft_length, default_max_new_tokens=args.max_new_tokens,
-        worker_timeout_s=args.worker_timeout, draft_step_floor_s=args.draft_step_floor,
-        verifier_step_floor_s=args.verifier_step_floor, step_budget_factor=args.step_budget_factor,
-        auto_policy=args.policy, overlap=args.overlap,
-        task_drafts=dict(v.split("=", 1) for v in args.task_draft or []),
-        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        max_concurrent_requests=args.max_concurrent_requests,
-        api_keys_file=Path(args.api_keys) if args.api_keys else None,
-        protect_reflection=args.protect_reflection, key_max_in_flight=args.key_max_in_flight,
-        max_request_bytes=args.max_request_bytes, max_prompt_bytes=args.max_prompt_bytes,
-        max_new_tokens_cap=args.max_new_tokens_cap, max_streams_per_connection=args.max_streams_per_connection,
-        draft_selection=args.draft_selection, drift=DriftSettings(min_drop=args.drift_min_drop),
-        acceptance_baseline=args.acceptance_baseline,
-        model_free=tuple(name for name in args.model_free.split(",") if name),
-        suffix_cache_tokens=args.suffix_cache_tokens, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max, http_port=args.http_port, chat_template=args.chat_template)
+    settings = _settings(GATEWAY, args, worker_tls=worker_tls)
     try:
         return _serve(create_server, settings, "gateway", args.port_file)
     except (IncompatibleDraft, ConnectionError, KeyFileError, ValueError) as exc:
@@ -358,14 +282,6 @@ def _tls_dir(directory: Path) -> dict[str, Path]:
     return paths
 
 
-def _edge_flags(args: argparse.Namespace) -> list[str]:
-    """serve's API-key flags, passed on to its gateway."""
-    flags = ["--api-keys", args.api_keys] if args.api_keys else []
-    if args.protect_reflection:
-        flags.append("--protect-reflection")
-    return flags + ["--key-max-in-flight", str(args.key_max_in_flight)]
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     target = args.target or str(DEMO_TARGET)
     drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
@@ -418,14 +334,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sockets = {"verifier": Path(run_dir) / "verifier.sock", "draft": Path(run_dir) / "draft.sock"}
         workers = {
             "verifier": me + ["verifier", "--socket", str(sockets["verifier"]),
-                              "--target", target, "--revision", args.revision, "--dtype", args.dtype,
-                              "--threads", str(args.threads),
-                              *worker_tls, *_worker_flags(args),
+                              "--target", target, "--revision", args.revision,
+                              "--threads", str(args.threads), *worker_tls, *forward_flags(MODEL, args),
                               *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
             "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
-                           "--dtype", args.dtype, "--threads", str(draft_threads), *worker_tls, *_worker_flags(args),
-                           "--pre-draft-branches", args.pre_draft_branches,
+                           "--threads", str(draft_threads), *worker_tls, *forward_flags(MODEL, args),
+                           *forward_flags(DRAFT, args, nested=False),
                            *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         }
         try:
@@ -439,16 +354,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "gateway", "--host", args.host, "--port", str(args.port),
                 "--verifier-address", f"unix:{sockets['verifier']}",
                 "--draft-address", f"unix:{sockets['draft']}", *gateway_tls,
-                "--draft-length", str(args.draft_length), "--max-new-tokens", str(args.max_new_tokens),
-                "--policy", args.policy, *(["--overlap"] if args.overlap else []),
-                "--metrics-host", args.metrics_host, "--metrics-port", str(args.metrics_port),
-                "--draft-selection", args.draft_selection, "--drift-min-drop", str(args.drift_min_drop),
-                *(["--acceptance-baseline", str(args.acceptance_baseline)] if args.acceptance_baseline else []),
-                *[f"--task-draft={v}" for v in args.task_draft or []], *_edge_flags(args),
-                *_proposer_and_http_flags(args),
-                "--step-budget-factor", str(args.step_budget_factor),
-                "--draft-step-floor", str(args.draft_step_floor),
-                "--verifier-step-floor", str(args.verifier_step_floor)])
+                *forward_flags(GATEWAY, args)])
             if not wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
                       file=sys.stderr)
@@ -525,91 +431,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # -- the parser -----------------------------------------------------------------------------
 
-def _step_budget_args(parser: argparse.ArgumentParser) -> None:
-    """How long a worker step may take before the gateway stops waiting (gateway and serve)."""
-    parser.add_argument("--step-budget-factor", type=float, default=GATEWAY.step_budget_factor,
-                        help="a worker step may take this many times the service's measured p99 step time "
-                             "(per 128 tokens fed), and never less than its floor (docs/reliability.md)")
-    parser.add_argument("--draft-step-floor", type=float, default=GATEWAY.draft_step_floor_s, metavar="SECONDS",
-                        help="shortest draft step budget; a draft step past its budget is skipped and the "
-                             f"draft probed later (default {GATEWAY.draft_step_floor_s})")
-    parser.add_argument("--verifier-step-floor", type=float, default=GATEWAY.verifier_step_floor_s,
-                        metavar="SECONDS",
-                        help="shortest verifier step budget; past it the session moves to another verifier, "
-                             f"or the request ends UNAVAILABLE (default {GATEWAY.verifier_step_floor_s})")
-
-
-def _gateway_policy_args(parser: argparse.ArgumentParser) -> None:
-    from gateway.policy import POLICIES
-
-    parser.add_argument("--policy", choices=POLICIES, default=GATEWAY.auto_policy,
-                        help=f"γ policy of SPECULATION_MODE_AUTO (default: {GATEWAY.auto_policy})")
-    parser.add_argument("--task-draft", action="append", metavar="TASK=DRAFT",
-                        help="use this draft model for requests of this task type (repeatable)")
-    parser.add_argument("--overlap", action="store_true",
-                        help="overlapped speculation by default: the draft pre-drafts the next step while "
-                             "the target verifies (requests may still set speculation.overlap)")
-    parser.add_argument("--metrics-host", default=GATEWAY.metrics_host, help="interface of the /metrics endpoint")
-    parser.add_argument("--metrics-port", type=int, default=GATEWAY.metrics_port,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
-    parser.add_argument("--draft-selection", choices=DRAFT_SELECTIONS, default=CLI_DRAFT_SELECTION,
-                        help="draft of a request that names none: goodput (the best measured tokens/ms per "
-                             "task type and user segment, starting from --task-draft) or task-map")
-    parser.add_argument("--drift-min-drop", type=float, default=GATEWAY.drift.min_drop, metavar="POINTS",
-                        help="acceptance drop (0..1) of the sliding window below its reference that raises "
-                             "the drift flag when significant (default %(default)s)")
-    parser.add_argument("--acceptance-baseline", type=Path, metavar="FILE",
-                        help="judge drift against this pinned acceptance per model pair and task type "
-                             "(`specd doctor --write-baseline FILE` writes one) instead of lifetime acceptance")
-    parser.add_argument("--model-free", default=",".join(MODEL_FREE), metavar="LIST",
-                        help="model-free proposers the gateway hosts, comma-separated (suffix, prompt-lookup; "
-                             "empty: none): they draft from tokens already seen, beside the draft model "
-                             "(default %(default)s)")
-    parser.add_argument("--suffix-cache-tokens", type=int, default=GATEWAY.suffix_cache_tokens, metavar="N",
-                        help="tokens of previous responses the suffix proposer keeps, over every tenant; the "
-                             "oldest leave first (default %(default)s)")
-    parser.add_argument("--prompt-lookup-min", type=int, default=GATEWAY.prompt_lookup_min, metavar="N",
-                        help="shortest n-gram prompt lookup matches (default %(default)s)")
-    parser.add_argument("--prompt-lookup-max", type=int, default=GATEWAY.prompt_lookup_max, metavar="N",
-                        help="longest n-gram prompt lookup matches (default %(default)s)")
-    parser.add_argument("--http-port", type=int, default=None, metavar="N",
-                        help="also serve OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models, "
-                             "/health) on this port of the gateway's host (default: off)")
-    parser.add_argument("--chat-template", type=Path, metavar="FILE",
-                        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
-
-
-def _proposer_and_http_flags(args: argparse.Namespace) -> list[str]:
-    """The model-free proposer and HTTP front end flags, as `serve` hands them to its gateway."""
-    return ["--model-free", args.model_free, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
-            "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max),
-            *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-            *(["--chat-template", str(args.chat_template)] if args.chat_template else [])]
-
-
 def _revision_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default="",
                         help="branch, tag or commit of the hub ids that name none (default: main); HF_HOME is the "
                              "cache, HF_HUB_OFFLINE=1 reads only the cache, HF_TOKEN opens gated models")
-
-
-def _gateway_default_args(parser: argparse.ArgumentParser) -> None:
-    """What a request gets when it does not say (gateway and serve)."""
-    parser.add_argument("--draft-length", type=int, default=GATEWAY.default_draft_length, help="default γ")
-    parser.add_argument("--max-new-tokens", type=int, default=GATEWAY.default_max_new_tokens,
-                        help="default generation length")
-
-
-def _gateway_edge_args(parser: argparse.ArgumentParser) -> None:
-    """API keys (gateway and serve): see docs/reliability.md."""
-    parser.add_argument("--api-keys", metavar="FILE",
-                        help="require API keys: one 'SEGMENT KEY' or 'SEGMENT sha256:HEX' a line; the key "
-                             "decides the request's user segment")
-    parser.add_argument("--protect-reflection", action="store_true",
-                        help="with --api-keys, server reflection needs a key too (health checks never do)")
-    parser.add_argument("--key-max-in-flight", type=int, default=GATEWAY.key_max_in_flight,
-                        help="requests in flight per tenant (segment of the key file); more get RESOURCE_EXHAUSTED "
-                             "(0: three quarters of --max-concurrent-requests when the file names several tenants)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -623,23 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
                        help=f"draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several, the "
                             f"first is the default (default: the demo draft, {DEMO_DRAFT})")
-    serve.add_argument("--host", default=SERVER.host, help="interface the gateway binds")
-    serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
+    serve.add_argument("--host", default=GATEWAY.server.host, help="interface the gateway binds")
+    serve.add_argument("--port", type=int, default=GATEWAY.server.port, help="gateway port")
     serve.add_argument("--tls", metavar="DIR",
                        help="a `specd certs` directory: TLS (no client certificates) for clients of the "
                             "gateway, and mutual TLS on the workers' private sockets as well")
-    _gateway_default_args(serve)
-    serve.add_argument("--dtype", default=MODEL.dtype, choices=DTYPES)
-    serve.add_argument("--device", default=MODEL.device,
-                       help="torch device of both workers' models: cpu, cuda, cuda:1 (default %(default)s)")
-    serve.add_argument("--max-sessions", type=int, default=MODEL.max_sessions,
-                       help="KV caches each worker keeps, LRU beyond (default %(default)s)")
     serve.add_argument("--threads", type=int, default=0,
                        help="torch threads of the verifier (0: one for a target under 32 MiB of weights on a CPU, "
                             "else torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
-    # processes on the same cores a second thread only adds wake-ups (the figures: README,
-    # Benchmarks). -1: as --threads.
+    # processes on the same cores a second thread only adds wake-ups (docs/performance.md).
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
@@ -647,55 +465,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
     serve.add_argument("--verifier-cpus", default="", metavar="LIST",
                        help="pin the verifier worker to these CPUs (e.g. 1)")
-    serve.add_argument("--pre-draft-branches", default=DRAFT.pre_draft_branches, metavar="all|bonus|K",
-                       help="with --overlap: which verdicts the draft pre-drafts for (see specd draft --help)")
-    _batch_args(serve)
-    _gateway_policy_args(serve)
-    _gateway_edge_args(serve)
-    _step_budget_args(serve)
+    # Every other setting of the three services, passed on to the process that owns it.
+    add_flags(serve, MODEL, serve_only=True)
+    add_flags(serve, DRAFT, serve_only=True, nested=False)
+    add_flags(serve, GATEWAY, serve_only=True)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("draft", help="run the draft service")
-    _server_args(draft, DEFAULT_DRAFT_PORT)
+    _service_args(draft, DRAFT)
+    _worker_process_args(draft)
     draft.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
                        help="a draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several "
                             "(the first is the default)")
     _revision_arg(draft)
-    _model_args(draft, DRAFT)
-    draft.add_argument("--pre-draft-branches", default=DRAFT.pre_draft_branches, metavar="all|bonus|K",
-                       help="overlapped speculation: pre-draft for every accepted length (all), only for everything "
-                            "accepted (bonus), or for the K verdicts the draft finds most likely (default "
-                            f"{DRAFT.pre_draft_branches})")
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")
-    _server_args(verifier, DEFAULT_VERIFIER_PORT)
+    _service_args(verifier, VERIFIER)
+    _worker_process_args(verifier)
     verifier.add_argument("--target", default=str(VERIFIER.target),
                           help="target model: a directory or a hub id ORG/NAME[@REVISION]")
     _revision_arg(verifier)
-    _model_args(verifier, VERIFIER)
     verifier.set_defaults(func=cmd_verifier)
 
     gateway = sub.add_parser("gateway", help="run the gateway (the public API)")
-    _server_args(gateway, DEFAULT_GATEWAY_PORT)
-    gateway.add_argument("--verifier-address", default=GATEWAY.verifier_address,
-                         help="host:port of the verifier, or a comma list (sessions spread over them)")
-    gateway.add_argument("--verifier-service", default="",
-                         help="Kubernetes Service of the verifiers: watch its EndpointSlices instead")
-    gateway.add_argument("--draft-service", default="",
-                         help="Kubernetes Service of the drafts: watch its EndpointSlices instead")
-    gateway.add_argument("--namespace", default=GATEWAY.namespace,
-                         help="namespace of those Services (default: the pod's)")
-    gateway.add_argument("--draft-address", default=GATEWAY.draft_address,
-                         help="empty: no draft service, every request decodes plainly")
-    _gateway_default_args(gateway)
-    gateway.add_argument("--max-concurrent-requests", type=int, default=GATEWAY.max_concurrent_requests,
-                         help="requests served at once; more get RESOURCE_EXHAUSTED (keep ≤ --max-sessions)")
-    gateway.add_argument("--max-draft-length", type=int, default=GATEWAY.max_draft_length,
-                         help="largest γ a request may ask")
-    gateway.add_argument("--worker-timeout", type=float, default=GATEWAY.worker_timeout_s,
-                         help="seconds to wait for the workers at start-up")
-    _step_budget_args(gateway)
+    _service_args(gateway, GATEWAY)
+    # The worker TLS settings are a ClientTLS, the type `specd generate` also fills (--ca).
     gateway.add_argument("--worker-ca", type=Path, metavar="FILE",
                          help="reach the workers over TLS, trusting certificates signed by this CA")
     gateway.add_argument("--worker-cert", type=Path, metavar="FILE",
@@ -704,18 +499,6 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--worker-server-name", default=GATEWAY.worker_tls.server_name,
                          help="name to check in the workers' certificates (default: the dialled host, "
                               "or the Service name with --verifier-service/--draft-service)")
-    _gateway_policy_args(gateway)
-    _gateway_edge_args(gateway)
-    gateway.add_argument("--max-request-bytes", type=int, default=GATEWAY.max_request_bytes,
-                         help=f"largest request message accepted (default {GATEWAY.max_request_bytes})")
-    gateway.add_argument("--max-prompt-bytes", type=int, default=GATEWAY.max_prompt_bytes,
-                         help=f"largest prompt in UTF-8 bytes, checked before tokenizing "
-                              f"(default {GATEWAY.max_prompt_bytes})")
-    gateway.add_argument("--max-new-tokens-cap", type=int, default=GATEWAY.max_new_tokens_cap,
-                         help=f"largest max_new_tokens a request may ask (default {GATEWAY.max_new_tokens_cap})")
-    gateway.add_argument("--max-streams-per-connection", type=int, default=GATEWAY.max_streams_per_connection,
-                         help=f"concurrent requests one client connection may carry "
-                              f"(default {GATEWAY.max_streams_per_connection})")
     gateway.set_defaults(func=cmd_gateway)
 
     generate = sub.add_parser("generate", help="generate from a running gateway")

@@ -6,26 +6,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specd.config import DEMO_TARGET, ServerSettings
+from specd.flags import setting
 
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.worker.runtime maps them to torch
 
 
 @dataclass(frozen=True)
 class BatchSettings:
-    """How a worker batches its model's forwards."""
+    """How a worker batches its model's forwards (`specd.worker.batching`)."""
 
-    max_batch_tokens: int = 1024  # tokens in one forward (a job's chunk always fits)
-    prefill_chunk: int = 128  # a long feed goes in pieces of at most this many tokens
-    max_queue: int = 256  # steps waiting for the model; beyond: Overloaded
+    max_batch_tokens: int = setting(1024, flag="--max-batch-tokens",
+                                    help="tokens in one batched forward, all sessions together")
+    prefill_chunk: int = setting(128, flag="--prefill-chunk",
+                                 help="feed a long prompt this many tokens per forward, so it does not hold up "
+                                      "other sessions' steps")
+    max_queue: int = setting(256, flag="--max-queue", help="steps waiting for the model; beyond, RESOURCE_EXHAUSTED")
     block_tokens: int = 16  # positions per block of the KV pool (specd.worker.kvstore; 16 measured best on a CPU)
-    # Positions the KV pool holds, all sessions together; 0: every session at full context,
-    # within half the memory free when the model loads (the GPU's, or the host's).
-    kv_cache_tokens: int = 0
-    # How long a forward may wait for the steps of other open sessions to arrive, so that
-    # they share it, at most a quarter of a recent forward's time; 0: start at once.
-    max_wait_ms: float = 3.0
+    kv_cache_tokens: int = setting(0, flag="--kv-cache-tokens",
+                                   help="positions the KV pool holds, all sessions together (0: every session at "
+                                        "full context, within half the memory free at load, the GPU's or the host's)")
+    max_wait_ms: float = setting(3.0, flag="--batch-wait-ms",
+                                 help="how long a forward may wait for other open sessions' steps to share it, at "
+                                      "most a quarter of a forward (0: start at once)")
 
     def problems(self) -> list[str]:
         found = []
@@ -43,10 +48,18 @@ class BatchSettings:
 class ModelSettings:
     """How a worker runs its model(s)."""
 
-    dtype: str = "float32"
-    max_sessions: int = 64  # KV caches kept; the least recently used is evicted beyond
-    device: str = "cpu"  # "cuda", "cuda:1", ...
+    dtype: str = setting("float32", flag="--dtype", choices=DTYPES, help="the weights' dtype")
+    max_sessions: int = setting(64, flag="--max-sessions", help="KV caches kept; the least recently used is "
+                                                                "evicted beyond")
+    device: str = setting("cpu", flag="--device", help="torch device of the model(s): cpu, cuda, cuda:1")
     batching: BatchSettings = BatchSettings()
+
+
+# A worker's Prometheus endpoint: each worker of `specd serve` would need a port of its own.
+_METRICS_HOST: dict[str, Any] = dict(flag="--metrics-host", serve=False, help="interface of the /metrics endpoint")
+_METRICS_PORT: dict[str, Any] = dict(flag="--metrics-port", serve=False,
+                     help="serve Prometheus metrics (sessions held, steps queued, KV bytes) at "
+                          "http://HOST:PORT/metrics (0: off)")
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,13 @@ class DraftSettings:
     # name → model directory; the first is the default draft.
     drafts: dict[str, Path] = field(default_factory=dict)
     model: ModelSettings = ModelSettings()
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
-    # Overlapped speculation: which verdicts to pre-draft for (specd.worker.predraft): "all"
-    # accepted lengths, only "bonus" (everything accepted), or the K the draft finds
-    # most likely (fewer branches: fewer draft forwards competing with the gateway).
-    pre_draft_branches: str = "3"
+    metrics_host: str = setting("127.0.0.1", **_METRICS_HOST)
+    metrics_port: int = setting(0, **_METRICS_PORT)
+    # Fewer branches: fewer draft forwards competing with the gateway.
+    pre_draft_branches: str = setting("3", flag="--pre-draft-branches", metavar="all|bonus|K",
+                                      help="overlapped speculation (specd.worker.predraft): pre-draft for every "
+                                           "accepted length (all), only for everything accepted (bonus), or for "
+                                           "the K verdicts the draft finds most likely")
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,6 @@ class VerifierSettings:
     server: ServerSettings
     target: Path = DEMO_TARGET  # the model directory (a hub id resolved: specd.worker.hub)
     model: ModelSettings = ModelSettings()
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # Prometheus /metrics (sessions, queue, KV bytes); 0: off
+    metrics_host: str = setting("127.0.0.1", **_METRICS_HOST)
+    metrics_port: int = setting(0, **_METRICS_PORT)
     target_name: str = ""  # the target's name; empty: its directory's name
