@@ -57,8 +57,9 @@ def main() -> None:
 
         reference = median_ms(transformers_step, args.repeats)
     kvstore.use_paged_attention(model)
+    # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
-                  32 * (args.prefix // 32 + 2) + 1)
+                  41 * ((args.prefix + 1) // 16 + 2) + 1)
     print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session; "
           f"transformers' DynamicCache step alone: {reference:.2f} ms")
     print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15}   (median ms per forward)")
