@@ -67,9 +67,11 @@ class VerifierClient(Protocol):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None) -> Scores:
+                     draws: Draws | None = None, run_ahead: bool = False) -> Scores:
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
-        its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws."""
+        its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
+        run_ahead: the next step will be plain and greedy too, so the verifier may score it
+        at once (`specd.worker.runahead`)."""
         ...
 
     def advance(self, position: int) -> None:
@@ -204,7 +206,8 @@ class _Speculation:
         rejection sampling with exactly the q each proposed token was drawn with."""
         began = time.perf_counter()
         if self.request.transform.greedy:
-            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier)
+            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
+                                                run_ahead=self._plain_next(hop))
             ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
             outcome = verify_greedy(hop.tokens, scores.argmax)
@@ -224,6 +227,13 @@ class _Speculation:
             outcome = finish_verdict(scores.verdict, self._one_hot(hop.tokens) if hop.model_free else hop.probs,
                                      draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
+
+    def _plain_next(self, hop: _DraftHop) -> bool:
+        """Whether, after this step, another plain step surely comes (a greedy request with no
+        draft and no model-free proposer left, short of its last token): then the verifier
+        may score it ahead. A plain step commits one token, EOS aside, which the verifier sees."""
+        plain_from_now = not hop.tokens and self.draft is None and self.hybrid is None
+        return plain_from_now and self.generated + 1 < self.request.max_new_tokens
 
     def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
         """Commit the accepted tokens and the recovered or bonus one, cut at EOS; the step's record."""
@@ -252,7 +262,7 @@ class _Speculation:
             draft_ms=hop.ms, verify_ms=verdict.ms, draft_forward_ms=hop.forward_ms,
             verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
             draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
-            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free)
+            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
         return record, StepOutput(emitted, finish)

@@ -48,6 +48,7 @@ class StepRecord:
     pre_drafted: bool = False  # ...and this step's proposal came from a pre-drafted branch (a hit)
     proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
     model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
+    ran_ahead: bool = False  # the verifier scored this plain step before it was asked (specd.worker.runahead)
 
     @property
     def first_rejected(self) -> int | None:

@@ -55,6 +55,7 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
         "specd.verify.batch_tokens": record.verify_batch.tokens,
         "specd.verify.queue_ms": record.verify_batch.queue_ms,
         "specd.pre_drafted": record.pre_drafted,
+        "specd.ran_ahead": record.ran_ahead,
     }
     if record.proposer:  # the draft model's name, or a model-free proposer's (gateway.proposers)
         attributes["specd.proposer"] = record.proposer

@@ -253,12 +253,14 @@ class VerifierLink(WorkerLink):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None) -> Scores:
-        """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses)."""
+                     draws: Draws | None = None, run_ahead: bool = False) -> Scores:
+        """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses).
+        run_ahead: the next step will be plain and greedy too (`specd.worker.runahead`)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
             message = worker_pb2.VerifyRequest(
                 delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
-                trace_context=worker_pb2.TraceContext(carrier=trace_carrier), draft_token_probs=draft_token_probs)
+                trace_context=worker_pb2.TraceContext(carrier=trace_carrier), draft_token_probs=draft_token_probs,
+                run_ahead=run_ahead)
             if draws is not None:
                 message.uniforms.extend((*draws.accept, draws.final))
             return message
@@ -281,7 +283,7 @@ class VerifierLink(WorkerLink):
             if len(response.target_argmax) != len(draft_tokens) + 1:
                 raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} scored {len(response.target_argmax)} "
                                                             f"positions of {len(draft_tokens) + 1}")
-            return Scores(list(response.target_argmax), None, response.forward_ms, batch)
+            return Scores(list(response.target_argmax), None, response.forward_ms, batch, response.ran_ahead)
         problem = verdict_problem(response, len(draft_tokens))
         if problem is not None:  # a verifier of another protocol: never sample from what it sent
             raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name}: {problem}")

@@ -96,3 +96,4 @@ class Scores:
     verdict: TargetVerdict | None
     forward_ms: float
     batch: BatchStats = BatchStats()
+    ran_ahead: bool = False  # scored before it was asked for (`specd.worker.runahead`)

@@ -69,9 +69,11 @@ class ScriptedVerifier:
     def __init__(self, eos_at: frozenset[int] | set[int] = frozenset()) -> None:
         self.eos_at = eos_at
         self.last_exchange_bytes = 0
+        self.run_ahead: list[bool] = []  # what each step told the verifier of the next one
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     carrier: dict[str, str], draft_token_probs=(), draws=None) -> Scores:
+                     carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=False) -> Scores:
+        self.run_ahead.append(run_ahead)
         argmax, prefix = [], list(committed)
         for token in [*draft_tokens, None]:
             argmax.append(EOS if len(prefix) in self.eos_at else truth(prefix))
@@ -152,6 +154,21 @@ def test_a_plain_step_has_no_draft_hop():
     assert all(r.draft_length == 0 and len(r.emitted) == 1 for r in records)
 
 
+def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
+    """With no draft (OFF, or a draft lost), every plain step but the last says another
+    plain step follows; while a draft may still propose, none does."""
+    verifier = ScriptedVerifier()
+    tokens, _, _ = run(None, verifier, gamma=0, max_new_tokens=6)
+    assert tokens == target_alone(6) and verifier.run_ahead == [True] * 5 + [False]
+    verifier = ScriptedVerifier()
+    run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=6)
+    assert verifier.run_ahead == [False] * 6
+    verifier = ScriptedVerifier()
+    run(ScriptedDraft(wrong={5}, fail_at=2), verifier, gamma=3)
+    after_loss = verifier.run_ahead[2:]
+    assert verifier.run_ahead[:2] == [False, False] and all(after_loss[:-1]) and after_loss[-1] is False
+
+
 def test_a_draft_lost_mid_request_leaves_the_rest_to_the_target():
     draft = ScriptedDraft(wrong={5}, fail_at=2)
     tokens, finish, records = run(draft, ScriptedVerifier(), gamma=3)
@@ -194,7 +211,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None) -> Scores:
+                         draws=None, run_ahead=False) -> Scores:
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 

@@ -54,12 +54,13 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         scores = await service.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         list(request.draft_token_probs), wire.draws_from_pb(request)),
+                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead),
             lambda scores: {
                 **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
-                "specd.positions_scored": len(request.draft_tokens) + 1})
-        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch))
+                "specd.positions_scored": len(request.draft_tokens) + 1, "specd.ran_ahead": scores.ran_ahead})
+        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch),
+                                             ran_ahead=scores.ran_ahead)
         if scores.argmax is not None:
             response.target_argmax.extend(scores.argmax)
         else:

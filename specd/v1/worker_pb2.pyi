@@ -112,13 +112,14 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "expected_model")
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -126,24 +127,27 @@ class VerifyRequest(_message.Message):
     trace_context: TraceContext
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     uniforms: _containers.RepeatedScalarFieldContainer[float]
+    run_ahead: bool
     expected_model: ModelIdentity
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., run_ahead: _Optional[bool] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch", "accepted", "bonus_token")
+    __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch", "accepted", "bonus_token", "ran_ahead")
     TARGET_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RAN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     target_argmax: _containers.RepeatedScalarFieldContainer[int]
     target_probs: Distributions
     forward_ms: float
     batch: BatchInfo
     accepted: int
     bonus_token: int
-    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+    ran_ahead: bool
+    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., ran_ahead: _Optional[bool] = ...) -> None: ...
 
 class BatchInfo(_message.Message):
     __slots__ = ("size", "tokens", "queue_ms", "forwards", "sessions")

@@ -187,38 +187,43 @@ class Scheduler:
 
     async def _run(self) -> None:
         assert self._wake is not None  # made with this task
-        loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
             await self._gather()
-            jobs, rows = self._next_batch()
-            if not jobs:
+            await self._run_batch()
+
+    async def _run_batch(self) -> None:
+        """One batched forward of the jobs at the head of the queue, and its results. A
+        method of its own so that nothing of the batch outlives it: the KV blocks of a
+        session that ended go back to the pool with its last reference."""
+        jobs, rows = self._next_batch()
+        if not jobs:
+            return
+        now = time.perf_counter()
+        held = self._open_sessions()
+        for job in jobs:
+            if job.started is None:
+                job.started, job.open_sessions = now, held
+        self.busy = True
+        try:
+            outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_on_thread, jobs, rows)
+        finally:
+            self.busy = False
+        unfinished = []
+        for job, outcome in zip(jobs, outcomes):
+            assert job.future is not None  # submitted
+            if job.future.done():  # cancelled while its forward ran
                 continue
-            now = time.perf_counter()
-            held = self._open_sessions()
-            for job in jobs:
-                if job.started is None:
-                    job.started, job.open_sessions = now, held
-            self.busy = True
-            try:
-                outcomes = await loop.run_in_executor(self._executor, self._run_on_thread, jobs, rows)
-            finally:
-                self.busy = False
-            unfinished = []
-            for job, outcome in zip(jobs, outcomes):
-                assert job.future is not None  # submitted
-                if job.future.done():  # cancelled while its forward ran
-                    continue
-                if isinstance(outcome, BaseException):
-                    job.future.set_exception(outcome)
-                elif outcome:
-                    job.future.set_result(job.result())
-                else:
-                    unfinished.append(job)
-            # Jobs in progress go first: a step already started finishes before new ones start.
-            self._queue.extendleft(reversed(unfinished))
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            elif outcome:
+                job.future.set_result(job.result())
+            else:
+                unfinished.append(job)
+        # Jobs in progress go first: a step already started finishes before new ones start.
+        self._queue.extendleft(reversed(unfinished))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -83,8 +83,9 @@ class ScoreJob(Job):
     """
 
     def __init__(self, session: SessionKV, feed: list[int], draft_tokens: list[int], transform: Transform,
-                 draft_token_probs: list[float], draws: Draws | None) -> None:
+                 draft_token_probs: list[float], draws: Draws | None, ahead: bool = False) -> None:
         super().__init__(session, feed + draft_tokens, keep=len(draft_tokens) + 1)
+        self.ahead = ahead  # scored before the gateway asked for it (specd.worker.runahead)
         self.draft_tokens = draft_tokens
         self.transform = transform
         self.draft_token_probs = draft_token_probs
@@ -104,4 +105,4 @@ class ScoreJob(Job):
 
     def result(self) -> Scores:
         assert self.scores is not None  # the job finished: consume() scored it
-        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats())
+        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats(), self.ahead)

@@ -33,6 +33,7 @@ from specd.worker.identity import weights_digest
 from specd.worker.jobs import ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
+from specd.worker.runahead import RunAhead
 from specd.worker.settings import BatchSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,6 +155,7 @@ class ModelRunner:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
         self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
         self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
+        self.run_ahead = RunAhead()
 
     async def close(self) -> None:
         await self.scheduler.close()
@@ -162,6 +164,7 @@ class ModelRunner:
     def end_session(self, session_id: str) -> None:
         """Forget a session (and any branches pre-drafted for it): the gateway named it ended,
         its request's deadline passed, or the stream that opened it ended."""
+        self.run_ahead.cancel(session_id)  # first: a step scored ahead holds the session
         if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 
@@ -307,12 +310,14 @@ class ModelRunner:
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, draft_token_probs: Sequence[float] = (),
-                    draws: Draws | None = None) -> Scores:
+                    draws: Draws | None = None, run_ahead: bool = False) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
         draft tokens this is one plain decoding step (one position). A sampled step needs
-        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict.
+        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict. With
+        run_ahead (a plain greedy step), the next plain step is scored at once, for the
+        gateway's next request (`specd.worker.runahead`).
         """
         if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
                                      or len(draft_token_probs) != len(draft_tokens)):
@@ -322,10 +327,33 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
-        session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
-        if not feed:
-            self.sessions.release()
-            raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
-        session.tokens.extend(draft_tokens)
-        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
+        plain_greedy = not draft_tokens and transform.greedy
+        scores = await self.run_ahead.take(session_id, start, tokens, plain_greedy)
+        if scores is None:
+            session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
+            if not feed:
+                self.sessions.release()
+                raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
+            session.tokens.extend(draft_tokens)
+            job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
+            scores = await self._step(session_id, session, job)
+        if run_ahead and plain_greedy:
+            assert scores.argmax is not None  # greedy scores carry the argmax
+            self._score_ahead(session_id, start + len(tokens), scores.argmax[0])
+        return scores
+
+    def _score_ahead(self, session_id: str, start: int, token: int) -> None:
+        """Score the plain greedy step (start, [token]) now, for the gateway's next request;
+        not past EOS or the context."""
+        if token in self.info.eos_token_ids or start + 1 >= self.info.max_context:
+            return
+        task = asyncio.get_running_loop().create_task(self._ahead_step(session_id, start, token))
+        self.run_ahead.start(session_id, start, token, task)
+
+    async def _ahead_step(self, session_id: str, start: int, token: int) -> Scores:
+        """The step scored ahead. It takes the session when it starts, not before, so that
+        cancelling it before then (the session ended) leaves the store as it was; it fails
+        when the session or the pool's room is gone, and the step is then scored as asked."""
+        session, feed = self._sync(session_id, start, [token], 0)
+        job = ScoreJob(session, feed, [], Transform(), [], None, ahead=True)
         return await self._step(session_id, session, job)

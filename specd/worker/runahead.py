@@ -1,0 +1,68 @@
+"""Plain greedy steps scored before they are asked for (verifier side).
+
+Decoding plainly, a step's only uncertain part is the target's argmax, which the verifier
+computes itself. So when the gateway says that the next step will be plain and greedy
+too (`VerifyRequest.run_ahead`), the verifier scores that next step at once, as if the
+gateway had committed this step's argmax, instead of idling through the round trip: the
+answer is ready, or in the model's next forward, when the gateway asks. The forwards of
+a session then follow each other with no gap, and at many sessions the verifier's next
+batched forward overlaps the gateway's work on the last one.
+
+Nothing is decided here. An ahead answer is given only to the step it assumed: the same
+session, the same committed length and the argmax as the new token. Any other step waits
+for the ahead one to finish (a forward cannot stop half-way) and is scored as asked;
+the session's cache is cropped back like after any step.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from specd.steps import Scores
+
+
+@dataclass
+class _Ahead:
+    start: int  # committed tokens before the token the ahead step assumed
+    token: int  # the argmax it assumed the gateway commits
+    task: asyncio.Task  # the ahead step: it puts the session back when it finishes
+
+
+class RunAhead:
+    """The ahead steps of one model's sessions, by session id; lives on the event loop."""
+
+    def __init__(self) -> None:
+        self._ahead: dict[str, _Ahead] = {}
+
+    def start(self, session_id: str, start: int, token: int, task: asyncio.Task) -> None:
+        """Remember the ahead step `task`, which scores the step (start, [token])."""
+        self._ahead[session_id] = _Ahead(start, token, task)
+        task.add_done_callback(_consume_error)
+
+    async def take(self, session_id: str, start: int, tokens: list[int], plain_greedy: bool) -> Scores | None:
+        """The ahead answer to the step (start, tokens), if it is the one assumed; None
+        otherwise, once any ahead step of the session has finished and put it back."""
+        ahead = self._ahead.pop(session_id, None)
+        if ahead is None:
+            return None
+        await asyncio.wait([ahead.task])  # not ahead.task itself: its failure is not this step's
+        if ahead.task.cancelled() or ahead.task.exception() is not None:
+            return None
+        if plain_greedy and start == ahead.start and tokens == [ahead.token]:
+            return ahead.task.result()
+        return None
+
+    def cancel(self, session_id: str) -> None:
+        """The session ended: stop its ahead step (it does not put the session back)."""
+        ahead = self._ahead.pop(session_id, None)
+        if ahead is not None:
+            ahead.task.cancel()
+
+    def __len__(self) -> int:
+        return len(self._ahead)
+
+
+def _consume_error(task: asyncio.Task) -> None:
+    """An ahead step nobody takes may fail or be cancelled: not an error to report."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,93 @@
+"""The verifier scores a plain greedy step ahead (`specd.worker.runahead`), and answers from
+it only the step it assumed: a real ModelRunner on a tiny model made in the test, and a
+plain decoding loop in the test as the gateway."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+
+from specd.sampling import Transform
+from specd.worker.runtime import ModelRunner
+
+PROMPT = [5, 6, 7, 8]
+
+
+async def decode(runner: ModelRunner, session_id: str, steps: int, run_ahead: bool) -> tuple[list[int], list[bool]]:
+    """Plain greedy decoding as the gateway drives it: each step sends the token the last
+    one committed. The tokens, and whether each answer was scored ahead."""
+    scores = await runner.score(session_id, 0, PROMPT, [], Transform(), run_ahead=run_ahead)
+    assert scores.argmax is not None
+    tokens, ahead = [scores.argmax[0]], [scores.ran_ahead]
+    for _ in range(steps - 1):
+        start = len(PROMPT) + len(tokens) - 1
+        scores = await runner.score(session_id, start, [tokens[-1]], [], Transform(), run_ahead=run_ahead)
+        assert scores.argmax is not None
+        tokens.append(scores.argmax[0])
+        ahead.append(scores.ran_ahead)
+    return tokens, ahead
+
+
+def test_a_step_scored_ahead_is_the_step_asked_for(model_dirs):
+    runner = ModelRunner(model_dirs["target"])
+
+    async def scenario():
+        with_ahead = await decode(runner, "a", 12, run_ahead=True)
+        without = await decode(runner, "b", 12, run_ahead=False)
+        await runner.close()
+        return with_ahead, without
+
+    (tokens, ahead), (reference, none_ahead) = asyncio.run(scenario())
+    assert tokens == reference and not any(none_ahead)
+    # Every answer but the first was scored ahead, except after EOS (where the gateway stops).
+    eos = runner.info.eos_token_ids
+    assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 8
+
+
+def test_a_step_other_than_the_one_assumed_is_scored_as_asked(model_dirs):
+    """The gateway committed something else (a stop string cut, another proposal): the
+    verifier waits for its ahead forward, crops it away and scores what was asked."""
+    runner = ModelRunner(model_dirs["target"])
+
+    async def scenario():
+        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        other = (first.argmax[0] + 1) % runner.info.vocab_size
+        asked = await runner.score("a", len(PROMPT), [other], [9, 10], Transform())
+        fresh = await runner.score("b", 0, [*PROMPT, other], [9, 10], Transform())
+        await runner.close()
+        return asked, fresh
+
+    asked, fresh = asyncio.run(scenario())
+    assert asked.argmax == fresh.argmax and not asked.ran_ahead
+
+
+def test_a_session_ended_while_its_step_runs_ahead_leaves_nothing(model_dirs):
+    runner = ModelRunner(model_dirs["target"])
+
+    async def scenario() -> tuple[int, int, int, int]:
+        free = runner.pool.free_blocks
+        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        held = len(runner.run_ahead)
+        runner.end_session("a")
+        await asyncio.sleep(0.2)  # the cancelled ahead step leaves the batch
+        gc.collect()  # a session's blocks go back when it is dropped
+        left = (len(runner.run_ahead), len(runner.sessions), free - runner.pool.free_blocks)
+        await runner.close()
+        return held, *left
+
+    assert asyncio.run(scenario()) == (1, 0, 0, 0)
+
+
+def test_no_step_is_scored_past_eos(model_dirs):
+    """An argmax that is EOS ends the request at the gateway: nothing to score ahead."""
+    runner = ModelRunner(model_dirs["target"])
+
+    async def scenario() -> int:
+        first = await runner.score("probe", 0, PROMPT, [], Transform())
+        runner.info = dataclasses.replace(runner.info, eos_token_ids=(first.argmax[0],))
+        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        held = len(runner.run_ahead)
+        await runner.close()
+        return held
+
+    assert asyncio.run(scenario()) == 0
