@@ -136,6 +136,7 @@ class _Speculation:
         self.committed = list(request.prompt_ids)
         self.generated = 0
         self.steps = 0
+        self.last_commit = time.perf_counter()  # when the last step committed (at first: the start)
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
         self.no_proposal = _DraftHop([], torch.zeros(0, bounds.vocab_size))  # γ = 0, or the draft is lost
 
@@ -256,13 +257,16 @@ class _Speculation:
         if finish is None and self.generated >= self.request.max_new_tokens:
             finish = Finish.LENGTH
         scores = verdict.scores
+        now = time.perf_counter()
+        interval_ms, self.last_commit = (now - self.last_commit) * 1e3, now
         record = StepRecord(
             index=self.steps, position=position, generated=generated_before, draft_length=len(hop.tokens),
             accepted=verdict.accepted, bonus=verdict.bonus, token=verdict.token, emitted=tuple(emitted),
             draft_ms=hop.ms, verify_ms=verdict.ms, draft_forward_ms=hop.forward_ms,
             verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
             draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
-            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead)
+            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead,
+            interval_ms=interval_ms)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
         return record, StepOutput(emitted, finish)

@@ -103,6 +103,7 @@ class _LevelArms:
     epochs: int = 0  # since the last trial
     explore_every: int = 8  # epochs between trials; doubles after each trial that lost
     downward: bool = True  # which neighbour the next trial takes
+    plain_next: bool = False  # the next trial re-measures plain decoding (cap 0), not a neighbour
 
     @property
     def arm(self) -> int:
@@ -120,11 +121,12 @@ class LoadCap:
     cap is decided for everyone at once, like vLLM's K*(bs) = argmax_K (1 + Σ_{i<K} a_i) /
     ITL(bs, K), but measured online rather than profiled: at each load level (the sessions
     the verifier holds, bucketed by `load_bucket`) the cap in force runs for an epoch of
-    steps, and its goodput (emitted tokens per millisecond of step, i.e. per session) is
-    compared first with plain decoding's (cap 0), then with a neighbouring cap's, tried for
-    one epoch in every `explore_every` (twice as long after each trial that lost, since a
-    trial costs goodput); a neighbour that wins by `margin` becomes the cap and the next one
-    along is tried at once.
+    steps, and its goodput (emitted tokens per millisecond between a request's commits, i.e.
+    per session) is compared first with plain decoding's (cap 0), then, in turn, with a
+    neighbouring cap's and plain decoding's again, each tried for one epoch in every
+    `explore_every` (twice as long after each trial that lost, since a trial costs
+    goodput); a trial that wins by `margin` becomes the cap and the next cap along is tried
+    at once.
     With one session there is no one else to slow down: no cap.
     """
 
@@ -190,7 +192,9 @@ class LoadCap:
             level.settle -= 1
             return
         level.tokens += len(record.emitted)
-        level.ms += record.draft_ms + record.verify_ms
+        # The whole interval between the request's commits, not just its hops: under load the
+        # gateway's own work and the hand-offs are part of what a step costs a session.
+        level.ms += record.interval_ms
         level.steps += 1
         if level.steps >= max(32, self.epoch_rounds * load):
             self._end_epoch(level, load)
@@ -198,7 +202,12 @@ class LoadCap:
     def _end_epoch(self, level: _LevelArms, load: int) -> None:
         rate = level.tokens / level.ms if level.ms > 0 else 0.0
         previous = level.rates.get(level.arm)
-        level.rates[level.arm] = rate if previous is None else previous + self.weight * (rate - previous)
+        # The cap in force averages its epochs; a trial is measured afresh, since what it
+        # measured last time (maybe long ago, under another load mix) says little of now.
+        if previous is None or level.trial is not None:
+            level.rates[level.arm] = rate
+        else:
+            level.rates[level.arm] = previous + self.weight * (rate - previous)
         level.tokens = level.ms = 0.0
         level.steps = 0
         before = level.arm
@@ -218,7 +227,12 @@ class LoadCap:
             level.epochs += 1
             if level.epochs >= level.explore_every:
                 level.epochs = 0
-                level.trial = self._neighbour(level)
+                # Every other trial measures plain decoding again: one early epoch of it
+                # (the first trial, often while the first prompts are still prefilling) must
+                # not decide for good, and a neighbour of a cap above every γ the requests
+                # choose changes nothing.
+                level.trial = 0 if level.plain_next and level.best > 0 else self._neighbour(level)
+                level.plain_next = not level.plain_next
         if level.arm != before:
             level.settle = load
 

@@ -49,6 +49,10 @@ class StepRecord:
     proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
     model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
     ran_ahead: bool = False  # the verifier scored this plain step before it was asked (specd.worker.runahead)
+    # Wall time from the request's previous commit to this one (the first step: from the
+    # start): what the step cost the request, its hops, the gateway's own work and the
+    # streaming of the last chunk included. 0: not measured (a record made elsewhere).
+    interval_ms: float = 0.0
 
     @property
     def first_rejected(self) -> int | None:

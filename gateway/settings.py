@@ -9,7 +9,7 @@ from gateway.policy import POLICIES
 from gateway.proposers import MODEL_FREE
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
-from specd.flags import comma_list, name_pairs, setting
+from specd.flags import comma_list, name_pairs, optional_path, setting
 
 DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
@@ -76,7 +76,7 @@ class GatewaySettings:
                                 help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
     window_steps: int = 2000  # steps in the acceptance sliding window
     # The edge (docs/reliability.md): who may call, and how much one call may ask.
-    api_keys_file: Path | None = setting(flag="--api-keys", type=Path, metavar="FILE",
+    api_keys_file: Path | None = setting(flag="--api-keys", parse=optional_path, metavar="FILE",
                                          help="require API keys: one 'SEGMENT KEY' or 'SEGMENT sha256:HEX' a line; "
                                               "the key decides the request's user segment")
     protect_reflection: bool = setting(False, flag="--protect-reflection",
@@ -106,7 +106,7 @@ class GatewaySettings:
                                         "measured tokens/ms per task type and user segment, starting from "
                                         "--task-draft) or task-map (--task-draft, else the default draft)")
     drift: DriftSettings = DriftSettings()  # when a drop in acceptance raises a flag
-    acceptance_baseline: Path | None = setting(flag="--acceptance-baseline", type=Path, metavar="FILE",
+    acceptance_baseline: Path | None = setting(flag="--acceptance-baseline", parse=optional_path, metavar="FILE",
                                                help="judge drift against this pinned acceptance per model pair and "
                                                     "task type (`specd doctor --write-baseline FILE` writes one) "
                                                     "instead of lifetime acceptance")
@@ -127,5 +127,5 @@ class GatewaySettings:
                                     help="also serve OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, "
                                          "/v1/models, /health) on this port of the gateway's host (0: a free one; "
                                          "default: off)")
-    chat_template: Path | None = setting(flag="--chat-template", type=Path, metavar="FILE",
+    chat_template: Path | None = setting(flag="--chat-template", parse=optional_path, metavar="FILE",
                                          help="Jinja template for /v1/chat/completions (default: the tokenizer's)")

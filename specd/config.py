@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.flags import setting
+from specd.flags import optional_path, setting
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
@@ -26,11 +26,11 @@ class ServerTLS:
     signed by that CA (how the workers accept only their gateways).
     """
 
-    cert: Path | None = setting(flag="--tls-cert", type=Path, metavar="FILE", serve=False,
+    cert: Path | None = setting(flag="--tls-cert", parse=optional_path, metavar="FILE", serve=False,
                                 help="serve TLS with this certificate (PEM)")
-    key: Path | None = setting(flag="--tls-key", type=Path, metavar="FILE", serve=False,
+    key: Path | None = setting(flag="--tls-key", parse=optional_path, metavar="FILE", serve=False,
                                help="the certificate's private key (PEM)")
-    client_ca: Path | None = setting(flag="--tls-client-ca", type=Path, metavar="FILE", serve=False,
+    client_ca: Path | None = setting(flag="--tls-client-ca", parse=optional_path, metavar="FILE", serve=False,
                                      help="require client certificates signed by this CA (mutual TLS)")
 
     @property
@@ -72,7 +72,7 @@ class ServerSettings:
     health_port: int = setting(0, flag="--health-port", serve=False,
                                help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
                                     "Kubernetes probes, which cannot speak TLS); 0: off")
-    socket: Path | None = setting(flag="--socket", type=Path, metavar="PATH", serve=False,
+    socket: Path | None = setting(flag="--socket", parse=optional_path, metavar="PATH", serve=False,
                                   help="listen on this Unix domain socket instead of --host/--port: only "
                                        "processes that may enter its directory can connect (how specd serve "
                                        "links its workers)")

@@ -105,6 +105,12 @@ def forward_flags(defaults: Any, args: argparse.Namespace, nested: bool = True) 
     return argv
 
 
+def optional_path(value: str | None) -> Path | None:
+    """A file flag's path; unset or empty ("--api-keys=" from an empty variable) is None,
+    not the current directory."""
+    return Path(value) if value else None
+
+
 def comma_list(value: str) -> tuple[str, ...]:
     """"a,b" → ("a", "b"); "" → () (a flag that lists names)."""
     return tuple(name for name in value.split(",") if name)

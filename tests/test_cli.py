@@ -177,6 +177,8 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     assert gateway.overlap and gateway.model_free == () and gateway.http_port == 0
     assert gateway.task_drafts == {"code": "small", "chat": "tiny"} and gateway.drift.min_drop == 0.2
     assert (gateway.api_keys_file, gateway.max_prompt_bytes) == (Path("keys.txt"), 99)
+    # An empty file flag (from an empty variable in a manifest) is unset, not the current directory.
+    assert from_flags(GATEWAY, parser.parse_args(["gateway", "--api-keys="])).api_keys_file is None
     # ...and what it was not given, the gateway's command line defaults (not the object's).
     assert gateway.draft_selection == "goodput" and from_flags(
         GATEWAY, parser.parse_args(["gateway", *forward_flags(GATEWAY, parser.parse_args(["serve"]))])

@@ -184,7 +184,8 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
             index=index, position=0, generated=0, draft_length=gamma, accepted=accepted, bonus=accepted == gamma,
             token=0, emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma, verify_ms=step_ms(cap.cap()),
             draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-            verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions)))
+            verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
+            interval_ms=0.5 * gamma + step_ms(cap.cap()) + 0.2))
     return chosen
 
 
@@ -214,6 +215,20 @@ def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_ca
     assert len(gaps) >= 2 and gaps[-1] > gaps[0], trials
     alone = run_under_load(cap, lambda c: 10.0, sessions=1, steps=50)
     assert cap.cap() == 8 and min(alone[1:]) >= 3
+
+
+def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
+    """The first trial of cap 0 comes early, often while the first prompts still prefill and
+    slow every forward. Plain decoding is measured again later, and wins where it should."""
+    steps = iter(range(10**6))
+
+    def step_ms(c: int) -> float:
+        prefilling = next(steps) < 200  # the first trial of cap 0 falls in here
+        return 5.0 + 16 * (c + 1) * 3.0 + (400.0 if prefilling else 0.0)
+
+    cap = LoadCap(highest=8)
+    chosen = run_under_load(cap, step_ms, sessions=16, steps=3000)
+    assert cap.cap() == 0 and chosen[-500:].count(0) >= 400, cap.rates()
 
 
 def test_requests_in_flight_are_a_floor_on_the_load():

@@ -91,3 +91,50 @@ def test_no_step_is_scored_past_eos(model_dirs):
         return held
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_session_ended_while_a_step_waits_for_its_ahead_step_leaves_nothing(model_dirs):
+    """The client went away just as its next step arrived: the step waiting for the ahead
+    one is cancelled and the session ended. The ahead step must not put it back after."""
+    runner = ModelRunner(model_dirs["target"])
+
+    async def scenario() -> tuple[int, int]:
+        free = runner.pool.free_blocks
+        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        assert first.argmax is not None
+        waiting = asyncio.ensure_future(runner.score("a", len(PROMPT), [first.argmax[0]], [], Transform()))
+        await asyncio.sleep(0)  # it is waiting for the ahead step now
+        waiting.cancel()
+        runner.end_session("a")
+        await asyncio.wait([waiting])
+        del waiting  # its traceback holds the frames that held the session
+        await asyncio.sleep(0.2)
+        gc.collect()
+        left = (len(runner.sessions), free - runner.pool.free_blocks)
+        await runner.close()
+        return left
+
+    assert asyncio.run(scenario()) == (0, 0)
+
+
+def test_an_ahead_step_with_no_room_evicts_nothing_and_keeps_the_session(model_dirs):
+    """A pool of three blocks of 16 positions, all held: the ahead step that needs a fourth
+    is a bet, so it evicts no other session and gives its own back; the step asked for then
+    takes the room it needs, as any step does."""
+    from specd.worker.settings import BatchSettings
+
+    runner = ModelRunner(model_dirs["target"], batching=BatchSettings(kv_cache_tokens=48))
+
+    async def scenario() -> tuple[bool, set[str], bool]:
+        await runner.score("b", 0, list(range(5, 36)), [], Transform())  # 31 positions: two blocks
+        first = await runner.score("a", 0, list(range(5, 20)), [], Transform(), run_ahead=True)  # the third
+        assert first.argmax is not None
+        second = await runner.score("a", 15, [first.argmax[0]], [], Transform(), run_ahead=True)
+        assert second.argmax is not None
+        await asyncio.sleep(0.1)  # the next ahead step needs a fourth block: none is free
+        held = set(runner.sessions._sessions)
+        third = await runner.score("a", 16, [second.argmax[0]], [], Transform())
+        await runner.close()
+        return second.ran_ahead, held, third.ran_ahead
+
+    assert asyncio.run(scenario()) == (True, {"a", "b"}, False)

@@ -42,10 +42,15 @@ class RunAhead:
     async def take(self, session_id: str, start: int, tokens: list[int], plain_greedy: bool) -> Scores | None:
         """The ahead answer to the step (start, tokens), if it is the one assumed; None
         otherwise, once any ahead step of the session has finished and put it back."""
-        ahead = self._ahead.pop(session_id, None)
+        ahead = self._ahead.get(session_id)
         if ahead is None:
             return None
-        await asyncio.wait([ahead.task])  # not ahead.task itself: its failure is not this step's
+        # Not ahead.task itself: its failure is not this step's. And still listed while this
+        # step waits: a session ended meanwhile must find the ahead step to cancel it, or the
+        # ahead step would put the session back after the end.
+        await asyncio.wait([ahead.task])
+        if self._ahead.get(session_id) is ahead:
+            del self._ahead[session_id]
         if ahead.task.cancelled() or ahead.task.exception() is not None:
             return None
         if plain_greedy and start == ahead.start and tokens == [ahead.token]:

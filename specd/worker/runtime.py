@@ -344,16 +344,35 @@ class ModelRunner:
 
     def _score_ahead(self, session_id: str, start: int, token: int) -> None:
         """Score the plain greedy step (start, [token]) now, for the gateway's next request;
-        not past EOS or the context."""
+        not past EOS or the context, nor while the queue is half full: a bet must not take
+        the room of steps that were asked for."""
         if token in self.info.eos_token_ids or start + 1 >= self.info.max_context:
+            return
+        if self.scheduler.queued >= self.scheduler.settings.max_queue // 2:
             return
         task = asyncio.get_running_loop().create_task(self._ahead_step(session_id, start, token))
         self.run_ahead.start(session_id, start, token, task)
 
     async def _ahead_step(self, session_id: str, start: int, token: int) -> Scores:
-        """The step scored ahead. It takes the session when it starts, not before, so that
-        cancelling it before then (the session ended) leaves the store as it was; it fails
-        when the session or the pool's room is gone, and the step is then scored as asked."""
-        session, feed = self._sync(session_id, start, [token], 0)
-        job = ScoreJob(session, feed, [], Transform(), [], None, ahead=True)
-        return await self._step(session_id, session, job)
+        """The step scored ahead, a bet. It takes the session when it starts, not before, so
+        that cancelling it before then (the session ended) leaves the store as it was. It
+        evicts no other session for room, and when it fails (no room, a full queue, a failed
+        forward) it puts the session back as it found it: the step is then scored as asked."""
+        session = self.sessions.take(session_id)
+        if len(session.tokens) != start or not session.reserve(start + 1):
+            self.sessions.put(session_id, session)
+            self.sessions.release()
+            raise Overloaded(f"no room in {self.info.name}'s KV pool to score a step ahead", 0.0)
+        try:
+            session.tokens.append(token)
+            job = ScoreJob(session, session.tokens[session.length:], [], Transform(), [], None, ahead=True)
+            scores = await self.scheduler.submit(job)
+        except Exception:
+            session.crop(start)
+            session.tokens = session.tokens[:start]
+            self.sessions.put(session_id, session)
+            raise
+        finally:
+            self.sessions.release()
+        self.sessions.put(session_id, session)
+        return scores
