@@ -67,11 +67,11 @@ class VerifierClient(Protocol):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: bool = False) -> Scores:
+                     draws: Draws | None = None, run_ahead: bool = False, next_draws: Draws | None = None) -> Scores:
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
         its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
-        run_ahead: the next step will be plain and greedy too, so the verifier may score it
-        at once (`specd.worker.runahead`)."""
+        run_ahead: the next step will be plain too (sampled: under `next_draws`), so the
+        verifier may score it at once (`specd.worker.runahead`)."""
         ...
 
     def advance(self, position: int) -> None:
@@ -138,6 +138,7 @@ class _Speculation:
         self.steps = 0
         self.last_commit = time.perf_counter()  # when the last step committed (at first: the start)
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
+        self.drawn_ahead: Draws | None = None  # this step's draws, drawn by the last step for run-ahead
         self.no_proposal = _DraftHop([], torch.zeros(0, bounds.vocab_size))  # γ = 0, or the draft is lost
 
     def draft_length(self, policy: DraftLengthPolicy) -> int:
@@ -215,24 +216,35 @@ class _Speculation:
         else:
             # The gateway draws every uniform of the step; the verifier tests the proposal with
             # them and sends back the bonus token or p's row at the first rejection.
-            draws = Draws.draw(len(hop.tokens), self.generator)
+            draws = self._draws(len(hop.tokens))
+            # Drawn now rather than at the next step: the order of the draws is the same.
+            next_draws = Draws.draw(0, self.generator) if self._plain_next(hop) else None
+            self.drawn_ahead = next_draws
             if hop.model_free:  # deterministic: q(x) = 1 for each proposed token
                 proposed = [1.0] * len(hop.tokens)
             else:
                 index = torch.arange(len(hop.tokens)), torch.tensor(hop.tokens, dtype=torch.long)
                 proposed = hop.probs[index].tolist()
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                proposed, draws)
+                                                proposed, draws, next_draws is not None, next_draws)
             ms = (time.perf_counter() - began) * 1e3
             assert scores.verdict is not None  # sampled scores carry the verdict
             outcome = finish_verdict(scores.verdict, self._one_hot(hop.tokens) if hop.model_free else hop.probs,
                                      draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
 
+    def _draws(self, gamma: int) -> Draws:
+        """This step's uniforms: drawn by the last step when it let the verifier run ahead
+        (a plain step, γ = 0, as that step foresaw), else now."""
+        if self.drawn_ahead is not None:
+            assert gamma == 0  # run-ahead is asked only when every later step is plain
+            return self.drawn_ahead
+        return Draws.draw(gamma, self.generator)
+
     def _plain_next(self, hop: _DraftHop) -> bool:
-        """Whether, after this step, another plain step surely comes (a greedy request with no
-        draft and no model-free proposer left, short of its last token): then the verifier
-        may score it ahead. A plain step commits one token, EOS aside, which the verifier sees."""
+        """Whether, after this step, another plain step surely comes (a request with no draft
+        and no model-free proposer left, short of its last token): then the verifier may
+        score it ahead. A plain step commits one token, EOS aside, which the verifier sees."""
         plain_from_now = not hop.tokens and self.draft is None and self.hybrid is None
         return plain_from_now and self.generated + 1 < self.request.max_new_tokens
 

@@ -253,9 +253,10 @@ class VerifierLink(WorkerLink):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: bool = False) -> Scores:
+                     draws: Draws | None = None, run_ahead: bool = False, next_draws: Draws | None = None) -> Scores:
         """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses).
-        run_ahead: the next step will be plain and greedy too (`specd.worker.runahead`)."""
+        run_ahead: the next step will be plain too, with `next_draws` when sampled
+        (`specd.worker.runahead`)."""
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
             message = worker_pb2.VerifyRequest(
                 delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
@@ -263,6 +264,8 @@ class VerifierLink(WorkerLink):
                 run_ahead=run_ahead)
             if draws is not None:
                 message.uniforms.extend((*draws.accept, draws.final))
+            if next_draws is not None:
+                message.next_uniform = next_draws.final
             return message
 
         for _ in range(self.settings.max_reopens + 1):

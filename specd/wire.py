@@ -91,6 +91,11 @@ def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
     return Draws(tuple(accept), final)
 
 
+def next_draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
+    """The draws of the plain step after this one, sent early for the verifier to run ahead."""
+    return Draws((), request.next_uniform) if request.HasField("next_uniform") else None
+
+
 def verdict_problem(response: worker_pb2.VerifyResponse, gamma: int) -> str | None:
     """Why a sampled step's answer is not a protocol-2 verdict on γ draft tokens (None: it is).
 

@@ -72,7 +72,8 @@ class ScriptedVerifier:
         self.run_ahead: list[bool] = []  # what each step told the verifier of the next one
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=False) -> Scores:
+                     carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=False,
+                     next_draws=None) -> Scores:
         self.run_ahead.append(run_ahead)
         argmax, prefix = [], list(committed)
         for token in [*draft_tokens, None]:
@@ -169,6 +170,32 @@ def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     assert verifier.run_ahead[:2] == [False, False] and all(after_loss[:-1]) and after_loss[-1] is False
 
 
+def test_a_sampled_request_sends_each_next_uniform_early_and_in_order():
+    """Sampled and plain from the first step: each step also carries the next step's uniform,
+    which that step then uses, so the request draws the same uniforms in the same order as
+    without run-ahead, and a seed gives the same output."""
+    sent: list[tuple[float, float | None]] = []
+
+    class PlainSampledVerifier(ScriptedVerifier):
+        async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
+                         draws=None, run_ahead=False, next_draws=None) -> Scores:
+            sent.append((draws.final, None if next_draws is None else next_draws.final))
+            assert run_ahead == (next_draws is not None)
+            p = torch.full((1, VOCAB), 1.0 / VOCAB)
+            return Scores(None, target_verdict([], [], p, draws), 0.0)
+
+    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=11, max_new_tokens=6, draft_model="")
+
+    async def drive() -> list[int]:
+        return [t async for c in speculate(request, FixedPolicy(0), None, PlainSampledVerifier(), BOUNDS)
+                for t in c.tokens]
+
+    tokens = asyncio.run(drive())
+    expected = torch.rand(6, generator=torch.Generator().manual_seed(11), dtype=torch.float64).tolist()
+    assert len(tokens) == 6 and [final for final, _ in sent] == expected
+    assert [ahead for _, ahead in sent] == [*expected[1:], None]
+
+
 def test_a_draft_lost_mid_request_leaves_the_rest_to_the_target():
     draft = ScriptedDraft(wrong={5}, fail_at=2)
     tokens, finish, records = run(draft, ScriptedVerifier(), gamma=3)
@@ -211,7 +238,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None, run_ahead=False) -> Scores:
+                         draws=None, run_ahead=False, next_draws=None) -> Scores:
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 

@@ -44,6 +44,40 @@ def test_a_step_scored_ahead_is_the_step_asked_for(model_dirs):
     assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 8
 
 
+def test_a_sampled_step_scored_ahead_draws_the_same_token(model_dirs):
+    """Sampled: each step carries the next one's uniform, and the answer scored ahead is the
+    token that uniform draws from p, as when the step is scored on request."""
+    from specd.rejection import Draws
+
+    runner = ModelRunner(model_dirs["target"])
+    transform = Transform(temperature=1.0)
+    uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66, 0.37, 0.84]
+
+    async def sampled(session_id: str, run_ahead: bool) -> tuple[list[int], list[bool]]:
+        tokens: list[int] = []
+        ahead: list[bool] = []
+        for i, u in enumerate(uniforms):
+            start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [tokens[-1]])
+            following = Draws((), uniforms[i + 1]) if run_ahead and i + 1 < len(uniforms) else None
+            scores = await runner.score(session_id, start, new, [], transform, (), Draws((), u),
+                                        run_ahead=following is not None, next_draws=following)
+            assert scores.verdict is not None and scores.verdict.bonus_token is not None
+            tokens.append(scores.verdict.bonus_token)
+            ahead.append(scores.ran_ahead)
+        return tokens, ahead
+
+    async def scenario():
+        with_ahead = await sampled("a", True)
+        without = await sampled("b", False)
+        await runner.close()
+        return with_ahead, without
+
+    (tokens, ahead), (reference, _) = asyncio.run(scenario())
+    eos = runner.info.eos_token_ids
+    assert tokens == reference
+    assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 5
+
+
 def test_a_step_other_than_the_one_assumed_is_scored_as_asked(model_dirs):
     """The gateway committed something else (a stop string cut, another proposal): the
     verifier waits for its ahead forward, crops it away and scores what was asked."""

@@ -54,7 +54,8 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         scores = await service.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead),
+                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead,
+                         wire.next_draws_from_pb(request)),
             lambda scores: {
                 **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),

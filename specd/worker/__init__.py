@@ -10,7 +10,7 @@ sessions, and the multiplexed step stream both servicers serve. `draft_service` 
     batching  the scheduler that batches one model's steps across sessions
     jobs      one step of one session as the scheduler runs it: a proposal, a verification
     predraft  overlapped speculation, draft side: branches pre-drafted during verification
-    runahead  plain greedy steps scored before the gateway asks for them (verifier side)
+    runahead  plain steps scored before the gateway asks for them (verifier side)
     service   what the draft and verifier servicers share: the multiplexed step stream
     metrics   Prometheus exposition of a worker's load
     settings  how a worker runs and batches its model(s): one settings object per worker service

@@ -1,15 +1,17 @@
-"""Plain greedy steps scored before they are asked for (verifier side).
+"""Plain steps scored before they are asked for (verifier side).
 
-Decoding plainly, a step's only uncertain part is the target's argmax, which the verifier
-computes itself. So when the gateway says that the next step will be plain and greedy
-too (`VerifyRequest.run_ahead`), the verifier scores that next step at once, as if the
-gateway had committed this step's argmax, instead of idling through the round trip: the
-answer is ready, or in the model's next forward, when the gateway asks. The forwards of
+Decoding plainly, a step's token is the target's argmax, or the token the target's p gives
+the gateway's uniform: the verifier computes it itself. So when the gateway says that
+the next step will be plain too (`VerifyRequest.run_ahead`, with the next step's uniform
+when sampled), the verifier scores that next step at once, as if the gateway had
+committed this step's token, instead of idling through the round trip: the answer is
+ready, or in the model's next forward, when the gateway asks. The forwards of
 a session then follow each other with no gap, and at many sessions the verifier's next
 batched forward overlaps the gateway's work on the last one.
 
 Nothing is decided here. An ahead answer is given only to the step it assumed: the same
-session, the same committed length and the argmax as the new token. Any other step waits
+session, the same committed length, this step's token as the new one, and the same
+transform and uniform. Any other step waits
 for the ahead one to finish (a forward cannot stop half-way) and is scored as asked;
 the session's cache is cropped back like after any step.
 """
@@ -18,13 +20,25 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from specd.rejection import Draws
+from specd.sampling import Transform
 from specd.steps import Scores
+
+
+@dataclass(frozen=True)
+class PlainStep:
+    """A plain step as the verifier is asked it: the committed length before the new
+    token, the token, and how it is scored (no draws: greedy)."""
+
+    start: int
+    token: int
+    transform: Transform
+    draws: Draws | None
 
 
 @dataclass
 class _Ahead:
-    start: int  # committed tokens before the token the ahead step assumed
-    token: int  # the argmax it assumed the gateway commits
+    step: PlainStep  # the step it assumed the gateway asks next
     task: asyncio.Task  # the ahead step: it puts the session back when it finishes
 
 
@@ -34,14 +48,14 @@ class RunAhead:
     def __init__(self) -> None:
         self._ahead: dict[str, _Ahead] = {}
 
-    def start(self, session_id: str, start: int, token: int, task: asyncio.Task) -> None:
-        """Remember the ahead step `task`, which scores the step (start, [token])."""
-        self._ahead[session_id] = _Ahead(start, token, task)
+    def start(self, session_id: str, step: PlainStep, task: asyncio.Task) -> None:
+        """Remember the ahead step `task`, which scores `step`."""
+        self._ahead[session_id] = _Ahead(step, task)
         task.add_done_callback(_consume_error)
 
-    async def take(self, session_id: str, start: int, tokens: list[int], plain_greedy: bool) -> Scores | None:
-        """The ahead answer to the step (start, tokens), if it is the one assumed; None
-        otherwise, once any ahead step of the session has finished and put it back."""
+    async def take(self, session_id: str, step: PlainStep | None) -> Scores | None:
+        """The ahead answer to `step` (None: not a plain step), if it is the one assumed;
+        None otherwise, once any ahead step of the session has finished and put it back."""
         ahead = self._ahead.get(session_id)
         if ahead is None:
             return None
@@ -53,7 +67,7 @@ class RunAhead:
             del self._ahead[session_id]
         if ahead.task.cancelled() or ahead.task.exception() is not None:
             return None
-        if plain_greedy and start == ahead.start and tokens == [ahead.token]:
+        if step == ahead.step:
             return ahead.task.result()
         return None
 

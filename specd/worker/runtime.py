@@ -33,7 +33,7 @@ from specd.worker.identity import weights_digest
 from specd.worker.jobs import ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
-from specd.worker.runahead import RunAhead
+from specd.worker.runahead import PlainStep, RunAhead
 from specd.worker.settings import BatchSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +56,14 @@ def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tupl
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _plain_token(scores: Scores) -> int:
+    """The token a plain step commits: the argmax, or the token its uniform drew from p."""
+    if scores.argmax is not None:
+        return scores.argmax[0]
+    assert scores.verdict is not None and scores.verdict.bonus_token is not None  # a plain verdict's bonus
+    return scores.verdict.bonus_token
 
 
 class SessionStore:
@@ -310,14 +318,15 @@ class ModelRunner:
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, draft_token_probs: Sequence[float] = (),
-                    draws: Draws | None = None, run_ahead: bool = False) -> Scores:
+                    draws: Draws | None = None, run_ahead: bool = False,
+                    next_draws: Draws | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
         draft tokens this is one plain decoding step (one position). A sampled step needs
         the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict. With
-        run_ahead (a plain greedy step), the next plain step is scored at once, for the
-        gateway's next request (`specd.worker.runahead`).
+        run_ahead (a plain step; sampled, with the next step's `next_draws`), the next plain
+        step is scored at once, for the gateway's next request (`specd.worker.runahead`).
         """
         if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
                                      or len(draft_token_probs) != len(draft_tokens)):
@@ -327,8 +336,8 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
-        plain_greedy = not draft_tokens and transform.greedy
-        scores = await self.run_ahead.take(session_id, start, tokens, plain_greedy)
+        plain = None if draft_tokens or len(tokens) != 1 else PlainStep(start, tokens[0], transform, draws)
+        scores = await self.run_ahead.take(session_id, plain)
         if scores is None:
             session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
             if not feed:
@@ -337,35 +346,35 @@ class ModelRunner:
             session.tokens.extend(draft_tokens)
             job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
             scores = await self._step(session_id, session, job)
-        if run_ahead and plain_greedy:
-            assert scores.argmax is not None  # greedy scores carry the argmax
-            self._score_ahead(session_id, start + len(tokens), scores.argmax[0])
+        if run_ahead and not draft_tokens and (transform.greedy or next_draws is not None):
+            self._score_ahead(session_id, PlainStep(start + len(tokens), _plain_token(scores), transform, next_draws))
         return scores
 
-    def _score_ahead(self, session_id: str, start: int, token: int) -> None:
-        """Score the plain greedy step (start, [token]) now, for the gateway's next request;
-        not past EOS or the context, nor while the queue is half full: a bet must not take
-        the room of steps that were asked for."""
-        if token in self.info.eos_token_ids or start + 1 >= self.info.max_context:
+    def _score_ahead(self, session_id: str, step: PlainStep) -> None:
+        """Score the plain `step` now, for the gateway's next request; not past EOS or the
+        context, nor while the queue is half full: a bet must not take the room of steps
+        that were asked for."""
+        if step.token in self.info.eos_token_ids or step.start + 1 >= self.info.max_context:
             return
         if self.scheduler.queued >= self.scheduler.settings.max_queue // 2:
             return
-        task = asyncio.get_running_loop().create_task(self._ahead_step(session_id, start, token))
-        self.run_ahead.start(session_id, start, token, task)
+        task = asyncio.get_running_loop().create_task(self._ahead_step(session_id, step))
+        self.run_ahead.start(session_id, step, task)
 
-    async def _ahead_step(self, session_id: str, start: int, token: int) -> Scores:
+    async def _ahead_step(self, session_id: str, step: PlainStep) -> Scores:
         """The step scored ahead, a bet. It takes the session when it starts, not before, so
         that cancelling it before then (the session ended) leaves the store as it was. It
         evicts no other session for room, and when it fails (no room, a full queue, a failed
         forward) it puts the session back as it found it: the step is then scored as asked."""
+        start = step.start
         session = self.sessions.take(session_id)
         if len(session.tokens) != start or not session.reserve(start + 1):
             self.sessions.put(session_id, session)
             self.sessions.release()
             raise Overloaded(f"no room in {self.info.name}'s KV pool to score a step ahead", 0.0)
         try:
-            session.tokens.append(token)
-            job = ScoreJob(session, session.tokens[session.length:], [], Transform(), [], None, ahead=True)
+            session.tokens.append(step.token)
+            job = ScoreJob(session, session.tokens[session.length:], [], step.transform, [], step.draws, ahead=True)
             scores = await self.scheduler.submit(job)
         except Exception:
             session.crop(start)
