@@ -42,6 +42,7 @@ def test_a_step_scored_ahead_is_the_step_asked_for(model_dirs):
     # Every answer but the first was scored ahead, except after EOS (where the gateway stops).
     eos = runner.info.eos_token_ids
     assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 8
+    assert runner.run_ahead.answered == sum(ahead) and runner.run_ahead.dropped == 0
 
 
 def test_a_sampled_step_scored_ahead_draws_the_same_token(model_dirs):
@@ -93,6 +94,7 @@ def test_a_step_other_than_the_one_assumed_is_scored_as_asked(model_dirs):
 
     asked, fresh = asyncio.run(scenario())
     assert asked.argmax == fresh.argmax and not asked.ran_ahead
+    assert (runner.run_ahead.answered, runner.run_ahead.dropped) == (0, 1)
 
 
 def test_a_session_ended_while_its_step_runs_ahead_leaves_nothing(model_dirs):
@@ -172,3 +174,26 @@ def test_an_ahead_step_with_no_room_evicts_nothing_and_keeps_the_session(model_d
         return second.ran_ahead, held, third.ran_ahead
 
     assert asyncio.run(scenario()) == (True, {"a", "b"}, False)
+
+
+def test_plain_requests_through_the_services_are_answered_ahead(model_dirs, target_model, tokenizer):
+    """Mode OFF through real gRPC services: the gateway asks each plain step to run ahead,
+    the verifier answers from its ahead steps (its /metrics counts them), and the output is
+    the target decoding alone."""
+    import urllib.request
+
+    from conftest import request, start_stack
+    from test_cli import free_port
+    from test_pipeline import reference_greedy
+
+    port = free_port()
+    running = start_stack(model_dirs, verifier_metrics_port=port)
+    try:
+        response = running.stub.Generate(request("def fibonacci(n):", max_new_tokens=24, mode="OFF"))
+        assert list(response.token_ids) == reference_greedy(target_model, tokenizer, "def fibonacci(n):", 24)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        answered = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                       if line.startswith("specd_worker_run_ahead_steps_total{") and 'outcome="answered"' in line)
+        assert answered >= response.stats.steps - 2  # all but the first step, and EOS aside
+    finally:
+        running.close()

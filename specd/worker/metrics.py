@@ -1,4 +1,5 @@
-"""Prometheus exposition of a worker's load: sessions held, steps queued, KV memory.
+"""Prometheus exposition of a worker's load: sessions held, steps queued, KV memory, and
+how many of the steps the verifier scored ahead were asked for.
 
 The gauge of open sessions is how a leak shows: once every request is over, it returns
 to 0 (tests/test_batching.py checks it). Read at scrape time from the runners; the
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specd.worker.runtime import ModelRunner
@@ -33,12 +34,18 @@ class WorkerCollector(Collector):
         pre_drafts = GaugeMetricFamily(PREFIX + "pre_drafted_sessions",
                                        "Sessions with branches pre-drafted for their next step (overlap).",
                                        labels=labels)
+        run_ahead = CounterMetricFamily(PREFIX + "run_ahead_steps",
+                                        "Plain steps scored ahead (verifier), by outcome: answered (the step asked "
+                                        "for) or dropped (another step came, or the session ended).",
+                                        labels=[*labels, "outcome"])
         for name, runner in self.runners.items():
+            run_ahead.add_metric([name, self.role, "answered"], runner.run_ahead.answered)
+            run_ahead.add_metric([name, self.role, "dropped"], runner.run_ahead.dropped)
             sessions.add_metric([name, self.role], len(runner.sessions))
             pre_drafts.add_metric([name, self.role], len(runner.pre_drafts))
             queued.add_metric([name, self.role], runner.scheduler.queued)
             kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
-        return [sessions, queued, kv_bytes, pre_drafts]
+        return [sessions, queued, kv_bytes, pre_drafts, run_ahead]
 
 
 def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:

@@ -47,6 +47,8 @@ class RunAhead:
 
     def __init__(self) -> None:
         self._ahead: dict[str, _Ahead] = {}
+        self.answered = 0  # ahead steps that answered the step asked
+        self.dropped = 0  # ahead steps nobody asked for: another step came, or the session ended
 
     def start(self, session_id: str, step: PlainStep, task: asyncio.Task) -> None:
         """Remember the ahead step `task`, which scores `step`."""
@@ -65,10 +67,10 @@ class RunAhead:
         await asyncio.wait([ahead.task])
         if self._ahead.get(session_id) is ahead:
             del self._ahead[session_id]
-        if ahead.task.cancelled() or ahead.task.exception() is not None:
-            return None
-        if step == ahead.step:
+        if not ahead.task.cancelled() and ahead.task.exception() is None and step == ahead.step:
+            self.answered += 1
             return ahead.task.result()
+        self.dropped += 1
         return None
 
     def cancel(self, session_id: str) -> None:
@@ -76,6 +78,7 @@ class RunAhead:
         ahead = self._ahead.pop(session_id, None)
         if ahead is not None:
             ahead.task.cancel()
+            self.dropped += 1
 
     def __len__(self) -> int:
         return len(self._ahead)
