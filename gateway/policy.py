@@ -104,6 +104,7 @@ class _LevelArms:
     explore_every: int = 8  # epochs between trials; doubles after each trial that lost
     downward: bool = True  # which neighbour the next trial takes
     plain_next: bool = False  # the next trial re-measures plain decoding (cap 0), not a neighbour
+    plain_trial: bool = False  # the trial on now re-measures plain decoding (it turns no direction)
 
     @property
     def arm(self) -> int:
@@ -218,11 +219,12 @@ class LoadCap:
             if won:
                 level.best, level.explore_every = level.trial, self.explore_every
             else:  # a trial costs goodput: the more of them lose, the rarer they get
-                level.downward = not level.downward
+                if not level.plain_trial:  # the next neighbour tried is on the other side
+                    level.downward = not level.downward
                 level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
-            level.trial = self._neighbour(level) if won else None
+            level.trial, level.plain_trial = (self._neighbour(level) if won else None), False
         elif len(level.rates) == 1 and level.best > 0:
-            level.trial = 0  # first: does speculating pay at all at this load?
+            level.trial, level.plain_trial = 0, True  # first: does speculating pay at all at this load?
         else:
             level.epochs += 1
             if level.epochs >= level.explore_every:
@@ -231,7 +233,8 @@ class LoadCap:
                 # (the first trial, often while the first prompts are still prefilling) must
                 # not decide for good, and a neighbour of a cap above every γ the requests
                 # choose changes nothing.
-                level.trial = 0 if level.plain_next and level.best > 0 else self._neighbour(level)
+                level.plain_trial = level.plain_next and level.best > 0
+                level.trial = 0 if level.plain_trial else self._neighbour(level)
                 level.plain_next = not level.plain_next
         if level.arm != before:
             level.settle = load

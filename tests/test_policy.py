@@ -231,6 +231,26 @@ def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
     assert cap.cap() == 0 and chosen[-500:].count(0) >= 400, cap.rates()
 
 
+def test_neighbour_trials_go_both_ways_between_the_plain_ones():
+    """Goodput peaks at the cap in force: trials of plain decoding and of both neighbours
+    lose. A lost plain trial must not turn the direction back, or one neighbour is never tried."""
+    cap = LoadCap(highest=8)
+    cap.observe(8, StepRecord(index=1, position=0, generated=0, draft_length=5, accepted=5, bonus=True, token=0,
+                              emitted=(0,) * 6, draft_ms=1.0, verify_ms=1.0, draft_forward_ms=0.0,
+                              verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0, interval_ms=2.0))
+    tried = []
+    for index in range(1, 60_000):
+        arm = cap.cap()
+        if not tried or tried[-1] != arm:
+            tried.append(arm)
+        goodput = 0.05 - 0.004 * abs(arm - 5)  # tokens per ms, best at 5
+        cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=arm, accepted=0, bonus=False,
+                                    token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0,
+                                    verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+                                    verify_batch=BatchStats(size=16, tokens=16, sessions=16), interval_ms=1 / goodput))
+    assert {0, 4, 6} <= set(tried) and cap.cap() == 5, tried
+
+
 def test_requests_in_flight_are_a_floor_on_the_load():
     """A wave of requests after a quiet spell: the last step reported one session, but
     sixteen requests of the pair are in flight here, so their first steps are capped too."""

@@ -134,7 +134,7 @@ def test_a_session_ended_while_a_step_waits_for_its_ahead_step_leaves_nothing(mo
     one is cancelled and the session ended. The ahead step must not put it back after."""
     runner = ModelRunner(model_dirs["target"])
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, int, int]:
         free = runner.pool.free_blocks
         first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
         assert first.argmax is not None
@@ -146,11 +146,11 @@ def test_a_session_ended_while_a_step_waits_for_its_ahead_step_leaves_nothing(mo
         del waiting  # its traceback holds the frames that held the session
         await asyncio.sleep(0.2)
         gc.collect()
-        left = (len(runner.sessions), free - runner.pool.free_blocks)
+        left = (len(runner.sessions), free - runner.pool.free_blocks, runner.run_ahead.dropped)
         await runner.close()
         return left
 
-    assert asyncio.run(scenario()) == (0, 0)
+    assert asyncio.run(scenario()) == (0, 0, 1)  # and the ahead step is counted once
 
 
 def test_an_ahead_step_with_no_room_evicts_nothing_and_keeps_the_session(model_dirs):
@@ -169,6 +169,7 @@ def test_an_ahead_step_with_no_room_evicts_nothing_and_keeps_the_session(model_d
         assert second.argmax is not None
         await asyncio.sleep(0.1)  # the next ahead step needs a fourth block: none is free
         held = set(runner.sessions._sessions)
+        assert len(runner.run_ahead) == 0 and runner.run_ahead.dropped == 1  # the failed bet left the table
         third = await runner.score("a", 16, [second.argmax[0]], [], Transform())
         await runner.close()
         return second.ran_ahead, held, third.ran_ahead

@@ -36,7 +36,8 @@ class WorkerCollector(Collector):
                                        labels=labels)
         run_ahead = CounterMetricFamily(PREFIX + "run_ahead_steps",
                                         "Plain steps scored ahead (verifier), by outcome: answered (the step asked "
-                                        "for) or dropped (another step came, or the session ended).",
+                                        "for) or dropped (another step came, it could not run, or the session "
+                                        "ended or was evicted).",
                                         labels=[*labels, "outcome"])
         for name, runner in self.runners.items():
             run_ahead.add_metric([name, self.role, "answered"], runner.run_ahead.answered)

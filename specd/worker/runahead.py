@@ -47,13 +47,27 @@ class RunAhead:
 
     def __init__(self) -> None:
         self._ahead: dict[str, _Ahead] = {}
+        # Counted where an ahead step leaves the table, so each is counted once.
         self.answered = 0  # ahead steps that answered the step asked
-        self.dropped = 0  # ahead steps nobody asked for: another step came, or the session ended
+        self.dropped = 0  # the others: another step came, it could not run, or the session ended
 
     def start(self, session_id: str, step: PlainStep, task: asyncio.Task) -> None:
         """Remember the ahead step `task`, which scores `step`."""
-        self._ahead[session_id] = _Ahead(step, task)
-        task.add_done_callback(_consume_error)
+        ahead = self._ahead[session_id] = _Ahead(step, task)
+        task.add_done_callback(lambda done: self._failed(session_id, ahead))
+
+    def _failed(self, session_id: str, ahead: _Ahead) -> None:
+        """An ahead step that failed leaves the table at once (its session may have ended,
+        and then nothing else would take it out)."""
+        if not ahead.task.cancelled() and ahead.task.exception() is not None and self._unlist(session_id, ahead):
+            self.dropped += 1
+
+    def _unlist(self, session_id: str, ahead: _Ahead) -> bool:
+        """Take `ahead` out of the table; False if something else already did."""
+        if self._ahead.get(session_id) is not ahead:
+            return False
+        del self._ahead[session_id]
+        return True
 
     async def take(self, session_id: str, step: PlainStep | None) -> Scores | None:
         """The ahead answer to `step` (None: not a plain step), if it is the one assumed;
@@ -65,8 +79,8 @@ class RunAhead:
         # step waits: a session ended meanwhile must find the ahead step to cancel it, or the
         # ahead step would put the session back after the end.
         await asyncio.wait([ahead.task])
-        if self._ahead.get(session_id) is ahead:
-            del self._ahead[session_id]
+        if not self._unlist(session_id, ahead):  # the session ended meanwhile, or the step failed
+            return None
         if not ahead.task.cancelled() and ahead.task.exception() is None and step == ahead.step:
             self.answered += 1
             return ahead.task.result()
@@ -74,7 +88,8 @@ class RunAhead:
         return None
 
     def cancel(self, session_id: str) -> None:
-        """The session ended: stop its ahead step (it does not put the session back)."""
+        """The session ended, or was evicted: stop its ahead step (it does not put the
+        session back)."""
         ahead = self._ahead.pop(session_id, None)
         if ahead is not None:
             ahead.task.cancel()
@@ -83,8 +98,3 @@ class RunAhead:
     def __len__(self) -> int:
         return len(self._ahead)
 
-
-def _consume_error(task: asyncio.Task) -> None:
-    """An ahead step nobody takes may fail or be cancelled: not an error to report."""
-    if not task.cancelled():
-        task.exception()

@@ -110,6 +110,10 @@ class SessionStore:
         self._on_evict(self._sessions.popitem(last=False)[0])
         return True
 
+    def holds(self, session_id: str) -> bool:
+        """Whether the session is here and idle (not taken by a step)."""
+        return session_id in self._sessions
+
     def drop(self, session_id: str) -> bool:
         """Forget a session; True when it was held (idle)."""
         return self._sessions.pop(session_id, None) is not None
@@ -158,12 +162,18 @@ class ModelRunner:
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
         # An evicted session's pre-drafted branches go with it: they hold pool blocks.
-        self.sessions = SessionStore(max_sessions, on_evict=lambda session_id: self.pre_drafts.cancel(session_id))
+        self.sessions = SessionStore(max_sessions, on_evict=self._evicted)
         self.batching = batching
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
         self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
         self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
         self.run_ahead = RunAhead()
+
+    def _evicted(self, session_id: str) -> None:
+        """What else an evicted session held goes with it: its pre-drafted branches and its
+        step scored ahead."""
+        self.pre_drafts.cancel(session_id)
+        self.run_ahead.cancel(session_id)
 
     async def close(self) -> None:
         await self.scheduler.close()
@@ -347,7 +357,9 @@ class ModelRunner:
             job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
             scores = await self._step(session_id, session, job)
         if run_ahead and not draft_tokens and (transform.greedy or next_draws is not None):
-            self._score_ahead(session_id, PlainStep(start + len(tokens), _plain_token(scores), transform, next_draws))
+            next_step = PlainStep(start + len(tokens), _plain_token(scores), transform,
+                                  None if transform.greedy else next_draws)
+            self._score_ahead(session_id, next_step)
         return scores
 
     def _score_ahead(self, session_id: str, step: PlainStep) -> None:
@@ -355,6 +367,8 @@ class ModelRunner:
         context, nor while the queue is half full: a bet must not take the room of steps
         that were asked for."""
         if step.token in self.info.eos_token_ids or step.start + 1 >= self.info.max_context:
+            return
+        if not self.sessions.holds(session_id):  # it ended while this step ran
             return
         if self.scheduler.queued >= self.scheduler.settings.max_queue // 2:
             return
