@@ -257,10 +257,17 @@ class ModelRunner:
             raise
         return session, feed
 
-    async def _step(self, session_id: str, session: SessionKV, job: Job):
-        """Run a job through the scheduler; put the session back only if it succeeded."""
+    async def _step(self, session_id: str, session: SessionKV, job: Job, keep_on_failure: int | None = None):
+        """Run a job through the scheduler; put the session back only if it succeeded, or,
+        for a bet (`keep_on_failure`), cropped back to that many tokens if it failed."""
         try:
             result = await self.scheduler.submit(job)
+        except Exception:
+            if keep_on_failure is not None:
+                session.crop(keep_on_failure)
+                session.tokens = session.tokens[:keep_on_failure]
+                self.sessions.put(session_id, session)
+            raise
         finally:
             self.sessions.release()
         self.sessions.put(session_id, session)
@@ -386,16 +393,6 @@ class ModelRunner:
             self.sessions.put(session_id, session)
             self.sessions.release()
             raise Overloaded(f"no room in {self.info.name}'s KV pool to score a step ahead", 0.0)
-        try:
-            session.tokens.append(step.token)
-            job = ScoreJob(session, session.tokens[session.length:], [], step.transform, [], step.draws, ahead=True)
-            scores = await self.scheduler.submit(job)
-        except Exception:
-            session.crop(start)
-            session.tokens = session.tokens[:start]
-            self.sessions.put(session_id, session)
-            raise
-        finally:
-            self.sessions.release()
-        self.sessions.put(session_id, session)
-        return scores
+        session.tokens.append(step.token)
+        job = ScoreJob(session, session.tokens[session.length:], [], step.transform, [], step.draws, ahead=True)
+        return await self._step(session_id, session, job, keep_on_failure=start)
