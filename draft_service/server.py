@@ -73,7 +73,9 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
             raise InvalidArgument(f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
-        problems = wire.step_problems(runner.info, delta, transform, request.draft_length)
+        recovering = request.HasField("recovery")  # the recovered token takes a position too
+        problems = wire.step_problems(runner.info, delta, transform, request.draft_length + recovering)
+        problems += wire.recovery_problems(request, transform)
         if request.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
@@ -85,14 +87,16 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         proposal = await service.traced_step(
             _TRACER, "specd.draft.propose", request.trace_context.carrier,
             runner.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
-                           pre_draft),
+                           pre_draft, wire.recovery_from_pb(request, runner.device)),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)
         response = worker_pb2.ProposeResponse(draft_tokens=proposal.tokens, forward_ms=proposal.forward_ms,
                                               batch=wire.batch_to_pb(proposal.batch), pre_drafted=proposal.pre_drafted)
-        if proposal.probs is not None:
-            response.draft_probs.CopyFrom(wire.pack_distributions(proposal.probs, transform.sparse))
+        if not transform.greedy:  # q's rows stay here (kept for the next step's recovery)
+            response.draft_token_probs.extend(proposal.token_probs)
+        if proposal.recovered is not None:
+            response.recovered_token = proposal.recovered
         return response
 
 

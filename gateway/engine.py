@@ -2,7 +2,9 @@
 
 One step (docs/design.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
 in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
-plus one recovered or bonus token are committed. A step runs in three parts: propose
+plus one recovered or bonus token are committed. A sampled step that rejects a draft
+model's token asks the draft for the recovered token, since only the draft holds its q;
+the same hop brings the next step's proposal, which follows that token. A step runs in three parts: propose
 (the draft hop), decide (the verifier hop and the verdict) and commit. Each step ends in
 a `StepRecord` (`gateway.records`) that every observer reads: the γ policy, the request's
 statistics, the server's counters, the tracer. The engine talks to the workers through two small client
@@ -15,7 +17,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -27,7 +29,7 @@ from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, S
 from gateway.request import GenerationRequest
 from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
-from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Scores
+from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,10 @@ class DraftClient(Protocol):
     last_exchange_bytes: int  # request + response bytes of the last hop
 
     async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
-                      pre_draft: PreDraftRequest | None = None) -> Proposal:
-        """Up to γ draft tokens after `committed`, with q unless greedy; DraftSkipped when
-        the draft cannot answer this step in time."""
+                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> Proposal:
+        """Up to γ draft tokens after `committed`, with qᵢ(xᵢ) unless greedy; DraftSkipped when
+        the draft cannot answer this step in time. With `recovery`, the recovered token at
+        the end of `committed` first (`Proposal.recovered`), which the tokens follow."""
         ...
 
     def advance(self, position: int) -> None:
@@ -99,7 +102,7 @@ class _DraftHop:
     """What the propose part of a step brought back (nothing when γ = 0 or the draft is lost)."""
 
     tokens: list[int]
-    probs: torch.Tensor
+    token_probs: tuple[float, ...] = ()  # qᵢ(xᵢ) when sampled (1 for a model-free proposal's)
     ms: float = 0.0
     forward_ms: float = 0.0
     bytes: int = 0
@@ -108,6 +111,10 @@ class _DraftHop:
     pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
     proposer: str = ""
     model_free: bool = False
+
+    def prefix(self, gamma: int) -> _DraftHop:
+        """The first γ tokens (a proposal made for a longer γ than the step's)."""
+        return replace(self, tokens=self.tokens[:gamma], token_probs=self.token_probs[:gamma])
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class _Verdict:
     scores: Scores
     ms: float
     bytes: int
+    drafted_recovery: bool = False  # the draft drew the recovered token, and holds it
 
 
 class _Speculation:
@@ -139,7 +147,9 @@ class _Speculation:
         self.last_commit = time.perf_counter()  # when the last step committed (at first: the start)
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
         self.drawn_ahead: Draws | None = None  # this step's draws, drawn by the last step for run-ahead
-        self.no_proposal = _DraftHop([], torch.zeros(0, bounds.vocab_size))  # γ = 0, or the draft is lost
+        # The next step's proposal, brought by this step's recovery hop (sampled, a rejection).
+        self.in_hand: _DraftHop | None = None
+        self.no_proposal = _DraftHop([])  # γ = 0, or the draft is lost
 
     def draft_length(self, policy: DraftLengthPolicy) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
@@ -160,8 +170,9 @@ class _Speculation:
         if match is None:
             return None
         ms = (time.perf_counter() - began) * 1e3
-        # No q matrix: a sampled step builds the one-hot row it needs at a rejection (decide).
-        return _DraftHop(match.tokens, self.no_proposal.probs, ms, proposer=match.proposer, model_free=True)
+        self.in_hand = None  # the match is verified instead; the draft's cache is cropped at its next step
+        # q(x) = 1 for each token; a sampled step builds the one-hot row it needs at a rejection (decide).
+        return _DraftHop(match.tokens, (1.0,) * len(match.tokens), ms, proposer=match.proposer, model_free=True)
 
     def _one_hot(self, tokens: list[int]) -> Callable[[int], torch.Tensor]:
         """q's row at each position of a model-free proposal: all mass on the proposed token."""
@@ -176,8 +187,11 @@ class _Speculation:
         step to the verifier alone, a draft lost for good the whole request, which is enough
         for the same output; the client's deadline passing ends it."""
         empty = self.no_proposal  # made once: a plain step should build nothing
+        in_hand, self.in_hand = self.in_hand, None
         if gamma == 0 or self.draft is None:
             return empty
+        if in_hand is not None:  # made by the last step's recovery hop, for at most its γ
+            return in_hand.prefix(gamma)
         request, transform = self.request, self.request.transform
         began = time.perf_counter()
         seed = 0 if transform.greedy else draft_seed(request.seed, self.steps)
@@ -199,9 +213,9 @@ class _Speculation:
             self.draft.close()
             self.draft = None
             return empty
-        return _DraftHop(proposal.tokens, proposal.probs if proposal.probs is not None else empty.probs,
-                         (time.perf_counter() - began) * 1e3, proposal.forward_ms, self.draft.last_exchange_bytes,
-                         proposal.batch, proposal.pre_drafted, pre_draft is not None, request.draft_model)
+        return _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
+                         proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch, proposal.pre_drafted,
+                         pre_draft is not None, request.draft_model)
 
     async def decide(self, hop: _DraftHop, carrier: dict[str, str]) -> _Verdict:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
@@ -220,18 +234,43 @@ class _Speculation:
             # Drawn now rather than at the next step: the order of the draws is the same.
             next_draws = Draws.draw(0, self.generator) if self._plain_next(hop) else None
             self.drawn_ahead = next_draws
-            if hop.model_free:  # deterministic: q(x) = 1 for each proposed token
-                proposed = [1.0] * len(hop.tokens)
-            else:
-                index = torch.arange(len(hop.tokens)), torch.tensor(hop.tokens, dtype=torch.long)
-                proposed = hop.probs[index].tolist()
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                proposed, draws, next_draws is not None, next_draws)
+                                                hop.token_probs, draws, next_draws is not None, next_draws)
             ms = (time.perf_counter() - began) * 1e3
-            assert scores.verdict is not None  # sampled scores carry the verdict
-            outcome = finish_verdict(scores.verdict, self._one_hot(hop.tokens) if hop.model_free else hop.probs,
-                                     draws)
+            verdict = scores.verdict
+            assert verdict is not None  # sampled scores carry the verdict
+            if verdict.rejected_row is not None and not hop.model_free:  # only the draft holds q there
+                token = await self._recover(hop, verdict.accepted, Recovery(verdict.rejected_row, draws.final),
+                                            carrier)
+                return _Verdict(verdict.accepted, False, token, scores, ms, self.verifier.last_exchange_bytes, True)
+            outcome = finish_verdict(verdict, self._one_hot(hop.tokens), draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
+
+    async def _recover(self, hop: _DraftHop, accepted: int, recovery: Recovery, carrier: dict[str, str]) -> int:
+        """The recovered token after the draft's token at `accepted` was rejected, drawn by the
+        draft (it holds q there). The same hop drafts the next step's proposal from it, for
+        at most this step's γ (the policy has not seen this step yet; a smaller γ takes a
+        prefix): one draft hop a step, as without a rejection. WorkerError (UNAVAILABLE)
+        when no draft answers: nothing else can draw this token exactly."""
+        assert self.draft is not None  # it made this step's proposal
+        request, transform = self.request, self.request.transform
+        kept = self.committed + hop.tokens[:accepted]
+        ends = any(t in self.bounds.eos_token_ids for t in hop.tokens[:accepted])
+        remaining = request.max_new_tokens - self.generated - accepted - 1  # after this step
+        gamma = 0 if ends else max(0, min(len(hop.tokens), remaining - 1, self.bounds.draft_context - len(kept) - 1))
+        seed = draft_seed(request.seed, self.steps + 1)
+        pre_draft = (PreDraftRequest(gamma, draft_seed(request.seed, self.steps + 2))
+                     if request.overlap and gamma else None)
+        self.draft.advance(len(kept))  # it holds the accepted tokens; the rest of its proposal is stale
+        began = time.perf_counter()
+        draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size)
+        proposal = await self.draft.propose(kept, draft_request, request.draft_model, carrier, pre_draft, recovery)
+        assert proposal.recovered is not None  # the link checks that a recovery was answered
+        if gamma:
+            self.in_hand = _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
+                                     proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch,
+                                     proposal.pre_drafted, pre_draft is not None, request.draft_model)
+        return proposal.recovered
 
     def _draws(self, gamma: int) -> Draws:
         """This step's uniforms: drawn by the last step when it let the verifier run ahead
@@ -257,9 +296,10 @@ class _Speculation:
         self.verifier.advance(kept_before)
         if hop.model_free and self.hybrid is not None:
             self.hybrid.observe(hop.proposer, verdict.accepted, len(hop.tokens))
-        # A draft that sat this step out (or a model-free match made it) still holds only what it held.
+        # A draft that sat this step out (or a model-free match made it) still holds only what it
+        # held; one that drew the recovered token holds that too.
         if hop.tokens and not hop.model_free and self.draft is not None:
-            self.draft.advance(kept_before)
+            self.draft.advance(kept_before + verdict.drafted_recovery)
         finish = None
         eos_at = next((i for i, t in enumerate(emitted) if t in self.bounds.eos_token_ids), None)
         if eos_at is not None:

@@ -35,14 +35,14 @@ from gateway.errors import DraftSkipped, WorkerError
 from gateway.streams import StepFailed, WorkerStream
 from specd.rejection import Draws
 from specd.sampling import Transform
-from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Scores
+from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
 from specd.v1 import worker_pb2
 from specd.wire import (
     batch_from_pb,
     draft_request_fields,
     identity_to_pb,
+    recovery_to_pb,
     transform_to_pb,
-    unpack_distributions,
     verdict_from_pb,
     verdict_problem,
 )
@@ -220,32 +220,57 @@ class DraftLink(WorkerLink):
     """Asks the draft service for proposals."""
 
     async def propose(self, committed: list[int], request: DraftRequest, draft_model: str,
-                      trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None) -> Proposal:
-        """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap)."""
+                      trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None,
+                      recovery: Recovery | None = None) -> Proposal:
+        """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap).
+
+        With `recovery` (the last step rejected this draft's token at the end of `committed`),
+        the draft first samples the recovered token from its q there, and the proposal
+        follows it (`Proposal.recovered`). Only the draft holds that q, so this step is not
+        skipped when the draft is slow: it is asked again (the session re-opened, on another
+        draft if there is one) and fails with UNAVAILABLE when no draft answers.
+        """
+        recovery_pb = None if recovery is None else recovery_to_pb(recovery)
+
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             message = worker_pb2.ProposeRequest(
                 delta=delta, draft_model=draft_model, trace_context=worker_pb2.TraceContext(carrier=trace_carrier),
                 **draft_request_fields(request))
             if pre_draft is not None:
                 message.pre_draft.draft_length, message.pre_draft.seed = pre_draft.draft_length, pre_draft.seed
+            if recovery_pb is not None:
+                message.recovery.CopyFrom(recovery_pb)
             return message
 
         slow = self.pool.slow
-        if not slow.ask(self):
+        if recovery is None and not slow.ask(self):
             self._leave()  # a hung draft must not hold the session either
             raise DraftSkipped(f"{self.name} is marked slow; the step goes on without it")
-        try:
-            response = await self.exchange(committed, build)
-        except StepOverBudget as exc:
-            slow.timed_out(self)
-            raise DraftSkipped(str(exc)) from exc
-        except BaseException:
-            slow.abandon(self)
-            raise
+        for _ in range(1 if recovery is None else self.settings.max_reopens + 1):
+            try:
+                response = await self.exchange(committed, build)
+                break
+            except StepOverBudget as exc:
+                slow.timed_out(self)
+                if recovery is None:
+                    raise DraftSkipped(str(exc)) from exc
+                log.warning("%s; asking again: only the draft holds q for this step's recovered token", exc)
+            except BaseException:
+                slow.abandon(self)
+                raise
+        else:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"{self.name} did not answer a step whose recovered token only it can draw (it "
+                              f"holds the draft's q at the rejected position); retry the request")
         slow.answered()
-        probs = unpack_distributions(response.draft_probs) if response.HasField("draft_probs") else None
-        return Proposal(list(response.draft_tokens), probs, response.forward_ms, batch=batch_from_pb(response.batch),
-                        pre_drafted=response.pre_drafted)
+        recovered = response.recovered_token if response.HasField("recovered_token") else None
+        if (recovery is None) != (recovered is None):
+            raise WorkerError(grpc.StatusCode.INTERNAL,
+                              f"{self.name} answered a step {'with' if recovered is not None else 'without'} a "
+                              f"recovered token it was {'not ' if recovery is None else ''}asked for")
+        return Proposal(list(response.draft_tokens), None, response.forward_ms,
+                        tuple(response.draft_token_probs), batch_from_pb(response.batch),
+                        pre_drafted=response.pre_drafted, recovered=recovered)
 
 
 class VerifierLink(WorkerLink):

@@ -11,8 +11,10 @@ Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"). Words 
 
 A step emits the accepted tokens plus one recovered or bonus token. The gateway draws
 every uniform a step uses (`Draws`); the verifier runs the acceptance tests and samples a
-bonus token with them, so only a rejected position's row of p ever leaves it, and the
-gateway samples the recovered token from it (docs/performance.md: what crosses the wire).
+bonus token with them, so only a rejected position's row of p ever leaves it. The
+recovered token is sampled where q is: by the draft service, which keeps its q rows and
+is sent p's row with its next proposal request, or by the gateway for a model-free
+proposal, whose q is one-hot (docs/performance.md: what crosses the wire).
 Pure torch; no gRPC.
 """
 from __future__ import annotations
@@ -118,18 +120,24 @@ def target_verdict(draft_tokens: Sequence[int], draft_token_probs: Sequence[floa
     return TargetVerdict(accepted, None, target_probs[accepted])
 
 
-def finish_verdict(verdict: TargetVerdict, draft_probs: torch.Tensor | Callable[[int], torch.Tensor],
-                   draws: Draws) -> StepOutcome:
-    """The gateway's part: the bonus token as the verifier drew it, or the recovered token
-    sampled from norm(max(0, p − q)) at the first rejection. draft_probs: q [γ, V], or a
-    function giving q's row at a position (a model-free proposal's one-hot row, made only
-    when a rejection needs it)."""
+def recovered_token(target_row: torch.Tensor, draft_row: torch.Tensor, uniform: float) -> int:
+    """The token after a rejection: sampled from norm(max(0, p − q)) at the rejected position
+    with the step's last uniform. Run where q is (the draft service, for a draft model's
+    proposal; the gateway, for a model-free one), with p's row sent there."""
+    width = max(target_row.shape[0], draft_row.shape[0])  # a draft and a target may pad their vocabularies apart
+    device = draft_row.device
+    p, q = (torch.nn.functional.pad(row.to(device, torch.float32), (0, width - row.shape[0]))
+            for row in (target_row, draft_row))
+    return sample(residual(p, q), uniform)
+
+
+def finish_verdict(verdict: TargetVerdict, draft_row: Callable[[int], torch.Tensor], draws: Draws) -> StepOutcome:
+    """The gateway's part, where it holds q: the bonus token as the verifier drew it, or the
+    recovered token sampled from norm(max(0, p − q)) at the first rejection. draft_row(i):
+    q's row at position i (a model-free proposal's one-hot row, made only when a rejection
+    needs it)."""
     if verdict.bonus_token is not None:
         return StepOutcome(verdict.accepted, verdict.bonus_token, True)
     assert verdict.rejected_row is not None  # a rejection carries p's row
-    q = draft_probs(verdict.accepted) if callable(draft_probs) else draft_probs[verdict.accepted]
-    p = verdict.rejected_row
-    width = max(p.shape[0], q.shape[0])  # a draft and a target may pad their vocabularies apart
-    p, q = (torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in (p, q))
-    return StepOutcome(verdict.accepted, sample(residual(p, q), draws.final), False)
-
+    token = recovered_token(verdict.rejected_row, draft_row(verdict.accepted), draws.final)
+    return StepOutcome(verdict.accepted, token, False)

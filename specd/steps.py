@@ -1,9 +1,9 @@
 """The plain types the gateway and the workers exchange, one step at a time.
 
-A model's facts (`ModelInfo`), how to draft one step (`DraftRequest`) and the next one
-early (`PreDraftRequest`),
-how a step was batched (`BatchStats`), and a step's two results: the draft's
-`Proposal` and the target's `Scores`. The workers build them (`specd.worker.jobs`,
+A model's facts (`ModelInfo`), how to draft one step (`DraftRequest`), the next one
+early (`PreDraftRequest`) and the token after a rejection (`Recovery`), how a step was
+batched (`BatchStats`), and a step's two results: the draft's `Proposal` and the
+target's `Scores`. The workers build them (`specd.worker.jobs`,
 `specd.worker.runtime`), `specd.wire` turns them into worker messages and back, and the
 gateway's engine reads them. Light on purpose: nothing that loads torch, transformers or
 grpc, so the gateway's records and policies import them for free.
@@ -61,6 +61,16 @@ class DraftRequest:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """The last step rejected a draft model's token: the target's p at that position and the
+    step's last uniform, for the draft, which holds q there, to sample the recovered token
+    (`specd.rejection.recovered_token`) before it proposes from it."""
+
+    target_row: torch.Tensor  # p at the rejected position [V]
+    uniform: float
+
+
+@dataclass(frozen=True)
 class BatchStats:
     """How one step was batched: the largest forward it shared, and how long it waited."""
 
@@ -73,18 +83,22 @@ class BatchStats:
 
 @dataclass(frozen=True)
 class Proposal:
-    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V]."""
+    """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V] (on the draft's side only: its rows stay
+    there, and the gateway gets q_i(x_i), `token_probs`)."""
 
     tokens: list[int]
     probs: torch.Tensor | None
     forward_ms: float
-    # q_i(x_i): the draft's probability of each proposed token (untempered when greedy);
-    # the draft service reports them on its trace spans.
+    # q_i(x_i): the draft's probability of each proposed token after the transform (the
+    # acceptance tests need only these; untempered when greedy, for the trace spans).
     token_probs: tuple[float, ...] = ()
     batch: BatchStats = BatchStats()
     pre_drafted: bool = False  # taken from a branch drafted while the last step was verified
     # Draft side, overlap: done when the branches pre-drafted after this proposal settle.
     pre_draft: asyncio.Future | None = None
+    # Asked with a `Recovery`: the token the draft sampled after the last step's rejection,
+    # which this proposal follows.
+    recovered: int | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from specd.rejection import Draws, TargetVerdict
 from specd.sampling import Transform
-from specd.steps import BatchStats, DraftRequest, ModelInfo
+from specd.steps import BatchStats, DraftRequest, ModelInfo, Recovery
 from specd.v1 import worker_pb2
 
 # Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
@@ -27,7 +27,7 @@ from specd.v1 import worker_pb2
 MAX_DRAFT_LENGTH = 128
 # The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
 # in ModelInfoResponse.protocol and the gateway refuses a worker of another.
-WORKER_PROTOCOL = 3
+WORKER_PROTOCOL = 4
 
 
 # -- distributions ------------------------------------------------------------------------
@@ -81,6 +81,35 @@ def draft_request_fields(request: DraftRequest) -> dict:
 def draft_request_from_pb(message: worker_pb2.ProposeRequest, transform: Transform) -> DraftRequest:
     """A ProposeRequest's `DraftRequest` (the draft's side), its transform already read."""
     return DraftRequest(message.draft_length, transform, message.seed, message.min_confidence, message.vocab_limit)
+
+
+def recovery_to_pb(recovery: Recovery) -> worker_pb2.Recovery:
+    """A `Recovery` as the ProposeRequest field (p's row travels dense, as the verifier sent it)."""
+    return worker_pb2.Recovery(target_row=pack_distributions(recovery.target_row.unsqueeze(0), sparse=False),
+                               uniform=recovery.uniform)
+
+
+def recovery_problems(request: worker_pb2.ProposeRequest, transform: Transform) -> list[str]:
+    """Why a ProposeRequest's recovery cannot be used (empty when it can, or when there is none)."""
+    if not request.HasField("recovery"):
+        return [] if request.draft_length >= 1 else ["draft_length must be >= 1 (0 only with a recovery)"]
+    recovery, problems = request.recovery, []
+    row = recovery.target_row
+    if row.positions != 1 or row.token_ids or len(row.probs) != 4 * row.vocab_size or not row.vocab_size:
+        problems.append("recovery.target_row must be one dense row of float32 probabilities")
+    if not 0.0 <= recovery.uniform < 1.0:
+        problems.append(f"recovery.uniform must be in [0, 1), got {recovery.uniform}")
+    if transform.greedy:
+        problems.append("a recovery belongs to a sampled step; this one is greedy (temperature 0)")
+    return problems
+
+
+def recovery_from_pb(request: worker_pb2.ProposeRequest, device: torch.device) -> Recovery | None:
+    """A ProposeRequest's recovery (None when it has none), p's row on the draft's device."""
+    if not request.HasField("recovery"):
+        return None
+    row = unpack_distributions(request.recovery.target_row)[0]
+    return Recovery(row.to(device), request.recovery.uniform)
 
 
 def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:

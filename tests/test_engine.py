@@ -14,7 +14,7 @@ from gateway.errors import WorkerError
 from gateway.policy import FixedPolicy
 from gateway.records import Finish, RequestStats, StepRecord
 from gateway.request import GenerationRequest
-from specd.rejection import target_verdict
+from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
 from specd.steps import DraftRequest, Proposal, Scores
 
@@ -234,7 +234,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
     class SampledDraft(ScriptedDraft):
         async def propose(self, committed, request, *args, **kwargs) -> Proposal:
             proposal = await super().propose(committed, request, *args, **kwargs)
-            return Proposal(proposal.tokens, torch.full((request.draft_length, VOCAB), 1.0 / VOCAB), 0.0)
+            return Proposal(proposal.tokens, None, 0.0, token_probs=(1.0 / VOCAB,) * request.draft_length)
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
@@ -251,6 +251,99 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     tokens = asyncio.run(drive())
     assert len(tokens) == 12 and all(r.accepted == r.draft_length for r in stats.records)
+
+
+def _law(prefix: list[int], shift: int) -> torch.Tensor:
+    """A scripted model's distribution after `prefix` (its length and last token move it)."""
+    logits = torch.arange(VOCAB, dtype=torch.float64) * 0.3 * ((len(prefix) + shift) % 3 - 1) + prefix[-1] % 4
+    logits[(len(prefix) * 7 + shift) % VOCAB] += 2.0
+    logits[EOS] = -torch.inf  # the request runs to its length
+    return torch.softmax(logits, 0).float()
+
+
+class KeepingDraft(ScriptedDraft):
+    """A sampled draft that keeps its q rows, as the draft service does, and draws the
+    recovered token where it is asked to, from them. Logs every proposal with its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: tuple[int, torch.Tensor] | None = None  # (position of x₁, q rows)
+        self.proposals: list[tuple[int, list[int], torch.Tensor]] = []  # (position of x₁, tokens, q rows)
+        self.recoveries: list[tuple[int, float]] = []  # (position, uniform)
+
+    async def propose(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None) -> Proposal:
+        self.steps += 1
+        prefix, recovered = list(committed), None
+        if recovery is not None:
+            start, rows = self.kept
+            recovered = recovered_token(recovery.target_row, rows[len(prefix) - start], recovery.uniform)
+            self.recoveries.append((len(prefix), recovery.uniform))
+            prefix.append(recovered)
+        generator = torch.Generator().manual_seed(request.seed)
+        start, tokens, rows = len(prefix), [], []
+        for _ in range(request.draft_length):
+            q = _law(prefix, 0)
+            token = sample(q, float(torch.rand((), generator=generator, dtype=torch.float64)))
+            tokens.append(token)
+            rows.append(q)
+            prefix.append(token)
+        q_rows = torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+        self.kept = (start, q_rows)
+        self.proposals.append((start, tokens, q_rows))
+        return Proposal(tokens, None, 0.0, token_probs=tuple(float(q[t]) for q, t in zip(rows, tokens)),
+                        recovered=recovered)
+
+
+class LawVerifier(ScriptedVerifier):
+    """A sampled target whose p is `_law(prefix, 1)`; logs each step's p rows and draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, list[int], torch.Tensor, Draws]] = []
+
+    async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
+                     run_ahead=False, next_draws=None) -> Scores:
+        prefix, rows = list(committed), []
+        for token in [*draft_tokens, None]:
+            rows.append(_law(prefix, 1))
+            if token is not None:
+                prefix.append(token)
+        p = torch.stack(rows)
+        self.steps.append((len(committed), list(draft_tokens), p, draws))
+        return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma: int):
+    """Sampled, q ≠ p: every rejected step asks the draft (which keeps q) for its recovered
+    token, with p's row and the step's last uniform, and that hop brings the next step's
+    proposal, so a step still costs one draft hop. Step by step, what is committed is what
+    Leviathan et al.'s loop decides with the same proposal, p, q and draws."""
+    from test_rejection import reference_rejection_sample
+
+    draft, verifier = KeepingDraft(), LawVerifier()
+    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=5, max_new_tokens=40, draft_model="d")
+    stats = RequestStats()
+
+    async def drive() -> list[int]:
+        return [t async for c in speculate(request, FixedPolicy(gamma), draft, verifier, BOUNDS, [stats])
+                for t in c.tokens]
+
+    tokens = asyncio.run(drive())
+    records = stats.records
+    assert len(tokens) == 40 and len(verifier.steps) == len(records)
+    rejected = [r for r in records if not r.bonus]
+    assert rejected and len(draft.recoveries) == len(rejected)  # q ≠ p: some steps reject
+    proposals = {start: (proposed, rows) for start, proposed, rows in draft.proposals}
+    for record, (position, proposed, p, draws) in zip(records, verifier.steps):
+        made, q = proposals[position] if proposed else ([], torch.zeros(0, VOCAB))  # a plain last step
+        assert proposed == made[:len(proposed)]  # the step verified (a prefix of) a proposal the draft made
+        reference = reference_rejection_sample(torch.tensor(proposed), q[:len(proposed)], p, draws)
+        assert (record.accepted, record.token, record.bonus) == (reference.accepted, reference.token, reference.bonus)
+    for record, (position, uniform) in zip(rejected, draft.recoveries):
+        assert position == record.position + record.accepted
+    # One draft hop a step: the recovery hop brought the next proposal (the last may ask γ = 0).
+    assert draft.steps <= len(records) + 1
 
 
 def test_a_deadline_too_far_for_the_wire_is_sent_as_the_longest_it_can_say():

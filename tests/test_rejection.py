@@ -75,10 +75,10 @@ def test_output_follows_target_distribution_and_not_draft():
 
 def _split_step(draft_tokens, draft_probs, target_probs, draws):
     """A step as the services run it: the verifier's verdict from qᵢ(xᵢ) alone, then the
-    gateway's finish with the one row the verifier sent."""
+    recovered token drawn where q is (the draft) from the one row the verifier sent."""
     tokens = draft_tokens.tolist()
     q_proposed = [float(draft_probs[i, x]) for i, x in enumerate(tokens)]
-    return finish_verdict(target_verdict(tokens, q_proposed, target_probs, draws), draft_probs, draws)
+    return finish_verdict(target_verdict(tokens, q_proposed, target_probs, draws), lambda i: draft_probs[i], draws)
 
 
 def reference_rejection_sample(draft_tokens, draft_probs, target_probs, draws):

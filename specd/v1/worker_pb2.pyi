@@ -66,7 +66,7 @@ class ModelIdentity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model", "pre_draft")
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model", "pre_draft", "recovery")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ProposeRequest(_message.Message):
     VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_length: int
     transform: Transform
@@ -87,7 +88,16 @@ class ProposeRequest(_message.Message):
     vocab_limit: int
     expected_model: ModelIdentity
     pre_draft: PreDraft
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., pre_draft: _Optional[_Union[PreDraft, _Mapping]] = ...) -> None: ...
+    recovery: Recovery
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., pre_draft: _Optional[_Union[PreDraft, _Mapping]] = ..., recovery: _Optional[_Union[Recovery, _Mapping]] = ...) -> None: ...
+
+class Recovery(_message.Message):
+    __slots__ = ("target_row", "uniform")
+    TARGET_ROW_FIELD_NUMBER: _ClassVar[int]
+    UNIFORM_FIELD_NUMBER: _ClassVar[int]
+    target_row: Distributions
+    uniform: float
+    def __init__(self, target_row: _Optional[_Union[Distributions, _Mapping]] = ..., uniform: _Optional[float] = ...) -> None: ...
 
 class PreDraft(_message.Message):
     __slots__ = ("draft_length", "seed")
@@ -98,18 +108,20 @@ class PreDraft(_message.Message):
     def __init__(self, draft_length: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "forward_ms", "batch", "pre_drafted")
+    __slots__ = ("draft_tokens", "draft_token_probs", "recovered_token", "forward_ms", "batch", "pre_drafted")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: Distributions
+    draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
+    recovered_token: int
     forward_ms: float
     batch: BatchInfo
     pre_drafted: bool
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., recovered_token: _Optional[int] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead", "next_uniform", "expected_model")

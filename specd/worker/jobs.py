@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from specd.rejection import Draws, sample, target_verdict
+from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform, probs_from_logits
-from specd.steps import DraftRequest, Proposal, Scores
+from specd.steps import DraftRequest, Proposal, Recovery, Scores
 from specd.worker.batching import Job
 from specd.worker.kvstore import SessionKV
 
@@ -23,15 +23,20 @@ class ProposeJob(Job):
     proposal (what overlapped speculation pre-drafts from). With `guess_first`, the
     first forward's argmax is such a guess (`self.guess`), fed on without being proposed:
     the branch that assumes every proposal was accepted starts from the draft's guess at
-    the bonus token.
+    the bonus token. With `recovery`, the first forward's q is the draft's at the position
+    the last step rejected (a session rebuilt from the committed tokens): the recovered
+    token is sampled from it and fed on, and the proposal follows it.
     """
 
-    def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False) -> None:
+    def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False,
+                 recovery: Recovery | None = None) -> None:
         super().__init__(session, feed, keep=1)
         self.request = request
         self.generator = torch.Generator().manual_seed(request.seed)
         self.guessing = guess_first
         self.guess: int | None = None
+        self.recovery = recovery
+        self.recovered: int | None = None
         self.drafted: list[int] = []
         self.alternatives: list[int] = []
         self.probs: list[torch.Tensor] = []
@@ -51,6 +56,14 @@ class ProposeJob(Job):
             return False
         greedy = request.transform.greedy
         q = torch.softmax(logits[0], -1) if greedy else probs_from_logits(logits, request.transform)[0]
+        if self.recovery is not None:
+            self.recovered = recovered_token(self.recovery.target_row, q, self.recovery.uniform)
+            self.recovery = None
+            self.session.tokens.append(self.recovered)
+            if request.draft_length == 0:  # the recovered token alone: it is not fed yet
+                return True
+            self.pending = [self.recovered]
+            return False
         if self.drafted and float(q.max()) < request.min_confidence:
             return True
         best, second = logits[0].topk(2).indices.tolist()
@@ -72,7 +85,7 @@ class ProposeJob(Job):
     def result(self) -> Proposal:
         self.session.tokens.extend(self.drafted)
         return Proposal(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
-                        tuple(self.token_probs), self.batch_stats())
+                        tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
 
 
 class ScoreJob(Job):

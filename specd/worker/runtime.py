@@ -17,16 +17,16 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
-from specd.rejection import Draws
+from specd.rejection import Draws, recovered_token
 from specd.sampling import Transform
-from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Scores
+from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
 from specd.worker import kvstore
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
@@ -64,6 +64,21 @@ def _plain_token(scores: Scores) -> int:
         return scores.argmax[0]
     assert scores.verdict is not None and scores.verdict.bonus_token is not None  # a plain verdict's bonus
     return scores.verdict.bonus_token
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """A session's last sampled proposal's q rows [m, V], its first token at `start`."""
+
+    start: int
+    probs: torch.Tensor
+
+    def covers(self, position: int) -> bool:
+        return self.start <= position < self.start + self.probs.shape[0]
+
+    def row(self, position: int) -> torch.Tensor:
+        """q at `position` (which `covers`)."""
+        return self.probs[position - self.start]
 
 
 class SessionStore:
@@ -168,11 +183,15 @@ class ModelRunner:
         self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
         self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
         self.run_ahead = RunAhead()
+        # Draft side: each session's last sampled proposal's q rows, for the next step's
+        # recovered token (they never cross the wire).
+        self._kept_rows: dict[str, KeptRows] = {}
 
     def _evicted(self, session_id: str) -> None:
-        """What else an evicted session held goes with it: its pre-drafted branches and its
-        step scored ahead."""
+        """What else an evicted session held goes with it: its pre-drafted branches, its kept
+        q rows and its step scored ahead."""
         self.pre_drafts.cancel(session_id)
+        self._kept_rows.pop(session_id, None)
         self.run_ahead.cancel(session_id)
 
     async def close(self) -> None:
@@ -183,6 +202,7 @@ class ModelRunner:
         """Forget a session (and any branches pre-drafted for it): the gateway named it ended,
         its request's deadline passed, or the stream that opened it ended."""
         self.run_ahead.cancel(session_id)  # first: a step scored ahead holds the session
+        self._kept_rows.pop(session_id, None)
         if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 
@@ -281,7 +301,7 @@ class ModelRunner:
     # -- the two operations the services expose -----------------------------------------
 
     async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
-                      pre_draft: PreDraftRequest | None = None) -> Proposal:
+                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> Proposal:
         """Draft side: bring the session up to date and propose up to `request.draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
@@ -290,25 +310,51 @@ class ModelRunner:
         > 0 keeps proposals below that id (the target's vocabulary). With pre_draft, the next
         step's proposal is drafted for the likely verdicts once this one is answered
         (`specd.worker.predraft`); a request matching one is answered from it.
+
+        A sampled proposal's q rows stay here (`KeptRows`). With `recovery`, the last step
+        rejected this draft's token at position `start`: the recovered token is sampled
+        first, from p's row and the q kept for that position (or, in a session rebuilt from
+        the committed tokens, the q its forward finds there), and the proposal follows it
+        (`Proposal.recovered`). γ may then be 0: the recovered token alone.
         """
         draft_length = request.draft_length
-        if draft_length < 1:
+        if draft_length < 1 and recovery is None:
             raise InvalidArgument("draft_length must be >= 1")
-        branch = self.pre_drafts.take(session_id, start, tokens, request)
+        kept = self._kept_rows.pop(session_id, None)
+        recovered = None
+        if recovery is not None and not tokens and kept is not None and kept.covers(start):
+            recovered = recovered_token(recovery.target_row, kept.row(start), recovery.uniform)
+            tokens, recovery = [recovered], None
+        if recovery is not None:  # rebuilt: no branch assumed what the forward will draw
+            self.pre_drafts.cancel(session_id)
+            branch = None
+        else:
+            branch = self.pre_drafts.take(session_id, start, tokens, request)
         proposal = job = None
         if branch is not None:
             proposal, job = await self._adopt(session_id, branch, draft_length)
         if proposal is None:
             # The guess a pre-drafted branch may feed, then the drafted tokens fed back.
             session, feed = self._sync(session_id, start, tokens, draft_length + 1)
+            if not feed and recovery is not None and start > 0:  # q at `start` needs its last token fed again
+                session.crop(start - 1)
+                feed = session.tokens[start - 1:start]
             if not feed:
                 self.sessions.release()
                 raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
-            job = ProposeJob(session, feed, request)
+            if draft_length == 0 and recovery is None:  # the recovered token alone, sampled above
+                self.sessions.put(session_id, session)
+                self.sessions.release()
+                return Proposal([], None, 0.0, recovered=recovered)
+            job = ProposeJob(session, feed, request, recovery=recovery)
             proposal = await self._step(session_id, session, job)
+        assert job is not None  # it made the proposal
+        committed = len(job.session.tokens) - len(proposal.tokens)
+        if proposal.probs is not None:
+            self._kept_rows[session_id] = KeptRows(committed, proposal.probs)
+        if recovered is not None:
+            proposal = replace(proposal, recovered=recovered)
         if pre_draft is not None and proposal.tokens:
-            assert job is not None  # it made the proposal
-            committed = len(job.session.tokens) - len(proposal.tokens)
             settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft)
             proposal = replace(proposal, pre_draft=settled)
         return proposal
