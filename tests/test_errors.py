@@ -107,19 +107,23 @@ def test_overload_is_resource_exhausted(model_dirs):
         small.close()
 
 
-class _Protocol2Verifier(worker_pb2_grpc.VerifierServicer):
-    """Stands in for a verifier of the release before worker protocol 3 (whose code is
-    not here): it answers GetModelInfo as that release did, with no protocol field."""
+class _OlderVerifier(worker_pb2_grpc.VerifierServicer):
+    """Stands in for a verifier of an older release (whose code is not here): it answers
+    GetModelInfo as that release did, with its protocol (0: the field did not exist yet)."""
 
-    def __init__(self, models) -> None:
+    def __init__(self, models, protocol: int) -> None:
         self.models = models
+        self.protocol = protocol
 
     async def GetModelInfo(self, request, context):
-        return worker_pb2.ModelInfoResponse(models=self.models)
+        return worker_pb2.ModelInfoResponse(models=self.models, protocol=self.protocol)
 
 
-def test_a_worker_of_another_protocol_is_refused_at_start_up(stack):
+@pytest.mark.parametrize("protocol", [0, 3])
+def test_a_worker_of_another_protocol_is_refused_at_start_up(stack, protocol: int):
     import grpc.aio
+
+    from specd.wire import WORKER_PROTOCOL
 
     loop = LoopThread()
     with grpc.insecure_channel(f"127.0.0.1:{stack.verifier.port}") as channel:
@@ -127,7 +131,7 @@ def test_a_worker_of_another_protocol_is_refused_at_start_up(stack):
 
     async def start_old() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        worker_pb2_grpc.add_VerifierServicer_to_server(_Protocol2Verifier(models), server)
+        worker_pb2_grpc.add_VerifierServicer_to_server(_OlderVerifier(models, protocol), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port
@@ -136,7 +140,8 @@ def test_a_worker_of_another_protocol_is_refused_at_start_up(stack):
     try:
         settings = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5), verifier_address=f"127.0.0.1:{port}",
                                    draft_address=f"127.0.0.1:{stack.draft.port}")
-        with pytest.raises(ConnectionError, match="speaks worker protocol before 3, this gateway 3"):
+        spoken = protocol or "before 3"
+        with pytest.raises(ConnectionError, match=f"speaks worker protocol {spoken}, this gateway {WORKER_PROTOCOL}"):
             loop.run(create_gateway(settings))
     finally:
         loop.run(old.stop(0))
