@@ -28,7 +28,7 @@ _TRACER = trace.get_tracer("specd.draft")
 
 
 def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Proposal) -> dict:
-    """Attributes of a `specd.draft.propose` span (docs/tracing.md)."""
+    """Attributes of a `specd.draft.propose` or `specd.draft.recover` span (docs/tracing.md)."""
     probs = proposal.token_probs
     attributes = {
         **service.step_span_attributes(name, request.delta, proposal.forward_ms, proposal.batch),
@@ -39,6 +39,8 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
     if probs:
         attributes.update({"specd.draft.token_probs": list(probs), "specd.draft.token_prob.min": min(probs),
                            "specd.draft.token_prob.mean": sum(probs) / len(probs)})
+    if proposal.recovered is not None:
+        attributes["specd.recovered_token"] = proposal.recovered
     return attributes
 
 
@@ -85,7 +87,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
         proposal = await service.traced_step(
-            _TRACER, "specd.draft.propose", request.trace_context.carrier,
+            _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", request.trace_context.carrier,
             runner.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
                            pre_draft, wire.recovery_from_pb(request, runner.device)),
             lambda proposal: _span_attributes(name, request, proposal))

@@ -111,6 +111,7 @@ class _DraftHop:
     pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
     proposer: str = ""
     model_free: bool = False
+    in_hand: bool = False  # made by the last step's recovery hop
 
     def prefix(self, gamma: int) -> _DraftHop:
         """The first γ tokens (a proposal made for a longer γ than the step's)."""
@@ -128,6 +129,7 @@ class _Verdict:
     ms: float
     bytes: int
     drafted_recovery: bool = False  # the draft drew the recovered token, and holds it
+    recovery_ms: float = 0.0  # wall time of that hop
 
 
 class _Speculation:
@@ -240,9 +242,11 @@ class _Speculation:
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
             if verdict.rejected_row is not None and not hop.model_free:  # only the draft holds q there
+                began = time.perf_counter()
                 token = await self._recover(hop, verdict.accepted, Recovery(verdict.rejected_row, draws.final),
                                             carrier)
-                return _Verdict(verdict.accepted, False, token, scores, ms, self.verifier.last_exchange_bytes, True)
+                return _Verdict(verdict.accepted, False, token, scores, ms, self.verifier.last_exchange_bytes, True,
+                                (time.perf_counter() - began) * 1e3)
             outcome = finish_verdict(verdict, self._one_hot(hop.tokens), draws)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
 
@@ -269,7 +273,7 @@ class _Speculation:
         if gamma:
             self.in_hand = _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
                                      proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch,
-                                     proposal.pre_drafted, pre_draft is not None, request.draft_model)
+                                     proposal.pre_drafted, pre_draft is not None, request.draft_model, in_hand=True)
         return proposal.recovered
 
     def _draws(self, gamma: int) -> Draws:
@@ -318,7 +322,7 @@ class _Speculation:
             verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
             draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
             pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead,
-            interval_ms=interval_ms)
+            interval_ms=interval_ms, proposal_in_hand=hop.in_hand, recovery_ms=verdict.recovery_ms)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
         return record, StepOutput(emitted, finish)

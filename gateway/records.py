@@ -49,6 +49,11 @@ class StepRecord:
     proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
     model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
     ran_ahead: bool = False  # the verifier scored this plain step before it was asked (specd.worker.runahead)
+    # Sampled: this step's proposal came with the last step's recovery hop (the draft drew
+    # that step's recovered token and drafted this proposal after it), so the draft hop's
+    # figures are that hop's, and the step made none of its own.
+    proposal_in_hand: bool = False
+    recovery_ms: float = 0.0  # wall time of this step's recovery hop to the draft (0: none)
     # Wall time from the request's previous commit to this one (the first step: from the
     # start): what the step cost the request, its hops, the gateway's own work and the
     # streaming of the last chunk included. 0: not measured (a record made elsewhere).

@@ -65,6 +65,10 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
                            "specd.draft.queue_ms": record.draft_batch.queue_ms})
     if record.first_rejected is not None:
         attributes["specd.first_rejected"] = record.first_rejected
+    if record.recovery_ms:
+        attributes["specd.draft.recovery_ms"] = record.recovery_ms
+    if record.proposal_in_hand:
+        attributes["specd.draft.in_hand"] = True
     return attributes
 
 

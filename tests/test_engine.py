@@ -340,8 +340,9 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
         assert proposed == made[:len(proposed)]  # the step verified (a prefix of) a proposal the draft made
         reference = reference_rejection_sample(torch.tensor(proposed), q[:len(proposed)], p, draws)
         assert (record.accepted, record.token, record.bonus) == (reference.accepted, reference.token, reference.bonus)
-    for record, (position, uniform) in zip(rejected, draft.recoveries):
-        assert position == record.position + record.accepted
+    draws_of = {record.index: draws for record, (*_, draws) in zip(records, verifier.steps)}
+    for record, (position, uniform) in zip(rejected, draft.recoveries):  # where, and with the step's last uniform
+        assert position == record.position + record.accepted and uniform == draws_of[record.index].final
     # One draft hop a step: the recovery hop brought the next proposal (the last may ask γ = 0).
     assert draft.steps <= len(records) + 1
 

@@ -23,6 +23,7 @@ from opentelemetry.util._once import Once
 
 from conftest import request, start_stack
 from gateway.drift import DriftSettings, baseline_document
+from gateway.proposers import MODEL_FREE
 from gateway.records import NoTracer
 from gateway.request import GenerationRequest
 from gateway.tracing import RequestTrace
@@ -78,8 +79,13 @@ def check_trace(spans: list[dict], response) -> None:
         if row.model_free:  # drafted in the gateway: no draft hop, no draft span
             assert row.draft is None and row.attr("specd.draft.hop_ms") < 5.0
         elif row.attr("specd.draft_length"):
-            assert row.draft is not None, "every drafting step has its draft span as a child"
-            assert row.draft["attributes"]["specd.proposed"] == row.attr("specd.draft_length")
+            # Its draft span; in hand, the last step's recovery hop's, which drafted it.
+            assert row.draft is not None, "every drafting step has its draft span"
+            proposed = row.draft["attributes"]["specd.proposed"]
+            in_hand = row.attr("specd.draft.in_hand", False)  # a smaller γ takes a prefix of it
+            assert proposed >= row.attr("specd.draft_length") if in_hand else proposed == row.attr("specd.draft_length")
+        if row.attr("specd.draft.recovery_ms", None) is not None:  # sampled: the draft drew the recovered token
+            assert row.attr("specd.token.kind") == "recovered" and row.attr("specd.proposer") not in MODEL_FREE
         assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
     assert sum(r.attr("specd.draft_length") for r in rows) == stats.proposed_tokens
     assert sum(r.attr("specd.accepted") for r in rows) == stats.accepted_tokens

@@ -175,13 +175,20 @@ class StepRow:
 
 
 def step_rows(spans: list[dict]) -> list[StepRow]:
-    """The trace's steps in order, each joined to its children by parent span id."""
+    """The trace's steps in order, each joined to its children by parent span id. A step whose
+    proposal came in hand (`specd.draft.in_hand`) gets the last step's `specd.draft.recover`
+    span as its draft span: that hop drafted it."""
     children: dict[tuple[str, str], dict] = {(s["parent_span_id"], s["name"]): s for s in spans}
     steps = sorted((s for s in spans if s["name"] == "specd.step"),
                    key=lambda s: s["attributes"].get("specd.step.index", 0))
-    return [StepRow(s, children.get((s["span_id"], "specd.draft.propose")),
-                    children.get((s["span_id"], "specd.verifier.verify")),
-                    children.get((s["span_id"], "specd.draft.pre_draft"))) for s in steps]
+    rows = []
+    for before, step in zip([None, *steps], steps):
+        draft = children.get((step["span_id"], "specd.draft.propose"))
+        if before is not None and step["attributes"].get("specd.draft.in_hand"):
+            draft = children.get((before["span_id"], "specd.draft.recover"))
+        rows.append(StepRow(step, draft, children.get((step["span_id"], "specd.verifier.verify")),
+                            children.get((step["span_id"], "specd.draft.pre_draft"))))
+    return rows
 
 
 def _ms(value: float | None) -> str:
