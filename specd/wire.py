@@ -97,6 +97,10 @@ def recovery_problems(request: worker_pb2.ProposeRequest, transform: Transform) 
     row = recovery.target_row
     if row.positions != 1 or row.token_ids or len(row.probs) != 4 * row.vocab_size or not row.vocab_size:
         problems.append("recovery.target_row must be one dense row of float32 probabilities")
+    else:
+        values = np.frombuffer(row.probs, dtype="<f4")
+        if not (np.isfinite(values).all() and (values >= 0).all() and values.sum() > 0):
+            problems.append("recovery.target_row must hold finite, non-negative probabilities, not all 0")
     if not 0.0 <= recovery.uniform < 1.0:
         problems.append(f"recovery.uniform must be in [0, 1), got {recovery.uniform}")
     if transform.greedy:

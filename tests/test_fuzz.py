@@ -6,6 +6,8 @@ end the workers hold no session. Each test prints how many cases it ran.
 """
 from __future__ import annotations
 
+import struct
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -186,11 +188,25 @@ deltas = st.builds(worker_pb2.SequenceDelta,
                    tokens=st.lists(token_ids, max_size=10))
 transforms = st.builds(worker_pb2.Transform, temperature=mostly(st.sampled_from([0.0, 1.0]), floats32),
                        top_k=mostly(st.integers(0, 20), int32), top_p=mostly(st.sampled_from([0.0, 0.9]), floats32))
-proposals = st.builds(worker_pb2.ProposeRequest, delta=deltas, draft_length=mostly(st.integers(1, 6), uint32),
+
+def _row(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+# p's row after a rejection: mostly one plausible row of the vocabulary, else anything.
+target_rows = st.one_of(
+    st.integers(1, VOCAB + 64).map(lambda n: worker_pb2.Distributions(positions=1, vocab_size=n,
+                                                                      probs=_row([1.0 / n] * n))),
+    st.builds(worker_pb2.Distributions, positions=mostly(st.just(1), uint32), vocab_size=mostly(st.just(4), uint32),
+              probs=st.one_of(st.lists(floats32, min_size=4, max_size=4).map(_row), st.binary(max_size=40)),
+              token_ids=st.one_of(st.just(b""), st.binary(max_size=8))))
+recoveries = st.one_of(st.none(), st.builds(worker_pb2.Recovery, target_row=target_rows,
+                                            uniform=mostly(st.sampled_from([0.0, 0.5, 0.999]), nasty_floats)))
+proposals = st.builds(worker_pb2.ProposeRequest, delta=deltas, draft_length=mostly(st.integers(0, 6), uint32),
                       transform=transforms, seed=st.integers(0, 2 ** 64 - 1),
                       draft_model=mostly(st.sampled_from(["", "close", "padded"]), st.text(max_size=100)),
                       min_confidence=mostly(st.just(0.0), floats32),
-                      vocab_limit=mostly(st.sampled_from([0, VOCAB]), uint32))
+                      vocab_limit=mostly(st.sampled_from([0, VOCAB]), uint32), recovery=recoveries)
 verifications = st.builds(worker_pb2.VerifyRequest, delta=deltas, draft_tokens=st.lists(token_ids, max_size=8),
                           transform=transforms)
 

@@ -121,6 +121,8 @@ BAD_RECOVERIES = {
     "greedy": (dict(transform=0.0), "belongs to a sampled step"),
     "uniform": (dict(uniform=1.5), "recovery.uniform must be in [0, 1)"),
     "row": (dict(positions=2), "one dense row"),
+    "nan": (dict(fill=float("nan")), "finite, non-negative probabilities"),
+    "negative": (dict(fill=-1.0), "finite, non-negative probabilities"),
 }
 
 
@@ -132,6 +134,7 @@ def test_a_bad_recovery_is_invalid_argument_and_the_draft_keeps_serving(stack, c
     changes, message = BAD_RECOVERIES[case]
     vocab = 320
     row = torch.full((changes.get("positions", 1), vocab), 1.0 / vocab)
+    row[0, 0] = changes.get("fill", row[0, 0])
     with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
         steps = WorkerSteps(worker_pb2_grpc.DraftStub(channel))
         opened = steps.step(worker_pb2.ProposeRequest(
