@@ -241,6 +241,11 @@ class _Speculation:
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
+            ended_at = next((t for t in hop.tokens[:verdict.accepted] if t in self.bounds.eos_token_ids), None)
+            if verdict.rejected_row is not None and ended_at is not None:
+                # An accepted EOS ends the request before the rejected position: no token after
+                # it is emitted, so none is drawn (the record names the EOS as the step's token).
+                return _Verdict(verdict.accepted, False, ended_at, scores, ms, self.verifier.last_exchange_bytes)
             if verdict.rejected_row is not None and not hop.model_free:  # only the draft holds q there
                 began = time.perf_counter()
                 token = await self._recover(hop, verdict.accepted, Recovery(verdict.rejected_row, draws.final),
@@ -259,9 +264,8 @@ class _Speculation:
         assert self.draft is not None  # it made this step's proposal
         request, transform = self.request, self.request.transform
         kept = self.committed + hop.tokens[:accepted]
-        ends = any(t in self.bounds.eos_token_ids for t in hop.tokens[:accepted])
         remaining = request.max_new_tokens - self.generated - accepted - 1  # after this step
-        gamma = 0 if ends else max(0, min(len(hop.tokens), remaining - 1, self.bounds.draft_context - len(kept) - 1))
+        gamma = max(0, min(len(hop.tokens), remaining - 1, self.bounds.draft_context - len(kept) - 1))
         seed = draft_seed(request.seed, self.steps + 1)
         pre_draft = (PreDraftRequest(gamma, draft_seed(request.seed, self.steps + 2))
                      if request.overlap and gamma else None)

@@ -228,9 +228,10 @@ class DraftLink(WorkerLink):
         the draft first samples the recovered token from its q there, and the proposal
         follows it (`Proposal.recovered`). Only the draft holds that q, so this step is not
         skipped when the draft is slow: it is asked again (the session re-opened, on another
-        draft if there is one) and fails with UNAVAILABLE when no draft answers.
+        draft if there is one; after a pause when the draft is full) and fails with
+        UNAVAILABLE when no draft answers.
         """
-        recovery_pb = None if recovery is None else recovery_to_pb(recovery)
+        recovery_pb = None if recovery is None else recovery_to_pb(recovery, request.transform.sparse)
 
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.ProposeRequest:
             message = worker_pb2.ProposeRequest(
@@ -246,7 +247,7 @@ class DraftLink(WorkerLink):
         if recovery is None and not slow.ask(self):
             self._leave()  # a hung draft must not hold the session either
             raise DraftSkipped(f"{self.name} is marked slow; the step goes on without it")
-        for _ in range(1 if recovery is None else self.settings.max_reopens + 1):
+        for attempt in range(1 if recovery is None else self.settings.max_reopens + 1):
             try:
                 response = await self.exchange(committed, build)
                 break
@@ -255,6 +256,11 @@ class DraftLink(WorkerLink):
                 if recovery is None:
                     raise DraftSkipped(str(exc)) from exc
                 log.warning("%s; asking again: only the draft holds q for this step's recovered token", exc)
+            except WorkerError as exc:
+                slow.abandon(self)
+                if recovery is None or exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))  # full for now: its steps in flight free room
             except BaseException:
                 slow.abandon(self)
                 raise

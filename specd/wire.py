@@ -83,24 +83,40 @@ def draft_request_from_pb(message: worker_pb2.ProposeRequest, transform: Transfo
     return DraftRequest(message.draft_length, transform, message.seed, message.min_confidence, message.vocab_limit)
 
 
-def recovery_to_pb(recovery: Recovery) -> worker_pb2.Recovery:
-    """A `Recovery` as the ProposeRequest field (p's row travels dense, as the verifier sent it)."""
-    return worker_pb2.Recovery(target_row=pack_distributions(recovery.target_row.unsqueeze(0), sparse=False),
+def recovery_to_pb(recovery: Recovery, sparse: bool) -> worker_pb2.Recovery:
+    """A `Recovery` as the ProposeRequest field; with top-k/top-p (`sparse`) only p's support
+    travels, as it came from the verifier."""
+    return worker_pb2.Recovery(target_row=pack_distributions(recovery.target_row.unsqueeze(0), sparse),
                                uniform=recovery.uniform)
+
+
+def _row_problem(row: worker_pb2.Distributions) -> str | None:
+    """Why a Distributions message is not one row of probabilities (None: it is)."""
+    shape = ("recovery.target_row must be one row of float32 probabilities, dense (vocab_size values) or "
+             "sparse (token_ids with support_offsets [0, n])")
+    if row.positions != 1 or not row.vocab_size or len(row.probs) % 4:
+        return shape
+    values = np.frombuffer(row.probs, dtype="<f4")
+    if row.token_ids:
+        if len(row.token_ids) != len(row.probs) or len(row.support_offsets) != 8:
+            return shape
+        ids = np.frombuffer(row.token_ids, dtype="<i4")
+        if list(np.frombuffer(row.support_offsets, dtype="<i4")) != [0, len(ids)] or \
+                not ((ids >= 0) & (ids < row.vocab_size)).all():
+            return shape
+    elif len(values) != row.vocab_size or row.support_offsets:
+        return shape
+    if not (np.isfinite(values).all() and (values >= 0).all() and values.sum() > 0):
+        return "recovery.target_row must hold finite, non-negative probabilities, not all 0"
+    return None
 
 
 def recovery_problems(request: worker_pb2.ProposeRequest, transform: Transform) -> list[str]:
     """Why a ProposeRequest's recovery cannot be used (empty when it can, or when there is none)."""
     if not request.HasField("recovery"):
         return [] if request.draft_length >= 1 else ["draft_length must be >= 1 (0 only with a recovery)"]
-    recovery, problems = request.recovery, []
-    row = recovery.target_row
-    if row.positions != 1 or row.token_ids or len(row.probs) != 4 * row.vocab_size or not row.vocab_size:
-        problems.append("recovery.target_row must be one dense row of float32 probabilities")
-    else:
-        values = np.frombuffer(row.probs, dtype="<f4")
-        if not (np.isfinite(values).all() and (values >= 0).all() and values.sum() > 0):
-            problems.append("recovery.target_row must hold finite, non-negative probabilities, not all 0")
+    recovery = request.recovery
+    problems = [problem for problem in [_row_problem(recovery.target_row)] if problem]
     if not 0.0 <= recovery.uniform < 1.0:
         problems.append(f"recovery.uniform must be in [0, 1), got {recovery.uniform}")
     if transform.greedy:
@@ -108,12 +124,12 @@ def recovery_problems(request: worker_pb2.ProposeRequest, transform: Transform) 
     return problems
 
 
-def recovery_from_pb(request: worker_pb2.ProposeRequest, device: torch.device) -> Recovery | None:
-    """A ProposeRequest's recovery (None when it has none), p's row on the draft's device."""
+def recovery_from_pb(request: worker_pb2.ProposeRequest) -> Recovery | None:
+    """A ProposeRequest's recovery (None when it has none). p's row stays on the host: the
+    draw moves it to q's device, on the model's thread."""
     if not request.HasField("recovery"):
         return None
-    row = unpack_distributions(request.recovery.target_row)[0]
-    return Recovery(row.to(device), request.recovery.uniform)
+    return Recovery(unpack_distributions(request.recovery.target_row)[0], request.recovery.uniform)
 
 
 def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:

@@ -347,6 +347,34 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
     assert draft.steps <= len(records) + 1
 
 
+def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
+    """The draft proposes EOS then another token; the target accepts EOS and rejects the next:
+    the request ends at EOS, so no token after it is drawn and the draft is not asked."""
+    asked: list = []
+
+    class EosDraft(ScriptedDraft):
+        async def propose(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None):
+            asked.append(recovery)
+            return Proposal([EOS, 3], None, 0.0, token_probs=(1.0, 1.0))
+
+    class EosVerifier(ScriptedVerifier):
+        async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
+                         run_ahead=False, next_draws=None) -> Scores:
+            p = torch.zeros(len(draft_tokens) + 1, VOCAB)
+            p[0, EOS], p[1:, 5] = 1.0, 1.0  # EOS surely accepted, 3 surely rejected
+            return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
+
+    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=3, max_new_tokens=12, draft_model="d")
+    stats = RequestStats()
+
+    async def drive() -> list:
+        return [c async for c in speculate(request, FixedPolicy(2), EosDraft(), EosVerifier(), BOUNDS, [stats])]
+
+    (output,) = asyncio.run(drive())
+    assert output.tokens == [EOS] and output.finish is Finish.EOS and asked == [None]
+    assert stats.records[0].accepted == 1 and not stats.records[0].bonus
+
+
 def test_a_deadline_too_far_for_the_wire_is_sent_as_the_longest_it_can_say():
     from gateway.workers import _expires_in_ms
 

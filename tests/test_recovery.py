@@ -117,10 +117,49 @@ def test_a_pre_drafted_branch_answers_a_recovery_that_draws_its_guess(model_dirs
     assert answered.recovered == alternative and answered.pre_drafted
 
 
+@pytest.mark.parametrize("rebuilt", [False, True])
+def test_a_recovered_token_the_draft_cannot_feed_ends_its_proposal(model_dirs, rebuilt: bool):
+    """The target's vocabulary is wider than the draft's embedding (Qwen2.5's 0.5B and 7B
+    differ by 128 ids), and the residual drew an id beyond the draft's: the draft returns
+    it with no proposal, and neither fails the step nor feeds the id to its embedding (which
+    would fail every session in the batched forward)."""
+    runner = ModelRunner(model_dirs["close"])
+    vocab = runner.info.vocab_size
+    p = torch.zeros(vocab + 64)
+    p[vocab + 30] = 1.0
+
+    async def scenario():
+        first = await runner.propose("a", 0, PROMPT, DraftRequest(3, SAMPLED, seed=3, vocab_limit=vocab + 64))
+        request = DraftRequest(3, SAMPLED, seed=4, vocab_limit=vocab + 64)
+        if rebuilt:
+            answered = await runner.propose("b", 0, [*PROMPT, first.tokens[0]], request, None, Recovery(p, 0.5))
+        else:
+            answered = await runner.propose("a", len(PROMPT) + 1, [], request, None, Recovery(p, 0.5))
+        later = await runner.propose("c", 0, PROMPT, DraftRequest(2, SAMPLED, seed=5))  # it serves on
+        await runner.close()
+        return answered, later
+
+    answered, later = asyncio.run(scenario())
+    assert answered.recovered == vocab + 30 and answered.tokens == [] and len(later.tokens) == 2
+
+
+def test_a_sparse_row_travels_sparse_and_draws_the_same_token():
+    """Top-k/top-p: the verifier sends p's support only, and so does the gateway to the draft."""
+    from specd.v1 import worker_pb2
+    from specd.wire import recovery_from_pb, recovery_to_pb
+
+    p = torch.zeros(131_072)
+    p[[7, 4000, 99_999]] = torch.tensor([0.5, 0.3, 0.2])
+    sparse, dense = recovery_to_pb(Recovery(p, 0.4), sparse=True), recovery_to_pb(Recovery(p, 0.4), sparse=False)
+    assert sparse.ByteSize() < 100 < 500_000 < dense.ByteSize()
+    back = recovery_from_pb(worker_pb2.ProposeRequest(recovery=sparse))
+    assert back is not None and torch.equal(back.target_row, p)
+
+
 BAD_RECOVERIES = {
     "greedy": (dict(transform=0.0), "belongs to a sampled step"),
     "uniform": (dict(uniform=1.5), "recovery.uniform must be in [0, 1)"),
-    "row": (dict(positions=2), "one dense row"),
+    "row": (dict(positions=2), "must be one row of float32 probabilities"),
     "nan": (dict(fill=float("nan")), "finite, non-negative probabilities"),
     "negative": (dict(fill=-1.0), "finite, non-negative probabilities"),
 }
@@ -182,3 +221,47 @@ def test_a_draft_lost_while_it_holds_q_fails_the_request_and_the_gateway_serves_
         assert len(after.token_ids) == 8
     finally:
         lone.close()
+
+
+def test_a_full_draft_is_asked_again_for_a_recovery_and_no_answer_is_unavailable(monkeypatch):
+    """The link's side: a recovery cannot be skipped like a proposal, so a draft that is full
+    (RESOURCE_EXHAUSTED) is asked again after a pause, and one that never answers ends the
+    request UNAVAILABLE. The pool and the exchange are stand-ins here (the exchange's own
+    re-opens are tested with real services in tests/test_failover.py)."""
+    from types import SimpleNamespace
+
+    from gateway.budgets import SlowMark
+    from gateway.errors import DraftSkipped, WorkerError
+    from gateway.workers import DraftLink, LinkSettings, StepOverBudget
+    from specd.v1 import worker_pb2
+
+    outcomes: list = []
+
+    async def exchange(committed, build):
+        build(worker_pb2.SequenceDelta())  # the message can be built
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    link = DraftLink("draft", SimpleNamespace(slow=SlowMark()), "/specd.v1.Draft/Propose", LinkSettings("s", 3))
+    monkeypatch.setattr(link, "exchange", exchange)
+    full = WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the draft's queue is full")
+    answer = worker_pb2.ProposeResponse(draft_tokens=[4], draft_token_probs=[0.5], recovered_token=9)
+    recovery = Recovery(torch.full((8,), 0.125), 0.5)
+    request = DraftRequest(1, SAMPLED, seed=1)
+
+    outcomes[:] = [full, full, answer]
+    proposal = asyncio.run(link.propose([1, 2], request, "", {}, None, recovery))
+    assert proposal.recovered == 9 and proposal.tokens == [4] and not outcomes
+    outcomes[:] = [StepOverBudget("hung")] * 4
+    with pytest.raises(WorkerError) as failed:
+        asyncio.run(link.propose([1, 2], request, "", {}, None, recovery))
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "recovered token" in str(failed.value)
+    link.pool.slow = SlowMark()  # the hung draft above is marked slow: start afresh
+    outcomes[:] = [full]  # a proposal alone is not retried: the step goes on without it
+    with pytest.raises(WorkerError):
+        asyncio.run(link.propose([1, 2], request, "", {}))
+    outcomes[:] = [StepOverBudget("hung")]
+    with pytest.raises(DraftSkipped):
+        asyncio.run(link.propose([1, 2], request, "", {}))

@@ -87,6 +87,7 @@ def check_trace(spans: list[dict], response) -> None:
         if row.attr("specd.draft.recovery_ms", None) is not None:  # sampled: the draft drew the recovered token
             assert row.attr("specd.token.kind") == "recovered" and row.attr("specd.proposer") not in MODEL_FREE
         assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
+        assert row.gateway_ms > -0.5, "a step's hops were spent inside its span"
     assert sum(r.attr("specd.draft_length") for r in rows) == stats.proposed_tokens
     assert sum(r.attr("specd.accepted") for r in rows) == stats.accepted_tokens
     assert sum(r.attr("specd.emitted") for r in rows) == stats.generated_tokens

@@ -170,8 +170,11 @@ class StepRow:
 
     @property
     def gateway_ms(self) -> float:
-        """The step's time outside both hops: rejection sampling and bookkeeping."""
-        return self.step["duration_ms"] - self.attr("specd.draft.hop_ms") - self.attr("specd.verify.hop_ms")
+        """The step's time outside its hops: rejection sampling and bookkeeping. A proposal in
+        hand was drafted in the last step's span (its recovery hop), not in this one."""
+        draft_ms = 0.0 if self.attr("specd.draft.in_hand", False) else self.attr("specd.draft.hop_ms")
+        return (self.step["duration_ms"] - draft_ms - self.attr("specd.verify.hop_ms")
+                - self.attr("specd.draft.recovery_ms"))
 
 
 def step_rows(spans: list[dict]) -> list[StepRow]:

@@ -46,6 +46,7 @@ class ProposeJob(Job):
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
             return False
         request = self.request
+        embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
         if self.guessing:
@@ -59,6 +60,8 @@ class ProposeJob(Job):
         if self.recovery is not None:
             self.recovered = recovered_token(self.recovery.target_row, q, self.recovery.uniform)
             self.recovery = None
+            if self.recovered >= embeddings:  # a target id this draft cannot feed: nothing to draft after it
+                return True
             self.session.tokens.append(self.recovered)
             if request.draft_length == 0:  # the recovered token alone: it is not fed yet
                 return True

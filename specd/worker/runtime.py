@@ -323,7 +323,10 @@ class ModelRunner:
         kept = self._kept_rows.pop(session_id, None)
         recovered = None
         if recovery is not None and not tokens and kept is not None and kept.covers(start):
-            recovered = recovered_token(recovery.target_row, kept.row(start), recovery.uniform)
+            recovered = await self._draw_recovered(recovery, kept.row(start))
+            if recovered >= self.info.vocab_size:  # a target id this draft has no embedding for
+                self.pre_drafts.cancel(session_id)
+                return Proposal([], None, 0.0, recovered=recovered)  # nothing to draft after it
             tokens, recovery = [recovered], None
         if recovery is not None:  # rebuilt: no branch assumed what the forward will draw
             self.pre_drafts.cancel(session_id)
@@ -358,6 +361,15 @@ class ModelRunner:
             settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft)
             proposal = replace(proposal, pre_draft=settled)
         return proposal
+
+    async def _draw_recovered(self, recovery: Recovery, draft_row: torch.Tensor) -> int:
+        """The recovered token from a kept q row. On a CPU at once; on an accelerator on the
+        model's thread, since the draw waits for the device (its work queued before it), and
+        the event loop, which every session's messages go through, must not."""
+        if self.device.type == "cpu":
+            return recovered_token(recovery.target_row, draft_row, recovery.uniform)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, recovered_token, recovery.target_row, draft_row, recovery.uniform)
 
     async def _adopt(self, session_id: str, branch: Branch,
                      draft_length: int) -> tuple[Proposal | None, ProposeJob | None]:
