@@ -1,4 +1,4 @@
-"""The gateway's end of a multiplexed worker stream (worker protocol 3).
+"""The gateway's end of a multiplexed worker stream (since worker protocol 3).
 
 A `WorkerStream` is one Propose or Verify stream to one worker endpoint, shared by every
 request whose session lives there (`gateway.backend.WorkerPool` keeps one per endpoint

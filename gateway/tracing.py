@@ -1,6 +1,6 @@
 """The gateway's spans: `specd.generate` per request and `specd.step` per speculative step.
 
-docs/design.md §8: a worker stream carries the steps of many requests (worker protocol 3),
+docs/design.md §8: a worker stream carries the steps of many requests (since worker protocol 3),
 so the gRPC instrumentation gives it no span (`specd.telemetry.server_interceptors`).
 Each step gets its own span here; its W3C trace context rides inside that step's worker messages (the
 `trace_context.carrier` map), and the draft and verifier open their spans as its

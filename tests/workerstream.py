@@ -1,4 +1,4 @@
-"""A multiplexed worker stream (worker protocol 3) driven from a test, one message at a time."""
+"""A multiplexed worker stream (since worker protocol 3) driven from a test, one message at a time."""
 from __future__ import annotations
 
 import itertools

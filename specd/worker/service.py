@@ -1,6 +1,6 @@
 """What the draft and verifier servicers share: a multiplexed step stream's skeleton.
 
-A gateway keeps one stream open to each worker endpoint it uses (worker protocol 3,
+A gateway keeps one stream open to each worker endpoint it uses (since worker protocol 3,
 `proto/specd/v1/worker.proto`); each message carries the ready steps of its sessions and
 the sessions it is done with. `serve_multiplexed` runs every step as a task of its own
 (so the steps of one message meet in the model's next batched forward), answers each in
