@@ -275,8 +275,9 @@ class KeepingDraft(ScriptedDraft):
         self.steps += 1
         prefix, recovered = list(committed), None
         if recovery is not None:
-            start, rows = self.kept
-            recovered = recovered_token(recovery.target_row, rows[len(prefix) - start], recovery.uniform)
+            assert self.kept is not None  # a recovery follows a sampled proposal
+            kept_start, kept_rows = self.kept
+            recovered = recovered_token(recovery.target_row, kept_rows[len(prefix) - kept_start], recovery.uniform)
             self.recoveries.append((len(prefix), recovery.uniform))
             prefix.append(recovered)
         generator = torch.Generator().manual_seed(request.seed)

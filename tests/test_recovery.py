@@ -156,7 +156,7 @@ def test_a_sparse_row_travels_sparse_and_draws_the_same_token():
     assert back is not None and torch.equal(back.target_row, p)
 
 
-BAD_RECOVERIES = {
+BAD_RECOVERIES: dict[str, tuple[dict[str, float], str]] = {
     "greedy": (dict(transform=0.0), "belongs to a sampled step"),
     "uniform": (dict(uniform=1.5), "recovery.uniform must be in [0, 1)"),
     "row": (dict(positions=2), "must be one row of float32 probabilities"),
@@ -172,7 +172,7 @@ def test_a_bad_recovery_is_invalid_argument_and_the_draft_keeps_serving(stack, c
 
     changes, message = BAD_RECOVERIES[case]
     vocab = 320
-    row = torch.full((changes.get("positions", 1), vocab), 1.0 / vocab)
+    row = torch.full((int(changes.get("positions", 1)), vocab), 1.0 / vocab)
     row[0, 0] = changes.get("fill", row[0, 0])
     with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
         steps = WorkerSteps(worker_pb2_grpc.DraftStub(channel))
@@ -188,7 +188,7 @@ def test_a_bad_recovery_is_invalid_argument_and_the_draft_keeps_serving(stack, c
                 uniform=changes.get("uniform", 0.5)))
         with pytest.raises(grpc.RpcError) as err:
             steps.step(bad)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in str(err.value.details())
         good = worker_pb2.ProposeRequest()
         good.CopyFrom(bad)
         good.transform.temperature = 1.0
