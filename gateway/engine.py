@@ -4,12 +4,13 @@ One step (docs/design.md §2): the draft proposes γ tokens, the verifier scores
 in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
 plus one recovered or bonus token are committed. A sampled step that rejects a draft
 model's token asks the draft for the recovered token, since only the draft holds its q;
-the same hop brings the next step's proposal, which follows that token. A step runs in three parts: propose
-(the draft hop), decide (the verifier hop and the verdict) and commit. Each step ends in
-a `StepRecord` (`gateway.records`) that every observer reads: the γ policy, the request's
-statistics, the server's counters, the tracer. The engine talks to the workers through two small client
-Protocols, `DraftClient` and `VerifierClient` (the gRPC links of `gateway.workers` in
-production, scripted fakes in tests/test_engine.py). No protobuf here.
+the same hop brings the next step's proposal, which follows that token. A step runs in
+three parts: propose (the draft hop), decide (the verifier hop and the verdict) and
+commit. Each step ends in a `StepRecord` (`gateway.records`) that every observer reads:
+the γ policy, the request's statistics, the server's counters, the tracer. The engine
+talks to the workers through two small client Protocols, `DraftClient` and
+`VerifierClient` (the gRPC links of `gateway.workers` in production, scripted fakes in
+tests/test_engine.py). No protobuf here.
 """
 from __future__ import annotations
 
@@ -274,7 +275,7 @@ class _Speculation:
         draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size)
         proposal = await self.draft.propose(kept, draft_request, request.draft_model, carrier, pre_draft, recovery)
         assert proposal.recovered is not None  # the link checks that a recovery was answered
-        if gamma:
+        if proposal.tokens:  # none when γ = 0, or the recovered token is one the draft cannot feed
             self.in_hand = _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
                                      proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch,
                                      proposal.pre_drafted, pre_draft is not None, request.draft_model, in_hand=True)
