@@ -136,9 +136,10 @@ class _Verdict:
 class _Speculation:
     """One request's state across steps: the committed sequence, the RNG and the links."""
 
-    def __init__(self, request: GenerationRequest, draft: DraftClient | None, verifier: VerifierClient,
-                 bounds: ModelBounds, hybrid: HybridChoice | None = None) -> None:
+    def __init__(self, request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
+                 verifier: VerifierClient, bounds: ModelBounds, hybrid: HybridChoice | None = None) -> None:
         self.request = request
+        self.policy = policy
         self.draft = draft
         self.verifier = verifier
         self.bounds = bounds
@@ -154,10 +155,10 @@ class _Speculation:
         self.in_hand: _DraftHop | None = None
         self.no_proposal = _DraftHop([])  # γ = 0, or the draft is lost
 
-    def draft_length(self, policy: DraftLengthPolicy) -> int:
+    def draft_length(self) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
         past the draft's context (the draft feeds up to len(committed) + γ − 1 positions)."""
-        gamma = 0 if self.draft is None else policy.next_draft_length()
+        gamma = 0 if self.draft is None else self.policy.next_draft_length()
         remaining = self.request.max_new_tokens - self.generated
         return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
 
@@ -282,19 +283,24 @@ class _Speculation:
         return proposal.recovered
 
     def _draws(self, gamma: int) -> Draws:
-        """This step's uniforms: drawn by the last step when it let the verifier run ahead
-        (a plain step, γ = 0, as that step foresaw), else now."""
-        if self.drawn_ahead is not None:
-            assert gamma == 0  # run-ahead is asked only when every later step is plain
-            return self.drawn_ahead
-        return Draws.draw(gamma, self.generator)
+        """This step's uniforms: drawn now, or, when the last step let the verifier run ahead,
+        its one uniform drawn then. If this step proposes after all (the policy guessed
+        wrong), that uniform is the first of its γ + 1 and the rest are drawn now: a fixed
+        order of independent uniforms, so the law is the same and a seed gives the same output."""
+        if self.drawn_ahead is None:
+            return Draws.draw(gamma, self.generator)
+        first, self.drawn_ahead = self.drawn_ahead.final, None
+        uniforms = [first, *torch.rand(gamma, generator=self.generator, dtype=torch.float64).tolist()]
+        return Draws(tuple(uniforms[:gamma]), uniforms[gamma])
 
     def _plain_next(self, hop: _DraftHop) -> bool:
-        """Whether, after this step, another plain step surely comes (a request with no draft
-        and no model-free proposer left, short of its last token): then the verifier may
+        """Whether, after this plain step, another plain step surely comes, short of the
+        request's last token: no draft left, or a policy settled on γ = 0 (AUTO that stopped
+        drafting), and no model-free proposer whose match could come. Then the verifier may
         score it ahead. A plain step commits one token, EOS aside, which the verifier sees."""
-        plain_from_now = not hop.tokens and self.draft is None and self.hybrid is None
-        return plain_from_now and self.generated + 1 < self.request.max_new_tokens
+        if hop.tokens or self.hybrid is not None or self.generated + 1 >= self.request.max_new_tokens:
+            return False
+        return self.draft is None or self.policy.plain_next()
 
     def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
         """Commit the accepted tokens and the recovered or bonus one, cut at EOS; the step's record."""
@@ -351,9 +357,9 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     """
     tracer = tracer or NoTracer()
     everyone = (policy, *observers, tracer)
-    speculation = _Speculation(request, draft, verifier, bounds, hybrid)
+    speculation = _Speculation(request, policy, draft, verifier, bounds, hybrid)
     while True:
-        gamma = speculation.draft_length(policy)
+        gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
         hop = speculation.propose_model_free(gamma, max_model_free) or await speculation.propose(gamma, carrier)
         verdict = await speculation.decide(hop, carrier)

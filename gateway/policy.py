@@ -45,6 +45,9 @@ class FixedPolicy:
     def next_draft_length(self) -> int:
         return self.draft_length
 
+    def plain_next(self) -> bool:
+        return self.draft_length == 0
+
     def observe(self, record: StepRecord) -> None:
         """Fixed: what the target accepted does not change γ."""
 
@@ -64,6 +67,9 @@ class EmaPolicy:
 
     def next_draft_length(self) -> int:
         return self.draft_length
+
+    def plain_next(self) -> bool:
+        return False  # γ never falls below its lowest, at least 1
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
@@ -270,6 +276,7 @@ class CostPolicy:
         self.accepted = profile.prior_alpha * prior_weight
         self.trials = prior_weight
         self.plain_steps = 0
+        self._last = -1  # the γ last chosen
 
     @property
     def alpha(self) -> float:
@@ -287,10 +294,19 @@ class CostPolicy:
 
     def next_draft_length(self) -> int:
         if self.load_cap is None:
-            return self._own_draft_length()
+            self._last = self._own_draft_length()
+            return self._last
         self._cap = self.load_cap.cap()
         # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
-        return min(self._own_draft_length(), self._cap) if self._cap else 0
+        self._last = min(self._own_draft_length(), self._cap) if self._cap else 0
+        return self._last
+
+    def plain_next(self) -> bool:
+        """Settled on plain decoding: γ = 0 now, and no probe due at the next step (a cap of 0
+        allows none). Wrong now and then, when the costs or the cap change their mind."""
+        if self.load_cap is not None and self._cap == 0:
+            return True
+        return self._last == 0 and (self.plain_steps + 1) % self.probes.interval != 0
 
     def _own_draft_length(self) -> int:
         """The γ this request's own acceptance and the measured step costs call for."""
@@ -331,6 +347,9 @@ class ConfidencePolicy:
 
     def next_draft_length(self) -> int:
         return self.highest
+
+    def plain_next(self) -> bool:
+        return False
 
     def observe(self, record: StepRecord) -> None:
         """Stateless across steps: the draft decides inside each step."""

@@ -78,6 +78,13 @@ class DraftLengthPolicy(StepObserver, Protocol):
 
     def next_draft_length(self) -> int: ...
 
+    def plain_next(self) -> bool:
+        """Whether the step after the one just chosen will surely propose nothing, whatever
+        this one commits: then the verifier may score it ahead (`specd.worker.runahead`). A
+        wrong yes costs time, never output: that step waits for the ahead forward, and is
+        scored as asked."""
+        ...
+
 
 class StepTracer(StepObserver, Protocol):
     """Opens a span per step (its carrier travels inside the step's worker messages) and

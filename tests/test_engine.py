@@ -156,14 +156,17 @@ def test_a_plain_step_has_no_draft_hop():
 
 
 def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
-    """With no draft (OFF, or a draft lost), every plain step but the last says another
-    plain step follows; while a draft may still propose, none does."""
+    """With no draft (OFF, or a draft lost), or a policy settled on γ = 0, every plain step
+    but the last says another plain step follows; while a draft may still propose, none does."""
     verifier = ScriptedVerifier()
     tokens, _, _ = run(None, verifier, gamma=0, max_new_tokens=6)
     assert tokens == target_alone(6) and verifier.run_ahead == [True] * 5 + [False]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=6)
-    assert verifier.run_ahead == [False] * 6
+    assert verifier.run_ahead == [True] * 5 + [False]
+    verifier = ScriptedVerifier()
+    run(ScriptedDraft(), verifier, gamma=2, max_new_tokens=6)
+    assert not any(verifier.run_ahead)
     verifier = ScriptedVerifier()
     run(ScriptedDraft(wrong={5}, fail_at=2), verifier, gamma=3)
     after_loss = verifier.run_ahead[2:]
@@ -314,6 +317,24 @@ class LawVerifier(ScriptedVerifier):
         return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
 
+class WrongGuesses(FixedPolicy):
+    """γ from a script, always saying the next step is plain: the guess AUTO makes once it
+    settles on plain decoding, here wrong before every proposing step."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(0)
+        self.script = script
+        self.steps = 0
+
+    def next_draft_length(self) -> int:
+        gamma = self.script[self.steps % len(self.script)]
+        self.steps += 1
+        return gamma
+
+    def plain_next(self) -> bool:
+        return True
+
+
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma: int):
     """Sampled, q ≠ p: every rejected step asks the draft (which keeps q) for its recovered
@@ -325,9 +346,12 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
     draft, verifier = KeepingDraft(), LawVerifier()
     request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=5, max_new_tokens=40, draft_model="d")
     stats = RequestStats()
+    # γ = 0 between proposing steps, each plain step guessing (wrongly, before a proposing
+    # one) that the next is plain too: the uniform it drew early opens the next step's draws.
+    policy = FixedPolicy(gamma) if gamma == 3 else WrongGuesses([0, 0, gamma])
 
     async def drive() -> list[int]:
-        return [t async for c in speculate(request, FixedPolicy(gamma), draft, verifier, BOUNDS, [stats])
+        return [t async for c in speculate(request, policy, draft, verifier, BOUNDS, [stats])
                 for t in c.tokens]
 
     tokens = asyncio.run(drive())
@@ -346,6 +370,10 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
         assert position == record.position + record.accepted and uniform == draws_of[record.index].final
     # One draft hop a step: the recovery hop brought the next proposal (the last may ask γ = 0).
     assert draft.steps <= len(records) + 1
+    # The seed gives the same output again, the uniforms drawn early included.
+    draft, verifier, stats = KeepingDraft(), LawVerifier(), RequestStats()
+    policy = FixedPolicy(gamma) if gamma == 3 else WrongGuesses([0, 0, gamma])
+    assert asyncio.run(drive()) == tokens
 
 
 def test_no_recovered_token_is_asked_for_after_an_accepted_eos():

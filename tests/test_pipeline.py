@@ -152,6 +152,9 @@ class ScriptedPolicy:
     def next_draft_length(self):
         return self.script.pop(0) if self.script else 3
 
+    def plain_next(self):
+        return bool(self.script) and self.script[0] == 0
+
     def observe(self, record):
         pass
 

@@ -132,6 +132,21 @@ def test_probes_propose_one_token():
     assert probes and set(probes) == {1}
 
 
+def test_cost_policy_settled_on_plain_decoding_foresees_each_step_but_its_probes():
+    """After a plain step, plain_next() says the next step is plain exactly when it is, once
+    the policy has settled (the verifier then scores it ahead); never while it speculates."""
+    policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
+    chosen, foreseen = [], []
+    for _ in range(40):
+        chosen.append(policy.next_draft_length())
+        foreseen.append(policy.plain_next())
+    assert 1 in chosen  # it probes
+    plain = [i for i, gamma in enumerate(chosen[:-1]) if gamma == 0]
+    assert [foreseen[i] for i in plain] == [chosen[i + 1] == 0 for i in plain], (chosen, foreseen)
+    speculating = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 8))
+    assert speculating.next_draft_length() > 0 and not speculating.plain_next()
+
+
 def test_overlap_hits_make_longer_drafts_pay():
     """A draft whose tokens cost more than verifying: sequentially no γ pays, but when
     most steps are answered from a pre-drafted branch the draft hop is nearly free."""
