@@ -290,8 +290,10 @@ class _Speculation:
         if self.drawn_ahead is None:
             return Draws.draw(gamma, self.generator)
         first, self.drawn_ahead = self.drawn_ahead.final, None
-        uniforms = [first, *torch.rand(gamma, generator=self.generator, dtype=torch.float64).tolist()]
-        return Draws(tuple(uniforms[:gamma]), uniforms[gamma])
+        if gamma == 0:
+            return Draws((), first)
+        rest = Draws.draw(gamma - 1, self.generator)
+        return Draws((first, *rest.accept), rest.final)
 
     def _plain_next(self, hop: _DraftHop) -> bool:
         """Whether, after this plain step, another plain step surely comes, short of the

@@ -276,7 +276,6 @@ class CostPolicy:
         self.accepted = profile.prior_alpha * prior_weight
         self.trials = prior_weight
         self.plain_steps = 0
-        self._last = -1  # the γ last chosen
 
     @property
     def alpha(self) -> float:
@@ -294,19 +293,18 @@ class CostPolicy:
 
     def next_draft_length(self) -> int:
         if self.load_cap is None:
-            self._last = self._own_draft_length()
-            return self._last
+            return self._own_draft_length()
         self._cap = self.load_cap.cap()
         # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
-        self._last = min(self._own_draft_length(), self._cap) if self._cap else 0
-        return self._last
+        return min(self._own_draft_length(), self._cap) if self._cap else 0
 
     def plain_next(self) -> bool:
         """Settled on plain decoding: γ = 0 now, and no probe due at the next step (a cap of 0
         allows none). Wrong now and then, when the costs or the cap change their mind."""
         if self.load_cap is not None and self._cap == 0:
             return True
-        return self._last == 0 and (self.plain_steps + 1) % self.probes.interval != 0
+        plain_now = self.plain_steps > 0 and not self._probing  # what _own_draft_length last chose
+        return plain_now and (self.plain_steps + 1) % self.probes.interval != 0
 
     def _own_draft_length(self) -> int:
         """The γ this request's own acceptance and the measured step costs call for."""

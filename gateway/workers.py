@@ -271,9 +271,9 @@ class DraftLink(WorkerLink):
         slow.answered()
         recovered = response.recovered_token if response.HasField("recovered_token") else None
         if (recovery is None) != (recovered is None):
-            raise WorkerError(grpc.StatusCode.INTERNAL,
-                              f"{self.name} answered a step {'with' if recovered is not None else 'without'} a "
-                              f"recovered token it was {'not ' if recovery is None else ''}asked for")
+            asked = "asked" if recovery is not None else "not asked"
+            raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} was {asked} for a recovered token, and "
+                                                        f"{'sent none' if recovered is None else 'sent one'}")
         return Proposal(list(response.draft_tokens), None, response.forward_ms,
                         tuple(response.draft_token_probs), batch_from_pb(response.batch),
                         pre_drafted=response.pre_drafted, recovered=recovered)

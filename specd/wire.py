@@ -116,7 +116,8 @@ def recovery_problems(request: worker_pb2.ProposeRequest, transform: Transform) 
     if not request.HasField("recovery"):
         return [] if request.draft_length >= 1 else ["draft_length must be >= 1 (0 only with a recovery)"]
     recovery = request.recovery
-    problems = [problem for problem in [_row_problem(recovery.target_row)] if problem]
+    row_problem = _row_problem(recovery.target_row)
+    problems = [row_problem] if row_problem else []
     if not 0.0 <= recovery.uniform < 1.0:
         problems.append(f"recovery.uniform must be in [0, 1), got {recovery.uniform}")
     if transform.greedy:
