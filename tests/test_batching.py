@@ -290,6 +290,42 @@ def test_a_step_reports_the_sessions_its_worker_holds(model_dirs):
     assert asyncio.run(steps()) == [1, 2, 3]
 
 
+class CountingExecutor(ThreadPoolExecutor):
+    """The model's thread, counting the work handed to it from the event loop."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.handed = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.handed += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_a_proposal_runs_its_forwards_in_one_hand_off_and_a_step_arriving_meanwhile_joins(model_dirs):
+    """A lone γ = 8 proposal takes 8 forwards and one trip to the model's thread; a step
+    that arrives while a long proposal is under way still shares its next forward."""
+    runner = ModelRunner(model_dirs["close"])
+    counting = CountingExecutor()
+    runner.scheduler._executor = counting
+
+    async def scenario():
+        alone = await runner.propose("a", 0, [5, 6, 7], DraftRequest(8, Transform()))
+        handed_alone = counting.handed
+        long = asyncio.ensure_future(runner.propose("b", 0, [5, 6, 7], DraftRequest(32, Transform())))
+        while not runner.scheduler.busy:  # the long proposal's forwards are under way
+            await asyncio.sleep(0)
+        late = await runner.propose("c", 0, [8, 9], DraftRequest(2, Transform()))
+        await long
+        await runner.close()
+        return alone, handed_alone, late, long.result()
+
+    alone, handed_alone, late, long = asyncio.run(scenario())
+    assert alone.batch.forwards == 8 and len(alone.tokens) == 8
+    assert handed_alone == 1
+    assert late.batch.size == 2, "the late step waited for the long proposal instead of joining it"
+    assert len(long.tokens) == 32 and long.batch.forwards == 32
+
 def test_bad_batch_settings_are_named():
     assert "kv_cache_tokens must be >= 0" in " ".join(BatchSettings(kv_cache_tokens=-1).problems())
     assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()

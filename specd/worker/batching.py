@@ -146,7 +146,31 @@ class Scheduler:
         return jobs, rows
 
     def _run_on_thread(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
-        """One forward and each job's use of its logits; errors stay with their job."""
+        """Forwards of these jobs and each job's use of their logits; errors stay with their job.
+
+        While every job needs another forward and no other step waits in the queue, the
+        next forward runs here at once. Why: going back to the event loop between forwards
+        costs two thread hand-offs and a turn of the loop (about 0.25 ms on a CPU, a
+        quarter of a small draft's forward), and a draft proposing γ tokens would pay it γ
+        times. A step that arrives meanwhile joins at the next forward, as it would have.
+        """
+        while True:
+            outcomes = self._forward_once(jobs, rows)
+            if not self._continues(jobs, outcomes):
+                return outcomes
+            rows = [job.next_row(self.settings.prefill_chunk) for job in jobs]
+
+    def _continues(self, jobs: list[Job], outcomes: list[BaseException | bool]) -> bool:
+        """Whether the same jobs can run their next forward without the event loop: none
+        finished, failed or was cancelled, nothing else is queued, and the next rows fit.
+        (Read from the model's thread: a queue length and flags, each one atomic read.)"""
+        if self._queue or any(outcome is not False for outcome in outcomes) or any(job.cancelled for job in jobs):
+            return False
+        chunk = self.settings.prefill_chunk
+        return sum(min(len(job.pending), max(chunk, job.keep)) for job in jobs) <= self.settings.max_batch_tokens
+
+    def _forward_once(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
+        """One forward and each job's use of its logits."""
         began = time.perf_counter()
         try:
             logits = self._forward(rows)
