@@ -111,6 +111,8 @@ class _LevelArms:
     downward: bool = True  # which neighbour the next trial takes
     plain_next: bool = False  # the next trial re-measures plain decoding (cap 0), not a neighbour
     plain_trial: bool = False  # the trial on now re-measures plain decoding (it turns no direction)
+    drafted: int = 0  # the longest model draft proposed in the running epoch
+    used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
 
     @property
     def arm(self) -> int:
@@ -133,7 +135,9 @@ class LoadCap:
     neighbouring cap's and plain decoding's again, each tried for one epoch in every
     `explore_every` (twice as long after each trial that lost, since a trial costs
     goodput); a trial that wins by `margin` becomes the cap and the next cap along is tried
-    at once.
+    at once. A cap measured earlier that beats the average of the cap in force by `margin`
+    is tried again at the next epoch. Neighbours are taken beside the longest γ the
+    requests chose under the cap in force, which is what the cap lets through.
     With one session there is no one else to slow down: no cap.
     """
 
@@ -199,6 +203,8 @@ class LoadCap:
             level.settle -= 1
             return
         level.tokens += len(record.emitted)
+        if not record.model_free:
+            level.drafted = max(level.drafted, record.draft_length)
         # The whole interval between the request's commits, not just its hops: under load the
         # gateway's own work and the hand-offs are part of what a step costs a session.
         level.ms += record.interval_ms
@@ -215,8 +221,10 @@ class LoadCap:
             level.rates[level.arm] = rate
         else:
             level.rates[level.arm] = previous + self.weight * (rate - previous)
+        if level.trial is None:
+            level.used = level.drafted
         level.tokens = level.ms = 0.0
-        level.steps = 0
+        level.steps = level.drafted = 0
         before = level.arm
         if level.trial is not None:
             # A trial must win clearly: a cap switched on noise costs every session until
@@ -231,6 +239,10 @@ class LoadCap:
             level.trial, level.plain_trial = (self._neighbour(level) if won else None), False
         elif len(level.rates) == 1 and level.best > 0:
             level.trial, level.plain_trial = 0, True  # first: does speculating pay at all at this load?
+        elif (rival := self._rival(level)) is not None:
+            # A cap measured before now does clearly better than the one in force, whose
+            # average has fallen since: measure it again at once rather than wait for its turn.
+            level.trial, level.plain_trial = rival, rival == 0
         else:
             level.epochs += 1
             if level.epochs >= level.explore_every:
@@ -245,9 +257,21 @@ class LoadCap:
         if level.arm != before:
             level.settle = load
 
+    def _rival(self, level: _LevelArms) -> int | None:
+        """The measured cap whose goodput beats the cap in force's by the margin, if any."""
+        floor = (1.0 + self.margin) * level.rates.get(level.best, 0.0)
+        rivals = {arm: rate for arm, rate in level.rates.items() if arm != level.best and rate > floor}
+        return max(rivals, key=rivals.__getitem__) if rivals else None
+
     def _neighbour(self, level: _LevelArms) -> int | None:
-        """The next cap to try beside best, in the level's current direction."""
-        down, up = level.best - 1, level.best + 1
+        """The next cap to try beside the cap in force, in the level's current direction.
+
+        Beside what the cap lets through, that is: a cap above every γ the requests chose
+        under it acts as the longest of them, and its neighbour is one either side of that."""
+        effective = level.best if level.used is None else min(level.best, max(level.used, 1))
+        down, up = effective - 1, effective + 1
+        if effective < level.best:  # the requests chose below the cap: only a lower one changes anything
+            return down if down >= 0 else None
         if level.downward:
             return down if down >= 0 else (up if up <= self.highest else None)
         return up if up <= self.highest else (down if down >= 0 else None)

@@ -290,3 +290,38 @@ def test_steps_count_at_the_load_their_cap_was_chosen_for():
         cap.enter()
     run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=1, steps=600)
     assert 16 in cap.rates() and cap.cap() == 0, cap.rates()
+
+
+def steps_under_cap(cap: LoadCap, goodput, chosen: int, steps: int, start: int = 1) -> list[int]:
+    """`steps` steps at load 16 whose requests choose γ = `chosen` under any cap above it;
+    goodput(arm) is tokens per ms per session under the cap in force. The caps, step by step."""
+    caps = []
+    for index in range(start, start + steps):
+        arm = cap.cap()
+        caps.append(arm)
+        gamma = min(arm, chosen)
+        cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=gamma, accepted=0,
+                                    bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
+                                    draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+                                    verify_batch=BatchStats(size=16, tokens=16, sessions=16),
+                                    interval_ms=1 / goodput(arm)))
+    return caps
+
+
+def test_a_cap_measured_better_than_the_one_in_force_is_tried_again_at_once():
+    """Plain decoding's first trial lost narrowly; then speculating got slower than plain
+    decoding had measured. Plain decoding is tried again within an epoch or two, not after
+    the dozens of epochs the exploration schedule would wait, and wins."""
+    cap = LoadCap(highest=8)
+    early = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.033, chosen=4, steps=300)
+    assert 0 in early and cap.cap() == 8 and cap.rates()[16][0] < cap.rates()[16][8]  # the plain trial lost
+    later = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.025, chosen=4, steps=400, start=301)
+    assert cap.cap() == 0 and later.index(0) < 4 * 48, (later.index(0), cap.rates())
+
+
+def test_a_neighbour_trial_starts_from_the_drafts_the_requests_chose():
+    """Requests choose γ = 4 under a cap of 8, so a cap of 7 would change nothing: the
+    neighbour tried below is 3."""
+    cap = LoadCap(highest=8)
+    caps = steps_under_cap(cap, lambda arm: 0.03 - 0.001 * (4 - min(arm, 4)), chosen=4, steps=6000)
+    assert 3 in caps and 7 not in caps, sorted(set(caps))
