@@ -75,7 +75,8 @@ def test_streamed_text_concatenates_to_the_whole_decode(tokenizer, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_a_stop_string_cuts_the_text_and_the_tokens(tokenizer, seed):
     rng = random.Random(seed)
-    for text, stop in [(TEXTS[0], "→"), (TEXTS[1], "target"), (TEXTS[2], "print")]:
+    # The last: a stop string at the very start, longer than the text of the first steps.
+    for text, stop in [(TEXTS[0], "→"), (TEXTS[1], "target"), (TEXTS[2], "print"), (TEXTS[1], "Speculative decoding")]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         streamed, kept = stream(TextAssembler(tokenizer, [stop, "never there"]), ids, rng)
         whole_kept = tokenizer.decode(kept, skip_special_tokens=True)
