@@ -110,7 +110,8 @@ class _LevelArms:
     explore_every: int = 8  # epochs between trials; doubles after each trial that lost
     downward: bool = True  # which neighbour the next trial takes
     plain_next: bool = False  # the next trial re-measures plain decoding (cap 0), not a neighbour
-    plain_trial: bool = False  # the trial on now re-measures plain decoding (it turns no direction)
+    remeasure: bool = False  # the trial on now measures again a cap measured before (plain decoding, or a
+    # rival): it is no neighbour, so losing it turns no direction
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
 
@@ -232,17 +233,18 @@ class LoadCap:
             won = level.rates[level.trial] > (1.0 + self.margin) * level.rates.get(level.best, 0.0)
             if won:
                 level.best, level.explore_every = level.trial, self.explore_every
+                level.used = None  # what the requests chose under the old cap says nothing of the new one
             else:  # a trial costs goodput: the more of them lose, the rarer they get
-                if not level.plain_trial:  # the next neighbour tried is on the other side
+                if not level.remeasure:  # the next neighbour tried is on the other side
                     level.downward = not level.downward
                 level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
-            level.trial, level.plain_trial = (self._neighbour(level) if won else None), False
+            level.trial, level.remeasure = (self._neighbour(level) if won else None), False
         elif len(level.rates) == 1 and level.best > 0:
-            level.trial, level.plain_trial = 0, True  # first: does speculating pay at all at this load?
+            level.trial, level.remeasure = 0, True  # first: does speculating pay at all at this load?
         elif (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again at once rather than wait for its turn.
-            level.trial, level.plain_trial = rival, rival == 0
+            level.trial, level.remeasure = rival, True
         else:
             level.epochs += 1
             if level.epochs >= level.explore_every:
@@ -251,8 +253,8 @@ class LoadCap:
                 # (the first trial, often while the first prompts are still prefilling) must
                 # not decide for good, and a neighbour of a cap above every γ the requests
                 # choose changes nothing.
-                level.plain_trial = level.plain_next and level.best > 0
-                level.trial = 0 if level.plain_trial else self._neighbour(level)
+                level.remeasure = level.plain_next and level.best > 0
+                level.trial = 0 if level.remeasure else self._neighbour(level)
                 level.plain_next = not level.plain_next
         if level.arm != before:
             level.settle = load

@@ -9,7 +9,12 @@ detokenization of vLLM and TGI): the tokens decoded last time, for context, and 
 ones. The new text is what the window decodes to beyond what its first part decoded to.
 The context matters: tokenizers that drop or merge spaces at the start of a decode
 (SentencePiece's "▁") treat both decodes of the window alike, so the difference is what
-the new tokens add to the text. Decoding the whole output each step cost the gateway
+the new tokens add to the text.
+
+Known limit: a stop string is looked for in the text once its characters are whole. A
+byte-fallback tokenizer's unfinished character can hide, for a step, a stop string that
+a step completed just before it; the text is still cut before the stop string, but that
+step's tokens were already kept. Decoding the whole output each step cost the gateway
 0.28 ms per session and step at 2,000 tokens and grew with every token.
 """
 from __future__ import annotations
@@ -34,7 +39,9 @@ class TextAssembler:
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # No clean-up of spaces (" ." to "."), as vLLM's streaming: it rewrites text already
+        # decoded, so streamed deltas would no longer add up to the final text.
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _stop_index(self, text: str) -> int:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
@@ -76,10 +83,13 @@ class TextAssembler:
             self.token_ids = self.token_ids[:before + kept]
             self.stopped = True
             return self._release(text[:cut]), tokens[:kept]
-        safe = max(0, len(text) - self._hold)
-        while safe > self.released and text[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._release(text[:safe]), list(tokens)
+        # An unfinished character (its U+FFFD placeholders) is held first, then the tail that
+        # could still grow into a stop string: held together, the placeholders would use up
+        # the hold and let a stop string's first characters out.
+        whole = len(text)
+        while whole > self.released and text[whole - 1] == "\ufffd":
+            whole -= 1
+        return self._release(text[:max(0, whole - self._hold)]), list(tokens)
 
     def finish(self) -> str:
         """The text not yet released, once generation is over."""

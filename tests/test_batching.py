@@ -10,6 +10,7 @@ import asyncio
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from conftest import request, start_stack
 from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
+from specd.worker.batching import Job, Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings
@@ -345,3 +347,54 @@ def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs):
         return pending, left
 
     assert asyncio.run(scenario()) == (1, 0)
+
+
+class CountedJob(Job):
+    """A job of `forwards` forwards of one token each, whose forwards a fake model logs."""
+
+    def __init__(self, forwards: int) -> None:
+        super().__init__(cast(SessionKV, None), [1], keep=1)
+        self.left = forwards
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        self.left -= 1
+        self.pending = [1]
+        return self.left == 0
+
+    def result(self) -> int:
+        return self.forwards
+
+
+def test_a_run_of_forwards_lets_other_model_thread_work_in_and_stops_at_close():
+    """A job's forwards run on the model's thread back to back, but work handed to that
+    thread meanwhile (an accelerator's recovered-token draw) waits one forward, not the
+    whole job; and closing the scheduler stops the run at the next forward."""
+    log: list[str] = []
+
+    def fake_forward(rows):
+        time.sleep(0.005)
+        log.append("forward")
+        return [torch.zeros(1, 4) for _ in rows]
+
+    async def scenario() -> tuple[int, int]:
+        scheduler = Scheduler(fake_forward, ThreadPoolExecutor(1), BatchSettings())
+        job = asyncio.ensure_future(scheduler.submit(CountedJob(40)))
+        while not scheduler.busy:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.012)
+        await scheduler.on_model_thread(log.append, "other work")
+        before_other = log.index("other work")
+        await job
+        started = len(log)
+        second = asyncio.ensure_future(scheduler.submit(CountedJob(40)))
+        while len(log) == started:  # its forwards are under way on the model's thread
+            await asyncio.sleep(0.001)
+        at_close = len(log)
+        await scheduler.close()
+        await asyncio.sleep(0.3)
+        second.cancel()
+        return before_other, len(log) - at_close
+
+    before_other, after_close = asyncio.run(scenario())
+    assert before_other <= 6, f"the other work waited for {before_other} of 40 forwards"
+    assert after_close <= 1, f"{after_close} forwards ran after close()"

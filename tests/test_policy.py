@@ -325,3 +325,13 @@ def test_a_neighbour_trial_starts_from_the_drafts_the_requests_chose():
     cap = LoadCap(highest=8)
     caps = steps_under_cap(cap, lambda arm: 0.03 - 0.001 * (4 - min(arm, 4)), chosen=4, steps=6000)
     assert 3 in caps and 7 not in caps, sorted(set(caps))
+
+
+def test_after_a_trial_wins_the_next_neighbour_is_beside_the_new_cap():
+    """Goodput first peaks at γ = 3, then grows with γ: the cap climbs 4, 5, … one trial
+    after another, not back down from what the requests chose under the old cap."""
+    cap = LoadCap(highest=8)
+    steps_under_cap(cap, lambda arm: 0.03 - 0.002 * abs(arm - 3) - (0.01 if arm == 0 else 0), chosen=8, steps=3000)
+    assert cap.cap() == 3, cap.rates()
+    climbing = steps_under_cap(cap, lambda arm: 0.02 + 0.003 * arm, chosen=8, steps=1500, start=3001)
+    assert 8 in climbing and 2 not in climbing, sorted(set(climbing))

@@ -75,13 +75,21 @@ def test_streamed_text_concatenates_to_the_whole_decode(tokenizer, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_a_stop_string_cuts_the_text_and_the_tokens(tokenizer, seed):
     rng = random.Random(seed)
-    # The last: a stop string at the very start, longer than the text of the first steps.
+    # A stop string at the very start, longer than the text of the first steps.
     for text, stop in [(TEXTS[0], "→"), (TEXTS[1], "target"), (TEXTS[2], "print"), (TEXTS[1], "Speculative decoding")]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         streamed, kept = stream(TextAssembler(tokenizer, [stop, "never there"]), ids, rng)
         whole_kept = tokenizer.decode(kept, skip_special_tokens=True)
         assert stop in whole_kept and stop not in tokenizer.decode(kept[:-1], skip_special_tokens=True)
         assert streamed == whole_kept[:whole_kept.index(stop)]
+
+
+def test_half_a_character_does_not_use_up_the_hold_of_a_stop_string(tokenizer):
+    """"é" is two bytes, so it may come in two tokens: while half of it is in, "caf" must
+    still be held, since it may be the start of the stop string "café"."""
+    assembler = TextAssembler(tokenizer, ["café"])
+    streamed = "".join(assembler.add([token])[0] for token in tokenizer.encode("the café", add_special_tokens=False))
+    assert assembler.stopped and streamed + assembler.finish() == "the "
 
 
 def test_a_step_decodes_a_window_not_the_whole_output(tokenizer):

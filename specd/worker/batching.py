@@ -91,6 +91,8 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._forward_ms = 10.0  # EMA of one forward, for retry hints
         self.busy = False
+        self._running: list[Job] = []  # the jobs of the forwards on the model's thread now
+        self._other_work = 0  # calls waiting for the model's thread besides the forwards (`on_model_thread`)
 
     @property
     def recent_forward_ms(self) -> float:
@@ -118,6 +120,15 @@ class Scheduler:
         except asyncio.CancelledError:
             job.cancelled = True  # leaves the batch at its next forward
             raise
+
+    async def on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the model's thread, between two forwards: a job's run of forwards
+        there stops at the next one to let it in."""
+        self._other_work += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._other_work -= 1
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -162,9 +173,12 @@ class Scheduler:
 
     def _continues(self, jobs: list[Job], outcomes: list[BaseException | bool]) -> bool:
         """Whether the same jobs can run their next forward without the event loop: none
-        finished, failed or was cancelled, nothing else is queued, and the next rows fit.
-        (Read from the model's thread: a queue length and flags, each one atomic read.)"""
-        if self._queue or any(outcome is not False for outcome in outcomes) or any(job.cancelled for job in jobs):
+        finished, failed or was cancelled, nothing else waits for the thread (a step or other
+        work), and the next rows fit. (Read from the model's thread: a queue length, a count
+        and flags, each one atomic read.)"""
+        if self._queue or self._other_work or any(job.cancelled for job in jobs):
+            return False
+        if any(outcome is not False for outcome in outcomes):  # finished or failed
             return False
         chunk = self.settings.prefill_chunk
         return sum(min(len(job.pending), max(chunk, job.keep)) for job in jobs) <= self.settings.max_batch_tokens
@@ -230,11 +244,11 @@ class Scheduler:
         for job in jobs:
             if job.started is None:
                 job.started, job.open_sessions = now, held
-        self.busy = True
+        self.busy, self._running = True, jobs
         try:
             outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_on_thread, jobs, rows)
         finally:
-            self.busy = False
+            self.busy, self._running = False, []
         unfinished = []
         for job, outcome in zip(jobs, outcomes):
             assert job.future is not None  # submitted
@@ -250,6 +264,8 @@ class Scheduler:
         self._queue.extendleft(reversed(unfinished))
 
     async def close(self) -> None:
+        for job in self._running:  # a run of forwards on the model's thread stops at the next one
+            job.cancelled = True
         if self._task is not None:
             self._task.cancel()
             try:

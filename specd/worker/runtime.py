@@ -368,8 +368,7 @@ class ModelRunner:
         the event loop, which every session's messages go through, must not."""
         if self.device.type == "cpu":
             return recovered_token(recovery.target_row, draft_row, recovery.uniform)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, recovered_token, recovery.target_row, draft_row, recovery.uniform)
+        return await self.scheduler.on_model_thread(recovered_token, recovery.target_row, draft_row, recovery.uniform)
 
     async def _adopt(self, session_id: str, branch: Branch,
                      draft_length: int) -> tuple[Proposal | None, ProposeJob | None]:
