@@ -122,7 +122,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port)."""
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
                                  max_sessions=settings.model.max_sessions, device=settings.model.device,
-                                 batching=settings.model.batching, pre_draft_branches=settings.pre_draft_branches)
+                                 batching=settings.model.batching, pre_draft_branches=settings.pre_draft_branches,
+                                 kept_rows_bytes=settings.kept_rows_mib << 20)
                for name, path in settings.drafts.items()}
     servicer = DraftServicer(runners)
     stop_metrics = start_worker_metrics(runners, "draft", settings.metrics_host, settings.metrics_port)

@@ -265,3 +265,28 @@ def test_a_full_draft_is_asked_again_for_a_recovery_and_no_answer_is_unavailable
     outcomes[:] = [StepOverBudget("hung")]
     with pytest.raises(DraftSkipped):
         asyncio.run(link.propose([1, 2], request, "", {}))
+
+
+def test_kept_rows_stay_within_their_budget_and_an_evicted_sessions_recovery_is_the_same(model_dirs):
+    """A budget that holds one session's rows: the second sampled proposal pushes out the
+    first's, and the first session's recovery, rebuilt with one forward, draws the token
+    its kept q would have given."""
+    probe = ModelRunner(model_dirs["close"])
+    one_session = 4 * probe.info.vocab_size * 4  # γ = 4 rows of float32
+    asyncio.run(probe.close())
+    runner = ModelRunner(model_dirs["close"], kept_rows_bytes=one_session)
+    p = _target_row(runner.info.vocab_size, 4)
+
+    async def scenario():
+        first = await runner.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
+        await runner.propose("b", 0, PROMPT[::-1], DraftRequest(4, SAMPLED, seed=5))
+        held = (len(runner.kept_rows), runner.kept_rows.nbytes)
+        after = await runner.propose("a", len(PROMPT) + 2, [], DraftRequest(3, SAMPLED, seed=4), None,
+                                     Recovery(p, 0.61))
+        await runner.close()
+        return first, held, after
+
+    first, held, after = asyncio.run(scenario())
+    assert held == (1, one_session)
+    assert first.probs is not None
+    assert after.recovered == recovered_token(p, first.probs[2], 0.61)

@@ -186,6 +186,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd draft: --pre-draft-branches: {exc}", file=sys.stderr)
         return 2
+    if args.kept_rows_mib < 0:
+        print(f"specd draft: --kept-rows-mib must be >= 0 (0: keep none), got {args.kept_rows_mib}", file=sys.stderr)
+        return 2
     try:
         drafts = {name: resolve(model, args.revision) for name, model in
                   _parse_drafts(args.draft or [str(DEMO_DRAFT)]).items()}

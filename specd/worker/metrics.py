@@ -31,6 +31,9 @@ class WorkerCollector(Collector):
         queued = GaugeMetricFamily(PREFIX + "queued_steps", "Steps waiting for a batched forward.",
                                    labels=labels)
         kv_bytes = GaugeMetricFamily(PREFIX + "kv_bytes", "Bytes of KV storage held by idle sessions.", labels=labels)
+        kept_rows = GaugeMetricFamily(PREFIX + "kept_rows_bytes",
+                                      "Bytes of the q rows draft sessions keep for their next recovered token.",
+                                      labels=labels)
         pre_drafts = GaugeMetricFamily(PREFIX + "pre_drafted_sessions",
                                        "Sessions with branches pre-drafted for their next step (overlap).",
                                        labels=labels)
@@ -46,7 +49,8 @@ class WorkerCollector(Collector):
             pre_drafts.add_metric([name, self.role], len(runner.pre_drafts))
             queued.add_metric([name, self.role], runner.scheduler.queued)
             kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
-        return [sessions, queued, kv_bytes, pre_drafts, run_ahead]
+            kept_rows.add_metric([name, self.role], runner.kept_rows.nbytes)
+        return [sessions, queued, kv_bytes, kept_rows, pre_drafts, run_ahead]
 
 
 def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:

@@ -81,6 +81,42 @@ class KeptRows:
         return self.probs[position - self.start]
 
 
+class KeptRowsStore:
+    """Each draft session's kept q rows, within a byte budget; the only owner of them.
+
+    Past the budget the rows kept longest ago go first. That is safe: a recovery whose
+    rows are gone rebuilds q from the committed tokens (`ProposeJob(recovery=)`), at the
+    cost of one forward over the step's tokens. Why a budget: the rows cost γ × vocabulary
+    × 4 bytes a session (10 MB at γ = 16 and 152,000 tokens), on the model's device,
+    beside a KV pool sized without them.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[str, KeptRows] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def put(self, session_id: str, rows: KeptRows) -> None:
+        self.pop(session_id)
+        self._rows[session_id] = rows
+        self.nbytes += _row_bytes(rows)
+        while self.nbytes > self.max_bytes and self._rows:
+            self.nbytes -= _row_bytes(self._rows.popitem(last=False)[1])
+
+    def pop(self, session_id: str) -> KeptRows | None:
+        rows = self._rows.pop(session_id, None)
+        if rows is not None:
+            self.nbytes -= _row_bytes(rows)
+        return rows
+
+
+def _row_bytes(rows: KeptRows) -> int:
+    return rows.probs.numel() * rows.probs.element_size()
+
+
 class SessionStore:
     """The sessions of one model, least recently used first; the only owner of them.
 
@@ -146,7 +182,7 @@ class ModelRunner:
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
                  max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
-                 pre_draft_branches: str = "3") -> None:
+                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20) -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -185,13 +221,13 @@ class ModelRunner:
         self.run_ahead = RunAhead()
         # Draft side: each session's last sampled proposal's q rows, for the next step's
         # recovered token (they never cross the wire).
-        self._kept_rows: dict[str, KeptRows] = {}
+        self.kept_rows = KeptRowsStore(kept_rows_bytes)
 
     def _evicted(self, session_id: str) -> None:
         """What else an evicted session held goes with it: its pre-drafted branches, its kept
         q rows and its step scored ahead."""
         self.pre_drafts.cancel(session_id)
-        self._kept_rows.pop(session_id, None)
+        self.kept_rows.pop(session_id)
         self.run_ahead.cancel(session_id)
 
     async def close(self) -> None:
@@ -202,7 +238,7 @@ class ModelRunner:
         """Forget a session (and any branches pre-drafted for it): the gateway named it ended,
         its request's deadline passed, or the stream that opened it ended."""
         self.run_ahead.cancel(session_id)  # first: a step scored ahead holds the session
-        self._kept_rows.pop(session_id, None)
+        self.kept_rows.pop(session_id)
         if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 
@@ -320,7 +356,7 @@ class ModelRunner:
         draft_length = request.draft_length
         if draft_length < 1 and recovery is None:
             raise InvalidArgument("draft_length must be >= 1")
-        kept = self._kept_rows.pop(session_id, None)
+        kept = self.kept_rows.pop(session_id)
         recovered = None
         if recovery is not None and not tokens and kept is not None and kept.covers(start):
             recovered = await self._draw_recovered(recovery, kept.row(start))
@@ -354,7 +390,7 @@ class ModelRunner:
         assert job is not None  # it made the proposal
         committed = len(job.session.tokens) - len(proposal.tokens)
         if proposal.probs is not None:
-            self._kept_rows[session_id] = KeptRows(committed, proposal.probs)
+            self.kept_rows.put(session_id, KeptRows(committed, proposal.probs))
         if recovered is not None:
             proposal = replace(proposal, recovered=recovered)
         if pre_draft is not None and proposal.tokens:

@@ -75,6 +75,10 @@ class DraftSettings:
                                       help="overlapped speculation (specd.worker.predraft): pre-draft for every "
                                            "accepted length (all), only for everything accepted (bonus), or for "
                                            "the K verdicts the draft finds most likely")
+    kept_rows_mib: int = setting(512, flag="--kept-rows-mib",
+                                 help="memory for the q rows each session's last sampled proposal keeps for the "
+                                      "next recovered token, all sessions together; past it the oldest go, and "
+                                      "their session rebuilds q with one forward")
 
 
 @dataclass(frozen=True)
