@@ -251,8 +251,7 @@ class LoadCap:
                 level.epochs = 0
                 # Every other trial measures plain decoding again: one early epoch of it
                 # (the first trial, often while the first prompts are still prefilling) must
-                # not decide for good, and a neighbour of a cap above every γ the requests
-                # choose changes nothing.
+                # not decide for good.
                 level.remeasure = level.plain_next and level.best > 0
                 level.trial = 0 if level.remeasure else self._neighbour(level)
                 level.plain_next = not level.plain_next

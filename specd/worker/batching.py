@@ -52,6 +52,10 @@ class Job:
         queue_ms = ((self.started or self.submitted) - self.submitted) * 1e3
         return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards, self.open_sessions)
 
+    def next_size(self, chunk: int) -> int:
+        """Tokens this job feeds in its next forward."""
+        return min(len(self.pending), max(chunk, self.keep))
+
     def next_row(self, chunk: int) -> BatchRow:
         """The tokens this job feeds in the next forward (logits only with its last tokens)."""
         if len(self.pending) <= max(chunk, self.keep):
@@ -90,9 +94,13 @@ class Scheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._forward_ms = 10.0  # EMA of one forward, for retry hints
-        self.busy = False
         self._running: list[Job] = []  # the jobs of the forwards on the model's thread now
         self._other_work = 0  # calls waiting for the model's thread besides the forwards (`on_model_thread`)
+
+    @property
+    def busy(self) -> bool:
+        """A batch's forwards are running on the model's thread."""
+        return bool(self._running)
 
     @property
     def recent_forward_ms(self) -> float:
@@ -146,7 +154,7 @@ class Scheduler:
             if job.cancelled:
                 self._queue.popleft()
                 continue
-            size = min(len(job.pending), max(chunk, job.keep))
+            size = job.next_size(chunk)
             if rows and tokens + size > self.settings.max_batch_tokens:
                 break
             self._queue.popleft()
@@ -180,8 +188,7 @@ class Scheduler:
             return False
         if any(outcome is not False for outcome in outcomes):  # finished or failed
             return False
-        chunk = self.settings.prefill_chunk
-        return sum(min(len(job.pending), max(chunk, job.keep)) for job in jobs) <= self.settings.max_batch_tokens
+        return sum(job.next_size(self.settings.prefill_chunk) for job in jobs) <= self.settings.max_batch_tokens
 
     def _forward_once(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
         """One forward and each job's use of its logits."""
@@ -244,11 +251,11 @@ class Scheduler:
         for job in jobs:
             if job.started is None:
                 job.started, job.open_sessions = now, held
-        self.busy, self._running = True, jobs
+        self._running = jobs
         try:
             outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_on_thread, jobs, rows)
         finally:
-            self.busy, self._running = False, []
+            self._running = []
         unfinished = []
         for job, outcome in zip(jobs, outcomes):
             assert job.future is not None  # submitted
