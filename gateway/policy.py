@@ -32,6 +32,7 @@ from gateway.tasks import TaskProfile
 
 MAX_PROBE_INTERVAL = 256
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
+TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
 
 
 class FixedPolicy:
@@ -100,9 +101,11 @@ class _LevelArms:
     """The caps tried at one load level, and the one in force."""
 
     best: int
-    trial: int | None = None  # a neighbour of best, on trial for one epoch
+    trial: int | None = None  # a cap on trial against best, in turns (`turns`)
+    turns: list[int] = field(default_factory=list)  # the trial's turns still to run: which cap each is for
+    window: dict[int, list[float]] = field(default_factory=dict)  # cap -> [tokens, ms] over the trial's turns
     rates: dict[int, float] = field(default_factory=dict)  # cap -> tokens per ms per session (EMA of epochs)
-    tokens: float = 0.0  # the running epoch's emitted tokens and step milliseconds
+    tokens: float = 0.0  # the running epoch's (or turn's) emitted tokens and step milliseconds
     ms: float = 0.0
     steps: int = 0
     settle: int = 0  # steps still to leave out after the cap changed
@@ -117,7 +120,7 @@ class _LevelArms:
 
     @property
     def arm(self) -> int:
-        return self.best if self.trial is None else self.trial
+        return self.turns[0] if self.turns else self.best
 
 
 class LoadCap:
@@ -133,12 +136,20 @@ class LoadCap:
     the verifier holds, bucketed by `load_bucket`) the cap in force runs for an epoch of
     steps, and its goodput (emitted tokens per millisecond between a request's commits, i.e.
     per session) is compared first with plain decoding's (cap 0), then, in turn, with a
-    neighbouring cap's and plain decoding's again, each tried for one epoch in every
-    `explore_every` (twice as long after each trial that lost, since a trial costs
-    goodput); a trial that wins by `margin` becomes the cap and the next cap along is tried
-    at once. A cap measured earlier that beats the average of the cap in force by `margin`
-    is tried again at the next epoch. Neighbours are taken beside the longest γ the
-    requests chose under the cap in force, which is what the cap lets through.
+    neighbouring cap's and plain decoding's again, one trial in every `explore_every`
+    epochs (twice as long after each trial that lost, since a trial costs goodput); a
+    trial that wins by `margin` becomes the cap and the next cap along is tried at once. A
+    cap measured earlier that beats the average of the cap in force by `margin` is tried
+    again at the next epoch. Neighbours are taken beside the longest γ the requests chose
+    under the cap in force, which is what the cap lets through.
+
+    A trial is not one epoch against the cap in force's average: it takes turns with the
+    cap in force, a round of steps each, in the order best, trial, trial, best, twice
+    (`TRIAL_TURNS`), and compares the two over the same stretch of time. Why: a machine's
+    speed drifts over seconds. On the demo pair at 8 in flight, goodput over 32 steps
+    swung by 11% (coefficient of variation), and two epochs in a row moved together
+    (correlation 0.66); the difference of two neighbouring rounds varies about half as
+    much as two epochs taken apart. The order cancels a steady drift as well.
     With one session there is no one else to slow down: no cap.
     """
 
@@ -173,6 +184,11 @@ class LoadCap:
         if load <= 1:
             return self.highest
         return self._level(load).arm
+
+    def in_force(self) -> int:
+        """The cap in force at the current load: `cap()` but for a trial's turns."""
+        load = self._current_load()
+        return self.highest if load <= 1 else self._level(load).best
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""
@@ -210,53 +226,87 @@ class LoadCap:
         # gateway's own work and the hand-offs are part of what a step costs a session.
         level.ms += record.interval_ms
         level.steps += 1
-        if level.steps >= max(32, self.epoch_rounds * load):
+        if level.turns:
+            if level.steps >= max(8, load):  # about a round: each session's step once
+                self._end_turn(level, load)
+        elif level.steps >= max(32, self.epoch_rounds * load):
             self._end_epoch(level, load)
 
     def _end_epoch(self, level: _LevelArms, load: int) -> None:
+        """An epoch of the cap in force ended: average it in, and maybe start a trial."""
         rate = level.tokens / level.ms if level.ms > 0 else 0.0
-        previous = level.rates.get(level.arm)
-        # The cap in force averages its epochs; a trial is measured afresh, since what it
-        # measured last time (maybe long ago, under another load mix) says little of now.
-        if previous is None or level.trial is not None:
-            level.rates[level.arm] = rate
-        else:
-            level.rates[level.arm] = previous + self.weight * (rate - previous)
-        if level.trial is None:
-            level.used = level.drafted
+        previous = level.rates.get(level.best)
+        level.rates[level.best] = rate if previous is None else previous + self.weight * (rate - previous)
+        level.used = level.drafted
         level.tokens = level.ms = 0.0
         level.steps = level.drafted = 0
-        before = level.arm
-        if level.trial is not None:
-            # A trial must win clearly: a cap switched on noise costs every session until
-            # the next trial, more than a small real gain is worth.
-            won = level.rates[level.trial] > (1.0 + self.margin) * level.rates.get(level.best, 0.0)
-            if won:
-                level.best, level.explore_every = level.trial, self.explore_every
-                level.used = None  # what the requests chose under the old cap says nothing of the new one
-            else:  # a trial costs goodput: the more of them lose, the rarer they get
-                if not level.remeasure:  # the next neighbour tried is on the other side
-                    level.downward = not level.downward
-                level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
-            level.trial, level.remeasure = (self._neighbour(level) if won else None), False
-        elif len(level.rates) == 1 and level.best > 0:
-            level.trial, level.remeasure = 0, True  # first: does speculating pay at all at this load?
+        if len(level.rates) == 1 and level.best > 0:
+            self._start_trial(level, 0, load, remeasure=True)  # first: does speculating pay at all at this load?
         elif (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again at once rather than wait for its turn.
-            level.trial, level.remeasure = rival, True
+            self._start_trial(level, rival, load, remeasure=True)
         else:
             level.epochs += 1
             if level.epochs >= level.explore_every:
                 level.epochs = 0
-                # Every other trial measures plain decoding again: one early epoch of it
-                # (the first trial, often while the first prompts are still prefilling) must
-                # not decide for good.
-                level.remeasure = level.plain_next and level.best > 0
-                level.trial = 0 if level.remeasure else self._neighbour(level)
+                # Every other trial measures plain decoding again: one early trial of it
+                # (often while the first prompts are still prefilling) must not decide for good.
+                remeasure = level.plain_next and level.best > 0
+                self._start_trial(level, 0 if remeasure else self._neighbour(level), load, remeasure)
                 level.plain_next = not level.plain_next
-        if level.arm != before:
+
+    def _start_trial(self, level: _LevelArms, trial: int | None, load: int, remeasure: bool) -> None:
+        """Put `trial` (if any) on trial against the cap in force, in turns."""
+        if trial is None or trial == level.best:
+            return
+        level.trial, level.remeasure = trial, remeasure
+        # Best, trial, trial, best, twice: each cap's turns sit at the same mean time (a steady
+        # drift cancels), and each has as many turns right after a switch as after its own.
+        level.turns = [level.best, trial, trial, level.best] * (TRIAL_TURNS // 4)
+        level.window = {}
+
+    def _end_turn(self, level: _LevelArms, load: int) -> None:
+        """One turn of a trial ended: add it to its cap's window; after the last, decide."""
+        arm = level.turns.pop(0)
+        window = level.window.setdefault(arm, [0.0, 0.0])
+        window[0] += level.tokens
+        window[1] += level.ms
+        level.tokens = level.ms = 0.0
+        level.steps = level.drafted = 0
+        if level.turns:
+            if level.turns[0] != arm:
+                level.settle = load
+            return
+        self._decide(level, load)
+
+    def _decide(self, level: _LevelArms, load: int) -> None:
+        """The trial's turns are done: the trial wins if it beat the cap in force, measured over
+        the same stretch, by `margin`."""
+        trial, best = level.trial, level.best
+        assert trial is not None
+        rate = {arm: tokens / ms if ms > 0 else 0.0 for arm, (tokens, ms) in level.window.items()}
+        # A trial's figure is its own (what it measured long ago says little of now); the cap
+        # in force averages this measure in with its epochs.
+        level.rates[trial] = rate.get(trial, 0.0)
+        previous = level.rates.get(best)
+        level.rates[best] = rate.get(best, 0.0) if previous is None else \
+            previous + self.weight * (rate.get(best, 0.0) - previous)
+        # A trial must win clearly: a cap switched on noise costs every session until the next
+        # trial, more than a small real gain is worth.
+        won = rate.get(trial, 0.0) > (1.0 + self.margin) * rate.get(best, 0.0)
+        level.trial, level.window = None, {}
+        if won:
+            level.best, level.explore_every = trial, self.explore_every
+            level.used = None  # what the requests chose under the old cap says nothing of the new one
+        else:  # a trial costs goodput: the more of them lose, the rarer they get
+            if not level.remeasure:  # the next neighbour tried is on the other side
+                level.downward = not level.downward
+            level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
+        level.remeasure = False
+        if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load
+            self._start_trial(level, self._neighbour(level), load, remeasure=False)
 
     def _rival(self, level: _LevelArms) -> int | None:
         """The measured cap whose goodput beats the cap in force's by the margin, if any."""
