@@ -464,6 +464,10 @@ class GatewayCore:
                 if link is not None:
                     link.close()
 
+    def load_caps(self) -> dict[str, LoadCap]:
+        """Each model pair's load cap (a copy of the table: the metrics thread reads it)."""
+        return dict(self._load_caps)
+
     def _summary(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
                  began: float) -> gateway_pb2.GenerationStats:

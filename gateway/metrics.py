@@ -28,11 +28,16 @@ requests, so each draft's share is
 
 Metric names stay as released; their help says which of the two quantities each is.
 
+Under load, `specd_spec_decode_load_cap{model_pair,load}` is the γ cap AUTO requests share
+at each load level (`gateway.policy.LoadCap`; 0: plain decoding there), and
+`specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured.
+
 The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
 time; it never writes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple
 
 from prometheus_client import start_http_server
@@ -41,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from gateway.acceptance import LABEL_NAMES, AcceptanceStats
 from gateway.paircosts import PairCosts
+from gateway.policy import LoadCap
 from gateway.proposers import SuffixCache
 from gateway.selection import DraftSelector
 
@@ -61,11 +67,13 @@ class AcceptanceCollector(Collector):
     """Turns the lifetime acceptance counters and measured costs into Prometheus metrics."""
 
     def __init__(self, stats: AcceptanceStats, costs: PairCosts | None = None,
-                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
+                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None,
+                 load_caps: Callable[[], dict[str, LoadCap]] | None = None) -> None:
         self.stats = stats
         self.costs = costs or PairCosts()
         self.selector = selector
         self.suffix_cache = suffix_cache
+        self.load_caps = load_caps
 
     def collect(self):
         labels = list(LABEL_NAMES)
@@ -104,6 +112,27 @@ class AcceptanceCollector(Collector):
         yield from self._drift()
         yield from self._selection()
         yield from self._suffix_cache()
+        yield from self._load_caps()
+
+    def _load_caps(self):
+        """The γ cap AUTO requests share at each load level, and the goodput measured under
+        each cap tried there: why AUTO speculates less, or not at all, under load."""
+        if self.load_caps is None:
+            return []
+        labels = ["model_pair", "load"]
+        cap = GaugeMetricFamily(PREFIX + "load_cap",
+                                "Largest γ an AUTO request may propose at this load (sessions in the verifier's "
+                                "forward, bucketed); 0: plain decoding.", labels=labels)
+        goodput = GaugeMetricFamily(PREFIX + "load_cap_goodput",
+                                    "Goodput measured under each cap tried at this load (tokens per ms per session).",
+                                    labels=labels + ["cap"])
+        for pair, load_cap in sorted(self.load_caps().items()):
+            for load, best in load_cap.caps().items():
+                cap.add_metric([pair, str(load)], best)
+            for load, rates in load_cap.rates().items():
+                for arm, rate in sorted(rates.items()):
+                    goodput.add_metric([pair, str(load), str(arm)], rate)
+        return [cap, goodput]
 
     def _suffix_cache(self):
         """How full the suffix proposer's cache of previous responses is."""
@@ -193,8 +222,9 @@ class AcceptanceCollector(Collector):
 
 
 def start_metrics_server(stats: AcceptanceStats, costs: PairCosts, host: str, port: int,
-                         selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None):
+                         selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None,
+                         load_caps: Callable[[], dict[str, LoadCap]] | None = None):
     """Serve /metrics on host:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats, costs, selector, suffix_cache))
+    registry.register(AcceptanceCollector(stats, costs, selector, suffix_cache, load_caps))
     return start_http_server(port, addr=host, registry=registry)

@@ -185,10 +185,10 @@ class LoadCap:
             return self.highest
         return self._level(load).arm
 
-    def in_force(self) -> int:
-        """The cap in force at the current load: `cap()` but for a trial's turns."""
-        load = self._current_load()
-        return self.highest if load <= 1 else self._level(load).best
+    def caps(self) -> dict[int, int]:
+        """The cap in force at each load bucket measured (what `cap()` gives there between
+        trials). Copies: the metrics thread reads them while the event loop writes."""
+        return {load: level.best for load, level in sorted(self._levels.items())}
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""

@@ -5,8 +5,12 @@ import math
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import STALE_AFTER_STEPS, StepCosts
+from gateway.metrics import AcceptanceCollector
 from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
 from gateway.records import StepRecord
 from gateway.tasks import TaskProfile
@@ -213,7 +217,7 @@ def test_load_cap_turns_speculation_off_where_the_forward_is_compute_bound():
     cap = LoadCap(highest=8)
     chosen = run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=3000)
     late = chosen[-1000:]
-    assert cap.in_force() == 0 and late.count(0) >= 0.9 * len(late), cap.rates()
+    assert cap.caps()[16] == 0 and late.count(0) >= 0.9 * len(late), cap.rates()
     assert cap.rates()[16][0] > max(rate for c, rate in cap.rates()[16].items() if c > 0)
 
 
@@ -222,7 +226,7 @@ def test_load_cap_keeps_speculating_where_verifying_is_nearly_free():
     the cap stays where the requests' own choice is."""
     cap = LoadCap(highest=8)
     chosen = run_under_load(cap, lambda c: 10.0 + 16 * (c + 1) * 0.02, sessions=16, steps=3000)
-    assert cap.in_force() >= 3 and sum(chosen[-1000:]) / 1000 >= 2.5, cap.rates()
+    assert cap.caps()[16] >= 3 and sum(chosen[-1000:]) / 1000 >= 2.5, cap.rates()
 
 
 def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_capped():
@@ -248,7 +252,7 @@ def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
 
     cap = LoadCap(highest=8)
     chosen = run_under_load(cap, step_ms, sessions=16, steps=3000)
-    assert cap.in_force() == 0 and chosen[-500:].count(0) >= 400, cap.rates()
+    assert cap.caps()[16] == 0 and chosen[-500:].count(0) >= 400, cap.rates()
 
 
 def test_neighbour_trials_go_both_ways_between_the_plain_ones():
@@ -268,7 +272,7 @@ def test_neighbour_trials_go_both_ways_between_the_plain_ones():
                                     token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0,
                                     verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
                                     verify_batch=BatchStats(size=16, tokens=16, sessions=16), interval_ms=1 / goodput))
-    assert {0, 4, 6} <= set(tried) and cap.in_force() == 5, tried
+    assert {0, 4, 6} <= set(tried) and cap.caps()[16] == 5, tried
 
 
 def test_requests_in_flight_are_a_floor_on_the_load():
@@ -276,12 +280,12 @@ def test_requests_in_flight_are_a_floor_on_the_load():
     sixteen requests of the pair are in flight here, so their first steps are capped too."""
     cap = LoadCap(highest=8)
     run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=600)
-    assert cap.rates()[16] and cap.in_force() == 0
+    assert cap.rates()[16] and cap.caps()[16] == 0
     run_under_load(cap, lambda c: 10.0, sessions=1, steps=2)  # a lone request: no cap
     assert cap.cap() == 8
     for _ in range(16):
         cap.enter()
-    assert cap.in_force() == 0
+    assert cap.caps()[16] == 0
     for _ in range(16):
         cap.leave()
     assert cap.cap() == 8
@@ -294,7 +298,7 @@ def test_steps_count_at_the_load_their_cap_was_chosen_for():
     for _ in range(16):
         cap.enter()
     run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=1, steps=600)
-    assert 16 in cap.rates() and cap.in_force() == 0, cap.rates()
+    assert 16 in cap.rates() and cap.caps()[16] == 0, cap.rates()
 
 
 def steps_under_cap(cap: LoadCap, goodput, chosen: int, steps: int, start: int = 1) -> list[int]:
@@ -319,9 +323,9 @@ def test_a_cap_measured_better_than_the_one_in_force_is_tried_again_at_once():
     the dozens of epochs the exploration schedule would wait, and wins."""
     cap = LoadCap(highest=8)
     early = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.033, chosen=4, steps=300)
-    assert 0 in early and cap.in_force() == 8 and cap.rates()[16][0] < cap.rates()[16][8]  # the plain trial lost
+    assert 0 in early and cap.caps()[16] == 8 and cap.rates()[16][0] < cap.rates()[16][8]  # the plain trial lost
     later = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.025, chosen=4, steps=400, start=301)
-    assert cap.in_force() == 0 and later.index(0) < 4 * 48, (later.index(0), cap.rates())
+    assert cap.caps()[16] == 0 and later.index(0) < 4 * 48, (later.index(0), cap.rates())
 
 
 def test_a_neighbour_trial_starts_from_the_drafts_the_requests_chose():
@@ -337,7 +341,7 @@ def test_after_a_trial_wins_the_next_neighbour_is_beside_the_new_cap():
     after another, not back down from what the requests chose under the old cap."""
     cap = LoadCap(highest=8)
     steps_under_cap(cap, lambda arm: 0.03 - 0.002 * abs(arm - 3) - (0.01 if arm == 0 else 0), chosen=8, steps=3000)
-    assert cap.in_force() == 3, cap.rates()
+    assert cap.caps()[16] == 3, cap.rates()
     climbing = steps_under_cap(cap, lambda arm: 0.02 + 0.003 * arm, chosen=8, steps=5000, start=3001)
     assert 8 in climbing and 2 not in climbing, sorted(set(climbing))
 
@@ -368,7 +372,7 @@ def test_a_drifting_machine_does_not_switch_the_cap_on_its_drift(seed):
     cap = LoadCap(highest=8)
     caps = steps_on_a_drifting_machine(cap, lambda gamma: 0.030 + 0.0006 * gamma, steps=12_000, seed=seed)
     late = caps[6000:]
-    assert cap.in_force() >= 4 and sum(1 for c in late if c < 4) < 0.15 * len(late), (cap.rates(), sorted(set(late)))
+    assert cap.caps()[16] >= 4 and sum(1 for c in late if c < 4) < 0.15 * len(late), (cap.rates(), sorted(set(late)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -377,4 +381,18 @@ def test_a_drifting_machine_still_finds_that_plain_decoding_pays(seed):
     cap = LoadCap(highest=8)
     caps = steps_on_a_drifting_machine(cap, lambda gamma: 0.0324 if gamma == 0 else 0.030, steps=12_000, seed=seed)
     late = caps[6000:]
-    assert cap.in_force() == 0 and late.count(0) > 0.85 * len(late), cap.rates()
+    assert cap.caps()[16] == 0 and late.count(0) > 0.85 * len(late), cap.rates()
+
+
+def test_the_load_cap_and_what_it_measured_are_in_prometheus():
+    """An operator asking why AUTO stopped speculating under load reads the cap in force
+    at each load level, and the goodput of each cap tried there, from /metrics."""
+    cap = LoadCap(highest=8)
+    steps_under_cap(cap, lambda arm: 0.04 if arm == 0 else 0.02, chosen=4, steps=600)
+    registry = CollectorRegistry()
+    registry.register(AcceptanceCollector(AcceptanceStats(), load_caps=lambda: {"d->t": cap}))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    (in_force,) = families["specd_spec_decode_load_cap"].samples
+    assert in_force.labels == {"model_pair": "d->t", "load": "16"} and in_force.value == 0
+    goodput = {s.labels["cap"]: s.value for s in families["specd_spec_decode_load_cap_goodput"].samples}
+    assert goodput["0"] > goodput["8"] > 0, goodput
