@@ -124,7 +124,9 @@ class AcceptanceCollector(Collector):
                                 "Largest γ an AUTO request may propose at this load (sessions in the verifier's "
                                 "forward, bucketed); 0: plain decoding.", labels=labels)
         goodput = GaugeMetricFamily(PREFIX + "load_cap_goodput",
-                                    "Goodput measured under each cap tried at this load (tokens per ms per session).",
+                                    "Goodput measured under each cap tried at this load (tokens per ms per session): "
+                                    "a trial's from its turns beside the cap in force, the cap in force's from those "
+                                    "turns and its epochs since.",
                                     labels=labels + ["cap"])
         for pair, load_cap in sorted(self.load_caps().items()):
             for load, best in load_cap.caps().items():

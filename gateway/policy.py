@@ -104,17 +104,22 @@ class _LevelArms:
     trial: int | None = None  # a cap on trial against best, in turns (`turns`)
     turns: list[int] = field(default_factory=list)  # the trial's turns still to run: which cap each is for
     window: dict[int, list[float]] = field(default_factory=dict)  # cap -> [tokens, ms] over the trial's turns
-    rates: dict[int, float] = field(default_factory=dict)  # cap -> tokens per ms per session (EMA of epochs)
+    # cap -> tokens per ms per session: a trial's from its turns; the cap in force's from the
+    # last trial's turns, with its epochs since averaged in
+    rates: dict[int, float] = field(default_factory=dict)
     tokens: float = 0.0  # the running epoch's (or turn's) emitted tokens and step milliseconds
     ms: float = 0.0
     steps: int = 0
     settle: int = 0  # steps still to leave out after the cap changed
-    epochs: int = 0  # since the last trial
+    epochs: int = 0  # since the last scheduled trial
+    since_trial: int = 0  # epochs since any trial ended
+    rival_after: int = 1  # epochs a rival waits after a trial; doubles each time a rival loses
     explore_every: int = 8  # epochs between trials; doubles after each trial that lost
     downward: bool = True  # which neighbour the next trial takes
     plain_next: bool = False  # the next trial re-measures plain decoding (cap 0), not a neighbour
     remeasure: bool = False  # the trial on now measures again a cap measured before (plain decoding, or a
     # rival): it is no neighbour, so losing it turns no direction
+    rival: bool = False  # the trial on now is a rival's (`LoadCap._rival`)
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
 
@@ -140,8 +145,9 @@ class LoadCap:
     epochs (twice as long after each trial that lost, since a trial costs goodput); a
     trial that wins by `margin` becomes the cap and the next cap along is tried at once. A
     cap measured earlier that beats the average of the cap in force by `margin` is tried
-    again at the next epoch. Neighbours are taken beside the longest γ the requests chose
-    under the cap in force, which is what the cap lets through.
+    again soon, after one epoch, twice as long each time such a trial loses. Neighbours are
+    taken beside the longest γ the requests chose under the cap in force, which is what
+    the cap lets through.
 
     A trial is not one epoch against the cap in force's average: it takes turns with the
     cap in force, a round of steps each, in the order best, trial, trial, best, twice
@@ -164,6 +170,7 @@ class LoadCap:
         self.requests = 0  # this gateway's requests of the pair in flight (`enter`/`leave`)
         self.widest = 0  # the longest draft proposed alone: where a new level's cap starts
         self._levels: dict[int, _LevelArms] = {}
+        self._observed = 1  # the load the last step counted at
 
     def enter(self) -> None:
         """A request of the pair starts. Until its own steps report the load, the requests in
@@ -188,7 +195,7 @@ class LoadCap:
     def caps(self) -> dict[int, int]:
         """The cap in force at each load bucket measured (what `cap()` gives there between
         trials). Copies: the metrics thread reads them while the event loop writes."""
-        return {load: level.best for load, level in sorted(self._levels.items())}
+        return {load: level.best for load, level in sorted(self._levels.items()) if level.rates}
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""
@@ -209,6 +216,11 @@ class LoadCap:
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
         load = self._current_load()
+        if load != self._observed:
+            left = self._levels.get(self._observed)
+            if left is not None:
+                self._leave(left, self._observed)
+            self._observed = load
         if load <= 1:
             if not record.model_free:
                 self.widest = max(self.widest, record.draft_length)
@@ -232,6 +244,15 @@ class LoadCap:
         elif level.steps >= max(32, self.epoch_rounds * load):
             self._end_epoch(level, load)
 
+    def _leave(self, level: _LevelArms, load: int) -> None:
+        """The load moved to another level: drop this one's running epoch and any trial on it.
+        Why: when the load comes back, maybe much later on a machine running at another
+        speed, a trial resumed there would weigh turns of two different stretches."""
+        level.trial, level.turns, level.window, level.remeasure, level.rival = None, [], {}, False, False
+        level.tokens = level.ms = 0.0
+        level.steps = level.drafted = 0
+        level.settle = load  # on return, the steps in flight were chosen at another load
+
     def _end_epoch(self, level: _LevelArms, load: int) -> None:
         """An epoch of the cap in force ended: average it in, and maybe start a trial."""
         rate = level.tokens / level.ms if level.ms > 0 else 0.0
@@ -240,12 +261,16 @@ class LoadCap:
         level.used = level.drafted
         level.tokens = level.ms = 0.0
         level.steps = level.drafted = 0
+        level.since_trial += 1
         if len(level.rates) == 1 and level.best > 0:
             self._start_trial(level, 0, load, remeasure=True)  # first: does speculating pay at all at this load?
-        elif (rival := self._rival(level)) is not None:
+        elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
-            # average has fallen since: measure it again at once rather than wait for its turn.
+            # average has fallen since: measure it again soon rather than wait for its turn.
+            # A machine slowing down for every cap alike looks the same, so a rival that loses
+            # waits twice as long for its next chance.
             self._start_trial(level, rival, load, remeasure=True)
+            level.rival = True
         else:
             level.epochs += 1
             if level.epochs >= level.explore_every:
@@ -286,24 +311,25 @@ class LoadCap:
         trial, best = level.trial, level.best
         assert trial is not None
         rate = {arm: tokens / ms if ms > 0 else 0.0 for arm, (tokens, ms) in level.window.items()}
-        # A trial's figure is its own (what it measured long ago says little of now); the cap
-        # in force averages this measure in with its epochs.
+        # Both figures from the same turns: what `_rival` compares later starts level, and the
+        # cap in force's epochs average in from there.
         level.rates[trial] = rate.get(trial, 0.0)
-        previous = level.rates.get(best)
-        level.rates[best] = rate.get(best, 0.0) if previous is None else \
-            previous + self.weight * (rate.get(best, 0.0) - previous)
+        level.rates[best] = rate.get(best, 0.0)
         # A trial must win clearly: a cap switched on noise costs every session until the next
         # trial, more than a small real gain is worth.
         won = rate.get(trial, 0.0) > (1.0 + self.margin) * rate.get(best, 0.0)
-        level.trial, level.window = None, {}
+        level.trial, level.window, level.since_trial = None, {}, 0
         if won:
-            level.best, level.explore_every = trial, self.explore_every
+            level.best, level.explore_every, level.rival_after = trial, self.explore_every, 1
             level.used = None  # what the requests chose under the old cap says nothing of the new one
         else:  # a trial costs goodput: the more of them lose, the rarer they get
             if not level.remeasure:  # the next neighbour tried is on the other side
                 level.downward = not level.downward
-            level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
-        level.remeasure = False
+            if level.rival:
+                level.rival_after = min(2 * level.rival_after, MAX_EXPLORE_INTERVAL)
+            else:
+                level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
+        level.remeasure = level.rival = False
         if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load
             self._start_trial(level, self._neighbour(level), load, remeasure=False)

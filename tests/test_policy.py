@@ -388,6 +388,11 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     """An operator asking why AUTO stopped speculating under load reads the cap in force
     at each load level, and the goodput of each cap tried there, from /metrics."""
     cap = LoadCap(highest=8)
+    for _ in range(4):  # four requests arrive: the cap is read at load 4, where nothing is measured yet
+        cap.enter()
+    assert cap.cap() == 8 and cap.caps() == {}
+    for _ in range(4):
+        cap.leave()
     steps_under_cap(cap, lambda arm: 0.04 if arm == 0 else 0.02, chosen=4, steps=600)
     registry = CollectorRegistry()
     registry.register(AcceptanceCollector(AcceptanceStats(), load_caps=lambda: {"d->t": cap}))
@@ -396,3 +401,54 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     assert in_force.labels == {"model_pair": "d->t", "load": "16"} and in_force.value == 0
     goodput = {s.labels["cap"]: s.value for s in families["specd_spec_decode_load_cap_goodput"].samples}
     assert goodput["0"] > goodput["8"] > 0, goodput
+
+
+def test_a_trial_left_by_the_load_is_dropped_not_resumed():
+    """The load leaves 16 in the middle of a trial of plain decoding (truly 3% worse here) and
+    comes back to a machine 30% slower. Resumed, the trial would set its turns before the
+    excursion against the cap in force's after it, and plain decoding would win."""
+    cap = LoadCap(highest=8)
+    index = 0
+
+    def steps(sessions: int, speed: float, count: int) -> None:
+        nonlocal index
+        for _ in range(count):
+            index += 1
+            arm = cap.cap()
+            goodput = (0.029 if arm == 0 else 0.030) * speed
+            cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=min(arm, 4), accepted=0,
+                                        bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
+                                        draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+                                        verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
+                                        interval_ms=1 / goodput))
+
+    # A new level's settle, an epoch, then the first trial's first three turns (best, plain,
+    # plain, with a settle at the switch): its fourth turn, the cap in force's, is next.
+    steps(16, 1.0, 16 + 48 + 16 + 16 + 2 * 16)
+    assert cap.cap() == 8
+    steps(8, 1.0, 500)
+    steps(16, 0.7, 2000)
+    assert cap.caps()[16] == 8, cap.rates()
+
+
+def test_a_rival_that_keeps_losing_is_tried_again_less_and_less_often():
+    """Every cap slows alike, by 40% over the run (contexts growing, say): the cap in force's
+    average keeps falling below what the others measured before, but each re-trial beside it
+    loses. The re-trials thin out as the scheduled trials do."""
+    def trials(speed) -> int:
+        cap = LoadCap(highest=8)
+        caps = []
+        for index in range(1, 20_001):
+            arm = cap.cap()
+            caps.append(arm != cap.caps().get(16, 8))
+            goodput = (0.029 if arm == 0 else 0.030) * speed(index)
+            cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=min(arm, 4), accepted=0,
+                                        bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
+                                        draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+                                        verify_batch=BatchStats(size=16, tokens=16, sessions=16),
+                                        interval_ms=1 / goodput))
+        on_trial = [i for i, other in enumerate(caps) if other]
+        return 1 + sum(1 for previous, i in zip(on_trial, on_trial[1:]) if i - previous > 300)
+
+    flat, slowing = trials(lambda i: 1.0), trials(lambda i: 1 - 0.4 * i / 20_000)
+    assert slowing < 2 * flat, (slowing, flat)  # 16 against 8 when every rival re-trial came at once
