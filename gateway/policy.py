@@ -263,13 +263,13 @@ class LoadCap:
         level.steps = level.drafted = 0
         level.since_trial += 1
         if len(level.rates) == 1 and level.best > 0:
-            self._start_trial(level, 0, load, remeasure=True)  # first: does speculating pay at all at this load?
+            self._start_trial(level, 0, remeasure=True)  # first: does speculating pay at all at this load?
         elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again soon rather than wait for its turn.
             # A machine slowing down for every cap alike looks the same, so a rival that loses
             # waits twice as long for its next chance.
-            self._start_trial(level, rival, load, remeasure=True)
+            self._start_trial(level, rival, remeasure=True)
             level.rival = True
         else:
             level.epochs += 1
@@ -278,10 +278,10 @@ class LoadCap:
                 # Every other trial measures plain decoding again: one early trial of it
                 # (often while the first prompts are still prefilling) must not decide for good.
                 remeasure = level.plain_next and level.best > 0
-                self._start_trial(level, 0 if remeasure else self._neighbour(level), load, remeasure)
+                self._start_trial(level, 0 if remeasure else self._neighbour(level), remeasure)
                 level.plain_next = not level.plain_next
 
-    def _start_trial(self, level: _LevelArms, trial: int | None, load: int, remeasure: bool) -> None:
+    def _start_trial(self, level: _LevelArms, trial: int | None, remeasure: bool) -> None:
         """Put `trial` (if any) on trial against the cap in force, in turns."""
         if trial is None or trial == level.best:
             return
@@ -332,7 +332,7 @@ class LoadCap:
         level.remeasure = level.rival = False
         if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load
-            self._start_trial(level, self._neighbour(level), load, remeasure=False)
+            self._start_trial(level, self._neighbour(level), remeasure=False)
 
     def _rival(self, level: _LevelArms) -> int | None:
         """The measured cap whose goodput beats the cap in force's by the margin, if any."""
