@@ -204,6 +204,8 @@ async def traced_step(tracer: trace.Tracer, span_name: str, carrier: Mapping[str
                       run: Awaitable[Result], attributes: Callable[[Result], dict]) -> Result:
     """Await a step under its worker span (`specd.telemetry.worker_step_span`), then put
     `attributes(result)` on the span when it records."""
+    if not carrier:  # tracing is off: no span, and none of the context manager's cost per step
+        return await run
     with worker_step_span(tracer, span_name, carrier) as span:
         result = await run
         if span is not None and span.is_recording():
