@@ -1,0 +1,94 @@
+"""The verifier's own cost per step without gRPC: its multiplexed stream's step path in one process.
+
+    python scripts/bench_verifier_step.py [--model runs/tiny-target] [--sessions 32] [--rounds 60]
+
+Calls the verifier servicer's `Verify` as gRPC would, with the messages a gateway's stream
+would send: each round is one `VerifySteps` message carrying a plain greedy
+step of every session (with `run_ahead`, as the gateway sends plain steps), and the round
+ends when every result is back. Prints the median wall time of a round and CPU time per
+step (every thread of this process: the event loop, the model's thread).
+
+Set beside what `closed_loop.py --cpu-of` reports for a `specd serve` verifier at the same
+number of sessions, the difference is what the transport and the processes' hand-offs
+cost (docs/performance.md). Run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
+
+import grpc
+import torch
+
+from specd.v1 import worker_pb2
+from specd.worker.runtime import ModelRunner
+from verifier_service.server import VerifierServicer
+
+WARM_UP_ROUNDS = 5
+PROMPT_TOKENS = 100
+
+
+async def run(servicer: VerifierServicer, sessions: int, rounds: int) -> tuple[float, float]:
+    """Median ms a round and µs of CPU a step over `rounds` rounds of every session's step."""
+    inbox: asyncio.Queue[worker_pb2.VerifySteps | None] = asyncio.Queue()
+
+    async def messages() -> AsyncIterator[worker_pb2.VerifySteps]:
+        while (message := await inbox.get()) is not None:
+            yield message
+
+    # The RPC reads nothing of its context: no gRPC server is needed to call it.
+    results = servicer.Verify(messages(), cast(grpc.aio.ServicerContext, None))
+    vocab = servicer.target.info.vocab_size
+    committed = {f"s{i}": [(5 + 7 * i + j) % vocab for j in range(PROMPT_TOKENS)] for i in range(sessions)}
+    sent = dict.fromkeys(committed, 0)  # tokens of each session the verifier has been sent
+    session_of: dict[int, str] = {}  # step id → session, for the steps in flight
+    step_ids = itertools.count(1)
+    walls, cpus = [], []
+    for round_index in range(WARM_UP_ROUNDS + rounds):
+        began, cpu = time.perf_counter(), time.process_time()
+        message = worker_pb2.VerifySteps()
+        for session_id, tokens in committed.items():
+            step_id = next(step_ids)
+            session_of[step_id] = session_id
+            request = message.steps.add(step_id=step_id).request
+            request.delta.session_id, request.delta.start = session_id, sent[session_id]
+            request.delta.tokens.extend(tokens[sent[session_id]:])
+            request.run_ahead = True
+            sent[session_id] = len(tokens)
+        await inbox.put(message)
+        answered = 0
+        while answered < sessions:
+            for result in (await results.__anext__()).results:
+                if result.HasField("status"):
+                    raise SystemExit(f"a step failed: {result.status.message}")
+                committed[session_of.pop(result.step_id)].append(result.response.target_argmax[0])
+                answered += 1
+        if round_index >= WARM_UP_ROUNDS:
+            walls.append((time.perf_counter() - began) * 1e3)
+            cpus.append((time.process_time() - cpu) * 1e6 / sessions)
+    await inbox.put(None)
+    await cast(AsyncGenerator, results).aclose()
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="runs/tiny-target", help="the target (scripts/make_tiny_target.py)")
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a small model in the verifier)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    servicer = VerifierServicer(ModelRunner(args.model))
+    round_ms, step_us = asyncio.run(run(servicer, args.sessions, args.rounds))
+    print(f"{args.model}, {args.sessions} sessions, {args.threads} torch thread(s): {round_ms:.2f} ms a round, "
+          f"{step_us:.1f} µs of CPU a step")
+
+
+if __name__ == "__main__":
+    main()
