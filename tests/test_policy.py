@@ -255,6 +255,16 @@ def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
     assert cap.caps()[16] == 0 and chosen[-500:].count(0) >= 400, cap.rates()
 
 
+def capped_step(index: int, draft_length: int, interval_ms: float, sessions: int = 16) -> StepRecord:
+    """A step of one session among `sessions` in the verifier's forward: one token emitted,
+    `interval_ms` since the request's last commit (what `LoadCap` measures goodput from)."""
+    return StepRecord(index=index, position=0, generated=0, draft_length=draft_length, accepted=0, bonus=False,
+                      token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0,
+                      verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+                      verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
+                      interval_ms=interval_ms)
+
+
 def test_neighbour_trials_go_both_ways_between_the_plain_ones():
     """Goodput peaks at the cap in force: trials of plain decoding and of both neighbours
     lose. A lost plain trial must not turn the direction back, or one neighbour is never tried."""
@@ -268,10 +278,7 @@ def test_neighbour_trials_go_both_ways_between_the_plain_ones():
         if not tried or tried[-1] != arm:
             tried.append(arm)
         goodput = 0.05 - 0.004 * abs(arm - 5)  # tokens per ms, best at 5
-        cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=arm, accepted=0, bonus=False,
-                                    token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0,
-                                    verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-                                    verify_batch=BatchStats(size=16, tokens=16, sessions=16), interval_ms=1 / goodput))
+        cap.observe(arm, capped_step(index, arm, 1 / goodput))
     assert {0, 4, 6} <= set(tried) and cap.caps()[16] == 5, tried
 
 
@@ -309,11 +316,7 @@ def steps_under_cap(cap: LoadCap, goodput, chosen: int, steps: int, start: int =
         arm = cap.cap()
         caps.append(arm)
         gamma = min(arm, chosen)
-        cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=gamma, accepted=0,
-                                    bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
-                                    draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-                                    verify_batch=BatchStats(size=16, tokens=16, sessions=16),
-                                    interval_ms=1 / goodput(arm)))
+        cap.observe(arm, capped_step(index, gamma, 1 / goodput(arm)))
     return caps
 
 
@@ -355,11 +358,7 @@ def steps_on_a_drifting_machine(cap: LoadCap, goodput, steps: int, seed: int = 0
         arm = cap.cap()
         caps.append(arm)
         speed = (1.0 + 0.2 * math.sin(2 * math.pi * index / 600)) * rng.uniform(0.95, 1.05)
-        cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=min(arm, 4), accepted=0,
-                                    bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
-                                    draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-                                    verify_batch=BatchStats(size=16, tokens=16, sessions=16),
-                                    interval_ms=1 / (goodput(min(arm, 4)) * speed)))
+        cap.observe(arm, capped_step(index, min(arm, 4), 1 / (goodput(min(arm, 4)) * speed)))
     return caps
 
 
@@ -416,11 +415,7 @@ def test_a_trial_left_by_the_load_is_dropped_not_resumed():
             index += 1
             arm = cap.cap()
             goodput = (0.029 if arm == 0 else 0.030) * speed
-            cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=min(arm, 4), accepted=0,
-                                        bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
-                                        draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-                                        verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
-                                        interval_ms=1 / goodput))
+            cap.observe(arm, capped_step(index, min(arm, 4), 1 / goodput, sessions))
 
     # A new level's settle, an epoch, then the first trial's first three turns (best, plain,
     # plain, with a settle at the switch): its fourth turn, the cap in force's, is next.
@@ -442,11 +437,7 @@ def test_a_rival_that_keeps_losing_is_tried_again_less_and_less_often():
             arm = cap.cap()
             caps.append(arm != cap.caps().get(16, 8))
             goodput = (0.029 if arm == 0 else 0.030) * speed(index)
-            cap.observe(arm, StepRecord(index=index, position=0, generated=0, draft_length=min(arm, 4), accepted=0,
-                                        bonus=False, token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0,
-                                        draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
-                                        verify_batch=BatchStats(size=16, tokens=16, sessions=16),
-                                        interval_ms=1 / goodput))
+            cap.observe(arm, capped_step(index, min(arm, 4), 1 / goodput))
         on_trial = [i for i, other in enumerate(caps) if other]
         return 1 + sum(1 for previous, i in zip(on_trial, on_trial[1:]) if i - previous > 300)
 
