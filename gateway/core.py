@@ -458,7 +458,7 @@ class GatewayCore:
             raise  # the transport gives the client the worker's status
         finally:
             if load_cap is not None:
-                load_cap.leave()
+                load_cap.leave(prefilled=stats.steps > 0)
             request_trace.end()
             for link in (draft, verifier):
                 if link is not None:

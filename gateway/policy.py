@@ -33,6 +33,7 @@ from gateway.tasks import TaskProfile
 MAX_PROBE_INTERVAL = 256
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
+TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks quiet steps (`_Goodput`)
 
 
 class FixedPolicy:
@@ -97,19 +98,64 @@ class ProbeSchedule:
 
 
 @dataclass
+class _Goodput:
+    """The emitted tokens and step milliseconds of one cap's steps over an epoch, a turn or
+    a trial, with those of "quiet" steps kept apart: steps taken a round or more after the
+    last prompt of the pair's requests was prefilled (`LoadCap.observe`).
+
+    Why apart: a prompt's prefill chunks ride in the target's forwards and slow every step
+    in them several times over, and prompts arrive whatever the cap. Over the few rounds of
+    a trial's turn, one prefill landing in one cap's turns and not the other's decides the
+    trial: on the demo pair at 8 in flight, plain decoding lost its first trial to
+    speculating at 0.019 against 0.029 tokens per ms, while its steps in forwards without a
+    prompt ran at 0.032 against speculating's 0.029 (docs/proposers.md). So caps are
+    compared on their quiet steps where both have enough of them, and on all their steps
+    where prompts keep arriving.
+    """
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    steps: int = 0
+    quiet_tokens: float = 0.0
+    quiet_ms: float = 0.0
+    quiet_steps: int = 0
+
+    def add(self, tokens: int, ms: float, quiet: bool) -> None:
+        self.tokens += tokens
+        self.ms += ms
+        self.steps += 1
+        if quiet:
+            self.quiet_tokens += tokens
+            self.quiet_ms += ms
+            self.quiet_steps += 1
+
+    def merge(self, other: _Goodput) -> None:
+        for name in ("tokens", "ms", "steps", "quiet_tokens", "quiet_ms", "quiet_steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def rate(self, quiet: bool) -> float:
+        """Tokens per ms per session, over the quiet steps or over all."""
+        tokens, ms = (self.quiet_tokens, self.quiet_ms) if quiet else (self.tokens, self.ms)
+        return tokens / ms if ms > 0 else 0.0
+
+
+def _quiet_enough(tallies: list[_Goodput], load: int) -> bool:
+    """Whether every tally has a round's worth of quiet steps to be compared on."""
+    return all(tally.quiet_steps >= max(8, load) for tally in tallies)
+
+
+@dataclass
 class _LevelArms:
     """The caps tried at one load level, and the one in force."""
 
     best: int
     trial: int | None = None  # a cap on trial against best, in turns (`turns`)
     turns: list[int] = field(default_factory=list)  # the trial's turns still to run: which cap each is for
-    window: dict[int, list[float]] = field(default_factory=dict)  # cap -> [tokens, ms] over the trial's turns
+    window: dict[int, _Goodput] = field(default_factory=dict)  # cap -> its steps over the trial's turns
     # cap -> tokens per ms per session: a trial's from its turns; the cap in force's from the
     # last trial's turns, with its epochs since averaged in
     rates: dict[int, float] = field(default_factory=dict)
-    tokens: float = 0.0  # the running epoch's (or turn's) emitted tokens and step milliseconds
-    ms: float = 0.0
-    steps: int = 0
+    running: _Goodput = field(default_factory=_Goodput)  # the running epoch's (or turn's) steps
     settle: int = 0  # steps still to leave out after the cap changed
     epochs: int = 0  # since the last scheduled trial
     since_trial: int = 0  # epochs since any trial ended
@@ -120,6 +166,7 @@ class _LevelArms:
     remeasure: bool = False  # the trial on now measures again a cap measured before (plain decoding, or a
     # rival): it is no neighbour, so losing it turns no direction
     rival: bool = False  # the trial on now is a rival's (`LoadCap._rival`)
+    extended: int = 0  # times the trial on now ran four more turns for want of quiet steps
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
 
@@ -155,7 +202,9 @@ class LoadCap:
     speed drifts over seconds. On the demo pair at 8 in flight, goodput over 32 steps
     swung by 11% (coefficient of variation), and two epochs in a row moved together
     (correlation 0.66); the difference of two neighbouring rounds varies about half as
-    much as two epochs taken apart. The order cancels a steady drift as well.
+    much as two epochs taken apart. The order cancels a steady drift as well. The two are
+    compared on their quiet steps, those taken while no prompt was being prefilled
+    (`_Goodput`); a trial whose caps lack them runs more turns (`TRIAL_EXTENSIONS`).
     With one session there is no one else to slow down: no cap.
     """
 
@@ -171,15 +220,22 @@ class LoadCap:
         self.widest = 0  # the longest draft proposed alone: where a new level's cap starts
         self._levels: dict[int, _LevelArms] = {}
         self._observed = 1  # the load the last step counted at
+        self._prefilling = 0  # requests that entered and have not had their first step
+        self._since_prompt = 0  # steps observed since a prompt was last prefilling
 
     def enter(self) -> None:
-        """A request of the pair starts. Until its own steps report the load, the requests in
-        flight here are a floor on it: a wave of new requests arriving after a quiet spell
-        must not each speculate its first step as if alone."""
+        """A request of the pair starts; its prompt is prefilled with its first step. Until
+        its own steps report the load, the requests in flight here are a floor on it: a wave
+        of new requests arriving after a quiet spell must not each speculate its first step
+        as if alone."""
         self.requests += 1
+        self._prefilling += 1
 
-    def leave(self) -> None:
+    def leave(self, prefilled: bool) -> None:
+        """A request of the pair ended; prefilled: after its first step (else it ended during it)."""
         self.requests -= 1
+        if not prefilled:
+            self._prefilling -= 1
 
     def _current_load(self) -> int:
         """The load bucket now: the last step's report, floored by the requests in flight here."""
@@ -216,6 +272,12 @@ class LoadCap:
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
         load = self._current_load()
+        if record.index == 0:  # a request's first step: its prompt has been prefilled
+            self._prefilling = max(0, self._prefilling - 1)
+        # Quiet: a round of steps since a prompt last rode in the forwards (`_Goodput`). The
+        # other sessions' steps that shared a prompt's last forward come back around its first.
+        self._since_prompt = 0 if self._prefilling > 0 or record.index == 0 else self._since_prompt + 1
+        quiet = self._since_prompt >= load
         if load != self._observed:
             left = self._levels.get(self._observed)
             if left is not None:
@@ -231,17 +293,15 @@ class LoadCap:
         if level.settle > 0:  # it shared forwards with steps chosen under the previous cap
             level.settle -= 1
             return
-        level.tokens += len(record.emitted)
         if not record.model_free:
             level.drafted = max(level.drafted, record.draft_length)
         # The whole interval between the request's commits, not just its hops: under load the
         # gateway's own work and the hand-offs are part of what a step costs a session.
-        level.ms += record.interval_ms
-        level.steps += 1
+        level.running.add(len(record.emitted), record.interval_ms, quiet)
         if level.turns:
-            if level.steps >= max(8, load):  # about a round: each session's step once
+            if level.running.steps >= max(8, load):  # about a round: each session's step once
                 self._end_turn(level, load)
-        elif level.steps >= max(32, self.epoch_rounds * load):
+        elif level.running.steps >= max(32, self.epoch_rounds * load):
             self._end_epoch(level, load)
 
     def _leave(self, level: _LevelArms, load: int) -> None:
@@ -249,18 +309,16 @@ class LoadCap:
         Why: when the load comes back, maybe much later on a machine running at another
         speed, a trial resumed there would weigh turns of two different stretches."""
         level.trial, level.turns, level.window, level.remeasure, level.rival = None, [], {}, False, False
-        level.tokens = level.ms = 0.0
-        level.steps = level.drafted = 0
+        level.running, level.drafted = _Goodput(), 0
         level.settle = load  # on return, the steps in flight were chosen at another load
 
     def _end_epoch(self, level: _LevelArms, load: int) -> None:
         """An epoch of the cap in force ended: average it in, and maybe start a trial."""
-        rate = level.tokens / level.ms if level.ms > 0 else 0.0
+        rate = level.running.rate(quiet=_quiet_enough([level.running], load))
         previous = level.rates.get(level.best)
         level.rates[level.best] = rate if previous is None else previous + self.weight * (rate - previous)
         level.used = level.drafted
-        level.tokens = level.ms = 0.0
-        level.steps = level.drafted = 0
+        level.running, level.drafted = _Goodput(), 0
         level.since_trial += 1
         if len(level.rates) == 1 and level.best > 0:
             self._start_trial(level, 0, remeasure=True)  # first: does speculating pay at all at this load?
@@ -289,16 +347,19 @@ class LoadCap:
         # Best, trial, trial, best, twice: each cap's turns sit at the same mean time (a steady
         # drift cancels), and each has as many turns right after a switch as after its own.
         level.turns = [level.best, trial, trial, level.best] * (TRIAL_TURNS // 4)
-        level.window = {}
+        level.window, level.extended = {}, 0
 
     def _end_turn(self, level: _LevelArms, load: int) -> None:
         """One turn of a trial ended: add it to its cap's window; after the last, decide."""
         arm = level.turns.pop(0)
-        window = level.window.setdefault(arm, [0.0, 0.0])
-        window[0] += level.tokens
-        window[1] += level.ms
-        level.tokens = level.ms = 0.0
-        level.steps = level.drafted = 0
+        level.window.setdefault(arm, _Goodput()).merge(level.running)
+        level.running, level.drafted = _Goodput(), 0
+        trial = level.trial
+        if (not level.turns and trial is not None and level.extended < TRIAL_EXTENSIONS
+                and not _quiet_enough(list(level.window.values()), load)):
+            # Prompts kept arriving in one cap's turns: measure both a little longer, in the same order.
+            level.extended += 1
+            level.turns = [level.best, trial, trial, level.best]
         if level.turns:
             if level.turns[0] != arm:
                 level.settle = load
@@ -310,7 +371,8 @@ class LoadCap:
         the same stretch, by `margin`."""
         trial, best = level.trial, level.best
         assert trial is not None
-        rate = {arm: tokens / ms if ms > 0 else 0.0 for arm, (tokens, ms) in level.window.items()}
+        quiet = _quiet_enough(list(level.window.values()), load)
+        rate = {arm: tally.rate(quiet) for arm, tally in level.window.items()}
         # Both figures from the same turns: what `_rival` compares later starts level, and the
         # cap in force's epochs average in from there.
         level.rates[trial] = rate.get(trial, 0.0)

@@ -294,7 +294,7 @@ def test_requests_in_flight_are_a_floor_on_the_load():
         cap.enter()
     assert cap.caps()[16] == 0
     for _ in range(16):
-        cap.leave()
+        cap.leave(prefilled=False)
     assert cap.cap() == 8
 
 
@@ -383,6 +383,54 @@ def test_a_drifting_machine_still_finds_that_plain_decoding_pays(seed):
     assert cap.caps()[16] == 0 and late.count(0) > 0.85 * len(late), cap.rates()
 
 
+def steps_with_prompts_arriving(cap: LoadCap, goodput, share: float, steps: int, seed: int) -> list[int]:
+    """Requests choosing γ = 4 under `cap`, 16 sessions a round. In `share` of the rounds a
+    new request arrives, and its prompt, prefilled in that round's forwards, makes every
+    step of the round three times as slow, whatever the cap; its first step ends the round.
+    (A request that ends meanwhile keeps the sessions at 16.)"""
+    rng = random.Random(seed)
+    caps = []
+    for index in range(1, steps + 1):
+        arriving = index % 16 == 1 and rng.random() < share
+        if arriving:
+            cap.enter()
+        arm = cap.cap()
+        caps.append(arm)
+        gamma = min(arm, 4)
+        slowed = arriving or cap.requests > 0  # the round's steps after the prompt's arrival
+        cap.observe(arm, capped_step(index, gamma, (3.0 if slowed else 1.0) / goodput(gamma)))
+        if index % 16 == 0 and cap.requests:  # the round ends with the new request's first step
+            cap.observe(arm, capped_step(0, gamma, 1.0 / goodput(gamma)))
+            cap.leave(prefilled=True)
+    return caps
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("plain_pays", [True, False])
+def test_prompts_arriving_during_a_trial_do_not_decide_it(plain_pays, seed):
+    """Plain decoding truly 10% better than speculating (and the mirror). A prompt arrives in a
+    fifth of the rounds and triples their steps: over the few rounds of a trial, that noise
+    is larger than the difference, and it falls on whichever cap's turn it happens to.
+    Compared on the steps taken while no prompt was prefilling, the cap lands right."""
+    cap = LoadCap(highest=8)
+    better, worse = 0.033, 0.030
+    caps = steps_with_prompts_arriving(cap, lambda gamma: (better if gamma == 0 else worse) if plain_pays else
+                                       (worse if gamma == 0 else better), share=0.2, steps=6000, seed=seed)
+    late = caps[3000:]
+    if plain_pays:
+        assert cap.caps()[16] == 0 and late.count(0) > 0.85 * len(late), cap.rates()
+    else:
+        assert cap.caps()[16] > 0 and late.count(0) < 0.15 * len(late), cap.rates()
+
+
+def test_with_a_prompt_in_every_forward_the_cap_is_still_measured():
+    """No forward is free of prompts: the caps are compared on all their steps."""
+    cap = LoadCap(highest=8)
+    caps = steps_with_prompts_arriving(cap, lambda gamma: 0.036 if gamma == 0 else 0.030, share=1.0, steps=3000,
+                                       seed=0)
+    assert cap.caps()[16] == 0 and caps[-500:].count(0) > 400, cap.rates()
+
+
 def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     """An operator asking why AUTO stopped speculating under load reads the cap in force
     at each load level, and the goodput of each cap tried there, from /metrics."""
@@ -391,7 +439,7 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
         cap.enter()
     assert cap.cap() == 8 and cap.caps() == {}
     for _ in range(4):
-        cap.leave()
+        cap.leave(prefilled=False)
     steps_under_cap(cap, lambda arm: 0.04 if arm == 0 else 0.02, chosen=4, steps=600)
     registry = CollectorRegistry()
     registry.register(AcceptanceCollector(AcceptanceStats(), load_caps=lambda: {"d->t": cap}))
