@@ -1,6 +1,6 @@
 """The batched forward on its own: ms per decoding forward of the paged KV store at 1, 8
 and 32 sessions, beside the same sessions one at a time and transformers' own one-token
-step with a DynamicCache, side by side in one run.
+step of as many rows with a DynamicCache, side by side in one run.
 
     python scripts/bench_forward.py [--model models/demo/target] [--threads 2] [--prefix 128]
 
@@ -46,23 +46,14 @@ def main() -> None:
     cfg, cpu = model.config, torch.device("cpu")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
-    with torch.inference_mode():
-        cache = DynamicCache(config=cfg)
-        model(torch.tensor([prompt]), cache=cache, use_cache=True)
-        position = torch.tensor([[args.prefix]])
-
-        def transformers_step() -> None:
-            model(torch.tensor([[5]]), cache=cache, use_cache=True, position_ids=position, logits_to_keep=1)
-            cache.crop(-1)
-
-        reference = median_ms(transformers_step, args.repeats)
+    references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
     kvstore.use_paged_attention(model)
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
                   41 * ((args.prefix + 1) // 16 + 2) + 1)
-    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session; "
-          f"transformers' DynamicCache step alone: {reference:.2f} ms")
-    print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15}   (median ms per forward)")
+    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session")
+    print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15} {'transformers':>13}"
+          "   (median ms per forward)")
     for count in (1, 8, 32):
         sessions = [SessionKV(pool) for _ in range(count)]
         for session in sessions:
@@ -70,7 +61,22 @@ def main() -> None:
             kvstore.forward(model, [BatchRow(session, prompt, 1)], cpu)
         together = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
         apart = median_ms(functools.partial(step, model, sessions, args.prefix, False), max(3, args.repeats // 4))
-        print(f"{count:>8} {together:>12.2f} {apart:>14.2f} {together / count:>15.2f}")
+        print(f"{count:>8} {together:>12.2f} {apart:>14.2f} {together / count:>15.2f} {references[count]:>13.2f}")
+
+
+def transformers_step_ms(model, prompt: list[int], count: int, repeats: int) -> float:
+    """Median ms of transformers' own one-token forward of `count` rows of `prompt` with a
+    DynamicCache (as its batched `generate` steps, equal lengths, no padding)."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([prompt] * count), cache=cache, use_cache=True)
+        ids, position = torch.full((count, 1), 5), torch.full((count, 1), len(prompt))
+
+        def step() -> None:
+            model(ids, cache=cache, use_cache=True, position_ids=position, logits_to_keep=1)
+            cache.crop(-1)
+
+        return median_ms(step, repeats)
 
 
 def step(model, sessions: list[SessionKV], prefix: int, batched: bool) -> None:
