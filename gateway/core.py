@@ -418,8 +418,9 @@ class GatewayCore:
         if not diagnostic:
             observers.append(_GatewayCounts(self, labels, model_pair, request_trace))
         finish = Finish.LENGTH
-        if load_cap is not None:
-            load_cap.enter()
+        in_flight = None if load_cap is None else load_cap.enter()
+        if in_flight is not None:
+            observers.append(in_flight)
         try:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
             if hybrid is not None:  # a long prompt's indexing must not stall the other requests' steps
@@ -457,8 +458,8 @@ class GatewayCore:
             request_trace.end(exc)
             raise  # the transport gives the client the worker's status
         finally:
-            if load_cap is not None:
-                load_cap.leave(prefilled=stats.steps > 0)
+            if in_flight is not None:
+                in_flight.leave()
             request_trace.end()
             for link in (draft, verifier):
                 if link is not None:

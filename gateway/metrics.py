@@ -124,7 +124,8 @@ class AcceptanceCollector(Collector):
                                 "Largest γ an AUTO request may propose at this load (sessions in the verifier's "
                                 "forward, bucketed); 0: plain decoding.", labels=labels)
         goodput = GaugeMetricFamily(PREFIX + "load_cap_goodput",
-                                    "Goodput measured under each cap tried at this load (tokens per ms per session): "
+                                    "Goodput measured under each cap tried at this load (tokens per ms per session), "
+                                    "over the steps taken away from prompts' prefills where there were enough of them: "
                                     "a trial's from its turns beside the cap in force, the cap in force's from those "
                                     "turns and its epochs since.",
                                     labels=labels + ["cap"])

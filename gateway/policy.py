@@ -101,16 +101,19 @@ class ProbeSchedule:
 class _Goodput:
     """The emitted tokens and step milliseconds of one cap's steps over an epoch, a turn or
     a trial, with those of "quiet" steps kept apart: steps taken a round or more after the
-    last prompt of the pair's requests was prefilled (`LoadCap.observe`).
+    last prompt of the pair's requests on this gateway was prefilled (`LoadCap.observe`).
+    Prompts it cannot see (another gateway's, another draft's on the same target) stay
+    in the quiet steps as noise.
 
     Why apart: a prompt's prefill chunks ride in the target's forwards and slow every step
     in them several times over, and prompts arrive whatever the cap. Over the few rounds of
     a trial's turn, one prefill landing in one cap's turns and not the other's decides the
     trial: on the demo pair at 8 in flight, plain decoding lost its first trial to
-    speculating at 0.019 against 0.029 tokens per ms, while its steps in forwards without a
-    prompt ran at 0.032 against speculating's 0.029 (docs/proposers.md). So caps are
+    speculating at 0.019 against 0.029 tokens per ms, while its turns without a prompt in
+    their forwards ran at 0.033 against speculating's 0.029 (docs/proposers.md). So caps are
     compared on their quiet steps where both have enough of them, and on all their steps
-    where prompts keep arriving.
+    where prompts keep arriving; each cap's goodput is kept on both footings, so that a
+    comparison never sets one against the other.
     """
 
     tokens: float = 0.0
@@ -152,9 +155,10 @@ class _LevelArms:
     trial: int | None = None  # a cap on trial against best, in turns (`turns`)
     turns: list[int] = field(default_factory=list)  # the trial's turns still to run: which cap each is for
     window: dict[int, _Goodput] = field(default_factory=dict)  # cap -> its steps over the trial's turns
-    # cap -> tokens per ms per session: a trial's from its turns; the cap in force's from the
-    # last trial's turns, with its epochs since averaged in
-    rates: dict[int, float] = field(default_factory=dict)
+    # cap -> tokens per ms per session over all its steps: a trial's from its turns; the cap
+    # in force's from the last trial's turns, with its epochs since averaged in
+    all_rates: dict[int, float] = field(default_factory=dict)
+    rates: dict[int, float] = field(default_factory=dict)  # the same over quiet steps, where enough were seen
     running: _Goodput = field(default_factory=_Goodput)  # the running epoch's (or turn's) steps
     settle: int = 0  # steps still to leave out after the cap changed
     epochs: int = 0  # since the last scheduled trial
@@ -173,6 +177,33 @@ class _LevelArms:
     @property
     def arm(self) -> int:
         return self.turns[0] if self.turns else self.best
+
+    def comparable(self) -> dict[int, float]:
+        """Each cap's goodput on one footing for all: quiet steps where the cap in force has
+        a quiet figure (caps without one left out), else all steps."""
+        return self.rates if self.best in self.rates else self.all_rates
+
+
+class InFlight:
+    """One request of a pair in flight, as the pair's `LoadCap` counts it (`LoadCap.enter`).
+    An observer of the request's steps, whatever its policy: its first step ends its
+    prompt's prefill."""
+
+    def __init__(self, cap: LoadCap) -> None:
+        self._cap = cap
+        self._prefilling = True
+
+    def observe(self, record: StepRecord) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self._cap._prompt_prefilled()
+
+    def leave(self) -> None:
+        """The request ended, after its first step or before it."""
+        if self._prefilling:
+            self._prefilling = False
+            self._cap._prompt_prefilled()
+        self._cap._request_left()
 
 
 class LoadCap:
@@ -203,8 +234,9 @@ class LoadCap:
     swung by 11% (coefficient of variation), and two epochs in a row moved together
     (correlation 0.66); the difference of two neighbouring rounds varies about half as
     much as two epochs taken apart. The order cancels a steady drift as well. The two are
-    compared on their quiet steps, those taken while no prompt was being prefilled
-    (`_Goodput`); a trial whose caps lack them runs more turns (`TRIAL_EXTENSIONS`).
+    compared on their quiet steps, those taken a round or more after the last prompt was
+    prefilled (`_Goodput`); a trial whose caps lack them runs more turns
+    (`TRIAL_EXTENSIONS`), and is decided on all its steps if they still lack them.
     With one session there is no one else to slow down: no cap.
     """
 
@@ -220,22 +252,24 @@ class LoadCap:
         self.widest = 0  # the longest draft proposed alone: where a new level's cap starts
         self._levels: dict[int, _LevelArms] = {}
         self._observed = 1  # the load the last step counted at
-        self._prefilling = 0  # requests that entered and have not had their first step
+        self._prefilling = 0  # requests in flight that have not had their first step
         self._since_prompt = 0  # steps observed since a prompt was last prefilling
 
-    def enter(self) -> None:
-        """A request of the pair starts; its prompt is prefilled with its first step. Until
-        its own steps report the load, the requests in flight here are a floor on it: a wave
-        of new requests arriving after a quiet spell must not each speculate its first step
-        as if alone."""
+    def enter(self) -> InFlight:
+        """A request of the pair starts (any mode or policy: its prompt rides in the target's
+        forwards all the same); observe its steps with what this returns, and call its
+        `leave` when it ends. Until its own steps report the load, the requests in flight
+        here are a floor on it: a wave of new requests arriving after a quiet spell must not
+        each speculate its first step as if alone."""
         self.requests += 1
         self._prefilling += 1
+        return InFlight(self)
 
-    def leave(self, prefilled: bool) -> None:
-        """A request of the pair ended; prefilled: after its first step (else it ended during it)."""
+    def _prompt_prefilled(self) -> None:
+        self._prefilling -= 1
+
+    def _request_left(self) -> None:
         self.requests -= 1
-        if not prefilled:
-            self._prefilling -= 1
 
     def _current_load(self) -> int:
         """The load bucket now: the last step's report, floored by the requests in flight here."""
@@ -251,11 +285,12 @@ class LoadCap:
     def caps(self) -> dict[int, int]:
         """The cap in force at each load bucket measured (what `cap()` gives there between
         trials). Copies: the metrics thread reads them while the event loop writes."""
-        return {load: level.best for load, level in sorted(self._levels.items()) if level.rates}
+        return {load: level.best for load, level in sorted(self._levels.items()) if level.all_rates}
 
     def rates(self) -> dict[int, dict[int, float]]:
-        """Measured goodput (tokens per ms per session) of each cap tried, by load bucket."""
-        return {load: dict(level.rates) for load, level in sorted(self._levels.items())}
+        """Measured goodput (tokens per ms per session) of each cap tried, by load bucket, on
+        the footing the level compares them on (`_LevelArms.comparable`)."""
+        return {load: dict(level.comparable()) for load, level in sorted(self._levels.items())}
 
     def _level(self, load: int) -> _LevelArms:
         level = self._levels.get(load)
@@ -272,10 +307,9 @@ class LoadCap:
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
         load = self._current_load()
-        if record.index == 0:  # a request's first step: its prompt has been prefilled
-            self._prefilling = max(0, self._prefilling - 1)
         # Quiet: a round of steps since a prompt last rode in the forwards (`_Goodput`). The
-        # other sessions' steps that shared a prompt's last forward come back around its first.
+        # other sessions' steps that shared a prompt's last forward come back around its
+        # first, which ends its prefill (`InFlight`, which observes after the policy).
         self._since_prompt = 0 if self._prefilling > 0 or record.index == 0 else self._since_prompt + 1
         quiet = self._since_prompt >= load
         if load != self._observed:
@@ -314,13 +348,13 @@ class LoadCap:
 
     def _end_epoch(self, level: _LevelArms, load: int) -> None:
         """An epoch of the cap in force ended: average it in, and maybe start a trial."""
-        rate = level.running.rate(quiet=_quiet_enough([level.running], load))
-        previous = level.rates.get(level.best)
-        level.rates[level.best] = rate if previous is None else previous + self.weight * (rate - previous)
+        self._average_in(level.all_rates, level.best, level.running.rate(quiet=False))
+        if _quiet_enough([level.running], load):
+            self._average_in(level.rates, level.best, level.running.rate(quiet=True))
         level.used = level.drafted
         level.running, level.drafted = _Goodput(), 0
         level.since_trial += 1
-        if len(level.rates) == 1 and level.best > 0:
+        if len(level.all_rates) == 1 and level.best > 0:
             self._start_trial(level, 0, remeasure=True)  # first: does speculating pay at all at this load?
         elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
@@ -339,6 +373,10 @@ class LoadCap:
                 self._start_trial(level, 0 if remeasure else self._neighbour(level), remeasure)
                 level.plain_next = not level.plain_next
 
+    def _average_in(self, rates: dict[int, float], arm: int, rate: float) -> None:
+        previous = rates.get(arm)
+        rates[arm] = rate if previous is None else previous + self.weight * (rate - previous)
+
     def _start_trial(self, level: _LevelArms, trial: int | None, remeasure: bool) -> None:
         """Put `trial` (if any) on trial against the cap in force, in turns."""
         if trial is None or trial == level.best:
@@ -351,11 +389,11 @@ class LoadCap:
 
     def _end_turn(self, level: _LevelArms, load: int) -> None:
         """One turn of a trial ended: add it to its cap's window; after the last, decide."""
-        arm = level.turns.pop(0)
+        arm, trial = level.turns.pop(0), level.trial
+        assert trial is not None  # turns are a trial's
         level.window.setdefault(arm, _Goodput()).merge(level.running)
         level.running, level.drafted = _Goodput(), 0
-        trial = level.trial
-        if (not level.turns and trial is not None and level.extended < TRIAL_EXTENSIONS
+        if (not level.turns and level.extended < TRIAL_EXTENSIONS
                 and not _quiet_enough(list(level.window.values()), load)):
             # Prompts kept arriving in one cap's turns: measure both a little longer, in the same order.
             level.extended += 1
@@ -373,10 +411,15 @@ class LoadCap:
         assert trial is not None
         quiet = _quiet_enough(list(level.window.values()), load)
         rate = {arm: tally.rate(quiet) for arm, tally in level.window.items()}
-        # Both figures from the same turns: what `_rival` compares later starts level, and the
-        # cap in force's epochs average in from there.
-        level.rates[trial] = rate.get(trial, 0.0)
-        level.rates[best] = rate.get(best, 0.0)
+        # Both caps' figures from the same turns, on each footing: what `_rival` compares
+        # later starts level, and the cap in force's epochs average in from there.
+        for arm in (trial, best):
+            tally = level.window.get(arm, _Goodput())
+            level.all_rates[arm] = tally.rate(quiet=False)
+            if _quiet_enough([tally], load):
+                level.rates[arm] = tally.rate(quiet=True)
+            else:
+                level.rates.pop(arm, None)  # an older quiet figure would set another stretch against this one
         # A trial must win clearly: a cap switched on noise costs every session until the next
         # trial, more than a small real gain is worth.
         won = rate.get(trial, 0.0) > (1.0 + self.margin) * rate.get(best, 0.0)
@@ -398,8 +441,9 @@ class LoadCap:
 
     def _rival(self, level: _LevelArms) -> int | None:
         """The measured cap whose goodput beats the cap in force's by the margin, if any."""
-        floor = (1.0 + self.margin) * level.rates.get(level.best, 0.0)
-        rivals = {arm: rate for arm, rate in level.rates.items() if arm != level.best and rate > floor}
+        rates = level.comparable()
+        floor = (1.0 + self.margin) * rates.get(level.best, 0.0)
+        rivals = {arm: rate for arm, rate in rates.items() if arm != level.best and rate > floor}
         return max(rivals, key=rivals.__getitem__) if rivals else None
 
     def _neighbour(self, level: _LevelArms) -> int | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import time
 
 import grpc
 import pytest
@@ -292,6 +293,24 @@ def test_deadline_travels_to_the_workers_and_frees_their_sessions(stalled):
     assert stalled.wait_no_sessions() == 0
     stalled.draft_proxy.resume()
     assert len(stalled.stub.Generate(request("def f():", max_new_tokens=4)).token_ids) == 4
+
+
+def test_requests_that_end_anyhow_leave_the_load_cap_as_they_found_it(stalled):
+    """Every request of a pair counts at the pair's load cap while it runs, and its prompt
+    as prefilling until its first step (`LoadCap` in gateway/policy.py). Requests of each
+    mode, and one whose first step never came back, leave nothing counted: a prompt left
+    counted would keep every later step from being measured as quiet."""
+    for mode in ("FIXED", "AUTO", "OFF"):
+        assert len(stalled.stub.Generate(request("def f():", max_new_tokens=4, mode=mode)).token_ids) == 4
+    stalled.draft_proxy.pause()  # a fixed-γ request's first step waits on the draft, past its deadline
+    with pytest.raises(grpc.RpcError) as err:
+        stalled.stub.Generate(request("def g():", max_new_tokens=4), timeout=2.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    caps = stalled.gateway.servicer.core._load_caps
+    deadline = time.monotonic() + 10.0  # the gateway's handler ends a moment after the client gave up
+    while any(cap.requests for cap in caps.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert caps and [(cap.requests, cap._prefilling) for cap in caps.values()] == [(0, 0)] * len(caps)
 
 
 def test_streams_per_connection_are_capped(stalled):

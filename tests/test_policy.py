@@ -290,11 +290,10 @@ def test_requests_in_flight_are_a_floor_on_the_load():
     assert cap.rates()[16] and cap.caps()[16] == 0
     run_under_load(cap, lambda c: 10.0, sessions=1, steps=2)  # a lone request: no cap
     assert cap.cap() == 8
-    for _ in range(16):
-        cap.enter()
+    wave = [cap.enter() for _ in range(16)]
     assert cap.caps()[16] == 0
-    for _ in range(16):
-        cap.leave(prefilled=False)
+    for request in wave:
+        request.leave()
     assert cap.cap() == 8
 
 
@@ -389,19 +388,20 @@ def steps_with_prompts_arriving(cap: LoadCap, goodput, share: float, steps: int,
     step of the round three times as slow, whatever the cap; its first step ends the round.
     (A request that ends meanwhile keeps the sessions at 16.)"""
     rng = random.Random(seed)
-    caps = []
+    caps, arrived = [], None
     for index in range(1, steps + 1):
-        arriving = index % 16 == 1 and rng.random() < share
-        if arriving:
-            cap.enter()
+        if index % 16 == 1 and rng.random() < share:
+            arrived = cap.enter()
         arm = cap.cap()
         caps.append(arm)
         gamma = min(arm, 4)
-        slowed = arriving or cap.requests > 0  # the round's steps after the prompt's arrival
-        cap.observe(arm, capped_step(index, gamma, (3.0 if slowed else 1.0) / goodput(gamma)))
-        if index % 16 == 0 and cap.requests:  # the round ends with the new request's first step
-            cap.observe(arm, capped_step(0, gamma, 1.0 / goodput(gamma)))
-            cap.leave(prefilled=True)
+        cap.observe(arm, capped_step(index, gamma, (1.0 if arrived is None else 3.0) / goodput(gamma)))
+        if index % 16 == 0 and arrived is not None:  # the round ends with the new request's first step
+            first = capped_step(0, gamma, 1.0 / goodput(gamma))
+            cap.observe(arm, first)  # as its policy passes it on, then its other observers
+            arrived.observe(first)
+            arrived.leave()
+            arrived = None
     return caps
 
 
@@ -423,6 +423,22 @@ def test_prompts_arriving_during_a_trial_do_not_decide_it(plain_pays, seed):
         assert cap.caps()[16] > 0 and late.count(0) < 0.15 * len(late), cap.rates()
 
 
+@pytest.mark.parametrize("ended", ["after its steps", "before its first step"])
+def test_a_request_the_cap_does_not_measure_leaves_no_prompt_behind(ended):
+    """A request of the pair under a fixed γ (or one that failed at once) enters and leaves
+    the load cap, but its steps do not teach it. Its prompt must stop counting as
+    prefilling when it ends, or no step is ever quiet again and prompts decide the trials."""
+    cap = LoadCap(highest=8)
+    other = cap.enter()
+    if ended == "after its steps":
+        for index in range(3):
+            other.observe(capped_step(index, 4, 30.0))  # only its own observers see its steps
+    other.leave()
+    caps = steps_with_prompts_arriving(cap, lambda gamma: 0.033 if gamma == 0 else 0.030, share=0.2, steps=6000,
+                                       seed=2)
+    assert cap.caps()[16] == 0 and caps[3000:].count(0) > 0.85 * 3000, cap.rates()
+
+
 def test_with_a_prompt_in_every_forward_the_cap_is_still_measured():
     """No forward is free of prompts: the caps are compared on all their steps."""
     cap = LoadCap(highest=8)
@@ -435,11 +451,10 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     """An operator asking why AUTO stopped speculating under load reads the cap in force
     at each load level, and the goodput of each cap tried there, from /metrics."""
     cap = LoadCap(highest=8)
-    for _ in range(4):  # four requests arrive: the cap is read at load 4, where nothing is measured yet
-        cap.enter()
+    arriving = [cap.enter() for _ in range(4)]  # the cap is read at load 4, where nothing is measured yet
     assert cap.cap() == 8 and cap.caps() == {}
-    for _ in range(4):
-        cap.leave(prefilled=False)
+    for request in arriving:
+        request.leave()
     steps_under_cap(cap, lambda arm: 0.04 if arm == 0 else 0.02, chosen=4, steps=600)
     registry = CollectorRegistry()
     registry.register(AcceptanceCollector(AcceptanceStats(), load_caps=lambda: {"d->t": cap}))
