@@ -194,16 +194,17 @@ class InFlight:
         self._prefilling = True
 
     def observe(self, record: StepRecord) -> None:
-        if self._prefilling:
-            self._prefilling = False
-            self._cap._prompt_prefilled()
+        self._end_prefill()
 
     def leave(self) -> None:
         """The request ended, after its first step or before it."""
+        self._end_prefill()
+        self._cap._request_left()
+
+    def _end_prefill(self) -> None:
         if self._prefilling:
             self._prefilling = False
             self._cap._prompt_prefilled()
-        self._cap._request_left()
 
 
 class LoadCap:

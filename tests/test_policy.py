@@ -411,7 +411,7 @@ def test_prompts_arriving_during_a_trial_do_not_decide_it(plain_pays, seed):
     """Plain decoding truly 10% better than speculating (and the mirror). A prompt arrives in a
     fifth of the rounds and triples their steps: over the few rounds of a trial, that noise
     is larger than the difference, and it falls on whichever cap's turn it happens to.
-    Compared on the steps taken while no prompt was prefilling, the cap lands right."""
+    Compared on the steps taken a round or more after the last prompt, the cap lands right."""
     cap = LoadCap(highest=8)
     better, worse = 0.033, 0.030
     caps = steps_with_prompts_arriving(cap, lambda gamma: (better if gamma == 0 else worse) if plain_pays else
