@@ -65,8 +65,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
             async for message in results:
                 yield message
 
-    async def _propose(self, request: worker_pb2.ProposeRequest,
-                       stream: service.StepStream) -> worker_pb2.ProposeResponse:
+    async def _propose(self, request: worker_pb2.ProposeRequest, stream: service.StepStream,
+                       step_id: int) -> worker_pb2.ProposeResponse:
         name = request.draft_model or self.default
         runner = self.drafts.get(name)
         if request.HasField("expected_model"):  # a step that opens a session

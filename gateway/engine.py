@@ -33,6 +33,9 @@ from specd.sampling import Transform
 from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
 
 log = logging.getLogger(__name__)
+# The most plain steps a greedy plain step lets the verifier score unasked (a run stops at
+# the next step the gateway sends, so a longer run costs nothing but step ids reserved).
+RUN_AHEAD_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,11 @@ class VerifierClient(Protocol):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: bool = False, next_draws: Draws | None = None) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None) -> Scores:
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
         its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
-        run_ahead: the next step will be plain too (sampled: under `next_draws`), so the
-        verifier may score it at once (`specd.worker.runahead`)."""
+        run_ahead: up to that many plain steps follow (sampled: one, under `next_draws`), so
+        the verifier may score them at once (`specd.worker.runahead`)."""
         ...
 
     def advance(self, position: int) -> None:
@@ -227,7 +230,7 @@ class _Speculation:
         began = time.perf_counter()
         if self.request.transform.greedy:
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                run_ahead=self._plain_next(hop))
+                                                run_ahead=self._run_ahead(hop))
             ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
             outcome = verify_greedy(hop.tokens, scores.argmax)
@@ -239,7 +242,7 @@ class _Speculation:
             next_draws = Draws.draw(0, self.generator) if self._plain_next(hop) else None
             self.drawn_ahead = next_draws
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                hop.token_probs, draws, next_draws is not None, next_draws)
+                                                hop.token_probs, draws, int(next_draws is not None), next_draws)
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
@@ -294,6 +297,17 @@ class _Speculation:
             return Draws((), first)
         rest = Draws.draw(gamma - 1, self.generator)
         return Draws((first, *rest.accept), rest.final)
+
+    def _run_ahead(self, hop: _DraftHop) -> int:
+        """How many plain steps after this greedy one the verifier may score unasked: up to
+        `RUN_AHEAD_STEPS`, short of the request's last token and the target's context (0:
+        the next step may not be plain)."""
+        if not self._plain_next(hop):
+            return 0
+        after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
+        if self.bounds.target_context:
+            after = min(after, self.bounds.target_context - len(self.committed) - 1)
+        return max(0, min(RUN_AHEAD_STEPS, after))
 
     def _plain_next(self, hop: _DraftHop) -> bool:
         """Whether, after this plain step, another plain step surely comes, short of the

@@ -65,16 +65,27 @@ class WorkerStream:
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
-    def send(self, request) -> tuple[int, asyncio.Future]:
-        """Queue one step; its id and the future its answer (or `StepFailed`) lands on."""
+    def send(self, request, reserve: int = 0) -> tuple[int, asyncio.Future, list[asyncio.Future]]:
+        """Queue one step; its id and the future its answer (or `StepFailed`) lands on, and
+        the futures of the `reserve` step ids after it, which the worker may answer unasked
+        (a verifier's run-ahead): forget them by their ids, step_id + 1 on."""
         if self.failure is not None:
             raise self.failure.copy()
         step_id = next(self._step_ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[step_id] = future
+        reserved = []
+        for _ in range(reserve):  # no await in between: the ids follow step_id
+            reserved.append(asyncio.get_running_loop().create_future())
+            self._waiting[next(self._step_ids)] = reserved[-1]
         self._outbox.append(self._step_type(step_id=step_id, request=request))
         self._wake.set()
-        return step_id, future
+        return step_id, future, reserved
+
+    def forget_reserved(self, step_ids: range) -> None:
+        """Its link will not use the answers to these reserved step ids."""
+        for step_id in step_ids:
+            self._waiting.pop(step_id, None)
 
     def connecting(self) -> bool:
         """Whether the stream may still be waiting for its endpoint to accept a connection

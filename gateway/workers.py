@@ -23,6 +23,7 @@ It builds the step messages and turns the answers back into `specd.steps` types,
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +91,38 @@ class StepOverBudget(Exception):
     left the session, which will be re-opened from the committed tokens."""
 
 
+class Reserved:
+    """The step ids a link reserved after the last step it sent, and the futures of the
+    answers the worker may send to them unasked (`specd.worker.runahead`), first first."""
+
+    def __init__(self, stream: WorkerStream | None = None, first_id: int = 0,
+                 futures: Sequence[asyncio.Future] = ()) -> None:
+        self._stream = stream
+        self._ids = range(first_id, first_id + len(futures))
+        self._futures = collections.deque(futures)
+        # The step the next answer is for: the committed length and its last token.
+        self.expects: tuple[int, int] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._futures)
+
+    def next(self) -> asyncio.Future:
+        """The next answer's future (the stream's reader hands the answer over and forgets it)."""
+        return self._futures.popleft()
+
+    def drop(self) -> None:
+        """The link takes none of the rest (it sends the next step itself): the stream
+        forgets every id still reserved, the one taken last included if it never came."""
+        if self._stream is not None:
+            self._stream.forget_reserved(self._ids)
+        for future in self._futures:
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()  # an ABORTED nobody will read is not an error to log
+        self._stream, self._futures = None, collections.deque()
+
+
 class WorkerLink:
     """One request's session on one worker service, over its endpoint's shared stream.
 
@@ -117,6 +150,8 @@ class WorkerLink:
         # up with the new one.
         self._incarnation = 0
         self._moved = False  # the last stream's endpoint failed: move the session
+        # The answers the worker may send unasked to the steps after the last one sent.
+        self.reserved = Reserved()
 
     @property
     def worker_session(self) -> str:
@@ -126,8 +161,10 @@ class WorkerLink:
         """After a step: the worker holds the old committed length plus the accepted tokens."""
         self.position = position
 
-    async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], StepMessage]):
-        """Send one step built around the delta the worker lacks; return its response.
+    async def exchange(self, committed: list[int], build: Callable[[worker_pb2.SequenceDelta], StepMessage],
+                       reserve: int = 0):
+        """Send one step built around the delta the worker lacks; return its response (and,
+        with `reserve`, keep the futures of that many step ids after it in `self.reserved`).
 
         StepOverBudget when the worker does not answer within the step's budget (plus the
         connect timeout on a stream the endpoint has not answered yet): a hung worker
@@ -157,12 +194,16 @@ class WorkerLink:
                     # for another.
                     waited += self.settings.connect_timeout_s
                 sent = time.perf_counter()
-                step_id, answer = stream.send(message)
+                step_id, answer, reserved = stream.send(message, reserve)
                 try:
                     async with asyncio.timeout(_sooner(waited, remaining)):
                         response = await answer
+                except BaseException:
+                    stream.forget_reserved(range(step_id + 1, step_id + 1 + reserve))
+                    raise
                 finally:
                     stream.forget(step_id)
+                self.reserved = Reserved(stream, step_id + 1, reserved)
             except StepFailed as exc:
                 code, details = exc.code, exc.details
             except TimeoutError:
@@ -201,6 +242,7 @@ class WorkerLink:
     def _leave(self) -> None:
         """Leave the session on its worker (which forgets it, cancelling a step of it that
         is still running); the next step re-opens it, from the committed tokens."""
+        self.reserved.drop()
         if self._stream is not None:
             self._stream.end_session(self.worker_session)
             self._stream = None
@@ -211,6 +253,7 @@ class WorkerLink:
         """The request is over: the worker forgets the session (and stops a step of it
         still running, when the client went away), the router releases it."""
         self.pool.router.release(self.settings.session_id)
+        self.reserved.drop()
         if self._stream is not None:
             self._stream.end_session(self.worker_session)
             self._stream = None
@@ -284,15 +327,25 @@ class VerifierLink(WorkerLink):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: bool = False, next_draws: Draws | None = None) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None) -> Scores:
         """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses).
-        run_ahead: the next step will be plain too, with `next_draws` when sampled
-        (`specd.worker.runahead`)."""
+
+        run_ahead: plain steps follow, up to that many (one when sampled, with `next_draws`):
+        the verifier scores them unasked (`specd.worker.runahead`). A plain step that one of
+        them is for takes that answer and sends nothing."""
+        if self.reserved:
+            ahead = self.reserved.expects == (len(committed), committed[-1]) and self.position == len(committed) - 1
+            scores = await self._answered_ahead(draft_tokens, transform) if ahead and not draft_tokens else None
+            if scores is not None:
+                self._expect_after(committed, scores)
+                return scores
+            self.reserved.drop()
+
         def build(delta: worker_pb2.SequenceDelta) -> worker_pb2.VerifyRequest:
             message = worker_pb2.VerifyRequest(
                 delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier), draft_token_probs=draft_token_probs,
-                run_ahead=run_ahead)
+                run_ahead_steps=run_ahead)
             if draws is not None:
                 message.uniforms.extend((*draws.accept, draws.final))
             if next_draws is not None:
@@ -301,7 +354,7 @@ class VerifierLink(WorkerLink):
 
         for _ in range(self.settings.max_reopens + 1):
             try:
-                response = await self.exchange(committed, build)
+                response = await self.exchange(committed, build, run_ahead)
                 break
             except StepOverBudget as exc:
                 # A hung verifier: another one takes the session, if there is one.
@@ -312,6 +365,28 @@ class VerifierLink(WorkerLink):
                 self.reopens += 1
         else:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: every verifier tried was over budget")
+        scores = self._scores(response, draft_tokens, transform)
+        self._expect_after(committed, scores)
+        return scores
+
+    async def _answered_ahead(self, draft_tokens: list[int], transform: Transform) -> Scores | None:
+        """This plain step's answer, sent unasked; None if it does not come within a step's
+        budget or came as a failure (the run stopped): then the step is asked."""
+        remaining = self.settings.remaining()
+        try:
+            async with asyncio.timeout(_sooner(self.pool.budget.seconds(1), remaining)):
+                response = await self.reserved.next()
+        except (StepFailed, TimeoutError):
+            return None
+        self.last_exchange_bytes = response.ByteSize()
+        return self._scores(response, draft_tokens, transform)
+
+    def _expect_after(self, committed: list[int], scores: Scores) -> None:
+        """After a plain step, the next reserved answer is for the step that commits its token."""
+        if self.reserved:
+            self.reserved.expects = (len(committed) + 1, scores.plain_token())
+
+    def _scores(self, response: worker_pb2.VerifyResponse, draft_tokens: list[int], transform: Transform) -> Scores:
         batch = batch_from_pb(response.batch)
         if transform.greedy:
             if len(response.target_argmax) != len(draft_tokens) + 1:
@@ -321,5 +396,4 @@ class VerifierLink(WorkerLink):
         problem = verdict_problem(response, len(draft_tokens))
         if problem is not None:  # a verifier of another protocol: never sample from what it sent
             raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name}: {problem}")
-        return Scores(None, verdict_from_pb(response), response.forward_ms, batch)
-
+        return Scores(None, verdict_from_pb(response), response.forward_ms, batch, response.ran_ahead)

@@ -3,10 +3,11 @@
     python scripts/bench_verifier_step.py [--model runs/tiny-target] [--sessions 32] [--rounds 60]
 
 Calls the verifier servicer's `Verify` as gRPC would, with the messages a gateway's stream
-would send: each round is one `VerifySteps` message carrying a plain greedy
-step of every session (with `run_ahead`, as the gateway sends plain steps), and the round
-ends when every result is back. Prints the median wall time of a round and CPU time per
-step (every thread of this process: the event loop, the model's thread).
+would send: one `VerifySteps` message carrying a plain greedy step of every session, each
+asking the verifier to run ahead for the rest (`run_ahead_steps`, as the gateway asks for
+plain decoding); a round ends when every session has had its next answer. Prints the
+median wall time of a round and CPU time per step (every thread of this process: the
+event loop, the model's thread).
 
 Set beside what `closed_loop.py --cpu-of` reports for a `specd serve` verifier at the same
 number of sessions, the difference is what the transport and the processes' hand-offs
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import statistics
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -44,31 +44,29 @@ async def run(servicer: VerifierServicer, sessions: int, rounds: int) -> tuple[f
     # The RPC reads nothing of its context: no gRPC server is needed to call it.
     results = servicer.Verify(messages(), cast(grpc.aio.ServicerContext, None))
     vocab = servicer.target.info.vocab_size
-    committed = {f"s{i}": [(5 + 7 * i + j) % vocab for j in range(PROMPT_TOKENS)] for i in range(sessions)}
-    sent = dict.fromkeys(committed, 0)  # tokens of each session the verifier has been sent
-    session_of: dict[int, str] = {}  # step id → session, for the steps in flight
-    step_ids = itertools.count(1)
+    steps = WARM_UP_ROUNDS + rounds
+    # One step a session, its prompt, which lets the verifier decode the rest unasked: the
+    # answers take the step ids reserved after the step's own (the gateway's stream does this).
+    message = worker_pb2.VerifySteps()
+    session_of: dict[int, int] = {}  # step id, reserved ones too → session
+    for i in range(sessions):
+        first_id = 1 + i * (steps + 1)
+        session_of.update(dict.fromkeys(range(first_id, first_id + steps + 1), i))
+        request = message.steps.add(step_id=first_id).request
+        request.delta.session_id = f"s{i}"
+        request.delta.tokens.extend((5 + 7 * i + j) % vocab for j in range(PROMPT_TOKENS))
+        request.run_ahead_steps = steps
+    answered = [0] * sessions  # answers each session has had
     walls, cpus = [], []
-    for round_index in range(WARM_UP_ROUNDS + rounds):
+    await inbox.put(message)
+    for round_index in range(steps + 1):
         began, cpu = time.perf_counter(), time.process_time()
-        message = worker_pb2.VerifySteps()
-        for session_id, tokens in committed.items():
-            step_id = next(step_ids)
-            session_of[step_id] = session_id
-            request = message.steps.add(step_id=step_id).request
-            request.delta.session_id, request.delta.start = session_id, sent[session_id]
-            request.delta.tokens.extend(tokens[sent[session_id]:])
-            request.run_ahead = True
-            sent[session_id] = len(tokens)
-        await inbox.put(message)
-        answered = 0
-        while answered < sessions:
+        while min(answered) <= round_index:
             for result in (await results.__anext__()).results:
                 if result.HasField("status"):
                     raise SystemExit(f"a step failed: {result.status.message}")
-                committed[session_of.pop(result.step_id)].append(result.response.target_argmax[0])
-                answered += 1
-        if round_index >= WARM_UP_ROUNDS:
+                answered[session_of[result.step_id]] += 1
+        if round_index > WARM_UP_ROUNDS:
             walls.append((time.perf_counter() - began) * 1e3)
             cpus.append((time.process_time() - cpu) * 1e6 / sessions)
     await inbox.put(None)

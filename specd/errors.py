@@ -105,6 +105,14 @@ class StepCancelled(SpecdError):
     status = "CANCELLED"
 
 
+class AheadStopped(SpecdError):
+    """A run of plain steps scored ahead stopped before a step the gateway reserved for it
+    (no room in the pool, a failed forward, the context's end): the gateway asks that step
+    itself (`specd.worker.runahead`)."""
+
+    status = "ABORTED"
+
+
 class WrongModel(SpecdError):
     """A step opens a session for a model this worker does not hold (another worker is
     behind the address the gateway checked); the message names both identities."""

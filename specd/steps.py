@@ -111,3 +111,10 @@ class Scores:
     forward_ms: float
     batch: BatchStats = BatchStats()
     ran_ahead: bool = False  # scored before it was asked for (`specd.worker.runahead`)
+
+    def plain_token(self) -> int:
+        """The token a plain step commits: the argmax, or the token its uniform drew from p."""
+        if self.argmax is not None:
+            return self.argmax[0]
+        assert self.verdict is not None and self.verdict.bonus_token is not None  # a plain verdict's bonus
+        return self.verdict.bonus_token

@@ -27,7 +27,7 @@ from specd.v1 import worker_pb2
 MAX_DRAFT_LENGTH = 128
 # The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
 # in ModelInfoResponse.protocol and the gateway refuses a worker of another.
-WORKER_PROTOCOL = 4
+WORKER_PROTOCOL = 5
 
 
 # -- distributions ------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class ScriptedVerifier:
     def __init__(self, eos_at: frozenset[int] | set[int] = frozenset()) -> None:
         self.eos_at = eos_at
         self.last_exchange_bytes = 0
-        self.run_ahead: list[bool] = []  # what each step told the verifier of the next one
+        self.run_ahead: list[int] = []  # how many plain steps each step told the verifier follow
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=False,
@@ -157,20 +157,21 @@ def test_a_plain_step_has_no_draft_hop():
 
 def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     """With no draft (OFF, or a draft lost), or a policy settled on γ = 0, every plain step
-    but the last says another plain step follows; while a draft may still propose, none does."""
+    says how many plain steps follow, up to the request's last token; while a draft may
+    still propose, none does."""
     verifier = ScriptedVerifier()
     tokens, _, _ = run(None, verifier, gamma=0, max_new_tokens=6)
-    assert tokens == target_alone(6) and verifier.run_ahead == [True] * 5 + [False]
+    assert tokens == target_alone(6) and verifier.run_ahead == [5, 4, 3, 2, 1, 0]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=6)
-    assert verifier.run_ahead == [True] * 5 + [False]
+    assert verifier.run_ahead == [5, 4, 3, 2, 1, 0]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=2, max_new_tokens=6)
     assert not any(verifier.run_ahead)
     verifier = ScriptedVerifier()
     run(ScriptedDraft(wrong={5}, fail_at=2), verifier, gamma=3)
     after_loss = verifier.run_ahead[2:]
-    assert verifier.run_ahead[:2] == [False, False] and all(after_loss[:-1]) and after_loss[-1] is False
+    assert verifier.run_ahead[:2] == [0, 0] and all(after_loss[:-1]) and after_loss[-1] == 0
 
 
 def test_a_sampled_request_sends_each_next_uniform_early_and_in_order():

@@ -1,92 +1,126 @@
-"""The verifier scores a plain greedy step ahead (`specd.worker.runahead`), and answers from
-it only the step it assumed: a real ModelRunner on a tiny model made in the test, and a
-plain decoding loop in the test as the gateway."""
+"""The verifier goes on decoding plainly after a plain step that asks it to
+(`specd.worker.runahead`), answers those steps unasked, and stops for any other step: a
+real ModelRunner on a tiny model made in the test, with the test as the gateway."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import gc
 
+from specd.rejection import Draws
 from specd.sampling import Transform
+from specd.steps import Scores
 from specd.worker.runtime import ModelRunner
 
 PROMPT = [5, 6, 7, 8]
 
 
-async def decode(runner: ModelRunner, session_id: str, steps: int, run_ahead: bool) -> tuple[list[int], list[bool]]:
-    """Plain greedy decoding as the gateway drives it: each step sends the token the last
-    one committed. The tokens, and whether each answer was scored ahead."""
-    scores = await runner.score(session_id, 0, PROMPT, [], Transform(), run_ahead=run_ahead)
-    assert scores.argmax is not None
-    tokens, ahead = [scores.argmax[0]], [scores.ran_ahead]
-    for _ in range(steps - 1):
-        start = len(PROMPT) + len(tokens) - 1
-        scores = await runner.score(session_id, start, [tokens[-1]], [], Transform(), run_ahead=run_ahead)
-        assert scores.argmax is not None
-        tokens.append(scores.argmax[0])
-        ahead.append(scores.ran_ahead)
-    return tokens, ahead
+class Answers:
+    """What a run answered, by index (None: it stopped before that step)."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, Scores | None] = {}
+        self.came = asyncio.Event()
+
+    def __call__(self, index: int, scores: Scores | None) -> None:
+        assert index not in self.by_index, "each reserved step is answered once"
+        self.by_index[index] = scores
+        self.came.set()
+
+    async def wait_for(self, count: int) -> None:
+        while len(self.by_index) < count:
+            self.came.clear()
+            await asyncio.wait_for(self.came.wait(), 10)
 
 
-def test_a_step_scored_ahead_is_the_step_asked_for(model_dirs):
+async def asked_one_by_one(runner: ModelRunner, session_id: str, steps: int) -> list[int]:
+    """Plain greedy decoding with every step asked: the reference."""
+    tokens: list[int] = []
+    for i in range(steps):
+        start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [tokens[-1]])
+        scores = await runner.score(session_id, start, new, [], Transform())
+        tokens.append(scores.plain_token())
+    return tokens
+
+
+def test_a_run_answers_each_plain_step_as_the_step_asked_would_be(model_dirs):
     runner = ModelRunner(model_dirs["target"])
+    # The tiny model draws its EOS early; without one the run goes its whole length.
+    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
+    answers = Answers()
 
     async def scenario():
-        with_ahead = await decode(runner, "a", 12, run_ahead=True)
-        without = await decode(runner, "b", 12, run_ahead=False)
+        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=11, answer_ahead=answers)
+        await answers.wait_for(11)
+        await asyncio.sleep(0.1)  # the run's end has put the session back
+        left = (len(runner.run_ahead), runner.sessions.in_use, runner.sessions.holds("a"))
+        reference = await asked_one_by_one(runner, "b", 12)
         await runner.close()
-        return with_ahead, without
+        return first, reference, left
 
-    (tokens, ahead), (reference, none_ahead) = asyncio.run(scenario())
-    assert tokens == reference and not any(none_ahead)
-    # Every answer but the first was scored ahead, except after EOS (where the gateway stops).
-    eos = runner.info.eos_token_ids
-    assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 8
-    assert runner.run_ahead.answered == sum(ahead) and runner.run_ahead.dropped == 0
+    first, reference, left = asyncio.run(scenario())
+    ran = [first.plain_token()] + [answers.by_index[i].plain_token() for i in range(1, 12)]
+    assert ran == reference and len(set(reference)) > 2
+    assert all(answers.by_index[i].ran_ahead for i in range(1, 12)) and not first.ran_ahead
+    assert runner.run_ahead.answered == 11 and runner.run_ahead.dropped == 0
+    assert left == (0, 0, True)  # the run ended and put the session back
 
 
-def test_a_sampled_step_scored_ahead_draws_the_same_token(model_dirs):
-    """Sampled: each step carries the next one's uniform, and the answer scored ahead is the
-    token that uniform draws from p, as when the step is scored on request."""
-    from specd.rejection import Draws
+def test_a_run_stops_at_eos(model_dirs):
+    """The gateway ends a request at EOS: a run answers the EOS step and scores nothing after it."""
+    runner = ModelRunner(model_dirs["target"])
+    answers = Answers()
 
+    async def scenario():
+        runner.info = dataclasses.replace(runner.info, eos_token_ids=())
+        reference = await asked_one_by_one(runner, "b", 6)
+        runner.info = dataclasses.replace(runner.info, eos_token_ids=(reference[3],))
+        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
+        await answers.wait_for(1)
+        await asyncio.sleep(0.3)  # the run reached EOS, and stopped there
+        await runner.close()
+        return reference
+
+    reference = asyncio.run(scenario())
+    eos_at = reference.index(reference[3])  # its first appearance
+    assert eos_at >= 1 and sorted(answers.by_index) == list(range(1, eos_at + 1))
+    assert answers.by_index[eos_at].plain_token() == reference[3] and runner.run_ahead.dropped == 0
+
+
+def test_a_sampled_run_of_one_step_draws_its_token_with_the_uniform_sent(model_dirs):
+    """Sampled: a step carries the next one's uniform, and the answer scored ahead is the
+    token that uniform draws from p, as when the step is asked with it."""
     runner = ModelRunner(model_dirs["target"])
     transform = Transform(temperature=1.0)
-    uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66, 0.37, 0.84]
-
-    async def sampled(session_id: str, run_ahead: bool) -> tuple[list[int], list[bool]]:
-        tokens: list[int] = []
-        ahead: list[bool] = []
-        for i, u in enumerate(uniforms):
-            start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [tokens[-1]])
-            following = Draws((), uniforms[i + 1]) if run_ahead and i + 1 < len(uniforms) else None
-            scores = await runner.score(session_id, start, new, [], transform, (), Draws((), u),
-                                        run_ahead=following is not None, next_draws=following)
-            assert scores.verdict is not None and scores.verdict.bonus_token is not None
-            tokens.append(scores.verdict.bonus_token)
-            ahead.append(scores.ran_ahead)
-        return tokens, ahead
+    uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66]
 
     async def scenario():
-        with_ahead = await sampled("a", True)
-        without = await sampled("b", False)
+        ahead, asked = [], []
+        for u, following in zip(uniforms, uniforms[1:]):
+            answers = Answers()
+            first = await runner.score("a", 0, PROMPT, [], transform, (), Draws((), u), run_ahead=1,
+                                       next_draws=Draws((), following), answer_ahead=answers)
+            await answers.wait_for(1)
+            ahead.append((first.plain_token(), answers.by_index[1].plain_token()))
+            one = await runner.score("b", 0, PROMPT, [], transform, (), Draws((), u))
+            two = await runner.score("b", len(PROMPT), [one.plain_token()], [], transform, (), Draws((), following))
+            asked.append((one.plain_token(), two.plain_token()))
         await runner.close()
-        return with_ahead, without
+        return ahead, asked
 
-    (tokens, ahead), (reference, _) = asyncio.run(scenario())
-    eos = runner.info.eos_token_ids
-    assert tokens == reference
-    assert ahead == [False] + [token not in eos for token in tokens[:-1]] and sum(ahead) >= 5
+    ahead, asked = asyncio.run(scenario())
+    assert ahead == asked and len({second for _, second in asked}) > 1  # the uniforms matter
 
 
-def test_a_step_other_than_the_one_assumed_is_scored_as_asked(model_dirs):
-    """The gateway committed something else (a stop string cut, another proposal): the
-    verifier waits for its ahead forward, crops it away and scores what was asked."""
+def test_another_step_stops_the_run_and_is_scored_as_asked(model_dirs):
+    """The gateway committed something else (a stop string cut, a proposal): the run stops
+    after its forward in flight, and the step is scored from the committed tokens."""
     runner = ModelRunner(model_dirs["target"])
+    answers = Answers()
 
     async def scenario():
-        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
-        other = (first.argmax[0] + 1) % runner.info.vocab_size
+        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=answers)
+        other = (first.plain_token() + 1) % runner.info.vocab_size
         asked = await runner.score("a", len(PROMPT), [other], [9, 10], Transform())
         fresh = await runner.score("b", 0, [*PROMPT, other], [9, 10], Transform())
         await runner.close()
@@ -94,18 +128,19 @@ def test_a_step_other_than_the_one_assumed_is_scored_as_asked(model_dirs):
 
     asked, fresh = asyncio.run(scenario())
     assert asked.argmax == fresh.argmax and not asked.ran_ahead
-    assert (runner.run_ahead.answered, runner.run_ahead.dropped) == (0, 1)
+    assert len(answers.by_index) < 200 and runner.run_ahead.dropped == 1
+    assert None not in answers.by_index.values()  # stopped by the gateway's step: nothing to tell it
 
 
-def test_a_session_ended_while_its_step_runs_ahead_leaves_nothing(model_dirs):
+def test_a_session_ended_during_its_run_leaves_nothing(model_dirs):
     runner = ModelRunner(model_dirs["target"])
 
     async def scenario() -> tuple[int, int, int, int]:
         free = runner.pool.free_blocks
-        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
         held = len(runner.run_ahead)
         runner.end_session("a")
-        await asyncio.sleep(0.2)  # the cancelled ahead step leaves the batch
+        await asyncio.sleep(0.2)  # the forward in flight finishes and is thrown away
         gc.collect()  # a session's blocks go back when it is dropped
         left = (len(runner.run_ahead), len(runner.sessions), free - runner.pool.free_blocks)
         await runner.close()
@@ -115,31 +150,31 @@ def test_a_session_ended_while_its_step_runs_ahead_leaves_nothing(model_dirs):
 
 
 def test_no_step_is_scored_past_eos(model_dirs):
-    """An argmax that is EOS ends the request at the gateway: nothing to score ahead."""
+    """An answer that is EOS ends the request at the gateway: no run starts after it."""
     runner = ModelRunner(model_dirs["target"])
+    answers = Answers()
 
     async def scenario() -> int:
         first = await runner.score("probe", 0, PROMPT, [], Transform())
-        runner.info = dataclasses.replace(runner.info, eos_token_ids=(first.argmax[0],))
-        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
+        runner.info = dataclasses.replace(runner.info, eos_token_ids=(first.plain_token(),))
+        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
         held = len(runner.run_ahead)
         await runner.close()
         return held
 
-    assert asyncio.run(scenario()) == 0
+    assert asyncio.run(scenario()) == 0 and answers.by_index == {}
 
 
-def test_a_session_ended_while_a_step_waits_for_its_ahead_step_leaves_nothing(model_dirs):
-    """The client went away just as its next step arrived: the step waiting for the ahead
-    one is cancelled and the session ended. The ahead step must not put it back after."""
+def test_a_session_ended_while_a_step_waits_for_its_run_to_stop_leaves_nothing(model_dirs):
+    """The client went away just as its next step arrived: the step waiting for the run to
+    stop is cancelled and the session ended. The run must not put it back after."""
     runner = ModelRunner(model_dirs["target"])
 
     async def scenario() -> tuple[int, int, int]:
         free = runner.pool.free_blocks
-        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=True)
-        assert first.argmax is not None
-        waiting = asyncio.ensure_future(runner.score("a", len(PROMPT), [first.argmax[0]], [], Transform()))
-        await asyncio.sleep(0)  # it is waiting for the ahead step now
+        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
+        waiting = asyncio.ensure_future(runner.score("a", len(PROMPT), [first.plain_token()], [1, 2], Transform()))
+        await asyncio.sleep(0)  # it is waiting for the run to stop now
         waiting.cancel()
         runner.end_session("a")
         await asyncio.wait([waiting])
@@ -150,37 +185,37 @@ def test_a_session_ended_while_a_step_waits_for_its_ahead_step_leaves_nothing(mo
         await runner.close()
         return left
 
-    assert asyncio.run(scenario()) == (0, 0, 1)  # and the ahead step is counted once
+    assert asyncio.run(scenario()) == (0, 0, 1)  # and the run is counted once
 
 
-def test_an_ahead_step_with_no_room_evicts_nothing_and_keeps_the_session(model_dirs):
-    """A pool of three blocks of 16 positions, all held: the ahead step that needs a fourth
-    is a bet, so it evicts no other session and gives its own back; the step asked for then
-    takes the room it needs, as any step does."""
+def test_a_run_without_room_evicts_nothing_and_tells_the_gateway(model_dirs):
+    """A pool of three blocks of 16 positions, all held: the run, a bet, evicts no other
+    session; it answers its next step None (the gateway then asks it), and that step takes
+    the room it needs, as any asked step does."""
     from specd.worker.settings import BatchSettings
 
     runner = ModelRunner(model_dirs["target"], batching=BatchSettings(kv_cache_tokens=48))
+    answers = Answers()
 
-    async def scenario() -> tuple[bool, set[str], bool]:
+    async def scenario() -> tuple[set[str], Scores | None, int, bool]:
         await runner.score("b", 0, list(range(5, 36)), [], Transform())  # 31 positions: two blocks
-        first = await runner.score("a", 0, list(range(5, 20)), [], Transform(), run_ahead=True)  # the third
-        assert first.argmax is not None
-        second = await runner.score("a", 15, [first.argmax[0]], [], Transform(), run_ahead=True)
-        assert second.argmax is not None
-        await asyncio.sleep(0.1)  # the next ahead step needs a fourth block: none is free
+        first = await runner.score("a", 0, list(range(5, 20)), [], Transform(), run_ahead=5,
+                                   answer_ahead=answers)  # 15 positions, the third block; the run needs a fourth
+        await answers.wait_for(2)
         held = set(runner.sessions._sessions)
-        assert len(runner.run_ahead) == 0 and runner.run_ahead.dropped == 1  # the failed bet left the table
-        third = await runner.score("a", 16, [second.argmax[0]], [], Transform())
+        asked = await runner.score("a", 16, [answers.by_index[1].plain_token()], [], Transform())
         await runner.close()
-        return second.ran_ahead, held, third.ran_ahead
+        return held, answers.by_index[2], first.plain_token(), asked.ran_ahead
 
-    assert asyncio.run(scenario()) == (True, {"a", "b"}, False)
+    held, second, _, ran_ahead = asyncio.run(scenario())
+    assert held == {"a", "b"} and second is None and not ran_ahead
+    assert answers.by_index[1] is not None and runner.run_ahead.dropped == 1  # cut short
 
 
 def test_plain_requests_through_the_services_are_answered_ahead(model_dirs, target_model, tokenizer):
-    """Mode OFF through real gRPC services: the gateway asks each plain step to run ahead,
-    the verifier answers from its ahead steps (its /metrics counts them), and the output is
-    the target decoding alone."""
+    """Mode OFF through real gRPC services: the gateway lets each plain step run ahead, the
+    verifier answers the steps after it unasked (its /metrics counts them), and the output
+    is the target decoding alone."""
     import urllib.request
 
     from conftest import request, start_stack
@@ -196,5 +231,23 @@ def test_plain_requests_through_the_services_are_answered_ahead(model_dirs, targ
         answered = sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                        if line.startswith("specd_worker_run_ahead_steps_total{") and 'outcome="answered"' in line)
         assert answered >= response.stats.steps - 2  # all but the first step, and EOS aside
+    finally:
+        running.close()
+
+
+def test_runs_the_verifier_refuses_leave_the_gateway_asking_each_step(model_dirs, target_model, tokenizer):
+    """A verifier whose queue is too short for bets (`max_queue` 1: half of it is none)
+    answers every reserved step ABORTED at once; the gateway asks each step itself, and
+    the output is still the target decoding alone."""
+    from conftest import request, start_stack
+    from specd.worker.settings import BatchSettings
+    from test_pipeline import reference_greedy
+
+    running = start_stack(model_dirs, batching=BatchSettings(max_queue=1))
+    try:
+        response = running.stub.Generate(request("def f(x):", max_new_tokens=24, mode="OFF"))
+        assert list(response.token_ids) == reference_greedy(target_model, tokenizer, "def f(x):", 24)
+        runner = running.verifier.servicer.target
+        assert runner.run_ahead.answered == 0 and runner.run_ahead.dropped >= response.stats.steps - 2
     finally:
         running.close()

@@ -75,7 +75,8 @@ def check_trace(spans: list[dict], response) -> None:
     assert all(s["parent_span_id"] == generate["span_id"] for s in steps)
     rows = step_rows(spans)
     for row in rows:
-        assert row.verify is not None, "every step has its verifier span as a child"
+        # A step the verifier answered unasked (run-ahead) has no verifier span of its own.
+        assert (row.verify is None) == row.attr("specd.ran_ahead", False), "every asked step has its verifier span"
         if row.model_free:  # drafted in the gateway: no draft hop, no draft span
             assert row.draft is None and row.attr("specd.draft.hop_ms") < 5.0
         elif row.attr("specd.draft_length"):
@@ -86,7 +87,8 @@ def check_trace(spans: list[dict], response) -> None:
             assert proposed >= row.attr("specd.draft_length") if in_hand else proposed == row.attr("specd.draft_length")
         if row.attr("specd.draft.recovery_ms", None) is not None:  # sampled: the draft drew the recovered token
             assert row.attr("specd.token.kind") == "recovered" and row.attr("specd.proposer") not in MODEL_FREE
-        assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
+        if row.verify is not None:
+            assert row.verify["attributes"]["specd.positions_scored"] == row.attr("specd.draft_length") + 1
         assert row.gateway_ms > -0.5, "a step's hops were spent inside its span"
     assert sum(r.attr("specd.draft_length") for r in rows) == stats.proposed_tokens
     assert sum(r.attr("specd.accepted") for r in rows) == stats.accepted_tokens
@@ -174,7 +176,11 @@ def test_plain_decoding_traces_verifier_hops_only(traced_stack, memory_spans):
     spans = [s for s in as_records(memory_spans.get_finished_spans()) if s["trace_id"] == response.trace_id]
     check_trace(spans, response)
     assert not [s for s in spans if s["name"] == "specd.draft.propose"]
-    assert {r.attr("specd.token.kind") for r in step_rows(spans)} == {"target"}
+    rows = step_rows(spans)
+    assert {r.attr("specd.token.kind") for r in rows} == {"target"}
+    # The first step let the verifier score the rest unasked: one verifier span in all.
+    assert [r.attr("specd.ran_ahead", False) for r in rows] == [False] + [True] * (len(rows) - 1)
+    assert rows[0].verify["attributes"]["specd.run_ahead_steps"] == 5
 
 
 def test_show_renders_the_step_table(traced_stack, memory_spans):

@@ -12,7 +12,10 @@ import grpc
 from opentelemetry import trace
 
 from specd import wire
+from specd.errors import AheadStopped, InvalidArgument
 from specd.grpcserver import RunningServer, start_server
+from specd.sampling import Transform
+from specd.steps import Scores
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.worker import service
 from specd.worker.metrics import start_worker_metrics
@@ -21,6 +24,9 @@ from specd.worker.settings import VerifierSettings
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
+# The most plain steps one step may ask the verifier to score ahead (each reserves a step
+# id at the gateway); the gateway asks fewer (`gateway.engine.RUN_AHEAD_STEPS`).
+MAX_RUN_AHEAD_STEPS = 4096
 
 
 class VerifierServicer(worker_pb2_grpc.VerifierServicer):
@@ -42,38 +48,52 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
             async for message in results:
                 yield message
 
-    async def _verify(self, request: worker_pb2.VerifyRequest,
-                      stream: service.StepStream) -> worker_pb2.VerifyResponse:
+    async def _verify(self, request: worker_pb2.VerifyRequest, stream: service.StepStream,
+                      step_id: int) -> worker_pb2.VerifyResponse:
         target = self.target
         if request.HasField("expected_model"):  # a step that opens a session
             service.check_model(request.expected_model, target.info, "verifier")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
         service.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
+        if request.run_ahead_steps > MAX_RUN_AHEAD_STEPS:
+            raise InvalidArgument(f"run_ahead_steps is {request.run_ahead_steps}; at most {MAX_RUN_AHEAD_STEPS}")
+
+        def answer_ahead(index: int, scores: Scores | None) -> None:
+            # The steps after this one take the step ids the gateway reserved after its id.
+            stream.answer(step_id + index, _response(scores, transform) if scores is not None else AheadStopped(
+                f"the verifier stopped scoring ahead before step {index} after the one asked"))
+
         session = stream.session(target, delta.session_id)
         scores = await service.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead,
-                         wire.next_draws_from_pb(request)),
+                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead_steps,
+                         wire.next_draws_from_pb(request), answer_ahead),
             lambda scores: {
                 **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
-                "specd.positions_scored": len(request.draft_tokens) + 1, "specd.ran_ahead": scores.ran_ahead})
-        response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch),
-                                             ran_ahead=scores.ran_ahead)
-        if scores.argmax is not None:
-            response.target_argmax.extend(scores.argmax)
+                "specd.positions_scored": len(request.draft_tokens) + 1,
+                "specd.run_ahead_steps": request.run_ahead_steps})
+        return _response(scores, transform)
+
+
+def _response(scores: Scores, transform: Transform) -> worker_pb2.VerifyResponse:
+    """A step's scores as the gateway reads them: the argmax, or the sampled verdict."""
+    response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch),
+                                         ran_ahead=scores.ran_ahead)
+    if scores.argmax is not None:
+        response.target_argmax.extend(scores.argmax)
+    else:
+        assert scores.verdict is not None  # sampled: the verdict
+        verdict = scores.verdict
+        response.accepted = verdict.accepted
+        if verdict.bonus_token is not None:
+            response.bonus_token = verdict.bonus_token
         else:
-            assert scores.verdict is not None  # sampled: the verdict
-            verdict = scores.verdict
-            response.accepted = verdict.accepted
-            if verdict.bonus_token is not None:
-                response.bonus_token = verdict.bonus_token
-            else:
-                assert verdict.rejected_row is not None  # a rejection carries p's row
-                response.target_probs.CopyFrom(wire.pack_distributions(verdict.rejected_row[None], transform.sparse))
-        return response
+            assert verdict.rejected_row is not None  # a rejection carries p's row
+            response.target_probs.CopyFrom(wire.pack_distributions(verdict.rejected_row[None], transform.sparse))
+    return response
 
 
 async def create_server(settings: VerifierSettings) -> RunningServer:

@@ -164,6 +164,14 @@ class StepRow:
         return self.step["attributes"].get(key, default)
 
     @property
+    def verify_forward_ms(self) -> float | None:
+        """The target's forward time for this step: its verifier span's, or, for a step the
+        verifier answered unasked (no span of its own), what the answer reported."""
+        if self.attr("specd.ran_ahead", False):
+            return self.attr("specd.verify.forward_ms", None)
+        return _forward(self.verify)
+
+    @property
     def model_free(self) -> bool:
         """The step's proposal was made in the gateway, with no draft hop (gateway.proposers)."""
         return self.attr("specd.proposer", "") in MODEL_FREE
@@ -248,7 +256,7 @@ def render(spans: list[dict]) -> str:
             f"{row.attr('specd.step.index'):>4} {row.attr('specd.draft_length'):>3} {row.attr('specd.accepted'):>4} "
             f"{'-' if rejected is None else rejected:>4} {row.attr('specd.token.kind', '?'):>9} "
             f"{_ms(row.attr('specd.draft.hop_ms')):>9} {_ms(_forward(row.draft)) if drafted else '-':>7} "
-            f"{_ms(row.attr('specd.verify.hop_ms')):>10} {_ms(_forward(row.verify)):>7} "
+            f"{_ms(row.attr('specd.verify.hop_ms')):>10} {_ms(row.verify_forward_ms):>7} "
             f"{_ms(row.gateway_ms):>11} {row.attr('specd.draft.bytes') + row.attr('specd.verify.bytes'):>9,}"
             + (f" {row.attr('specd.proposer', '-')[:15]:>15}" if by else "")
             + (f" {_overlap_cell(row):>14}" if overlapped else ""))
@@ -277,11 +285,16 @@ def summary(rows: list[StepRow], request: dict | None) -> list[str]:
     lines.append("time per hop, summed over steps (ms):")
     for hop in ("draft", "verify"):
         # Plain target steps (γ = 0) have no draft hop, hence no draft span; nor do steps a
-        # model-free proposer drafted in the gateway.
-        hopped = [r for r in rows if hop == "verify" or (r.attr("specd.draft_length") and not r.model_free)]
+        # model-free proposer drafted in the gateway. Steps the verifier answered unasked
+        # (run-ahead) have no verifier span: their forward time is the step's own attribute.
+        if hop == "draft":
+            hopped = [r for r in rows if r.attr("specd.draft_length") and not r.model_free]
+            forward_ms = sum(_forward(r.draft) or 0.0 for r in hopped)
+        else:
+            hopped = [r for r in rows if not r.attr("specd.ran_ahead", False)]
+            forward_ms = sum(r.verify_forward_ms or 0.0 for r in rows)
         hop_ms = sum(r.attr(f"specd.{hop}.hop_ms") for r in rows)
         workers = [getattr(r, hop) for r in hopped]
-        forward_ms = sum(_forward(w) or 0.0 for w in workers if w is not None)
         missing = sum(w is None for w in workers)
         note = f"; {missing} worker spans missing" if missing else ""
         lines.append(f"  {hop:<8} {hop_ms:9.1f}  (model forward {forward_ms:.1f}, wire and queue "

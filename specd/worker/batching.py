@@ -47,6 +47,9 @@ class Job:
         self.largest = (0, 0)  # (sessions, tokens) of the largest forward it shared
         self.open_sessions = 0  # sessions the worker held at the step's first forward
         self.future: asyncio.Future | None = None
+        # An answer the job hands out while it goes on (`specd.worker.jobs.AheadRun`): a
+        # callable for the event loop, and its arguments.
+        self.published: tuple[Callable[..., None], tuple] | None = None
 
     def batch_stats(self) -> BatchStats:
         queue_ms = ((self.started or self.submitted) - self.submitted) * 1e3
@@ -96,6 +99,7 @@ class Scheduler:
         self._forward_ms = 10.0  # EMA of one forward, for retry hints
         self._running: list[Job] = []  # the jobs of the forwards on the model's thread now
         self._other_work = 0  # calls waiting for the model's thread besides the forwards (`on_model_thread`)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the jobs' futures belong to
 
     @property
     def busy(self) -> bool:
@@ -113,6 +117,17 @@ class Scheduler:
 
     async def submit(self, job: Job) -> Any:
         """Queue a job and wait for its result; raises Overloaded when the queue is full."""
+        future = self.enqueue(job)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            job.cancelled = True  # leaves the batch at its next forward
+            raise
+
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """Queue a job; its result lands on the future returned (`job.future`). Overloaded
+        when the queue is full. Whoever holds the future without awaiting it stops the job
+        by setting `job.cancelled` and cancelling the future."""
         if len(self._queue) >= self.settings.max_queue:
             waves = len(self._queue) / max(1, self.settings.max_batch_tokens // 8) + 1
             retry = self._forward_ms * waves
@@ -123,11 +138,7 @@ class Scheduler:
         job.future = asyncio.get_running_loop().create_future()
         self._queue.append(job)
         self._wake.set()
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.cancelled = True  # leaves the batch at its next forward
-            raise
+        return job.future
 
     async def on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the model's thread, between two forwards: a job's run of forwards
@@ -141,7 +152,8 @@ class Scheduler:
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="specd-batch-loop")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run(), name="specd-batch-loop")
 
     def _next_batch(self) -> tuple[list[Job], list[BatchRow]]:
         """Jobs from the head of the queue whose next chunks fit in max_batch_tokens."""
@@ -153,6 +165,8 @@ class Scheduler:
             job = self._queue[0]
             if job.cancelled:
                 self._queue.popleft()
+                if job.future is not None:  # it may have no awaiter to cancel it: its callbacks must run
+                    job.future.cancel()
                 continue
             size = job.next_size(chunk)
             if rows and tokens + size > self.settings.max_batch_tokens:
@@ -199,6 +213,7 @@ class Scheduler:
             return [exc] * len(jobs)
         elapsed = (time.perf_counter() - began) * 1e3
         outcomes: list[BaseException | bool] = []
+        published = []
         shared = (len(rows), sum(len(r.tokens) for r in rows))
         for job, row_logits in zip(jobs, logits):
             job.forward_ms += elapsed
@@ -208,6 +223,12 @@ class Scheduler:
                 outcomes.append(job.consume(row_logits))
             except Exception as exc:
                 outcomes.append(exc)
+            if job.published is not None:
+                published.append(job.published)
+                job.published = None
+        if published:  # now, not when this run of forwards ends: the gateway waits for them
+            assert self._loop is not None  # the jobs were queued on it
+            self._loop.call_soon_threadsafe(_hand_out, published)
         self._forward_ms += 0.1 * (elapsed - self._forward_ms)
         return outcomes
 
@@ -283,3 +304,9 @@ class Scheduler:
             if job.future is not None and not job.future.done():
                 job.future.set_exception(RuntimeError("the model is shutting down"))
         self._queue.clear()
+
+
+def _hand_out(published: list[tuple[Callable[..., None], tuple]]) -> None:
+    """Event loop: the answers that jobs handed out while they went on."""
+    for hand, args in published:
+        hand(*args)

@@ -6,6 +6,9 @@ the services send back. Pure torch on the model's thread (`consume`); no gRPC.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from specd.rejection import Draws, recovered_token, sample, target_verdict
@@ -91,6 +94,24 @@ class ProposeJob(Job):
                         tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
 
 
+class AheadRun:
+    """Plain steps a `ScoreJob` scores one after another on the model's thread, unasked
+    (`specd.worker.runahead`): up to `steps`, each fed the token the one before committed,
+    and each answer handed to `answer(index, scores)` on the event loop (index 1 for the
+    first). It stops early at EOS, at the context's end, without room in the pool (a bet
+    evicts nothing), or when told to (`stopping`, set from the event loop)."""
+
+    def __init__(self, steps: int, answer: Callable[[int, Scores | None], None], eos_token_ids: tuple[int, ...],
+                 max_context: int) -> None:
+        self.steps = steps
+        self.answer = answer
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+        self.answered = 0  # steps answered so far
+        self.stopping = False  # another step of the session came: stop after the forward in flight
+        self.cut_short = False  # it stopped at the context's end or for want of room: the gateway must ask on
+
+
 class ScoreJob(Job):
     """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions.
 
@@ -99,9 +120,9 @@ class ScoreJob(Job):
     """
 
     def __init__(self, session: SessionKV, feed: list[int], draft_tokens: list[int], transform: Transform,
-                 draft_token_probs: list[float], draws: Draws | None, ahead: bool = False) -> None:
+                 draft_token_probs: list[float], draws: Draws | None, run: AheadRun | None = None) -> None:
         super().__init__(session, feed + draft_tokens, keep=len(draft_tokens) + 1)
-        self.ahead = ahead  # scored before the gateway asked for it (specd.worker.runahead)
+        self.run = run  # plain steps scored ahead, unasked (specd.worker.runahead)
         self.draft_tokens = draft_tokens
         self.transform = transform
         self.draft_token_probs = draft_token_probs
@@ -117,8 +138,29 @@ class ScoreJob(Job):
             assert self.draws is not None  # a sampled step carries the gateway's draws (checked on arrival)
             p = probs_from_logits(logits, self.transform)
             self.scores = Scores(None, target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws), 0.0)
+        return self.run is None or not self._go_on(self.run)
+
+    def _go_on(self, run: AheadRun) -> bool:
+        """Model's thread, a step of a run scored: hand its answer out and, unless the run
+        ends here, become the next step (fed this one's token; sampled runs are one step
+        long, as the gateway sends one uniform ahead)."""
+        scores = self.result()
+        run.answered += 1
+        self.published = (run.answer, (run.answered, scores))
+        token = scores.plain_token()
+        known = len(self.session.tokens)
+        if run.answered == run.steps or run.stopping or self.cancelled or token in run.eos_token_ids:
+            return False  # the run is over, or the gateway will not ask what follows
+        if known + 1 >= run.max_context or not self.session.reserve(known + 1):
+            run.cut_short = True
+            return False
+        self.session.tokens.append(token)
+        self.pending, self.scores = [token], None
+        self.submitted = self.started = time.perf_counter()
+        self.forward_ms, self.forwards, self.largest = 0.0, 0, (0, 0)
         return True
 
     def result(self) -> Scores:
         assert self.scores is not None  # the job finished: consume() scored it
-        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats(), self.ahead)
+        ahead = self.run is not None
+        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats(), ahead)

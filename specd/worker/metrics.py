@@ -38,9 +38,9 @@ class WorkerCollector(Collector):
                                        "Sessions with branches pre-drafted for their next step (overlap).",
                                        labels=labels)
         run_ahead = CounterMetricFamily(PREFIX + "run_ahead_steps",
-                                        "Plain steps scored ahead (verifier), by outcome: answered (the step asked "
-                                        "for) or dropped (another step came, it could not run, or the session "
-                                        "ended or was evicted).",
+                                        "Plain steps the verifier scored ahead and answered unasked (outcome "
+                                        "answered), and runs of them cut short (outcome dropped: by another step "
+                                        "of the session, its end or eviction, a full KV pool, a failed forward).",
                                         labels=[*labels, "outcome"])
         for name, runner in self.runners.items():
             run_ahead.add_metric([name, self.role, "answered"], runner.run_ahead.answered)

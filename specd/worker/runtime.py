@@ -30,11 +30,15 @@ from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Reco
 from specd.worker import kvstore
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
-from specd.worker.jobs import ProposeJob, ScoreJob
+from specd.worker.jobs import AheadRun, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
-from specd.worker.runahead import PlainStep, RunAhead
+from specd.worker.runahead import RunAhead
 from specd.worker.settings import BatchSettings
+
+# How a run of plain steps scored ahead answers each: (its index, 1 first; its scores, or
+# None when the run stopped before it).
+AnswerAhead = Callable[[int, "Scores | None"], None]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,14 +60,6 @@ def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tupl
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-def _plain_token(scores: Scores) -> int:
-    """The token a plain step commits: the argmax, or the token its uniform drew from p."""
-    if scores.argmax is not None:
-        return scores.argmax[0]
-    assert scores.verdict is not None and scores.verdict.bonus_token is not None  # a plain verdict's bonus
-    return scores.verdict.bonus_token
 
 
 @dataclass(frozen=True)
@@ -313,17 +309,10 @@ class ModelRunner:
             raise
         return session, feed
 
-    async def _step(self, session_id: str, session: SessionKV, job: Job, keep_on_failure: int | None = None):
-        """Run a job through the scheduler; put the session back only if it succeeded, or,
-        for a bet (`keep_on_failure`), cropped back to that many tokens if it failed."""
+    async def _step(self, session_id: str, session: SessionKV, job: Job):
+        """Run a job through the scheduler; put the session back only if it succeeded."""
         try:
             result = await self.scheduler.submit(job)
-        except Exception:
-            if keep_on_failure is not None:
-                session.crop(keep_on_failure)
-                session.tokens = session.tokens[:keep_on_failure]
-                self.sessions.put(session_id, session)
-            raise
         finally:
             self.sessions.release()
         self.sessions.put(session_id, session)
@@ -428,15 +417,18 @@ class ModelRunner:
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, draft_token_probs: Sequence[float] = (),
-                    draws: Draws | None = None, run_ahead: bool = False,
-                    next_draws: Draws | None = None) -> Scores:
+                    draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None,
+                    answer_ahead: AnswerAhead | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
         draft tokens this is one plain decoding step (one position). A sampled step needs
-        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict. With
-        run_ahead (a plain step; sampled, with the next step's `next_draws`), the next plain
-        step is scored at once, for the gateway's next request (`specd.worker.runahead`).
+        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict.
+
+        With `run_ahead` (a plain step), up to that many plain steps after this one are
+        scored next, unasked, each answered with `answer_ahead(index, scores)` (index 1
+        first; scores None: the run stopped before that step); sampled, one step, with its
+        uniform `next_draws` (`specd.worker.runahead`).
         """
         if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
                                      or len(draft_token_probs) != len(draft_tokens)):
@@ -446,46 +438,65 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
                              f"{self.info.vocab_size}")
-        plain = None if draft_tokens or len(tokens) != 1 else PlainStep(start, tokens[0], transform, draws)
-        scores = await self.run_ahead.take(session_id, plain)
-        if scores is None:
-            session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
-            if not feed:
-                self.sessions.release()
-                raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
-            session.tokens.extend(draft_tokens)
-            job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
-            scores = await self._step(session_id, session, job)
-        if run_ahead and not draft_tokens and (transform.greedy or next_draws is not None):
-            next_step = PlainStep(start + len(tokens), _plain_token(scores), transform,
-                                  None if transform.greedy else next_draws)
-            self._score_ahead(session_id, next_step)
+        if run_ahead and (draft_tokens or answer_ahead is None):
+            raise InvalidArgument("only a plain step (no draft tokens) may run ahead")
+        if run_ahead and not transform.greedy and (run_ahead > 1 or next_draws is None):
+            raise InvalidArgument(f"a sampled step runs ahead one step, with the next step's uniform; asked "
+                                  f"{run_ahead} with {'one' if next_draws is not None else 'none'}")
+        await self.run_ahead.stop(session_id)  # any other step stops the session's run
+        session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
+        if not feed:
+            self.sessions.release()
+            raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
+        session.tokens.extend(draft_tokens)
+        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
+        scores = await self._step(session_id, session, job)
+        if run_ahead and answer_ahead is not None:
+            self._run_ahead(session_id, scores.plain_token(), transform, next_draws, run_ahead, answer_ahead)
         return scores
 
-    def _score_ahead(self, session_id: str, step: PlainStep) -> None:
-        """Score the plain `step` now, for the gateway's next request; not past EOS or the
-        context, nor while the queue is half full: a bet must not take the room of steps
-        that were asked for."""
-        if step.token in self.info.eos_token_ids or step.start + 1 >= self.info.max_context:
+    def _run_ahead(self, session_id: str, token: int, transform: Transform, draws: Draws | None, steps: int,
+                   answer: AnswerAhead) -> None:
+        """Score up to `steps` plain steps after the one that committed `token`, unasked. Not
+        past EOS or the context, nor while the queue is half full (a bet must not take the
+        room of steps that were asked for), nor without room in the pool (a bet evicts
+        nothing): then the first step is answered None, and the gateway asks it itself."""
+        if token in self.info.eos_token_ids:  # the gateway ends the request here
             return
-        if not self.sessions.holds(session_id):  # it ended while this step ran
+        session = self.sessions.take(session_id) if self.sessions.holds(session_id) else None
+        if session is None:  # it ended while this step ran
             return
-        if self.scheduler.queued >= self.scheduler.settings.max_queue // 2:
-            return
-        task = asyncio.get_running_loop().create_task(self._ahead_step(session_id, step))
-        self.run_ahead.start(session_id, step, task)
-
-    async def _ahead_step(self, session_id: str, step: PlainStep) -> Scores:
-        """The step scored ahead, a bet. It takes the session when it starts, not before, so
-        that cancelling it before then (the session ended) leaves the store as it was. It
-        evicts no other session for room, and when it fails (no room, a full queue, a failed
-        forward) it puts the session back as it found it: the step is then scored as asked."""
-        start = step.start
-        session = self.sessions.take(session_id)
-        if len(session.tokens) != start or not session.reserve(start + 1):
+        start = len(session.tokens)
+        if (start + 1 >= self.info.max_context or self.scheduler.queued >= self.scheduler.settings.max_queue // 2
+                or not session.reserve(start + 1)):
             self.sessions.put(session_id, session)
             self.sessions.release()
-            raise Overloaded(f"no room in {self.info.name}'s KV pool to score a step ahead", 0.0)
-        session.tokens.append(step.token)
-        job = ScoreJob(session, session.tokens[session.length:], [], step.transform, [], step.draws, ahead=True)
-        return await self._step(session_id, session, job, keep_on_failure=start)
+            self.run_ahead.dropped += 1
+            answer(1, None)
+            return
+        session.tokens.append(token)
+        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context)
+        job = ScoreJob(session, [token], [], transform, [], draws, run)
+        future = self.scheduler.enqueue(job)
+        future.add_done_callback(lambda done: self._run_ended(session_id, job, run))
+        self.run_ahead.start(session_id, job, future)
+
+    def _run_ended(self, session_id: str, job: ScoreJob, run: AheadRun) -> None:
+        """A run's end, however it came: the session goes back to the store (cropped to its
+        answered steps if a forward failed), unless the session ended. A run that failed or
+        was cut short answers its next step None, for the gateway to ask it; one that
+        stopped at EOS or for another step of the session need not."""
+        assert job.future is not None
+        self.run_ahead.answered += run.answered
+        failed = job.future.cancelled() or job.future.exception() is not None
+        if not job.cancelled:
+            if failed:
+                kept = len(job.session.tokens) - 1  # the failed step's token is not committed
+                job.session.crop(kept)
+                job.session.tokens = job.session.tokens[:kept]
+            self.sessions.put(session_id, job.session)
+            if failed or run.cut_short:
+                run.answer(run.answered + 1, None)
+        if job.cancelled or run.stopping or failed or run.cut_short:
+            self.run_ahead.dropped += 1
+        self.sessions.release()

@@ -44,11 +44,14 @@ Result = TypeVar("Result")
 
 
 class StepStream:
-    """One gateway's stream: the owner of the sessions its steps open."""
+    """One gateway's stream: the owner of the sessions its steps open. `answer(step_id,
+    response or exception)` answers a step the gateway reserved but did not send (the
+    verifier's run-ahead, `specd.worker.runahead`), in the stream's next results message."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Callable[[int, Any], None] = lambda step_id, outcome: None) -> None:
         self.id = uuid.uuid4().hex
         self._opened: dict[tuple[int, str], tuple[ModelRunner, str]] = {}
+        self.answer = answer
 
     def session(self, runner: ModelRunner, session_id: str) -> str:
         """The runtime's key of this stream's session `session_id` on `runner`, which a
@@ -76,9 +79,9 @@ class StepStream:
 class _Steps:
     """The steps of one stream that are running, and the results not yet sent."""
 
-    def __init__(self, step: Callable[[Any, StepStream], Awaitable[Any]], result_type: Callable[..., Any],
+    def __init__(self, step: Callable[[Any, StepStream, int], Awaitable[Any]], result_type: Callable[..., Any],
                  method: str) -> None:
-        self.stream = StepStream()
+        self.stream = StepStream(self._answer)
         self._step, self._result_type, self._method = step, result_type, method
         self.running: dict[str, tuple[asyncio.Task, int]] = {}  # session id → its step in flight, and its id
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # session id → when its request's deadline passes
@@ -106,7 +109,7 @@ class _Steps:
 
     async def _run(self, entry, session_id: str) -> None:
         try:
-            response = await self._step(entry.request, self.stream)
+            response = await self._step(entry.request, self.stream, entry.step_id)
         except asyncio.CancelledError:  # its session ended, which answered the step
             return
         except Exception as exc:  # noqa: BLE001 - a step fails alone, with a status
@@ -117,6 +120,14 @@ class _Steps:
         finally:
             if self.running.get(session_id, (None,))[0] is asyncio.current_task():
                 del self.running[session_id]
+
+    def _answer(self, step_id: int, outcome: Any) -> None:
+        """Answer a reserved step: a response, or the exception it failed with."""
+        if isinstance(outcome, BaseException):
+            self._finish(step_id, outcome)
+        else:
+            self.finished.append(self._result_type(step_id=step_id, response=outcome))
+            self.ready.set()
 
     def end_session(self, session_id: str) -> None:
         """The session is over: cancel a step of it still running (answered CANCELLED, so
@@ -153,11 +164,11 @@ class _Steps:
         self.stream.end()
 
 
-async def serve_multiplexed(messages: AsyncIterator, step: Callable[[Request, StepStream], Awaitable[Response]],
+async def serve_multiplexed(messages: AsyncIterator, step: Callable[[Request, StepStream, int], Awaitable[Response]],
                             results_type: Callable[..., Any], result_type: Callable[..., Any],
                             method: str) -> AsyncGenerator[Any, None]:
-    """Serve one multiplexed stream: run every step of every message with `step`, and
-    answer with `results_type` messages of `result_type` results (see the module's text).
+    """Serve one multiplexed stream: run every step of every message with `step(request,
+    stream, step_id)`, and answer with `results_type` messages of `result_type` results (see the module's text).
 
     The stream ends once the gateway has stopped sending and every step has answered;
     its sessions end with it, whatever ended it.
