@@ -74,11 +74,11 @@ class VerifierClient(Protocol):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = ()) -> Scores:
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
         its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
-        run_ahead: up to that many plain steps follow (sampled: one, under `next_draws`), so
-        the verifier may score them at once (`specd.worker.runahead`)."""
+        run_ahead: up to that many plain steps follow (sampled: each with its uniform in
+        `ahead_uniforms`), so the verifier may score them at once (`specd.worker.runahead`)."""
         ...
 
     def advance(self, position: int) -> None:
@@ -153,7 +153,7 @@ class _Speculation:
         self.steps = 0
         self.last_commit = time.perf_counter()  # when the last step committed (at first: the start)
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
-        self.drawn_ahead: Draws | None = None  # this step's draws, drawn by the last step for run-ahead
+        self.drawn_ahead: list[float] = []  # uniforms drawn early for run-ahead, not yet taken by a step
         # The next step's proposal, brought by this step's recovery hop (sampled, a rejection).
         self.in_hand: _DraftHop | None = None
         self.no_proposal = _DraftHop([])  # γ = 0, or the draft is lost
@@ -238,11 +238,13 @@ class _Speculation:
             # The gateway draws every uniform of the step; the verifier tests the proposal with
             # them and sends back the bonus token or p's row at the first rejection.
             draws = self._draws(len(hop.tokens))
-            # Drawn now rather than at the next step: the order of the draws is the same.
-            next_draws = Draws.draw(0, self.generator) if self._plain_next(hop) else None
-            self.drawn_ahead = next_draws
+            # The uniforms of the plain steps the verifier may run ahead: drawn now rather than
+            # at their steps, which take them in turn, so the order of the draws is the same.
+            run_ahead = self._run_ahead(hop)
+            while len(self.drawn_ahead) < run_ahead:
+                self.drawn_ahead.append(Draws.draw(0, self.generator).final)
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                hop.token_probs, draws, int(next_draws is not None), next_draws)
+                                                hop.token_probs, draws, run_ahead, self.drawn_ahead[:run_ahead])
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
@@ -286,20 +288,18 @@ class _Speculation:
         return proposal.recovered
 
     def _draws(self, gamma: int) -> Draws:
-        """This step's uniforms: drawn now, or, when the last step let the verifier run ahead,
-        its one uniform drawn then. If this step proposes after all (the policy guessed
-        wrong), that uniform is the first of its γ + 1 and the rest are drawn now: a fixed
-        order of independent uniforms, so the law is the same and a seed gives the same output."""
-        if self.drawn_ahead is None:
-            return Draws.draw(gamma, self.generator)
-        first, self.drawn_ahead = self.drawn_ahead.final, None
-        if gamma == 0:
-            return Draws((), first)
-        rest = Draws.draw(gamma - 1, self.generator)
-        return Draws((first, *rest.accept), rest.final)
+        """This step's γ + 1 uniforms: first those drawn early for run-ahead (in the order they
+        were drawn), then new ones. If this step proposes after all (the policy guessed
+        wrong), it takes them all the same: a fixed order of independent uniforms, so the
+        law is the same and a seed gives the same output."""
+        taken, self.drawn_ahead = self.drawn_ahead[:gamma + 1], self.drawn_ahead[gamma + 1:]
+        if len(taken) < gamma + 1:
+            fresh = Draws.draw(gamma - len(taken), self.generator)
+            taken += [*fresh.accept, fresh.final]
+        return Draws(tuple(taken[:-1]), taken[-1])
 
     def _run_ahead(self, hop: _DraftHop) -> int:
-        """How many plain steps after this greedy one the verifier may score unasked: up to
+        """How many plain steps after this one the verifier may score unasked: up to
         `RUN_AHEAD_STEPS`, short of the request's last token and the target's context (0:
         the next step may not be plain)."""
         if not self._plain_next(hop):

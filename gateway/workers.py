@@ -199,7 +199,7 @@ class WorkerLink:
                     async with asyncio.timeout(_sooner(waited, remaining)):
                         response = await answer
                 except BaseException:
-                    stream.forget_reserved(range(step_id + 1, step_id + 1 + reserve))
+                    Reserved(stream, step_id + 1, reserved).drop()  # answers to these will not be read
                     raise
                 finally:
                     stream.forget(step_id)
@@ -327,12 +327,12 @@ class VerifierLink(WorkerLink):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = ()) -> Scores:
         """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses).
 
-        run_ahead: plain steps follow, up to that many (one when sampled, with `next_draws`):
-        the verifier scores them unasked (`specd.worker.runahead`). A plain step that one of
-        them is for takes that answer and sends nothing."""
+        run_ahead: plain steps follow, up to that many (sampled, each with its uniform in
+        `ahead_uniforms`): the verifier scores them unasked (`specd.worker.runahead`). A
+        plain step that one of them is for takes that answer and sends nothing."""
         if self.reserved:
             ahead = self.reserved.expects == (len(committed), committed[-1]) and self.position == len(committed) - 1
             scores = await self._answered_ahead(draft_tokens, transform) if ahead and not draft_tokens else None
@@ -348,8 +348,7 @@ class VerifierLink(WorkerLink):
                 run_ahead_steps=run_ahead)
             if draws is not None:
                 message.uniforms.extend((*draws.accept, draws.final))
-            if next_draws is not None:
-                message.next_uniform = next_draws.final
+            message.ahead_uniforms.extend(ahead_uniforms)
             return message
 
         for _ in range(self.settings.max_reopens + 1):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -82,7 +83,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a small model in the verifier)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    servicer = VerifierServicer(ModelRunner(args.model))
+    runner = ModelRunner(args.model)
+    # Every session decodes all its rounds: a run ends at EOS, which would leave a round waiting.
+    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
+    servicer = VerifierServicer(runner)
     round_ms, step_us = asyncio.run(run(servicer, args.sessions, args.rounds))
     print(f"{args.model}, {args.sessions} sessions, {args.threads} torch thread(s): {round_ms:.2f} ms a round, "
           f"{step_us:.1f} µs of CPU a step")

@@ -141,9 +141,9 @@ def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
     return Draws(tuple(accept), final)
 
 
-def next_draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
-    """The draws of the plain step after this one, sent early for the verifier to run ahead."""
-    return Draws((), request.next_uniform) if request.HasField("next_uniform") else None
+def ahead_draws_from_pb(request: worker_pb2.VerifyRequest) -> list[Draws]:
+    """The draws of the plain steps after this one, sent early for the verifier to run ahead."""
+    return [Draws((), u) for u in request.ahead_uniforms]
 
 
 def verdict_problem(response: worker_pb2.VerifyResponse, gamma: int) -> str | None:

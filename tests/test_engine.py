@@ -72,8 +72,8 @@ class ScriptedVerifier:
         self.run_ahead: list[int] = []  # how many plain steps each step told the verifier follow
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
-                     carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=False,
-                     next_draws=None) -> Scores:
+                     carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=0,
+                     ahead_uniforms=()) -> Scores:
         self.run_ahead.append(run_ahead)
         argmax, prefix = [], list(committed)
         for token in [*draft_tokens, None]:
@@ -174,17 +174,17 @@ def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     assert verifier.run_ahead[:2] == [0, 0] and all(after_loss[:-1]) and after_loss[-1] == 0
 
 
-def test_a_sampled_request_sends_each_next_uniform_early_and_in_order():
-    """Sampled and plain from the first step: each step also carries the next step's uniform,
-    which that step then uses, so the request draws the same uniforms in the same order as
-    without run-ahead, and a seed gives the same output."""
-    sent: list[tuple[float, float | None]] = []
+def test_a_sampled_request_sends_the_uniforms_of_the_steps_ahead_early_and_in_order():
+    """Sampled and plain from the first step: each step also carries the uniforms of the
+    plain steps the verifier may run ahead, which those steps then take in turn, so the
+    request draws the same uniforms in the same order as without run-ahead, and a seed
+    gives the same output."""
+    sent: list[tuple[float, int, list[float]]] = []
 
     class PlainSampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None, run_ahead=False, next_draws=None) -> Scores:
-            sent.append((draws.final, None if next_draws is None else next_draws.final))
-            assert run_ahead == (next_draws is not None)
+                         draws=None, run_ahead=0, ahead_uniforms=()) -> Scores:
+            sent.append((draws.final, run_ahead, list(ahead_uniforms)))
             p = torch.full((1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict([], [], p, draws), 0.0)
 
@@ -196,8 +196,8 @@ def test_a_sampled_request_sends_each_next_uniform_early_and_in_order():
 
     tokens = asyncio.run(drive())
     expected = torch.rand(6, generator=torch.Generator().manual_seed(11), dtype=torch.float64).tolist()
-    assert len(tokens) == 6 and [final for final, _ in sent] == expected
-    assert [ahead for _, ahead in sent] == [*expected[1:], None]
+    assert len(tokens) == 6 and [final for final, _, _ in sent] == expected
+    assert [(run, ahead) for _, run, ahead in sent] == [(5 - i, expected[i + 1:]) for i in range(6)]
 
 
 def test_a_draft_lost_mid_request_leaves_the_rest_to_the_target():
@@ -242,7 +242,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None, run_ahead=False, next_draws=None) -> Scores:
+                         draws=None, run_ahead=0, ahead_uniforms=()) -> Scores:
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
@@ -307,7 +307,7 @@ class LawVerifier(ScriptedVerifier):
         self.steps: list[tuple[int, list[int], torch.Tensor, Draws]] = []
 
     async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
-                     run_ahead=False, next_draws=None) -> Scores:
+                     run_ahead=0, ahead_uniforms=()) -> Scores:
         prefix, rows = list(committed), []
         for token in [*draft_tokens, None]:
             rows.append(_law(prefix, 1))
@@ -389,7 +389,7 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
 
     class EosVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
-                         run_ahead=False, next_draws=None) -> Scores:
+                         run_ahead=0, ahead_uniforms=()) -> Scores:
             p = torch.zeros(len(draft_tokens) + 1, VOCAB)
             p[0, EOS], p[1:, 5] = 1.0, 1.0  # EOS surely accepted, 3 surely rejected
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)

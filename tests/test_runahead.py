@@ -87,29 +87,30 @@ def test_a_run_stops_at_eos(model_dirs):
     assert answers.by_index[eos_at].plain_token() == reference[3] and runner.run_ahead.dropped == 0
 
 
-def test_a_sampled_run_of_one_step_draws_its_token_with_the_uniform_sent(model_dirs):
-    """Sampled: a step carries the next one's uniform, and the answer scored ahead is the
-    token that uniform draws from p, as when the step is asked with it."""
+def test_a_sampled_run_draws_each_token_with_the_uniform_sent_for_its_step(model_dirs):
+    """Sampled: a step carries the uniforms of the steps ahead, one each, and each answer
+    scored ahead is the token its uniform draws from p, as when the step is asked with it."""
     runner = ModelRunner(model_dirs["target"])
+    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
     transform = Transform(temperature=1.0)
-    uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66]
+    uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66, 0.37, 0.84]
+    answers = Answers()
 
     async def scenario():
-        ahead, asked = [], []
-        for u, following in zip(uniforms, uniforms[1:]):
-            answers = Answers()
-            first = await runner.score("a", 0, PROMPT, [], transform, (), Draws((), u), run_ahead=1,
-                                       next_draws=Draws((), following), answer_ahead=answers)
-            await answers.wait_for(1)
-            ahead.append((first.plain_token(), answers.by_index[1].plain_token()))
-            one = await runner.score("b", 0, PROMPT, [], transform, (), Draws((), u))
-            two = await runner.score("b", len(PROMPT), [one.plain_token()], [], transform, (), Draws((), following))
-            asked.append((one.plain_token(), two.plain_token()))
+        first = await runner.score("a", 0, PROMPT, [], transform, (), Draws((), uniforms[0]),
+                                   run_ahead=len(uniforms) - 1, ahead_draws=[Draws((), u) for u in uniforms[1:]],
+                                   answer_ahead=answers)
+        await answers.wait_for(len(uniforms) - 1)
+        asked: list[int] = []
+        for i, u in enumerate(uniforms):
+            start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [asked[-1]])
+            asked.append((await runner.score("b", start, new, [], transform, (), Draws((), u))).plain_token())
         await runner.close()
-        return ahead, asked
+        return first, asked
 
-    ahead, asked = asyncio.run(scenario())
-    assert ahead == asked and len({second for _, second in asked}) > 1  # the uniforms matter
+    first, asked = asyncio.run(scenario())
+    ahead = [first.plain_token()] + [answers.by_index[i].plain_token() for i in range(1, len(uniforms))]
+    assert ahead == asked and len(set(asked)) > 2  # the uniforms matter
 
 
 def test_another_step_stops_the_run_and_is_scored_as_asked(model_dirs):

@@ -124,7 +124,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., recovered_token: _Optional[int] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead_steps", "next_uniform", "expected_model")
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead_steps", "ahead_uniforms", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -132,7 +132,7 @@ class VerifyRequest(_message.Message):
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     RUN_AHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
-    NEXT_UNIFORM_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -141,9 +141,9 @@ class VerifyRequest(_message.Message):
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     uniforms: _containers.RepeatedScalarFieldContainer[float]
     run_ahead_steps: int
-    next_uniform: float
+    ahead_uniforms: _containers.RepeatedScalarFieldContainer[float]
     expected_model: ModelIdentity
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., run_ahead_steps: _Optional[int] = ..., next_uniform: _Optional[float] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., run_ahead_steps: _Optional[int] = ..., ahead_uniforms: _Optional[_Iterable[float]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch", "accepted", "bonus_token", "ran_ahead")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -26,6 +27,8 @@ from specd.errors import Overloaded
 from specd.steps import BatchStats
 from specd.worker.kvstore import BatchRow, SessionKV
 from specd.worker.settings import BatchSettings
+
+log = logging.getLogger(__name__)
 
 
 class Job:
@@ -307,6 +310,10 @@ class Scheduler:
 
 
 def _hand_out(published: list[tuple[Callable[..., None], tuple]]) -> None:
-    """Event loop: the answers that jobs handed out while they went on."""
+    """Event loop: the answers that jobs handed out while they went on (one failing to go
+    out does not keep the others back)."""
     for hand, args in published:
-        hand(*args)
+        try:
+            hand(*args)
+        except Exception:  # noqa: BLE001 - logged; its gateway asks the step itself
+            log.exception("an answer scored ahead could not be handed out")

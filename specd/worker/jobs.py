@@ -7,7 +7,7 @@ the services send back. Pure torch on the model's thread (`consume`); no gRPC.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -99,14 +99,17 @@ class AheadRun:
     (`specd.worker.runahead`): up to `steps`, each fed the token the one before committed,
     and each answer handed to `answer(index, scores)` on the event loop (index 1 for the
     first). It stops early at EOS, at the context's end, without room in the pool (a bet
-    evicts nothing), or when told to (`stopping`, set from the event loop)."""
+    evicts nothing, and leaves `headroom_blocks` free), or when told to (`stopping`, set
+    from the event loop)."""
 
     def __init__(self, steps: int, answer: Callable[[int, Scores | None], None], eos_token_ids: tuple[int, ...],
-                 max_context: int) -> None:
+                 max_context: int, headroom_blocks: int, draws: Sequence[Draws] = ()) -> None:
         self.steps = steps
+        self.draws = draws  # sampled: each step's draws, in order (empty when greedy)
         self.answer = answer
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
+        self.headroom_blocks = headroom_blocks  # pool blocks a run leaves free for asked steps
         self.answered = 0  # steps answered so far
         self.stopping = False  # another step of the session came: stop after the forward in flight
         self.cut_short = False  # it stopped at the context's end or for want of room: the gateway must ask on
@@ -142,8 +145,8 @@ class ScoreJob(Job):
 
     def _go_on(self, run: AheadRun) -> bool:
         """Model's thread, a step of a run scored: hand its answer out and, unless the run
-        ends here, become the next step (fed this one's token; sampled runs are one step
-        long, as the gateway sends one uniform ahead)."""
+        ends here, become the next step (fed this one's token, scored with its own draws
+        when sampled)."""
         scores = self.result()
         run.answered += 1
         self.published = (run.answer, (run.answered, scores))
@@ -151,11 +154,16 @@ class ScoreJob(Job):
         known = len(self.session.tokens)
         if run.answered == run.steps or run.stopping or self.cancelled or token in run.eos_token_ids:
             return False  # the run is over, or the gateway will not ask what follows
-        if known + 1 >= run.max_context or not self.session.reserve(known + 1):
+        pool = self.session.pool
+        new_block = known + 1 > self.session.capacity
+        if (known + 1 >= run.max_context or (new_block and pool.free_blocks <= run.headroom_blocks)
+                or not self.session.reserve(known + 1)):
             run.cut_short = True
             return False
         self.session.tokens.append(token)
         self.pending, self.scores = [token], None
+        if run.draws:
+            self.draws = run.draws[run.answered]
         self.submitted = self.started = time.perf_counter()
         self.forward_ms, self.forwards, self.largest = 0.0, 0, (0, 0)
         return True

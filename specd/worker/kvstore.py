@@ -58,7 +58,8 @@ class KVPool:
     at it): a gather reads whole blocks, and the masked positions it reads are then
     finite, never uninitialised memory (in SDPA, weight 0 × NaN would poison a row).
     Blocks are handed out and taken back from plain list operations, each atomic under the
-    GIL: sessions are let go on the event loop and, rarely, on the model's thread.
+    GIL: blocks are handed out on the event loop and, for plain steps scored ahead, on the
+    model's thread; sessions are let go on either.
     """
 
     def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,

@@ -57,11 +57,9 @@ class RunAhead:
             return
         assert run.job.run is not None  # a run's job
         run.job.run.stopping = True
-        if run.future.done():
-            return
         # A future of our own rather than `asyncio.wait` (a set, a counter, callbacks to take
-        # off again); the run's own end callback, added first, has put the session back by
-        # the time this one runs.
+        # off again). Awaited even when the run's future is done: its end callback, added
+        # first, may still be queued, and it runs before this one (which puts the session back).
         finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def wake(_: asyncio.Future) -> None:

@@ -220,11 +220,10 @@ class ModelRunner:
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
 
     def _evicted(self, session_id: str) -> None:
-        """What else an evicted session held goes with it: its pre-drafted branches, its kept
-        q rows and its step scored ahead."""
+        """What else an evicted session held goes with it: its pre-drafted branches and its
+        kept q rows. (A session running ahead is taken, so never evicted.)"""
         self.pre_drafts.cancel(session_id)
         self.kept_rows.pop(session_id)
-        self.run_ahead.cancel(session_id)
 
     async def close(self) -> None:
         await self.scheduler.close()
@@ -417,7 +416,7 @@ class ModelRunner:
 
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, draft_token_probs: Sequence[float] = (),
-                    draws: Draws | None = None, run_ahead: int = 0, next_draws: Draws | None = None,
+                    draws: Draws | None = None, run_ahead: int = 0, ahead_draws: Sequence[Draws] = (),
                     answer_ahead: AnswerAhead | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
@@ -427,8 +426,8 @@ class ModelRunner:
 
         With `run_ahead` (a plain step), up to that many plain steps after this one are
         scored next, unasked, each answered with `answer_ahead(index, scores)` (index 1
-        first; scores None: the run stopped before that step); sampled, one step, with its
-        uniform `next_draws` (`specd.worker.runahead`).
+        first; scores None: the run stopped before that step); sampled, each with its draws
+        from `ahead_draws`, one per step (`specd.worker.runahead`).
         """
         if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
                                      or len(draft_token_probs) != len(draft_tokens)):
@@ -440,9 +439,9 @@ class ModelRunner:
                              f"{self.info.vocab_size}")
         if run_ahead and (draft_tokens or answer_ahead is None):
             raise InvalidArgument("only a plain step (no draft tokens) may run ahead")
-        if run_ahead and not transform.greedy and (run_ahead > 1 or next_draws is None):
-            raise InvalidArgument(f"a sampled step runs ahead one step, with the next step's uniform; asked "
-                                  f"{run_ahead} with {'one' if next_draws is not None else 'none'}")
+        if run_ahead and not transform.greedy and len(ahead_draws) != run_ahead:
+            raise InvalidArgument(f"a sampled step that runs {run_ahead} steps ahead needs a uniform for each; "
+                                  f"it sent {len(ahead_draws)}")
         await self.run_ahead.stop(session_id)  # any other step stops the session's run
         session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
         if not feed:
@@ -451,11 +450,12 @@ class ModelRunner:
         session.tokens.extend(draft_tokens)
         job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
         scores = await self._step(session_id, session, job)
-        if run_ahead and answer_ahead is not None:
-            self._run_ahead(session_id, scores.plain_token(), transform, next_draws, run_ahead, answer_ahead)
+        if run_ahead:
+            assert answer_ahead is not None  # checked on arrival
+            self._run_ahead(session_id, scores.plain_token(), transform, ahead_draws, run_ahead, answer_ahead)
         return scores
 
-    def _run_ahead(self, session_id: str, token: int, transform: Transform, draws: Draws | None, steps: int,
+    def _run_ahead(self, session_id: str, token: int, transform: Transform, draws: Sequence[Draws], steps: int,
                    answer: AnswerAhead) -> None:
         """Score up to `steps` plain steps after the one that committed `token`, unasked. Not
         past EOS or the context, nor while the queue is half full (a bet must not take the
@@ -463,9 +463,9 @@ class ModelRunner:
         nothing): then the first step is answered None, and the gateway asks it itself."""
         if token in self.info.eos_token_ids:  # the gateway ends the request here
             return
-        session = self.sessions.take(session_id) if self.sessions.holds(session_id) else None
-        if session is None:  # it ended while this step ran
+        if not self.sessions.holds(session_id):  # it ended while this step ran: nobody waits
             return
+        session = self.sessions.take(session_id)
         start = len(session.tokens)
         if (start + 1 >= self.info.max_context or self.scheduler.queued >= self.scheduler.settings.max_queue // 2
                 or not session.reserve(start + 1)):
@@ -475,8 +475,10 @@ class ModelRunner:
             answer(1, None)
             return
         session.tokens.append(token)
-        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context)
-        job = ScoreJob(session, [token], [], transform, [], draws, run)
+        # A run leaves an eighth of the pool to asked steps, which cannot evict a session
+        # running ahead (it is taken).
+        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context, self.pool.blocks // 8, draws)
+        job = ScoreJob(session, [token], [], transform, [], draws[0] if draws else None, run)
         future = self.scheduler.enqueue(job)
         future.add_done_callback(lambda done: self._run_ended(session_id, job, run))
         self.run_ahead.start(session_id, job, future)
@@ -489,14 +491,16 @@ class ModelRunner:
         assert job.future is not None
         self.run_ahead.answered += run.answered
         failed = job.future.cancelled() or job.future.exception() is not None
-        if not job.cancelled:
-            if failed:
-                kept = len(job.session.tokens) - 1  # the failed step's token is not committed
-                job.session.crop(kept)
-                job.session.tokens = job.session.tokens[:kept]
-            self.sessions.put(session_id, job.session)
-            if failed or run.cut_short:
-                run.answer(run.answered + 1, None)
         if job.cancelled or run.stopping or failed or run.cut_short:
             self.run_ahead.dropped += 1
-        self.sessions.release()
+        try:
+            if not job.cancelled:
+                if failed:
+                    kept = len(job.session.tokens) - 1  # the failed step's token is not committed
+                    job.session.crop(kept)
+                    job.session.tokens = job.session.tokens[:kept]
+                self.sessions.put(session_id, job.session)
+                if failed or run.cut_short:
+                    run.answer(run.answered + 1, None)
+        finally:
+            self.sessions.release()

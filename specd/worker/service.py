@@ -48,7 +48,7 @@ class StepStream:
     response or exception)` answers a step the gateway reserved but did not send (the
     verifier's run-ahead, `specd.worker.runahead`), in the stream's next results message."""
 
-    def __init__(self, answer: Callable[[int, Any], None] = lambda step_id, outcome: None) -> None:
+    def __init__(self, answer: Callable[[int, Any], None]) -> None:
         self.id = uuid.uuid4().hex
         self._opened: dict[tuple[int, str], tuple[ModelRunner, str]] = {}
         self.answer = answer
