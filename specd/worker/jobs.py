@@ -115,6 +115,14 @@ class AheadRun:
         self.cut_short = False  # it stopped at the context's end or for want of room: the gateway must ask on
 
 
+    def room_for(self, session: SessionKV, needed: int) -> bool:
+        """Hold room in the pool for `needed` positions of `session`, if the run may: a new
+        block only while more than `headroom_blocks` stay free."""
+        if needed > session.capacity and session.pool.free_blocks <= self.headroom_blocks:
+            return False
+        return session.reserve(needed)
+
+
 class ScoreJob(Job):
     """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions.
 
@@ -154,10 +162,7 @@ class ScoreJob(Job):
         known = len(self.session.tokens)
         if run.answered == run.steps or run.stopping or self.cancelled or token in run.eos_token_ids:
             return False  # the run is over, or the gateway will not ask what follows
-        pool = self.session.pool
-        new_block = known + 1 > self.session.capacity
-        if (known + 1 >= run.max_context or (new_block and pool.free_blocks <= run.headroom_blocks)
-                or not self.session.reserve(known + 1)):
+        if known + 1 >= run.max_context or not run.room_for(self.session, known + 1):
             run.cut_short = True
             return False
         self.session.tokens.append(token)

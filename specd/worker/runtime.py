@@ -467,17 +467,17 @@ class ModelRunner:
             return
         session = self.sessions.take(session_id)
         start = len(session.tokens)
+        # A run leaves an eighth of the pool to asked steps, which cannot evict a session
+        # running ahead (it is taken).
+        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context, self.pool.blocks // 8, draws)
         if (start + 1 >= self.info.max_context or self.scheduler.queued >= self.scheduler.settings.max_queue // 2
-                or not session.reserve(start + 1)):
+                or not run.room_for(session, start + 1)):
             self.sessions.put(session_id, session)
             self.sessions.release()
             self.run_ahead.dropped += 1
             answer(1, None)
             return
         session.tokens.append(token)
-        # A run leaves an eighth of the pool to asked steps, which cannot evict a session
-        # running ahead (it is taken).
-        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context, self.pool.blocks // 8, draws)
         job = ScoreJob(session, [token], [], transform, [], draws[0] if draws else None, run)
         future = self.scheduler.enqueue(job)
         future.add_done_callback(lambda done: self._run_ended(session_id, job, run))
