@@ -33,8 +33,8 @@ from specd.sampling import Transform
 from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
 
 log = logging.getLogger(__name__)
-# The most plain steps a greedy plain step lets the verifier score unasked (a run stops at
-# the next step the gateway sends, so a longer run costs nothing but step ids reserved).
+# The most plain steps a plain step of a request with no draft lets the verifier score
+# unasked (a run stops at the next step the gateway sends).
 RUN_AHEAD_STEPS = 64
 
 
@@ -299,11 +299,15 @@ class _Speculation:
         return Draws(tuple(taken[:-1]), taken[-1])
 
     def _run_ahead(self, hop: _DraftHop) -> int:
-        """How many plain steps after this one the verifier may score unasked: up to
-        `RUN_AHEAD_STEPS`, short of the request's last token and the target's context (0:
-        the next step may not be plain)."""
+        """How many plain steps after this one the verifier may score unasked: with no draft
+        left, up to `RUN_AHEAD_STEPS`, short of the request's last token and the target's
+        context; one when a γ policy says only that the next step is plain (a run it cuts
+        short costs the verifier's forwards meanwhile, which on shared cores the draft's hop
+        pays for); 0 when the next step may not be plain."""
         if not self._plain_next(hop):
             return 0
+        if self.draft is not None:
+            return 1
         after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)

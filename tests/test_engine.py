@@ -156,15 +156,15 @@ def test_a_plain_step_has_no_draft_hop():
 
 
 def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
-    """With no draft (OFF, or a draft lost), or a policy settled on γ = 0, every plain step
-    says how many plain steps follow, up to the request's last token; while a draft may
-    still propose, none does."""
+    """With no draft (OFF, or a draft lost) every plain step says how many plain steps
+    follow, up to the request's last token; with a policy settled on γ = 0, one; while a
+    draft may still propose, none does."""
     verifier = ScriptedVerifier()
     tokens, _, _ = run(None, verifier, gamma=0, max_new_tokens=6)
     assert tokens == target_alone(6) and verifier.run_ahead == [5, 4, 3, 2, 1, 0]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=6)
-    assert verifier.run_ahead == [5, 4, 3, 2, 1, 0]
+    assert verifier.run_ahead == [1, 1, 1, 1, 1, 0]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=2, max_new_tokens=6)
     assert not any(verifier.run_ahead)
