@@ -3,9 +3,12 @@ and 32 sessions, beside the same sessions one at a time and transformers' own on
 step of as many rows with a DynamicCache, side by side in one run.
 
     python scripts/bench_forward.py [--model models/demo/target] [--threads 2] [--prefix 128]
+        [--cpu-linear onednn|torch]
 
 Each session holds `prefix` cached tokens and feeds one new token per forward (a plain
-decoding step). Prints the median ms of each case; docs/performance.md keeps the figures.
+decoding step). The paged forward's linear layers are packed for oneDNN as a worker's are
+(`--cpu-linear`, specd.worker.packing); transformers' step keeps torch's own. Prints the
+median ms of each case; docs/performance.md keeps the figures.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specd.config import DEMO_TARGET
-from specd.worker import kvstore
+from specd.worker import kvstore, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker.settings import CPU_LINEARS
 
 
 def median_ms(run, repeats: int) -> float:
@@ -39,6 +43,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cpu-linear", choices=CPU_LINEARS, default="onednn",
+                        help="the paged forward's linear layers, as a worker's --cpu-linear")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,10 +54,13 @@ def main() -> None:
     prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
     references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
     kvstore.use_paged_attention(model)
+    if args.cpu_linear == "onednn":
+        packing.pack_linears(model)
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
                   41 * ((args.prefix + 1) // 16 + 2) + 1)
-    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session")
+    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
+          f"paged forward's linear layers: {args.cpu_linear}")
     print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15} {'transformers':>13}"
           "   (median ms per forward)")
     for count in (1, 8, 32):

@@ -11,6 +11,7 @@ at a request. A few families also go through the three services.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from conftest import request, start_stack
 from specd.errors import UnsupportedModel
 from specd.sampling import Transform
+from specd.worker import packing
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings
 
@@ -116,8 +118,10 @@ def test_half_precision_is_exact_in_the_same_dtype(model_type, tokenizer, tmp_pa
     check_family(model_type, tokenizer, tmp_path, "bfloat16", caplog, refusable=False)
 
 
-def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog, refusable: bool = True) -> None:
-    """Refused at load naming the family (when `refusable`), or greedy-exact against generate."""
+def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog, refusable: bool = True,
+                 packed: bool = False) -> None:
+    """Refused at load naming the family (when `refusable`), or greedy-exact against generate;
+    `packed`: every linear layer is expected to be a `PackedLinear`."""
     caplog.set_level(logging.ERROR)
     expected = build(model_type, tmp_path / model_type, tokenizer, dtype)
     try:
@@ -127,6 +131,9 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
         assert refusable and model_type in str(refused), refused
         print(f"refused at load: {refused}")
         return
+    if packed:
+        assert not any(type(m) is torch.nn.Linear for m in runner.model.modules())
+        assert any(isinstance(m, packing.PackedLinear) for m in runner.model.modules()), model_type
     got = [until_eos(tokens) for tokens in asyncio.run(decode_together(runner))]
     for prompt, ours, theirs in zip(PROMPTS, got, expected):
         if ours != theirs:  # allowed only where the reference's top two logits tie in float32 rounding
@@ -136,6 +143,19 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
                 logits = reference(torch.tensor([prompt + theirs[:at]])).logits[0, -1]
             top = logits.topk(2).values
             assert top[0] - top[1] <= 1e-4 * logits.abs().max(), (model_type, at, ours, theirs)
+
+
+# A CPU worker multiplies its large linear layers with oneDNN, the weights packed at load
+# (specd.worker.packing). The tiny models here are below the size that is packed, so this
+# packs every linear layer of the common families and of those whose own modules build
+# attention, in both dtypes packing serves: each must stay exact, not be refused.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3_moe", "mixtral", "phi3", "olmo2", "granite",
+                                        "starcoder2", "gpt_neox", "gemma2", "gemma3_text", "falcon", "opt", "bloom",
+                                        "deepseek_v3"])
+def test_packed_linear_layers_are_exact(model_type, dtype, tokenizer, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(packing, "pack_linears", functools.partial(packing.pack_linears, min_weights=0))
+    check_family(model_type, tokenizer, tmp_path, dtype, caplog, refusable=False, packed=True)
 
 
 def until_eos(tokens: list[int]) -> list[int]:

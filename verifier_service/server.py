@@ -99,8 +99,8 @@ def _response(scores: Scores, transform: Transform) -> worker_pb2.VerifyResponse
 async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
     target = ModelRunner(settings.target, name=settings.target_name or None, dtype=settings.model.dtype,
-                         max_sessions=settings.model.max_sessions,
-                         device=settings.model.device, batching=settings.model.batching)
+                         max_sessions=settings.model.max_sessions, device=settings.model.device,
+                         cpu_linear=settings.model.cpu_linear, batching=settings.model.batching)
     servicer = VerifierServicer(target)
     stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
                                         settings.metrics_port)

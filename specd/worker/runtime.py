@@ -27,7 +27,7 @@ from specd.errors import InvalidArgument, Overloaded, SessionNotFound, Unsupport
 from specd.rejection import Draws, recovered_token
 from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
-from specd.worker import kvstore
+from specd.worker import kvstore, packing
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
 from specd.worker.jobs import AheadRun, ProposeJob, ScoreJob
@@ -178,7 +178,8 @@ class ModelRunner:
 
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
                  max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
-                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20) -> None:
+                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20,
+                 cpu_linear: str = "onednn") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -199,6 +200,8 @@ class ModelRunner:
             card_json=(path / "card.json").read_text() if (path / "card.json").is_file() else "",
             model_path=str(path.resolve()),
         )
+        if cpu_linear == "onednn":  # before the check below, which then runs the packed layers
+            packing.pack_linears(self.model)
         # What the store can hold, and whether it serves the model exactly, is found by
         # trying the model at load: a model refused here never fails at a request.
         self._kv_shape = kvstore.kv_shape(self.model, self.device)

@@ -12,6 +12,7 @@ from specd.config import DEMO_TARGET, ServerSettings
 from specd.flags import setting
 
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.worker.runtime maps them to torch
+CPU_LINEARS = ("onednn", "torch")  # how a CPU multiplies a large linear layer (specd.worker.packing)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ModelSettings:
     max_sessions: int = setting(64, flag="--max-sessions", help="KV caches kept; the least recently used is "
                                                                 "evicted beyond")
     device: str = setting("cpu", flag="--device", help="torch device of the model(s): cpu, cuda, cuda:1")
+    cpu_linear: str = setting("onednn", flag="--cpu-linear", choices=CPU_LINEARS,
+                              help="on a CPU, the products of the large linear layers: oneDNN's, with the weights "
+                                   "packed once at load (a few rows cost about what one does), or torch's own")
     batching: BatchSettings = BatchSettings()
 
 

@@ -1,0 +1,64 @@
+"""Linear layers packed for oneDNN at load (specd.worker.packing): the same products as
+`nn.Linear`, only where they pay, and what a worker loads by default."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specd.config import DEMO_DRAFT, DEMO_TARGET
+from specd.worker import packing
+from specd.worker.runtime import ModelRunner
+
+# A float32 product in another order of summation: a few ulps of the output's scale.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_computes_what_linear_does(dtype, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    if bias:  # transformers starts biases at zero; a packed layer must add a trained one
+        nn.init.normal_(linear.bias)
+    packed = packing.PackedLinear(linear)
+    inputs = [torch.randn(1, 1, 96), torch.randn(1, 5, 96), torch.randn(7, 96), torch.randn(5, 3, 96).transpose(0, 1)]
+    with torch.inference_mode():
+        for hidden in inputs:
+            hidden = hidden.to(dtype)
+            expected, got = linear(hidden), packed(hidden)
+            assert got.shape == expected.shape and got.dtype == dtype
+            scale = expected.abs().max().item()
+            assert (got - expected).abs().max().item() <= TOLERANCE[dtype] * scale, tuple(hidden.shape)
+
+
+def test_only_large_cpu_layers_in_packed_dtypes_are_replaced():
+    model = nn.ModuleDict({
+        "large": nn.Linear(1024, 512),                        # 524,288 weights: the threshold
+        "small": nn.Linear(1024, 511),                        # one row short of it
+        "float16": nn.Linear(1024, 1024).to(torch.float16),   # a dtype oneDNN is not used for here
+        "nested": nn.Sequential(nn.Linear(2048, 512, bias=False)),
+    })
+    assert packing.pack_linears(model) == 2
+    assert isinstance(model["large"], packing.PackedLinear)
+    assert isinstance(model["nested"][0], packing.PackedLinear)
+    assert type(model["small"]) is nn.Linear and type(model["float16"]) is nn.Linear
+
+
+def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_not_to():
+    target = ModelRunner(DEMO_TARGET, max_sessions=2)
+    plain = ModelRunner(DEMO_TARGET, max_sessions=2, cpu_linear="torch")
+    draft = ModelRunner(DEMO_DRAFT, max_sessions=2)
+
+    def packed(runner: ModelRunner) -> int:
+        return sum(isinstance(m, packing.PackedLinear) for m in runner.model.modules())
+
+    # The target: 4 layers × 7 projections and the tied output layer. The draft: only its
+    # output layer (4,096 × 256); its 256-wide layers stay.
+    assert packed(target) == 29 and packed(plain) == 0 and packed(draft) == 1
+    # The weights packed are the ones loaded: the tied output layer computes the same logits.
+    ids = torch.tensor([[5, 17, 23, 42, 8, 99, 3]])
+    with torch.inference_mode():
+        expected, got = plain.model(ids).logits, target.model(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
