@@ -10,6 +10,10 @@ about the same for 1 row as torch's, and 2–5 rows cost little more than one
 
 Only matrices of at least `MIN_WEIGHTS` weights are packed: below, oneDNN's fixed cost
 per call is more than a one-row product (a small draft's layers stay as they are).
+
+The two operators are torch's own, from its `torch.ops.mkldnn` namespace, which torch does
+not document as public: torch is pinned (pyproject.toml), and tests/test_packing.py fails
+if they change.
 """
 from __future__ import annotations
 
