@@ -2,11 +2,16 @@
 `nn.Linear`, only where they pay, and what a worker loads by default."""
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import pytest
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from specd.config import DEMO_DRAFT, DEMO_TARGET
+from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
 
@@ -14,7 +19,11 @@ from specd.worker.runtime import ModelRunner
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                                             reason="this CPU has no oneDNN bfloat16 kernels"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_computes_what_linear_does(dtype, bias):
     torch.manual_seed(0)
@@ -39,10 +48,46 @@ def test_only_large_cpu_layers_in_packed_dtypes_are_replaced():
         "float16": nn.Linear(1024, 1024).to(torch.float16),   # a dtype oneDNN is not used for here
         "nested": nn.Sequential(nn.Linear(2048, 512, bias=False)),
     })
-    assert packing.pack_linears(model) == 2
+    shared = nn.Linear(1024, 1024)
+    model["first"], model["second"] = nn.Sequential(shared), nn.Sequential(shared)
+    loaded_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert packing.pack_linears(model) == 4
     assert isinstance(model["large"], packing.PackedLinear)
     assert isinstance(model["nested"][0], packing.PackedLinear)
     assert type(model["small"]) is nn.Linear and type(model["float16"]) is nn.Linear
+    # A layer two parents share is packed once, and both hold that one.
+    assert model["first"][0] is model["second"][0] and isinstance(model["first"][0], packing.PackedLinear)
+    # The weights held are what was loaded, packed or not, a shared layer's once.
+    assert packing.weight_bytes(model) == loaded_bytes
+
+
+def test_a_model_whose_code_reads_its_layers_weights_is_served_as_loaded(tokenizer, tmp_path, monkeypatch, caplog):
+    """BLOOM's "slow but exact" tensor-parallel emulation slices its projections' weights in
+    its forward: with them packed that forward fails, so the worker loads it again unpacked."""
+    config = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=len(tokenizer),
+                                  pretraining_tp=2, slow_but_exact=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bloom")
+    tokenizer.save_pretrained(tmp_path / "bloom")
+    monkeypatch.setattr(packing, "MIN_WEIGHTS", 0)
+    with caplog.at_level(logging.WARNING, logger="specd.worker.packing"):
+        runner = ModelRunner(tmp_path / "bloom", max_sessions=2)
+    assert not any(isinstance(m, packing.PackedLinear) for m in runner.model.modules())
+    assert "--cpu-linear torch" in caplog.text
+    scores = asyncio.run(score_once(runner, [5, 17, 23]))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom").eval()
+    with torch.inference_mode():
+        assert scores == reference(torch.tensor([[5, 17, 23]])).logits[0, -1].argmax().item()
+
+
+async def score_once(runner: ModelRunner, prompt: list[int]) -> int:
+    """The target's greedy next token after `prompt`, through the runner's scheduler."""
+    try:
+        scores = await runner.score("s", 0, prompt, [], Transform())
+        assert scores.argmax is not None
+        return scores.argmax[0]
+    finally:
+        await runner.close()
 
 
 def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_not_to():

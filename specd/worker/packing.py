@@ -17,18 +17,27 @@ if they change.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+Model = TypeVar("Model", bound=nn.Module)
 
 # Weights in a matrix from which packing pays at one row (measured on this project's 2-core
 # CPU: 512 × 1,376 level, 768 × 2,048 and larger faster, 256 × 688 slower).
 MIN_WEIGHTS = 1 << 19
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s product, with the weight in oneDNN's layout for this CPU (a buffer:
     inference only, no gradient)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -43,21 +52,64 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
-    """Replace each `nn.Linear` of `model` on a CPU, in float32 or bfloat16, with at least
-    `min_weights` weights, by a `PackedLinear`; how many were replaced. A model on another
-    device, or a torch without oneDNN, is left as it is.
+def _packable(module: nn.Module, min_weights: int) -> bool:
+    """A plain `nn.Linear` (not a subclass with a product of its own) on the CPU, large
+    enough, in float32, or in bfloat16 where this CPU has oneDNN's bfloat16 kernels."""
+    if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.numel() < min_weights:
+        return False
+    dtype = module.weight.dtype
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-    A tied output layer (the embedding's matrix) gets a packed copy: the embedding keeps
-    its own for looking tokens up, so its weights are held twice.
+
+def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:
+    """Replace each `nn.Linear` of `model` that `_packable` admits (at least `min_weights`
+    weights, default `MIN_WEIGHTS`) by a `PackedLinear`; how many were replaced. A model on
+    another device, or a torch without oneDNN, is left as it is.
+
+    One layer at a time, so that each one's weights are freed before the next is packed. A
+    tied output layer (the embedding's matrix) gets a packed copy: the embedding keeps its
+    own for looking tokens up, so vocabulary × width weights are held twice.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype in PACKED_DTYPES and child.weight.numel() >= min_weights):
-                setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    return replaced
+    # Names, not modules: holding the layers here would hold every old weight to the end.
+    least = MIN_WEIGHTS if min_weights is None else min_weights
+    names = [name for name, module in model.named_modules(remove_duplicate=False) if _packable(module, least)]
+    packed: dict[int, PackedLinear] = {}  # a layer shared by two parents is packed once
+    for name in names:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, attribute)
+        if id(linear) not in packed:
+            packed[id(linear)] = PackedLinear(linear)
+        setattr(parent, attribute, packed[id(linear)])
+        del linear
+    return len(names)
+
+
+def packed_model(load: Callable[[], Model]) -> Model:
+    """The model `load` returns, its large linear layers packed, unless its own code then
+    fails on a forward of two tokens (a family whose forward reads a layer's `weight`): then
+    a fresh load, as it is, and a warning."""
+    model = load()
+    if not pack_linears(model):
+        return model
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            model(torch.zeros((1, 2), dtype=torch.long, device=device))
+    except Exception as exc:
+        log.warning("%s: its forward fails with packed linear layers (%s: %s); serving it with torch's own "
+                    "products, as --cpu-linear torch", type(model).__name__, type(exc).__name__, exc)
+        del model
+        return load()
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights `model` holds: its parameters and its packed layers' buffers."""
+    tensors: list[torch.Tensor] = [*model.parameters()]
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            tensors += [module.packed] + ([module.bias] if module.bias is not None else [])
+    return sum(t.numel() * t.element_size() for t in tensors)

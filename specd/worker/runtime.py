@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.rejection import Draws, recovered_token
@@ -34,7 +34,7 @@ from specd.worker.jobs import AheadRun, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
 from specd.worker.runahead import RunAhead
-from specd.worker.settings import BatchSettings
+from specd.worker.settings import CPU_LINEARS, BatchSettings
 
 # How a run of plain steps scored ahead answers each: (its index, 1 first; its scores, or
 # None when the run stopped before it).
@@ -187,7 +187,14 @@ class ModelRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        if cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {cpu_linear!r}")
+
+        def load() -> PreTrainedModel:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+
+        # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is).
+        self.model = packing.packed_model(load) if cpu_linear == "onednn" else load()
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,
@@ -196,12 +203,10 @@ class ModelRunner:
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             eos_token_ids=_eos_ids(self.model, self.tokenizer),
             weights_digest=weights_digest(path),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            parameter_bytes=packing.weight_bytes(self.model),
             card_json=(path / "card.json").read_text() if (path / "card.json").is_file() else "",
             model_path=str(path.resolve()),
         )
-        if cpu_linear == "onednn":  # before the check below, which then runs the packed layers
-            packing.pack_linears(self.model)
         # What the store can hold, and whether it serves the model exactly, is found by
         # trying the model at load: a model refused here never fails at a request.
         self._kv_shape = kvstore.kv_shape(self.model, self.device)
