@@ -31,7 +31,7 @@ class ModelInfo:
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
     weights_digest: str = ""  # specd.worker.identity.weights_digest of the model directory
-    parameter_bytes: int = 0  # loaded parameters, in bytes (the draft's memory next to the target's)
+    parameter_bytes: int = 0  # weights held, in bytes, packed copies included (the draft's memory next to the target's)
     card_json: str = ""  # the directory's card.json, verbatim, when it has one
     model_path: str = ""  # the directory the model was loaded from
 
