@@ -158,6 +158,7 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3_moe", "mixtral", "phi3", "olmo2", "granite",
                                         "starcoder2", "gpt_neox", "gemma2", "gemma3_text", "falcon", "opt", "bloom",
                                         "deepseek_v3"])
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_packed_linear_layers_are_exact(model_type, dtype, tokenizer, tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(packing, "MIN_WEIGHTS", 0)
     check_family(model_type, tokenizer, tmp_path, dtype, caplog, refusable=False, packed=True)

@@ -15,6 +15,8 @@ from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
 
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
 # A float32 product in another order of summation: a few ulps of the output's scale.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
