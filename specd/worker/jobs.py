@@ -94,6 +94,11 @@ class ProposeJob(Job):
                         tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
 
 
+# How a run of plain steps scored ahead answers each: (its index, 1 first; its scores, or
+# None when the run stopped before it).
+AnswerAhead = Callable[[int, "Scores | None"], None]
+
+
 class AheadRun:
     """Plain steps a `ScoreJob` scores one after another on the model's thread, unasked
     (`specd.worker.runahead`): up to `steps`, each fed the token the one before committed,
@@ -102,7 +107,7 @@ class AheadRun:
     evicts nothing, and leaves `headroom_blocks` free), or when told to (`stopping`, set
     from the event loop)."""
 
-    def __init__(self, steps: int, answer: Callable[[int, Scores | None], None], eos_token_ids: tuple[int, ...],
+    def __init__(self, steps: int, answer: AnswerAhead, eos_token_ids: tuple[int, ...],
                  max_context: int, headroom_blocks: int, draws: Sequence[Draws] = ()) -> None:
         self.steps = steps
         self.draws = draws  # sampled: each step's draws, in order (empty when greedy)
@@ -113,7 +118,6 @@ class AheadRun:
         self.answered = 0  # steps answered so far
         self.stopping = False  # another step of the session came: stop after the forward in flight
         self.cut_short = False  # it stopped at the context's end or for want of room: the gateway must ask on
-
 
     def room_for(self, session: SessionKV, needed: int) -> bool:
         """Hold room in the pool for `needed` positions of `session`, if the run may: a new

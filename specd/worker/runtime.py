@@ -30,15 +30,11 @@ from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Reco
 from specd.worker import kvstore, packing
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
-from specd.worker.jobs import AheadRun, ProposeJob, ScoreJob
+from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
 from specd.worker.runahead import RunAhead
 from specd.worker.settings import CPU_LINEARS, BatchSettings
-
-# How a run of plain steps scored ahead answers each: (its index, 1 first; its scores, or
-# None when the run stopped before it).
-AnswerAhead = Callable[[int, "Scores | None"], None]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
