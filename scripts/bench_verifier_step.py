@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from specd.v1 import worker_pb2
-from specd.worker.runtime import ModelRunner
+from specd.worker.runtime import ModelRunner, event_loop_single_threaded
 from verifier_service.server import VerifierServicer
 
 WARM_UP_ROUNDS = 5
@@ -84,6 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(args.model)
+    event_loop_single_threaded()  # as a worker does once its models are loaded
     # Every session decodes all its rounds: a run ends at EOS, which would leave a round waiting.
     runner.info = dataclasses.replace(runner.info, eos_token_ids=())
     servicer = VerifierServicer(runner)

@@ -1,10 +1,12 @@
 """The command line as a newcomer uses it: `specd serve` (three processes) and `specd generate`."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,24 @@ def specd(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           timeout=180, **kwargs)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux: /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def process_environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(entry.partition("=")[::2] for entry in entries if entry)
+
+
 def test_serve_without_models_says_what_to_pass(tmp_path):
     result = specd("serve", "--target", str(tmp_path / "nothing"), "--port", str(free_port()))
     assert result.returncode == 2
@@ -33,7 +53,8 @@ def test_serve_generate_and_stop_together(model_dirs):
         [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
          "--draft", f"close={model_dirs['close']}", "--draft", f"unrelated={model_dirs['unrelated']}",
          "--port", str(ports[0])],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
     try:
         result = specd("generate", "def fibonacci(n):", "--gateway", f"127.0.0.1:{ports[0]}",
                        "--max-new-tokens", "16", "--mode", "fixed", "--wait", "120")
@@ -43,6 +64,11 @@ def test_serve_generate_and_stop_together(model_dirs):
         assert "draft close" in result.stderr
         bad = specd("generate", "x", "--gateway", f"127.0.0.1:{ports[0]}", "--temperature", "-1")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+        # Its processes' OpenMP threads spin briefly, then sleep (specd.cli.commands.SPIN_TURNS).
+        environments = [process_environment(child) for child in children(serve.pid)]
+        assert len(environments) == 3
+        for environment in environments:
+            assert environment["OMP_WAIT_POLICY"] == "PASSIVE" and environment["GOMP_SPINCOUNT"] == "20000"
     finally:
         serve.send_signal(signal.SIGTERM)
         output, _ = serve.communicate(timeout=60)

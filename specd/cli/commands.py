@@ -85,6 +85,18 @@ def _settings(defaults, args: argparse.Namespace, **given):
     return settings
 
 
+def _then_single_threaded(create):
+    """A worker's create_server that then leaves torch's threads to the models' threads
+    (`specd.worker.runtime.event_loop_single_threaded`)."""
+    async def created(settings):
+        from specd.worker.runtime import event_loop_single_threaded
+
+        running = await create(settings)
+        event_loop_single_threaded()
+        return running
+    return created
+
+
 def _parse_drafts(values: list[str]) -> dict[str, str]:
     """`NAME=MODEL` or `MODEL` (named after its directory, or NAME of ORG/NAME) → {name:
     model}, in order; a model is a directory or a hub id (`specd.worker.hub`)."""
@@ -151,6 +163,12 @@ def _set_threads(threads: int, cpus: str = "") -> None:
 SMALL_MODEL_BYTES = 32 * 1024 * 1024
 
 
+# How long an idle OpenMP thread of a `specd serve` worker spins before it sleeps
+# (libgomp's GOMP_SPINCOUNT). The demo pair at 1 in flight, target-only: 179-194 tokens/s
+# with 20,000, 168-171 with 100,000, 112-130 with none (docs/performance.md, item 12).
+SPIN_TURNS = 20_000
+
+
 def _default_threads(model: Path, device: str) -> int:
     """Torch threads for a worker when --threads is 0: one for a small model on a CPU,
     else 0 (torch's default). A draft service takes the default of its largest draft."""
@@ -197,7 +215,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
         return 2
     _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
     settings = _settings(DRAFT, args, drafts=drafts)
-    return _serve(create_server, settings, "draft", args.port_file)
+    return _serve(_then_single_threaded(create_server), settings, "draft", args.port_file)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -213,7 +231,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
         return 2
     _set_threads(args.threads or _default_threads(target, args.device), args.cpus)
     settings = _settings(VERIFIER, args, target=target, target_name=model_name(args.target))
-    return _serve(create_server, settings, "verifier", args.port_file)
+    return _serve(_then_single_threaded(create_server), settings, "verifier", args.port_file)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -317,9 +335,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     me = [sys.executable, "-m", "specd.cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     # The three processes share this machine's cores and take turns (draft, then
-    # verifier): OpenMP threads that spin after a forward would steal the next
-    # process's CPU (the figures: README, Benchmarks). Let them sleep.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # verifier): OpenMP threads that spun for long after a forward stole the next
+    # process's CPU (the figures: README, Benchmarks), and threads that sleep at once
+    # make each parallel region of a forward wait for a wake-up. They spin briefly
+    # (20,000 turns), then sleep (docs/performance.md, item 12).
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", str(SPIN_TURNS))}
     stop = {"now": False}
 
     def on_signal(signum, frame):

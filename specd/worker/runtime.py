@@ -169,6 +169,21 @@ class SessionStore:
         return len(self._sessions) + self.in_use
 
 
+def event_loop_single_threaded() -> None:
+    """From now on this thread (a worker's event loop, once its models are loaded) runs
+    torch on one thread; each model's thread keeps the count it took at its first torch
+    operator, when it loaded (`ModelRunner`).
+
+    OpenMP gives every thread that starts a parallel region a team of its own, and once
+    the teams' threads outnumber the CPUs it stops letting them spin between regions
+    (libgomp's GOMP_SPINCOUNT), so each of a forward's small products pays a sleeping
+    helper's wake-up. The event loop starts regions of its own (zeroing a KV block is one).
+    On this 2-core machine the demo target's forward then took about 7 ms instead of 4.5
+    (docs/performance.md, item 12).
+    """
+    torch.set_num_threads(1)
+
+
 class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
@@ -186,6 +201,27 @@ class ModelRunner:
         if cpu_linear not in CPU_LINEARS:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {cpu_linear!r}")
 
+        # The model's operators run on its one thread from loading on (see
+        # `event_loop_single_threaded`).
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name or path.name}")
+        try:
+            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        # An evicted session's pre-drafted branches go with it: they hold pool blocks.
+        self.sessions = SessionStore(max_sessions, on_evict=self._evicted)
+        self.batching = batching
+        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
+        self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
+        self.run_ahead = RunAhead()
+        # Draft side: each session's last sampled proposal's q rows, for the next step's
+        # recovered token (they never cross the wire).
+        self.kept_rows = KeptRowsStore(kept_rows_bytes)
+
+    def _load(self, path: Path, name: str | None, max_sessions: int, batching: BatchSettings,
+              cpu_linear: str) -> None:
+        """On the model's thread: load the model, pack it, size its KV pool and try it."""
         def load() -> PreTrainedModel:
             return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
 
@@ -212,16 +248,6 @@ class ModelRunner:
         problem = kvstore.batching_problem(self.model, self.pool, self.info.vocab_size, self.device)
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
-        # An evicted session's pre-drafted branches go with it: they hold pool blocks.
-        self.sessions = SessionStore(max_sessions, on_evict=self._evicted)
-        self.batching = batching
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.info.name}")
-        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
-        self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
-        self.run_ahead = RunAhead()
-        # Draft side: each session's last sampled proposal's q rows, for the next step's
-        # recovered token (they never cross the wire).
-        self.kept_rows = KeptRowsStore(kept_rows_bytes)
 
     def _evicted(self, session_id: str) -> None:
         """What else an evicted session held goes with it: its pre-drafted branches and its

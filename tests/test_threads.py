@@ -1,0 +1,73 @@
+"""Where a worker's torch work runs: every operator of a model on the model's own thread,
+from loading on, and the event loop's thread on one torch thread once the models are
+loaded (specd.worker.runtime.event_loop_single_threaded; why: docs/performance.md, item 12)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from specd.cli.commands import _then_single_threaded
+from specd.config import ServerSettings
+from specd.sampling import Transform
+from specd.worker import kvstore, runtime
+from specd.worker.settings import ModelSettings, VerifierSettings
+from verifier_service.server import create_server
+
+
+def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dirs, monkeypatch):
+    loaded_on: list[str] = []
+    forwards_on: list[str] = []
+    load, forward = runtime.AutoModelForCausalLM.from_pretrained, kvstore.forward
+
+    def loading(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return load(*args, **kwargs)
+
+    def forwarding(*args, **kwargs):
+        forwards_on.append(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.AutoModelForCausalLM, "from_pretrained", loading)
+    monkeypatch.setattr(kvstore, "forward", forwarding)
+    runner = runtime.ModelRunner(model_dirs["target"], max_sessions=2)
+    try:
+        model_thread = runner._executor.submit(lambda: threading.current_thread().name).result()
+        scores = asyncio.run(runner.score("s", 0, [5, 17, 23], [], Transform()))
+        assert scores.argmax is not None and len(scores.argmax) == 1
+    finally:
+        asyncio.run(runner.close())
+    assert model_thread != threading.current_thread().name
+    assert loaded_on == [model_thread]  # packing's trial forward passed: one load
+    assert forwards_on == [model_thread]
+
+
+def test_a_worker_leaves_torch_threads_to_its_models_once_loaded(model_dirs):
+    """The worker command's create_server: afterwards its event loop's thread runs torch on
+    one thread, while the model's thread keeps the count the worker was started with. Run
+    on a thread of its own, which takes torch's threads as a worker's main thread does."""
+    seen: dict[str, int] = {}
+    before = torch.get_num_threads()
+
+    def worker_main() -> None:
+        torch.set_num_threads(2)  # as `--threads 2` sets it before the models load
+        settings = VerifierSettings(ServerSettings("127.0.0.1", 0, grace_s=0.5), model_dirs["target"],
+                                    ModelSettings(max_sessions=2))
+
+        async def serve_once() -> None:
+            running = await _then_single_threaded(create_server)(settings)
+            try:
+                seen["event loop"] = torch.get_num_threads()
+                target = running.servicer.target
+                seen["model"] = await asyncio.wrap_future(target._executor.submit(torch.get_num_threads))
+            finally:
+                await running.stop(0)
+
+        asyncio.run(serve_once())
+        torch.set_num_threads(before)  # torch's count for threads yet to start, as it was
+
+    thread = threading.Thread(target=worker_main)
+    thread.start()
+    thread.join(120)
+    assert seen == {"event loop": 1, "model": 2}
