@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # The most plain steps a plain step of a request with no draft lets the verifier score
 # unasked (a run stops at the next step the gateway sends).
 RUN_AHEAD_STEPS = 64
+# The plain steps a run takes while the request's model-free matches are quiet; the next
+# step looks for a match again (docs/proposers.md).
+QUIET_RUN_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,9 @@ class _Speculation:
         # The next step's proposal, brought by this step's recovery hop (sampled, a rejection).
         self.in_hand: _DraftHop | None = None
         self.no_proposal = _DraftHop([])  # γ = 0, or the draft is lost
+        # Plain steps left of a run asked while the model-free matches were quiet: they
+        # look for no match, which would stop the run (the forward in flight wasted).
+        self.blind = 0
 
     def draft_length(self) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
@@ -168,7 +174,7 @@ class _Speculation:
     def propose_model_free(self, gamma: int, max_tokens: int) -> _DraftHop | None:
         """A model-free proposal (up to max_tokens) when one beats the model draft at γ
         (`gateway.hybrid`); its q is one-hot, since the proposal is deterministic."""
-        if self.hybrid is None:
+        if self.hybrid is None or self.blind:
             return None
         room = self.bounds.target_context - len(self.committed) - 1
         remaining = self.request.max_new_tokens - self.generated - 1
@@ -228,9 +234,12 @@ class _Speculation:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
         rejection sampling with exactly the q each proposed token was drawn with."""
         began = time.perf_counter()
+        run_ahead = self._run_ahead(hop)
+        if self.hybrid is not None:
+            self._count_blind(hop, run_ahead)
         if self.request.transform.greedy:
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                run_ahead=self._run_ahead(hop))
+                                                run_ahead=run_ahead)
             ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
             outcome = verify_greedy(hop.tokens, scores.argmax)
@@ -240,7 +249,6 @@ class _Speculation:
             draws = self._draws(len(hop.tokens))
             # The uniforms of the plain steps the verifier may run ahead: drawn now rather than
             # at their steps, which take them in turn, so the order of the draws is the same.
-            run_ahead = self._run_ahead(hop)
             while len(self.drawn_ahead) < run_ahead:
                 self.drawn_ahead.append(Draws.draw(0, self.generator).final)
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
@@ -299,26 +307,43 @@ class _Speculation:
         return Draws(tuple(taken[:-1]), taken[-1])
 
     def _run_ahead(self, hop: _DraftHop) -> int:
-        """How many plain steps after this one the verifier may score unasked: with no draft
-        left, up to `RUN_AHEAD_STEPS`, short of the request's last token and the target's
-        context; one when a γ policy says only that the next step is plain (a run it cuts
-        short costs the verifier's forwards meanwhile, which on shared cores the draft's hop
-        pays for); 0 when the next step may not be plain."""
+        """How many plain steps after this one the verifier may score unasked, short of the
+        request's last token and the target's context:
+        - with model-free proposers, none while their matches pay (a match would stop the
+          run); once they are quiet, `QUIET_RUN_STEPS`, which look for no match; none
+          while such a run is under way (its steps take its answers);
+        - else with no draft left, up to `RUN_AHEAD_STEPS`;
+        - else one when a γ policy says only that the next step is plain (a run it cuts
+          short costs the verifier's forwards meanwhile, which on shared cores the draft's
+          hop pays for);
+        - 0 when the next step may not be plain."""
         if not self._plain_next(hop):
             return 0
-        if self.draft is not None:
-            return 1
         after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)
+        if self.hybrid is not None:
+            return 0 if self.blind or not self.hybrid.quiet else max(0, min(QUIET_RUN_STEPS, after))
+        if self.draft is not None:
+            return 1
         return max(0, min(RUN_AHEAD_STEPS, after))
+
+    def _count_blind(self, hop: _DraftHop, run_ahead: int) -> None:
+        """Keep `blind`, the steps left of a quiet run, as this step starts: a proposal ends
+        the run, a step that asks one starts it, a plain step within it takes one answer."""
+        if hop.tokens:
+            self.blind = 0
+        elif run_ahead:
+            self.blind = run_ahead
+        elif self.blind:
+            self.blind -= 1
 
     def _plain_next(self, hop: _DraftHop) -> bool:
         """Whether, after this plain step, another plain step surely comes, short of the
         request's last token: no draft left, or a policy settled on γ = 0 (AUTO that stopped
-        drafting), and no model-free proposer whose match could come. Then the verifier may
-        score it ahead. A plain step commits one token, EOS aside, which the verifier sees."""
-        if hop.tokens or self.hybrid is not None or self.generated + 1 >= self.request.max_new_tokens:
+        drafting). Then the verifier may score it ahead. A plain step commits one token,
+        EOS aside, which the verifier sees."""
+        if hop.tokens or self.generated + 1 >= self.request.max_new_tokens:
             return False
         return self.draft is None or self.policy.plain_next()
 
@@ -329,8 +354,8 @@ class _Speculation:
         position = len(self.committed)
         self.committed.extend(emitted)
         self.verifier.advance(kept_before)
-        if hop.model_free and self.hybrid is not None:
-            self.hybrid.observe(hop.proposer, verdict.accepted, len(hop.tokens))
+        if self.hybrid is not None:
+            self.hybrid.observe(hop.proposer if hop.model_free else None, verdict.accepted, len(hop.tokens))
         # A draft that sat this step out (or a model-free match made it) still holds only what it
         # held; one that drew the recovered token holds that too.
         if hop.tokens and not hop.model_free and self.draft is not None:

@@ -31,6 +31,10 @@ PRIORS = {PROMPT_LOOKUP: 0.5}
 DEFAULT_PRIOR = 0.8
 PRIOR_WEIGHT = 2.0
 MEMORY_STEPS = 20
+# Steps without a model-free token accepted after which the request's matches are "quiet":
+# the engine then lets the verifier run plain steps ahead and looks for a match only
+# between runs (`gateway.engine`).
+QUIET_STEPS = 2
 # Relative step costs before anything is measured (a plain target step = 1).
 VERIFY_PER_TOKEN, DRAFT_PER_TOKEN = 0.05, 0.2
 
@@ -88,16 +92,25 @@ class HybridChoice:
         self.fixed = fixed
         self._acceptance = {p.name: _Acceptance(PRIORS.get(p.name, DEFAULT_PRIOR)) for p in self.proposers}
         self.timed = timed
+        self._since_paid = 0  # steps since a model-free proposal last had a token accepted
 
     def index(self, committed: Sequence[int]) -> None:
         """Let every proposer take in `committed` (the prompt) before the first step."""
         for proposer in self.proposers:
             proposer.index(committed)
 
-    def observe(self, proposer: str, accepted: int, proposed: int) -> None:
-        """A step proposed by a model-free proposer ended with `accepted` of `proposed` kept."""
+    def observe(self, proposer: str | None, accepted: int, proposed: int) -> None:
+        """A step ended with `accepted` of `proposed` tokens kept; `proposer` names the
+        model-free proposer that made them (None: the model draft, or no proposal)."""
+        paid = proposer in self._acceptance and accepted > 0
+        self._since_paid = 0 if paid else self._since_paid + 1
         if proposer in self._acceptance and proposed:
             self._acceptance[proposer].observe(accepted, proposed)
+
+    @property
+    def quiet(self) -> bool:
+        """No model-free token was accepted in the last `QUIET_STEPS` steps (nor yet)."""
+        return self._since_paid >= QUIET_STEPS
 
     def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Match | None:
         """The match this step should verify, or None: the model draft (at model_gamma) or a

@@ -9,9 +9,12 @@ import grpc
 import pytest
 import torch
 
-from gateway.engine import ModelBounds, speculate
+from gateway.costmodel import StepCosts
+from gateway.engine import QUIET_RUN_STEPS, ModelBounds, speculate
 from gateway.errors import WorkerError
+from gateway.hybrid import QUIET_STEPS, HybridChoice
 from gateway.policy import FixedPolicy
+from gateway.proposers import SUFFIX, Match
 from gateway.records import Finish, RequestStats, StepRecord
 from gateway.request import GenerationRequest
 from specd.rejection import Draws, recovered_token, sample, target_verdict
@@ -172,6 +175,61 @@ def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     run(ScriptedDraft(wrong={5}, fail_at=2), verifier, gamma=3)
     after_loss = verifier.run_ahead[2:]
     assert verifier.run_ahead[:2] == [0, 0] and all(after_loss[:-1]) and after_loss[-1] == 0
+
+
+class Echo:
+    """A model-free proposer that offers the target's own next tokens after the commits
+    listed in `at` (committed lengths), and nothing elsewhere; it counts its lookups."""
+
+    name = SUFFIX
+
+    def __init__(self, at: set[int]) -> None:
+        self.at, self.lookups = at, 0
+
+    def propose(self, committed, max_tokens: int) -> Match:
+        self.lookups += 1
+        if len(committed) not in self.at:
+            return Match(self.name, [])
+        prefix = list(committed)
+        for _ in range(min(3, max_tokens)):
+            prefix.append(truth(prefix))
+        return Match(self.name, prefix[len(committed):], [1.0] * (len(prefix) - len(committed)))
+
+    def index(self, committed) -> None:
+        pass
+
+
+def run_hybrid(proposer: Echo, verifier: ScriptedVerifier, max_new_tokens: int) -> list[StepRecord]:
+    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    hybrid = HybridChoice([proposer], StepCosts(), lambda name: StepCosts(), model_alpha=lambda: 0.0, timed=False)
+    bounds = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), target_context=256)
+    stats = RequestStats()
+
+    async def drive() -> list[int]:
+        tokens: list[int] = []
+        async for committed in speculate(request, FixedPolicy(0), None, verifier, bounds, [stats],
+                                         hybrid=hybrid, max_model_free=8):
+            tokens.extend(committed.tokens)
+        return tokens
+
+    assert asyncio.run(drive()) == target_alone(max_new_tokens)
+    return stats.records
+
+
+def test_once_model_free_matches_stop_paying_the_verifier_runs_ahead_between_lookups():
+    """Plain decoding beside model-free proposers: a lookup every step while matches may
+    pay; after QUIET_STEPS steps without an accepted match, a run of QUIET_RUN_STEPS plain
+    steps that look for nothing, then a lookup; an accepted match starts the count again."""
+    never, verifier = Echo(set()), ScriptedVerifier()
+    run_hybrid(never, verifier, max_new_tokens=30)
+    assert QUIET_STEPS == 2 and QUIET_RUN_STEPS == 8
+    assert verifier.run_ahead == [0, 0] + ([8] + [0] * 8) * 3 + [0]  # the last step: nothing follows
+    assert never.lookups == 2 + 3  # and none at the last step, which leaves no room for a proposal
+    # A match at the lookup after the first run is accepted: lookups every step again.
+    matched, verifier = Echo({PROMPT_LENGTH + 11}), ScriptedVerifier()
+    records = run_hybrid(matched, verifier, max_new_tokens=30)
+    assert [r.model_free for r in records[10:13]] == [False, True, False]
+    assert records[11].accepted == 3 and verifier.run_ahead[11:15] == [0, 0, 0, 8]
 
 
 def test_a_sampled_request_sends_the_uniforms_of_the_steps_ahead_early_and_in_order():
