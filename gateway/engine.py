@@ -307,26 +307,24 @@ class _Speculation:
         return Draws(tuple(taken[:-1]), taken[-1])
 
     def _run_ahead(self, hop: _DraftHop) -> int:
-        """How many plain steps after this one the verifier may score unasked, short of the
-        request's last token and the target's context:
-        - with model-free proposers, none while their matches pay (a match would stop the
-          run); once they are quiet, `QUIET_RUN_STEPS`, which look for no match; none
-          while such a run is under way (its steps take its answers);
-        - else with no draft left, up to `RUN_AHEAD_STEPS`;
-        - else one when a γ policy says only that the next step is plain (a run it cuts
-          short costs the verifier's forwards meanwhile, which on shared cores the draft's
-          hop pays for);
-        - 0 when the next step may not be plain."""
-        if not self._plain_next(hop):
+        """How many plain steps after this plain one the verifier may score unasked, short of
+        the request's last token and the target's context: as many as surely come (all,
+        with no draft left; else as many as the γ policy foresees, `plain_steps_ahead`), up
+        to `RUN_AHEAD_STEPS`. With model-free proposers, none while their matches pay (a
+        match would stop the run); once they are quiet, up to `QUIET_RUN_STEPS`, which look
+        for no match; none while such a run is under way (its steps take its answers)."""
+        if hop.tokens:
             return 0
         after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)
+        limit = RUN_AHEAD_STEPS
         if self.hybrid is not None:
-            return 0 if self.blind or not self.hybrid.quiet else max(0, min(QUIET_RUN_STEPS, after))
-        if self.draft is not None:
-            return 1
-        return max(0, min(RUN_AHEAD_STEPS, after))
+            if self.blind or not self.hybrid.quiet:
+                return 0
+            limit = QUIET_RUN_STEPS
+        plain = limit if self.draft is None else self.policy.plain_steps_ahead(limit)
+        return max(0, min(plain, after))
 
     def _count_blind(self, hop: _DraftHop, run_ahead: int) -> None:
         """Keep `blind`, the steps left of a quiet run, as this step starts: a proposal ends
@@ -337,15 +335,6 @@ class _Speculation:
             self.blind = run_ahead
         elif self.blind:
             self.blind -= 1
-
-    def _plain_next(self, hop: _DraftHop) -> bool:
-        """Whether, after this plain step, another plain step surely comes, short of the
-        request's last token: no draft left, or a policy settled on γ = 0 (AUTO that stopped
-        drafting). Then the verifier may score it ahead. A plain step commits one token,
-        EOS aside, which the verifier sees."""
-        if hop.tokens or self.generated + 1 >= self.request.max_new_tokens:
-            return False
-        return self.draft is None or self.policy.plain_next()
 
     def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
         """Commit the accepted tokens and the recovered or bonus one, cut at EOS; the step's record."""

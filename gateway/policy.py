@@ -47,8 +47,8 @@ class FixedPolicy:
     def next_draft_length(self) -> int:
         return self.draft_length
 
-    def plain_next(self) -> bool:
-        return self.draft_length == 0
+    def plain_steps_ahead(self, limit: int) -> int:
+        return limit if self.draft_length == 0 else 0
 
     def observe(self, record: StepRecord) -> None:
         """Fixed: what the target accepted does not change γ."""
@@ -70,8 +70,8 @@ class EmaPolicy:
     def next_draft_length(self) -> int:
         return self.draft_length
 
-    def plain_next(self) -> bool:
-        return False  # γ never falls below its lowest, at least 1
+    def plain_steps_ahead(self, limit: int) -> int:
+        return 0  # γ never falls below its lowest, at least 1
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
@@ -506,13 +506,17 @@ class CostPolicy:
         # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
         return min(self._own_draft_length(), self._cap) if self._cap else 0
 
-    def plain_next(self) -> bool:
-        """Settled on plain decoding: γ = 0 now, and no probe due at the next step (a cap of 0
-        allows none). Wrong now and then, when the costs or the cap change their mind."""
+    def plain_steps_ahead(self, limit: int) -> int:
+        """Settled on plain decoding: γ = 0 now, and the steps before the next probe (a cap of
+        0 allows none). Wrong now and then, when the costs or the cap change their mind."""
         if self.load_cap is not None and self._cap == 0:
-            return True
-        plain_now = self.plain_steps > 0 and not self._probing  # what _own_draft_length last chose
-        return plain_now and (self.plain_steps + 1) % self.probes.interval != 0
+            return limit
+        if self.plain_steps == 0 or self._probing:  # what _own_draft_length last chose
+            return 0
+        steps = 0
+        while steps < limit and (self.plain_steps + steps + 1) % self.probes.interval != 0:
+            steps += 1
+        return steps
 
     def _own_draft_length(self) -> int:
         """The γ this request's own acceptance and the measured step costs call for."""
@@ -554,8 +558,8 @@ class ConfidencePolicy:
     def next_draft_length(self) -> int:
         return self.highest
 
-    def plain_next(self) -> bool:
-        return False
+    def plain_steps_ahead(self, limit: int) -> int:
+        return 0
 
     def observe(self, record: StepRecord) -> None:
         """Stateless across steps: the draft decides inside each step."""

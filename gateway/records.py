@@ -78,11 +78,11 @@ class DraftLengthPolicy(StepObserver, Protocol):
 
     def next_draft_length(self) -> int: ...
 
-    def plain_next(self) -> bool:
-        """Whether the step after the one just chosen will surely propose nothing, whatever
-        this one commits: then the verifier may score it ahead (`specd.worker.runahead`). A
-        wrong yes costs time, never output: that step waits for the ahead forward, and is
-        scored as asked."""
+    def plain_steps_ahead(self, limit: int) -> int:
+        """How many of the (at most `limit`) steps after the one just chosen will surely
+        propose nothing, whatever they commit: the verifier may score them ahead
+        (`specd.worker.runahead`). A wrong count costs time, never output: the step that
+        proposes after all waits for the forward run ahead, and is scored as asked."""
         ...
 
 

@@ -160,14 +160,17 @@ def test_a_plain_step_has_no_draft_hop():
 
 def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     """With no draft (OFF, or a draft lost) every plain step says how many plain steps
-    follow, up to the request's last token; with a policy settled on γ = 0, one; while a
-    draft may still propose, none does."""
+    follow, up to the request's last token; with a draft, as many as the γ policy foresees
+    (all, for a fixed γ = 0); while a draft may still propose, none does."""
     verifier = ScriptedVerifier()
     tokens, _, _ = run(None, verifier, gamma=0, max_new_tokens=6)
     assert tokens == target_alone(6) and verifier.run_ahead == [5, 4, 3, 2, 1, 0]
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=6)
-    assert verifier.run_ahead == [1, 1, 1, 1, 1, 0]
+    assert verifier.run_ahead == [5, 4, 3, 2, 1, 0]
+    verifier = ScriptedVerifier()
+    run(ScriptedDraft(), verifier, gamma=0, max_new_tokens=80)
+    assert verifier.run_ahead[:2] == [64, 64]  # at most RUN_AHEAD_STEPS
     verifier = ScriptedVerifier()
     run(ScriptedDraft(), verifier, gamma=2, max_new_tokens=6)
     assert not any(verifier.run_ahead)
@@ -390,8 +393,8 @@ class WrongGuesses(FixedPolicy):
         self.steps += 1
         return gamma
 
-    def plain_next(self) -> bool:
-        return True
+    def plain_steps_ahead(self, limit: int) -> int:
+        return 1
 
 
 @pytest.mark.parametrize("gamma", [1, 3])

@@ -152,8 +152,9 @@ class ScriptedPolicy:
     def next_draft_length(self):
         return self.script.pop(0) if self.script else 3
 
-    def plain_next(self):
-        return bool(self.script) and self.script[0] == 0
+    def plain_steps_ahead(self, limit):
+        zeros = next((i for i, gamma in enumerate(self.script) if gamma), len(self.script))
+        return min(zeros, limit)  # the script's end proposes 3
 
     def observe(self, record):
         pass

@@ -139,19 +139,26 @@ def test_probes_propose_one_token():
     assert probes and set(probes) == {1}
 
 
-def test_cost_policy_settled_on_plain_decoding_foresees_each_step_but_its_probes():
-    """After a plain step, plain_next() says the next step is plain exactly when it is, once
-    the policy has settled (the verifier then scores it ahead); never while it speculates."""
+def test_cost_policy_settled_on_plain_decoding_foresees_its_plain_steps_up_to_the_next_probe():
+    """After a plain step, plain_steps_ahead(8) counts the plain steps that follow, stopping
+    exactly at the next probe, once the policy has settled (the verifier then scores them
+    ahead); none after a probe, and none while it speculates."""
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
     chosen, foreseen = [], []
     for _ in range(40):
         chosen.append(policy.next_draft_length())
-        foreseen.append(policy.plain_next())
+        foreseen.append(policy.plain_steps_ahead(8))
     assert 1 in chosen  # it probes
-    plain = [i for i, gamma in enumerate(chosen[:-1]) if gamma == 0]
-    assert [foreseen[i] for i in plain] == [chosen[i + 1] == 0 for i in plain], (chosen, foreseen)
+    for i, gamma in enumerate(chosen[:-1]):
+        ahead = foreseen[i]
+        assert chosen[i + 1:i + 1 + ahead] == [0] * len(chosen[i + 1:i + 1 + ahead]), (i, chosen, foreseen)
+        if gamma == 0 and ahead < 8 and i + 1 + ahead < len(chosen):
+            assert chosen[i + 1 + ahead] != 0, (i, chosen, foreseen)  # it stops at the probe
+        if gamma:
+            assert ahead == 0
+    assert max(foreseen) > 1  # it sees past the next step
     speculating = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 8))
-    assert speculating.next_draft_length() > 0 and not speculating.plain_next()
+    assert speculating.next_draft_length() > 0 and speculating.plain_steps_ahead(8) == 0
 
 
 def test_overlap_hits_make_longer_drafts_pay():
