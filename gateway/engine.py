@@ -33,8 +33,8 @@ from specd.sampling import Transform
 from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
 
 log = logging.getLogger(__name__)
-# The most plain steps a plain step of a request with no draft lets the verifier score
-# unasked (a run stops at the next step the gateway sends).
+# The most plain steps a plain step lets the verifier score unasked, with no draft left
+# or a γ policy settled on plain decoding (a run stops at the next step the gateway sends).
 RUN_AHEAD_STEPS = 64
 # The plain steps a run takes while the request's model-free matches are quiet; the next
 # step looks for a match again (docs/proposers.md).

@@ -109,7 +109,8 @@ class HybridChoice:
 
     @property
     def quiet(self) -> bool:
-        """No model-free token was accepted in the last `QUIET_STEPS` steps (nor yet)."""
+        """No model-free token was accepted in the last `QUIET_STEPS` steps (counted from
+        the request's first step: its first steps are not quiet)."""
         return self._since_paid >= QUIET_STEPS
 
     def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Match | None:

@@ -508,7 +508,8 @@ class CostPolicy:
 
     def plain_steps_ahead(self, limit: int) -> int:
         """Settled on plain decoding: γ = 0 now, and the steps before the next probe (a cap of
-        0 allows none). Wrong now and then, when the costs or the cap change their mind."""
+        0 allows none). Wrong now and then, when the costs, the cap or the probe interval
+        (shared with the pair's other requests) change their mind."""
         if self.load_cap is not None and self._cap == 0:
             return limit
         if self.plain_steps == 0 or self._probing:  # what _own_draft_length last chose

@@ -380,8 +380,8 @@ class LawVerifier(ScriptedVerifier):
 
 
 class WrongGuesses(FixedPolicy):
-    """γ from a script, always saying the next step is plain: the guess AUTO makes once it
-    settles on plain decoding, here wrong before every proposing step."""
+    """γ from a script, always saying every step ahead is plain: the guess AUTO makes once
+    it settles on plain decoding, here wrong before every proposing step."""
 
     def __init__(self, script: list[int]) -> None:
         super().__init__(0)
@@ -394,7 +394,7 @@ class WrongGuesses(FixedPolicy):
         return gamma
 
     def plain_steps_ahead(self, limit: int) -> int:
-        return 1
+        return limit  # the verifier scores ahead as far as it may, and many uniforms are drawn early
 
 
 @pytest.mark.parametrize("gamma", [1, 3])

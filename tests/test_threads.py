@@ -48,26 +48,34 @@ def test_a_worker_leaves_torch_threads_to_its_models_once_loaded(model_dirs):
     one thread, while the model's thread keeps the count the worker was started with. Run
     on a thread of its own, which takes torch's threads as a worker's main thread does."""
     seen: dict[str, int] = {}
+    failed: list[BaseException] = []
     before = torch.get_num_threads()
 
     def worker_main() -> None:
-        torch.set_num_threads(2)  # as `--threads 2` sets it before the models load
-        settings = VerifierSettings(ServerSettings("127.0.0.1", 0, grace_s=0.5), model_dirs["target"],
-                                    ModelSettings(max_sessions=2))
+        try:
+            torch.set_num_threads(2)  # as `--threads 2` sets it before the models load
+            settings = VerifierSettings(ServerSettings("127.0.0.1", 0, grace_s=0.5), model_dirs["target"],
+                                        ModelSettings(max_sessions=2))
 
-        async def serve_once() -> None:
-            running = await _then_single_threaded(create_server)(settings)
-            try:
-                seen["event loop"] = torch.get_num_threads()
-                target = running.servicer.target
-                seen["model"] = await asyncio.wrap_future(target._executor.submit(torch.get_num_threads))
-            finally:
-                await running.stop(0)
+            async def serve_once() -> None:
+                running = await _then_single_threaded(create_server)(settings)
+                try:
+                    seen["event loop"] = torch.get_num_threads()
+                    target = running.servicer.target
+                    seen["model"] = await asyncio.wrap_future(target._executor.submit(torch.get_num_threads))
+                finally:
+                    await running.stop(0)
 
-        asyncio.run(serve_once())
-        torch.set_num_threads(before)  # torch's count for threads yet to start, as it was
+            asyncio.run(serve_once())
+        except BaseException as exc:  # re-raised on the test's thread
+            failed.append(exc)
+        finally:
+            torch.set_num_threads(before)  # torch's count for threads yet to start, as it was
 
     thread = threading.Thread(target=worker_main)
     thread.start()
     thread.join(120)
+    assert not thread.is_alive()
+    if failed:
+        raise failed[0]
     assert seen == {"event loop": 1, "model": 2}

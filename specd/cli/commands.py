@@ -165,7 +165,8 @@ SMALL_MODEL_BYTES = 32 * 1024 * 1024
 
 # How long an idle OpenMP thread of a `specd serve` worker spins before it sleeps
 # (libgomp's GOMP_SPINCOUNT). The demo pair at 1 in flight, target-only: 179-194 tokens/s
-# with 20,000, 168-171 with 100,000, 112-130 with none (docs/performance.md, item 12).
+# with 20,000, 168-184 with 100,000, 112-130 with none (docs/performance.md, item 12); the
+# shorter spin holds a core for less time after a forward, while the draft's turn runs.
 SPIN_TURNS = 20_000
 
 
