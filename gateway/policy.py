@@ -514,10 +514,9 @@ class CostPolicy:
             return limit
         if self.plain_steps == 0 or self._probing:  # what _own_draft_length last chose
             return 0
-        steps = 0
-        while steps < limit and (self.plain_steps + steps + 1) % self.probes.interval != 0:
-            steps += 1
-        return steps
+        # The k-th step ahead counts plain_steps + k; the first whose count the interval
+        # divides is the probe.
+        return min(limit, -(self.plain_steps + 1) % self.probes.interval)
 
     def _own_draft_length(self) -> int:
         """The γ this request's own acceptance and the measured step costs call for."""
