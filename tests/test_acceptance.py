@@ -144,6 +144,44 @@ def test_bench_runs_against_a_gateway(stack, tmp_path):
     assert (tmp_path / "tokens_per_s.png").stat().st_size > 0
 
 
+def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypatch):
+    """`--rounds` with `--concurrency`: each configuration runs once a round, the rounds in
+    turn (so the machine's drift falls on both alike), each round's requests in user
+    segments of their own (no round is drafted from another's responses by the suffix
+    cache), and each round's ratio to target-only is printed beside the merged table."""
+    import argparse
+    import json
+
+    from specd.cli import bench
+
+    segments = set()
+    build = bench.build_request
+
+    def recording(*args, **kwargs):
+        segments.add(kwargs["user_segment"])
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "build_request", recording)
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--gateway", stack.gateway_address, "--configs", "cost", "--concurrency", "2",
+                              "--requests-per-level", "2", "--rounds", "3", "--max-new-tokens", "6",
+                              "--draft-model", "close", "--out", str(tmp_path)])
+    workload = {"code": ["def fibonacci(n):"], "general": ["The acceptance rate is"]}
+    assert bench.run_load(args, workload, bench.parse_configs(args.configs)) == 0
+    progress = [line.split()[1] + (" AUTO" if "AUTO" in line else "") + " " + line.split("(round ")[1].rstrip(")")
+                for line in capsys.readouterr().out.splitlines() if "(round " in line]
+    assert progress == ["target-only 1", "cost AUTO 1", "target-only 2", "cost AUTO 2", "target-only 3",
+                        "cost AUTO 3"], progress
+    assert len(segments - {"bench-warm-up"}) == 2 * 3, segments
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["rounds"] == 3 and [row["tokens"] for row in report["rows"]] == [3 * 2 * 6] * 2
+    (line,) = [line for line in (tmp_path / "load.md").read_text().splitlines() if "round by round" in line]
+    ratios = line.split("round by round: ")[1].split(" (")[0].split()
+    assert line.startswith("N=2   cost (AUTO) ÷ target-only") and len(ratios) == 3 and all(float(r) > 0 for r in ratios)
+
+
 def test_conditional_acceptance_and_measured_prior():
     counts = Counts()
     counts.add(4, 4, 5, 0)  # all four accepted

@@ -132,7 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. fixed:4+overlap; target-only always runs)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--rounds", type=int, default=1, help="passes over the workload")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the workload; with --concurrency, each level's configurations run "
+                             "this many times in turn, each configuration's ratio to target-only printed "
+                             "round by round (how much the machine's noise moves it)")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="send the whole workload K times, one table per pass: an agent's workload, where "
                              "the same prompts come back (the suffix proposer's cache meets them again)")
@@ -409,23 +412,35 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
 
     levels = [int(n) for n in args.concurrency.split(",")]
     tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
-    results = []
+    rounds: list[list[loadbench.LoadResult]] = [[] for _ in range(args.rounds)]
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
             stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1, segment="bench-warm-up"))
         for n in levels:
-            for config in configs:
-                reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1)
-                        for i in range(args.requests_per_level)]
-                results.append(loadbench.run_level(stub, reqs, config.label, n))
-                print(f"  N={n:<3} {config.label:<24} {results[-1].tokens_per_s:8.1f} tokens/s", flush=True)
+            # Rounds take turns configuration by configuration, so that the machine's drift falls
+            # on all of them alike. Each round's requests carry segments of their own: a round
+            # must not be drafted from an earlier round's responses by the suffix cache.
+            for number, this_round in enumerate(rounds, start=1):
+                for config in configs:
+                    segment = config.segment if number == 1 else f"{config.segment}-round-{number}"
+                    reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1,
+                                     segment=segment) for i in range(args.requests_per_level)]
+                    this_round.append(loadbench.run_level(stub, reqs, config.label, n))
+                    print(f"  N={n:<3} {config.label:<24} {this_round[-1].tokens_per_s:8.1f} tokens/s"
+                          + (f" (round {number})" if len(rounds) > 1 else ""), flush=True)
+    results = rounds[0]
+    for later in rounds[1:]:
+        for merged, result in zip(results, later):
+            merged.merge(result)
     reference = {}
     if args.target:
         reference = loadbench.transformers_batched(args.target, [p for _, p in tasks], levels, args.max_new_tokens,
                                                    args.dtype, args.requests_per_level)
     text = loadbench.table(results, reference)
+    if len(rounds) > 1:
+        text += "\n\n" + loadbench.round_ratios(rounds)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -440,10 +455,12 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
             for r in [*results, *reference.values()]]
     (out / "load.json").write_text(json.dumps({
         "gateway": args.gateway, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "requests_per_level": args.requests_per_level, "levels": levels, "rows": rows}, indent=2))
+        "requests_per_level": args.requests_per_level, "rounds": args.rounds, "levels": levels, "rows": rows},
+        indent=2))
     (out / "load.md").write_text(
         f"# specd bench --concurrency {args.concurrency}\n\n{args.requests_per_level} requests per configuration "
-        f"and level, {args.max_new_tokens} new tokens, temperature {args.temperature}.\n\n```\n{text}\n```\n\n"
+        f"and level in each of {args.rounds} round(s), {args.max_new_tokens} new tokens, temperature "
+        f"{args.temperature}.\n\n```\n{text}\n```\n\n"
         + "".join(f"![{name}]({name})\n\n" for name in images))
     print(f"\nreport: {out / 'load.md'}")
     return 0

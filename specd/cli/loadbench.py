@@ -38,6 +38,17 @@ class LoadResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def merge(self, other: LoadResult) -> None:
+        """Add another run of the same configuration and level (another round)."""
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        for mine, theirs in ((self.latencies, other.latencies), (self.first_token, other.first_token),
+                             (self.between_tokens, other.between_tokens), (self.batch_sizes, other.batch_sizes)):
+            mine.extend(theirs)
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.failures += other.failures
+
     @staticmethod
     def percentile(values: list[float], q: int) -> float:
         """The q-th percentile (0 without values)."""
@@ -156,6 +167,23 @@ def table(results: list[LoadResult], reference: dict[int, LoadResult]) -> str:
             lines.append(f"{n:>3} {r.label:<32} {r.tokens_per_s:>9.1f} {r.tokens_per_s / off:>6.2f} {ratio_hf}"
                          f" {r.percentile(r.latencies, 50):>6.2f} {r.percentile(r.latencies, 95):>6.2f}"
                          f" {ttft:>8.0f} {tbt:>7.1f} {batch:>6.2f} {accept:>8} {r.failures:>4}")
+    return "\n".join(lines)
+
+
+def round_ratios(rounds: list[list[LoadResult]]) -> str:
+    """Each configuration's tokens/s over target-only's (the first of each round), round by
+    round, level by level: how far one round's ratio is from the next says how much of a
+    difference between configurations the machine's noise can make."""
+    lines = []
+    for n in sorted({r.concurrency for results in rounds for r in results}):
+        per_round = [[r for r in results if r.concurrency == n] for results in rounds]
+        for index, label in enumerate(r.label for r in per_round[0][1:]):
+            ratios = [level[index + 1].tokens_per_s / level[0].tokens_per_s for level in per_round
+                      if level[0].tokens_per_s]
+            if not ratios:
+                continue
+            lines.append(f"N={n:<3} {label} ÷ target-only, round by round: {' '.join(f'{r:.2f}' for r in ratios)}"
+                         f" (mean {statistics.fmean(ratios):.2f}, spread {max(ratios) - min(ratios):.2f})")
     return "\n".join(lines)
 
 
