@@ -145,10 +145,11 @@ def test_bench_runs_against_a_gateway(stack, tmp_path):
 
 
 def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypatch):
-    """`--rounds` with `--concurrency`: each configuration runs once a round, the rounds in
-    turn (so the machine's drift falls on both alike), each round's requests in user
-    segments of their own (no round is drafted from another's responses by the suffix
-    cache), and each round's ratio to target-only is printed beside the merged table."""
+    """`--rounds` with `--concurrency`: at each level each configuration runs once a round,
+    the rounds in turn (so the machine's drift falls on both alike), each level's and
+    round's requests in user segments of their own (none is drafted from another's
+    responses to the same prompts by the suffix cache), and each round's ratio to
+    target-only is printed beside the merged table."""
     import argparse
     import json
 
@@ -165,21 +166,23 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--gateway", stack.gateway_address, "--configs", "cost", "--concurrency", "2",
-                              "--requests-per-level", "2", "--rounds", "3", "--max-new-tokens", "6",
+    args = parser.parse_args(["--gateway", stack.gateway_address, "--configs", "cost", "--concurrency", "1,2",
+                              "--requests-per-level", "2", "--rounds", "2", "--max-new-tokens", "6",
                               "--draft-model", "close", "--out", str(tmp_path)])
     workload = {"code": ["def fibonacci(n):"], "general": ["The acceptance rate is"]}
     assert bench.run_load(args, workload, bench.parse_configs(args.configs)) == 0
-    progress = [line.split()[1] + (" AUTO" if "AUTO" in line else "") + " " + line.split("(round ")[1].rstrip(")")
+    progress = [line.split()[0] + " " + line.split()[1] + (" AUTO" if "AUTO" in line else "") + " "
+                + line.split("(round ")[1].rstrip(")")
                 for line in capsys.readouterr().out.splitlines() if "(round " in line]
-    assert progress == ["target-only 1", "cost AUTO 1", "target-only 2", "cost AUTO 2", "target-only 3",
-                        "cost AUTO 3"], progress
-    assert len(segments - {"bench-warm-up"}) == 2 * 3, segments
+    assert progress == [f"N={n} {config} {number}" for n in (1, 2) for number in (1, 2)
+                        for config in ("target-only", "cost AUTO")], progress
+    assert len(segments - {"bench-warm-up"}) == 2 * 2 * 2, segments  # configurations × levels × rounds
     report = json.loads((tmp_path / "load.json").read_text())
-    assert report["rounds"] == 3 and [row["tokens"] for row in report["rows"]] == [3 * 2 * 6] * 2
-    (line,) = [line for line in (tmp_path / "load.md").read_text().splitlines() if "round by round" in line]
-    ratios = line.split("round by round: ")[1].split(" (")[0].split()
-    assert line.startswith("N=2   cost (AUTO) ÷ target-only") and len(ratios) == 3 and all(float(r) > 0 for r in ratios)
+    assert report["rounds"] == 2 and [row["tokens"] for row in report["rows"]] == [2 * 2 * 6] * 4
+    lines = [line for line in (tmp_path / "load.md").read_text().splitlines() if "round by round" in line]
+    assert [line.split(" ÷")[0].split() for line in lines] == [["N=1", "cost", "(AUTO)"], ["N=2", "cost", "(AUTO)"]]
+    ratios = [line.split("round by round: ")[1].split(" (")[0].split() for line in lines]
+    assert all(len(each) == 2 and all(float(r) > 0 for r in each) for each in ratios), ratios
 
 
 def test_conditional_acceptance_and_measured_prior():

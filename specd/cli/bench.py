@@ -10,7 +10,8 @@ also times transformers' own target-only, assisted and prompt-lookup generation 
 same pair, in this process, for the "ours vs transformers" ratio. --repeat K sends the
 workload K times and reports each pass: an agent's workload, where prompts come back.
 Each configuration's requests carry a user segment of their own, so the gateway's suffix
-cache (one per tenant) never drafts one configuration from another's responses.
+cache (one per tenant) never drafts one configuration from another's responses; under
+--concurrency, one per level and round too, since every level sends the same prompts.
 """
 from __future__ import annotations
 
@@ -420,11 +421,12 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
             stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1, segment="bench-warm-up"))
         for n in levels:
             # Rounds take turns configuration by configuration, so that the machine's drift falls
-            # on all of them alike. Each round's requests carry segments of their own: a round
-            # must not be drafted from an earlier round's responses by the suffix cache.
+            # on all of them alike. Each level's and round's requests carry segments of their
+            # own: the suffix cache must not draft them from another level's or round's responses
+            # to the same prompts.
             for number, this_round in enumerate(rounds, start=1):
                 for config in configs:
-                    segment = config.segment if number == 1 else f"{config.segment}-round-{number}"
+                    segment = f"{config.segment}-at-{n}-round-{number}"
                     reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1,
                                      segment=segment) for i in range(args.requests_per_level)]
                     this_round.append(loadbench.run_level(stub, reqs, config.label, n))
