@@ -102,10 +102,10 @@ class HybridChoice:
     def observe(self, proposer: str | None, accepted: int, proposed: int) -> None:
         """A step ended with `accepted` of `proposed` tokens kept; `proposer` names the
         model-free proposer that made them (None: the model draft, or no proposal)."""
-        paid = proposer in self._acceptance and accepted > 0
-        self._since_paid = 0 if paid else self._since_paid + 1
-        if proposer in self._acceptance and proposed:
-            self._acceptance[proposer].observe(accepted, proposed)
+        acceptance = self._acceptance.get(proposer) if proposer is not None else None
+        self._since_paid = 0 if acceptance is not None and accepted > 0 else self._since_paid + 1
+        if acceptance is not None and proposed:
+            acceptance.observe(accepted, proposed)
 
     @property
     def quiet(self) -> bool:
