@@ -122,7 +122,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port)."""
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
                                  max_sessions=settings.model.max_sessions, device=settings.model.device,
-                                 cpu_linear=settings.model.cpu_linear, batching=settings.model.batching,
+                                 cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
+                                 batching=settings.model.batching,
                                  pre_draft_branches=settings.pre_draft_branches,
                                  kept_rows_bytes=settings.kept_rows_mib << 20)
                for name, path in settings.drafts.items()}

@@ -1,5 +1,6 @@
 """The batched forward on its own: ms per decoding forward of the paged KV store at 1, 8
-and 32 sessions, beside the same sessions one at a time and transformers' own one-token
+and 32 sessions, through transformers' layers and through specd's lean forward
+(specd.worker.lean), beside the same sessions one at a time and transformers' own one-token
 step of as many rows with a DynamicCache, side by side in one run.
 
     python scripts/bench_forward.py [--model models/demo/target] [--threads 2] [--prefix 128]
@@ -21,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specd.config import DEMO_TARGET
-from specd.worker import kvstore, packing
+from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.settings import CPU_LINEARS
 
@@ -56,13 +57,13 @@ def main() -> None:
     kvstore.use_paged_attention(model)
     if args.cpu_linear == "onednn":
         packing.pack_linears(model)
-    # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end.
+    # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end,
+    # and 4 for the lean forward's trial at install.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
-                  41 * ((args.prefix + 1) // 16 + 2) + 1)
+                  41 * ((args.prefix + 1) // 16 + 2) + 5)
     print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
           f"paged forward's linear layers: {args.cpu_linear}")
-    print(f"{'sessions':>8} {'paged batch':>12} {'one at a time':>14} {'ms per session':>15} {'transformers':>13}"
-          "   (median ms per forward)")
+    cases = {}
     for count in (1, 8, 32):
         sessions = [SessionKV(pool) for _ in range(count)]
         for session in sessions:
@@ -70,7 +71,16 @@ def main() -> None:
             kvstore.forward(model, [BatchRow(session, prompt, 1)], cpu)
         together = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
         apart = median_ms(functools.partial(step, model, sessions, args.prefix, False), max(3, args.repeats // 4))
-        print(f"{count:>8} {together:>12.2f} {apart:>14.2f} {together / count:>15.2f} {references[count]:>13.2f}")
+        cases[count] = sessions, together, apart
+    # The same sessions again through specd's lean forward, where it mirrors the model.
+    unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)
+    print(f"lean forward: {unmirrored or 'on'}")
+    print(f"{'sessions':>8} {'paged batch':>12} {'lean batch':>11} {'one at a time':>14} {'ms per session':>15} "
+          f"{'transformers':>13}   (median ms per forward; paged and one at a time: transformers' layers)")
+    for count, (sessions, together, apart) in cases.items():
+        leaner = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
+        print(f"{count:>8} {together:>12.2f} {leaner if unmirrored is None else float('nan'):>11.2f} {apart:>14.2f} "
+              f"{together / count:>15.2f} {references[count]:>13.2f}")
 
 
 def transformers_step_ms(model, prompt: list[int], count: int, repeats: int) -> float:

@@ -21,6 +21,7 @@ from conftest import request, start_stack
 from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
+from specd.worker import lean
 from specd.worker.batching import Job, Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.worker.runtime import ModelRunner
@@ -233,13 +234,17 @@ def test_a_lone_session_reads_the_same_whether_its_blocks_are_consecutive_or_not
                                        alone[7:])
 
 
-def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs):
+@pytest.mark.parametrize("lean_forward", [False, True])
+def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, lean_forward):
     """A forward of 32 sessions runs as many operators as one of a single session: no
-    Python loop over sessions inside a layer (counted with the torch profiler)."""
+    Python loop over sessions inside a layer (counted with the torch profiler), in
+    transformers' forward and in the lean one (specd.worker.lean)."""
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
     use_paged_attention(model)
     cpu = torch.device("cpu")
     pool = _pool(model, blocks=400)
+    if lean_forward:
+        assert lean.install(model, pool, model.config.vocab_size, cpu) is None
 
     def operators(sessions: int, feed: int) -> int:
         rows = []

@@ -100,7 +100,8 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
     target = ModelRunner(settings.target, name=settings.target_name or None, dtype=settings.model.dtype,
                          max_sessions=settings.model.max_sessions, device=settings.model.device,
-                         cpu_linear=settings.model.cpu_linear, batching=settings.model.batching)
+                         cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
+                         batching=settings.model.batching)
     servicer = VerifierServicer(target)
     stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
                                         settings.metrics_port)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -478,6 +478,24 @@ def _hand_masks(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(hand_mask, with_kwargs=True)
 
 
+# Forwards that stand in for a model's own (`use_forward`; specd.worker.lean).
+_FORWARDS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[BatchInputs], torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
+
+
+def use_forward(model: torch.nn.Module, forward: Callable[[BatchInputs], torch.Tensor]) -> None:
+    """Run `model`'s batched forwards through `forward` (kept logits [1, Σ keep, V] from
+    `BatchInputs`, as `own_forward` gives) from now on."""
+    _FORWARDS[model] = forward
+
+
+def own_forward(model: torch.nn.Module, inputs: BatchInputs) -> torch.Tensor:
+    """The kept logits [1, Σ keep, V] of the model's own forward over `inputs`."""
+    mask = {"attention_mask": inputs.cache.dense_mask} if _ATTENDS_ITSELF.get(model) == MODEL_MASK else {}
+    return model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache, use_cache=True,
+                 logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache, **mask).logits
+
+
 @torch.inference_mode()
 def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.device) -> tuple[torch.Tensor, list[slice]]:
     """One batched forward of `rows` (a model set up by `use_paged_attention`): the kept
@@ -490,16 +508,14 @@ def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.devi
 def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
              device: torch.device) -> tuple[torch.Tensor, list[slice], bool]:
     """`forward`, and whether the model's attention read through `paged_attention`."""
-    mode = _ATTENDS_ITSELF.get(model)
-    inputs = prepare(rows, device, mode is not None)
-    out = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, cache=inputs.cache,
-                use_cache=True, logits_to_keep=inputs.logits_to_keep, batch_cache=inputs.cache,
-                **({"attention_mask": inputs.cache.dense_mask} if mode == MODEL_MASK else {}))
+    inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
+    stand_in = _FORWARDS.get(model)
+    logits = own_forward(model, inputs) if stand_in is None else stand_in(inputs)
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
     # The math after the forward runs where the logits are (specd.worker.jobs): only token ids, a
     # few probabilities and the rows a sampled step needs ever reach the host.
-    return out.logits[0].float(), inputs.kept, inputs.cache.attended
+    return logits[0].float(), inputs.kept, inputs.cache.attended
 
 
 # Attention layers the store serves: full causal attention, and a sliding window over it.
@@ -539,47 +555,79 @@ _AGREEMENT = {torch.float32: 1e-3, torch.float64: 1e-6}
 _HALF_AGREEMENT = 3e-2
 
 
+def _trial_sequences(vocab_size: int) -> list[list[int]]:
+    """The two sessions of the load trials, of different lengths."""
+    return [[(7 * i + 3) % vocab_size for i in range(1, 21)], [(11 * i + 5) % vocab_size for i in range(1, 14)]]
+
+
+def trial_batches(pool: KVPool, vocab_size: int) -> Iterator[list[BatchRow]]:
+    """The rows of the load trials' three batched forwards, in order: both sessions of
+    `_trial_sequences` prefill, then take a verification-sized step of 5 tokens, then a
+    decoding step of 1, as serving runs them. MemoryError when the pool has no room."""
+    sessions = []
+    for tokens in _trial_sequences(vocab_size):
+        session = SessionKV(pool)
+        if not session.reserve(len(tokens)):
+            raise MemoryError("the KV pool has no room for a two-session trial forward")
+        session.tokens = tokens
+        sessions.append(session)
+    for phase in range(3):
+        rows = []
+        for session in sessions:
+            cuts = (0, len(session.tokens) - 6, len(session.tokens) - 1, len(session.tokens))  # 5 tokens | 1 token
+            rows.append(BatchRow(session, session.tokens[cuts[phase]:cuts[phase + 1]], cuts[phase + 1] - cuts[phase]))
+        yield rows
+
+
+@torch.inference_mode()
+def trial_logits(stand_in: Callable[[BatchInputs], torch.Tensor], pool: KVPool, vocab_size: int,
+                 device: torch.device) -> list[torch.Tensor] | str:
+    """The kept logits of each of `trial_batches`' forwards run through `stand_in` (a
+    forward as `use_forward` takes, for a model that attends through `paged_attention`);
+    the reason instead when the pool has no room."""
+    logits = []
+    try:
+        for rows in trial_batches(pool, vocab_size):
+            logits.append(stand_in(prepare(rows, device)))
+            for row in rows:
+                row.session.length += len(row.tokens)
+    except MemoryError as exc:
+        return str(exc)
+    return logits
+
+
 @torch.inference_mode()
 def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, device: torch.device) -> str | None:
     """Why the store cannot serve `model` exactly (None: it can), found by trying it at load.
 
-    Two sessions of different lengths go through three batched forwards together, as
-    serving runs them: a prefill, a verification-sized step of 5 tokens, and a decoding
-    step of 1. Every logit must match the model's own eager forward over the same
+    Two sessions of different lengths go through three batched forwards together
+    (`trial_batches`). Every logit must match the model's own eager forward over the same
     sequences. An exception (a cache method the model needs and `BatchCache` lacks, keys
     and values of shapes the pool cannot hold) or a disagreement (a model that reads
     positions or masks some other way) is the reason; a model refused here never fails at
     a request instead.
     """
-    sequences = [[(7 * i + 3) % vocab_size for i in range(1, 21)], [(11 * i + 5) % vocab_size for i in range(1, 14)]]
-    cuts = [(0, len(s) - 6, len(s) - 1, len(s)) for s in sequences]  # prefill | 5 tokens | 1 token
-    sessions = [SessionKV(pool) for _ in sequences]
     batched: list[list[torch.Tensor]] = [[], []]
     attends_itself = False  # the first forward never reached paged_attention
     try:
-        for session, tokens in zip(sessions, sequences):
-            if not session.reserve(len(tokens)):
-                return "the KV pool has no room for a two-session trial forward"
-            session.tokens = list(tokens)
-        for phase in range(3):
-            rows = [BatchRow(session, tokens[cut[phase]:cut[phase + 1]], cut[phase + 1] - cut[phase])
-                    for session, tokens, cut in zip(sessions, sequences, cuts)]
+        for rows in trial_batches(pool, vocab_size):
             logits, kept, attended = _forward(model, rows, device)
             if not attended and model not in _ATTENDS_ITSELF:
                 attends_itself = True
                 break
             for row, rows_kept in enumerate(kept):
                 batched[row].append(logits[rows_kept])
+    except MemoryError as exc:
+        return str(exc)
     except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
         return f"a batched forward fails: {type(exc).__name__}: {exc}"
-    if attends_itself:
-        sessions.clear()  # their blocks go back to the pool
+    if attends_itself:  # the trial's sessions are garbage now: their blocks are back in the pool
         return _trial_handing_whole_contexts(model, pool, vocab_size, device)
     # The reference: the model's own eager attention over each whole sequence.
     model.set_attn_implementation("eager")
     try:
         plains = [model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
-                  for tokens in sequences]
+                  for tokens in _trial_sequences(vocab_size)]
     finally:
         use_paged_attention(model)
     for row, plain in enumerate(plains):

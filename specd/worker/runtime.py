@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,15 +28,16 @@ from specd.errors import InvalidArgument, Overloaded, SessionNotFound, Unsupport
 from specd.rejection import Draws, recovered_token
 from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
-from specd.worker import kvstore, packing
+from specd.worker import kvstore, lean, packing
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
 from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
 from specd.worker.runahead import RunAhead
-from specd.worker.settings import CPU_LINEARS, BatchSettings
+from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -190,7 +192,7 @@ class ModelRunner:
     def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
                  max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
                  pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20,
-                 cpu_linear: str = "onednn") -> None:
+                 cpu_linear: str = "onednn", forward: str = "lean") -> None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -200,12 +202,14 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         if cpu_linear not in CPU_LINEARS:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {cpu_linear!r}")
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
 
         # The model's operators run on its one thread from loading on (see
         # `event_loop_single_threaded`).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name or path.name}")
         try:
-            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear).result()
+            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear, forward).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -220,8 +224,9 @@ class ModelRunner:
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
 
     def _load(self, path: Path, name: str | None, max_sessions: int, batching: BatchSettings,
-              cpu_linear: str) -> None:
-        """On the model's thread: load the model, pack it, size its KV pool and try it."""
+              cpu_linear: str, forward: str) -> None:
+        """On the model's thread: load the model, pack it, size its KV pool, try it, and
+        give it the lean forward where that is exact."""
         def load() -> PreTrainedModel:
             return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
 
@@ -248,6 +253,12 @@ class ModelRunner:
         problem = kvstore.batching_problem(self.model, self.pool, self.info.vocab_size, self.device)
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
+        self.lean_forward = False
+        if forward == "lean":
+            unmirrored = lean.install(self.model, self.pool, self.info.vocab_size, self.device)
+            self.lean_forward = unmirrored is None
+            if unmirrored is not None:
+                log.info("%s keeps transformers' forward: %s", self.info.name, unmirrored)
 
     def _evicted(self, session_id: str) -> None:
         """What else an evicted session held goes with it: its pre-drafted branches and its

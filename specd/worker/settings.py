@@ -13,6 +13,7 @@ from specd.flags import setting
 
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.worker.runtime maps them to torch
 CPU_LINEARS = ("onednn", "torch")  # how a CPU multiplies a large linear layer (specd.worker.packing)
+FORWARDS = ("lean", "transformers")  # whose code runs a Llama model's forward (specd.worker.lean)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class ModelSettings:
     cpu_linear: str = setting("onednn", flag="--cpu-linear", choices=CPU_LINEARS,
                               help="on a CPU, the products of the large linear layers: oneDNN's, with the weights "
                                    "packed once at load (a few rows cost about what one does), or torch's own")
+    forward: str = setting("lean", flag="--model-forward", choices=FORWARDS,
+                           help="a Llama-architecture model's forward: specd's lean one, the same operators "
+                                "without transformers' per-call Python (used only where a trial at load gives "
+                                "the same logits to the bit), or transformers' own")
     batching: BatchSettings = BatchSettings()
 
 

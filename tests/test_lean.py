@@ -1,0 +1,117 @@
+"""The lean forward of Llama-architecture models (specd.worker.lean): the model's own
+logits to the bit, only where it mirrors the model, and what a worker runs by default.
+
+Tiny real models made in the test (tests/conftest.py), the paged store as serving uses it.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specd.worker import kvstore, lean
+from specd.worker.kvstore import BatchRow, KVPool, SessionKV, prepare, use_paged_attention
+from specd.worker.runtime import ModelRunner
+
+CPU = torch.device("cpu")
+
+
+def _loaded(directory):
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    use_paged_attention(model)
+    layers, kv_heads, key_dim, value_dim = kvstore.kv_shape(model, CPU)
+    return model, KVPool(layers, kv_heads, key_dim, value_dim, torch.float32, CPU, 4, 64)
+
+
+def _steps(pool: KVPool, forward) -> list[torch.Tensor]:
+    """Three sessions through prefills of different lengths, a rolled-back verification of
+    a few tokens each, and two decoding steps, every forward shared: each forward's logits."""
+    torch.manual_seed(0)
+    sessions = [SessionKV(pool) for _ in range(3)]
+    prompts = [torch.randint(0, 300, (n,)).tolist() for n in (3, 21, 9)]
+    for session, prompt in zip(sessions, prompts):
+        assert session.reserve(len(prompt) + 8)
+    feeds = [[BatchRow(s, p, 2) for s, p in zip(sessions, prompts)],
+             [BatchRow(s, e, len(e)) for s, e in zip(sessions, ([1, 2], [3], [4, 5, 6, 7]))],
+             [BatchRow(s, [9], 1) for s in sessions], [BatchRow(s, [11], 1) for s in sessions[1:]]]
+    logits = []
+    with torch.inference_mode():
+        for phase, rows in enumerate(feeds):
+            logits.append(forward(prepare(rows, CPU)))
+            for row in rows:
+                row.session.length += len(row.tokens)
+            if phase == 0:  # a rejected draft token: roll each session back by one
+                for session in sessions:
+                    session.crop(session.length - 1)
+    return logits
+
+
+def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
+    model, pool = _loaded(model_dirs["target"])
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    mirrored = _steps(pool, lean.LeanDecoder(model))
+    for got, want in zip(mirrored, own, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
+    # Installed, the store's forward is the lean one: still the same logits.
+    session = SessionKV(pool)
+    assert session.reserve(8)
+    with torch.inference_mode():
+        stored, _ = kvstore.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
+    assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])
+
+
+def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
+    config = AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    qwen = AutoModelForCausalLM.from_config(config).eval()
+    assert "Qwen2ForCausalLM is not transformers' LlamaForCausalLM" in lean._unmirrored(qwen)
+
+    llama, _ = _loaded(model_dirs["target"])
+    llama.model.layers[1].mlp = torch.nn.Sequential()  # a part the lean forward would not call as the model does
+    assert "Sequential in place of LlamaMLP" in lean._unmirrored(llama)
+
+    llama, pool = _loaded(model_dirs["target"])
+    llama.model.layers[0].input_layernorm.register_forward_hook(lambda *args: None)
+    assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
+
+
+def test_a_trial_that_differs_by_one_ulp_keeps_transformers_forward(model_dirs, monkeypatch):
+    model, pool = _loaded(model_dirs["target"])
+    mirrored = lean.LeanDecoder.__call__
+
+    def one_ulp_off(self, inputs):
+        logits = mirrored(self, inputs)
+        return torch.nextafter(logits, torch.full_like(logits, float("inf")))
+
+    monkeypatch.setattr(lean.LeanDecoder, "__call__", one_ulp_off)
+    assert lean.install(model, pool, model.config.vocab_size, CPU) == \
+        "its trial logits differ from the model's own forward"
+    session = SessionKV(pool)
+    assert session.reserve(4)
+    with torch.inference_mode():
+        stored, _ = kvstore.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
+    assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])  # not one ulp off
+
+
+def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(model_dirs):
+    runner = ModelRunner(model_dirs["target"], max_sessions=2)
+    assert runner.lean_forward
+    plain = ModelRunner(model_dirs["target"], max_sessions=2, forward="transformers")
+    assert not plain.lean_forward
+    with pytest.raises(ValueError, match="forward must be one of"):
+        ModelRunner(model_dirs["target"], max_sessions=2, forward="compiled")
+
+
+def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
+    config = AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dirs["target"] / name).read_bytes())
+    with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
+        runner = ModelRunner(tmp_path, max_sessions=2)
+    assert not runner.lean_forward
+    assert "keeps transformers' forward: Qwen2ForCausalLM is not transformers' LlamaForCausalLM" in caplog.text
