@@ -35,6 +35,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             first_k_dense_replace=2, n_group=1, topk_group=1, tie_word_embeddings=False)
 MAX_PARAMETERS = 5_000_000  # more after shrinking: its sizes live in fields we do not know
 PROMPTS = [[5, 17, 23, 42, 8, 99], [3, 3, 61, 20]]
+# Models of these classes run specd's lean forward (specd.worker.lean); a few other model
+# types load as one of them (EXAONE, InternLM3 as Llama).
+LEAN_FORWARD = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 NEW_TOKENS = 6
 
 
@@ -134,6 +137,7 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
         assert refusable and model_type in str(refused), refused
         print(f"refused at load: {refused}")
         return
+    assert runner.lean_forward == (type(runner.model).__name__ in LEAN_FORWARD), model_type
     if packed:
         assert not any(type(m) is torch.nn.Linear for m in runner.model.modules())
         assert any(isinstance(m, packing.PackedLinear) for m in runner.model.modules()), model_type

@@ -63,11 +63,45 @@ def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
     assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])
 
 
+# Families whose layers are Llama's, each with a sliding window shorter than the trial's
+# and `_steps`' sequences (so a window left out would change the logits), and Qwen2 with
+# its projections' biases trained away from zero.
+FAMILIES = {
+    "mistral": dict(sliding_window=6),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention"]),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, model_type):
+    config = AutoConfig.for_model(model_type, vocab_size=320, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()
+    model.save_pretrained(tmp_path)
+    model, pool = _loaded(tmp_path)
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
+        assert torch.equal(got, want)
+    # The window matters over these sequences: without it the logits differ.
+    windowless = lean.LeanDecoder(model)
+    windowless.windows = [None] * len(windowless.windows)
+    assert not all(torch.equal(got, want) for got, want in zip(_steps(pool, windowless), own))
+
+
 def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
-    config = AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = AutoConfig.for_model("qwen3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2)
     qwen = AutoModelForCausalLM.from_config(config).eval()
-    assert "Qwen2ForCausalLM is not transformers' LlamaForCausalLM" in lean._unmirrored(qwen)
+    assert "Qwen3ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in \
+        lean._unmirrored(qwen)
 
     llama, _ = _loaded(model_dirs["target"])
     llama.model.layers[1].mlp = torch.nn.Sequential()  # a part the lean forward would not call as the model does
@@ -106,7 +140,7 @@ def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(
 
 
 def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
-    config = AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = AutoConfig.for_model("qwen3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -114,4 +148,4 @@ def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_di
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
         runner = ModelRunner(tmp_path, max_sessions=2)
     assert not runner.lean_forward
-    assert "keeps transformers' forward: Qwen2ForCausalLM is not transformers' LlamaForCausalLM" in caplog.text
+    assert "keeps transformers' forward: Qwen3ForCausalLM is not one of" in caplog.text

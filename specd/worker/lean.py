@@ -1,5 +1,5 @@
-"""A lean forward for Llama-architecture models: the operators of transformers' own
-forward, without its per-call machinery.
+"""A lean forward for Llama-architecture models (Llama, Mistral, Qwen2): the operators of
+transformers' own forward, without its per-call machinery.
 
 Why: on a CPU a small model's forward is mostly Python, not arithmetic. transformers'
 Llama forward passes every module call through keyword handling, decorators, output
@@ -10,22 +10,27 @@ On a GPU the same Python is what keeps the device waiting at small batches.
 
 What it runs: each layer's own submodules (`forward` of the norms, projections and MLP),
 the model's own rotary embedding, `BatchCache.update` and `paged_attention`, in the order
-and with the inputs of `LlamaDecoderLayer.forward`. So every operator sees what it sees in
-the model's own forward, and the logits are the same bit for bit. Two guards keep it so:
-`install` takes a model only when its classes are transformers' Llama classes (whose
-forward this mirrors line for line) with no hooks, and only when a trial at load gives
-logits exactly equal to the model's own batched forward. Any other model keeps
+and with the inputs of `LlamaDecoderLayer.forward` (Mistral's and Qwen2's layers are the
+same code, their attention adding a sliding window). So every operator sees what it sees
+in the model's own forward, and the logits are the same bit for bit. Two guards keep it
+so: `install` takes a model only when its classes are those of a family in `_FAMILIES`
+(whose forward this mirrors line for line) with no hooks, and only when a trial at load
+gives logits exactly equal to the model's own batched forward. Any other model keeps
 transformers' forward (`specd.worker.kvstore`), and `--model-forward transformers` keeps
 it for every model.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from specd.worker import kvstore
 from specd.worker.kvstore import BatchInputs, KVPool
@@ -34,12 +39,38 @@ from specd.worker.packing import PackedLinear
 _LINEARS = (nn.Linear, PackedLinear)
 
 
-class LeanDecoder:
-    """The batched forward of one `LlamaForCausalLM` (see the module's docstring)."""
+@dataclass(frozen=True)
+class _Family:
+    """transformers' classes of a family whose forward is Llama's line for line, and the
+    sliding window its attention hands the attention interface (the only difference)."""
 
-    def __init__(self, model: llama.LlamaForCausalLM) -> None:
+    base: type
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    window: Callable[[Any], int | None]
+
+
+_FAMILIES = {
+    llama.LlamaForCausalLM: _Family(llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+                                    llama.LlamaRMSNorm, lambda attention: None),
+    mistral.MistralForCausalLM: _Family(mistral.MistralModel, mistral.MistralDecoderLayer, mistral.MistralAttention,
+                                        mistral.MistralMLP, mistral.MistralRMSNorm,
+                                        lambda attention: getattr(attention.config, "sliding_window", None)),
+    qwen2.Qwen2ForCausalLM: _Family(qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+                                    qwen2.Qwen2RMSNorm, lambda attention: attention.sliding_window),
+}
+
+
+class LeanDecoder:
+    """The batched forward of one model of `_FAMILIES` (see the module's docstring)."""
+
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.layers: list[llama.LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
+        self.layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
+        window = _FAMILIES[type(model)].window
+        self.windows = [window(layer.self_attn) for layer in self.layers]
 
     @torch.inference_mode()
     def __call__(self, inputs: BatchInputs) -> torch.Tensor:
@@ -52,7 +83,7 @@ class LeanDecoder:
         cos, sin = base.rotary_emb(hidden, position_ids=inputs.position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         tokens = inputs.input_ids.shape
-        for layer in self.layers:
+        for layer, window in zip(self.layers, self.windows):
             attention = layer.self_attn
             heads = (*tokens, -1, attention.head_dim)
             normed = layer.input_layernorm.forward(hidden)
@@ -63,7 +94,7 @@ class LeanDecoder:
             key = (key * cos) + (llama.rotate_half(key) * sin)
             key, value = cache.update(key, value, attention.layer_idx)
             attended, _ = kvstore.paged_attention(attention, query, key, value, None, scaling=attention.scaling,
-                                                  batch_cache=cache)
+                                                  sliding_window=window, batch_cache=cache)
             hidden = hidden + attention.o_proj.forward(attended.reshape(*tokens, -1).contiguous())
             hidden = hidden + layer.mlp.forward(layer.post_attention_layernorm.forward(hidden))
         # The final norm works row by row, so norming only the kept rows changes no bit of them.
@@ -72,16 +103,17 @@ class LeanDecoder:
 
 def _unmirrored(model: nn.Module) -> str | None:
     """Why `LeanDecoder` does not mirror `model`'s own forward (None: it does)."""
-    if type(model) is not llama.LlamaForCausalLM or type(model.model) is not llama.LlamaModel:
-        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    family = _FAMILIES.get(type(model))
+    if family is None:
+        return f"{type(model).__name__} is not one of {', '.join(kind.__name__ for kind in _FAMILIES)}"
     base: Any = model.model  # transformers' modules are untyped to mypy here (pyproject.toml)
     # Each module's kind is checked before its children are looked at.
-    norm = (llama.LlamaRMSNorm,)
-    parts: list[tuple[Any, tuple[type, ...]]] = [(base.embed_tokens, (nn.Embedding,)), (base.norm, norm),
-                                                 (model.lm_head, _LINEARS)]
+    norm = (family.norm,)
+    parts: list[tuple[Any, tuple[type, ...]]] = [(base, (family.base,)), (base.embed_tokens, (nn.Embedding,)),
+                                                 (base.norm, norm), (model.lm_head, _LINEARS)]
     for layer in base.layers:
-        parts += [(layer, (llama.LlamaDecoderLayer,)), (layer.self_attn, (llama.LlamaAttention,)),
-                  (layer.mlp, (llama.LlamaMLP,)), (layer.input_layernorm, norm), (layer.post_attention_layernorm, norm)]
+        parts += [(layer, (family.layer,)), (layer.self_attn, (family.attention,)), (layer.mlp, (family.mlp,)),
+                  (layer.input_layernorm, norm), (layer.post_attention_layernorm, norm)]
     for module, kinds in parts:
         if type(module) not in kinds:
             return f"{type(module).__name__} in place of {' or '.join(kind.__name__ for kind in kinds)}"
@@ -102,7 +134,6 @@ def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.devic
     problem = _unmirrored(model)
     if problem is not None:
         return problem
-    assert isinstance(model, llama.LlamaForCausalLM)
     lean = LeanDecoder(model)
     own = kvstore.trial_logits(functools.partial(kvstore.own_forward, model), pool, vocab_size, device)
     mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
