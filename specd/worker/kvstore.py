@@ -621,7 +621,8 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
         return str(exc)
     except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
         return f"a batched forward fails: {type(exc).__name__}: {exc}"
-    if attends_itself:  # the trial's sessions are garbage now: their blocks are back in the pool
+    if attends_itself:
+        del rows  # the last of the trial's sessions: their blocks go back to the pool
         return _trial_handing_whole_contexts(model, pool, vocab_size, device)
     # The reference: the model's own eager attention over each whole sequence.
     model.set_attn_implementation("eager")
