@@ -64,12 +64,15 @@ def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
 
 
 # Families whose layers are Llama's, each with a sliding window shorter than the trial's
-# and `_steps`' sequences (so a window left out would change the logits), and Qwen2 with
-# its projections' biases trained away from zero.
+# and `_steps`' sequences (so a window left out would change the logits), Qwen2 with its
+# projections' biases trained away from zero, Qwen3 with its per-head norms trained away
+# from one.
 FAMILIES = {
     "mistral": dict(sliding_window=6),
     "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                   layer_types=["full_attention", "sliding_attention"]),
+    "qwen3": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention"], head_dim=16),
 }
 
 
@@ -82,7 +85,7 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
                 parameter.normal_()
     model.save_pretrained(tmp_path)
     model, pool = _loaded(tmp_path)
@@ -97,11 +100,11 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
 
 
 def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
-    config = AutoConfig.for_model("qwen3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2)
-    qwen = AutoModelForCausalLM.from_config(config).eval()
-    assert "Qwen3ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in \
-        lean._unmirrored(qwen)
+    config = AutoConfig.for_model("phi3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    phi = AutoModelForCausalLM.from_config(config).eval()
+    assert "Phi3ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, " \
+        "Qwen3ForCausalLM" in lean._unmirrored(phi)
 
     llama, _ = _loaded(model_dirs["target"])
     llama.model.layers[1].mlp = torch.nn.Sequential()  # a part the lean forward would not call as the model does
@@ -140,12 +143,13 @@ def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(
 
 
 def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
-    config = AutoConfig.for_model("qwen3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = AutoConfig.for_model("phi3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((model_dirs["target"] / name).read_bytes())
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
         runner = ModelRunner(tmp_path, max_sessions=2)
     assert not runner.lean_forward
-    assert "keeps transformers' forward: Qwen3ForCausalLM is not one of" in caplog.text
+    assert "keeps transformers' forward: Phi3ForCausalLM is not one of" in caplog.text

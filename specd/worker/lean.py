@@ -1,5 +1,5 @@
-"""A lean forward for Llama-architecture models (Llama, Mistral, Qwen2): the operators of
-transformers' own forward, without its per-call machinery.
+"""A lean forward for Llama-architecture models (Llama, Mistral, Qwen2, Qwen3): the
+operators of transformers' own forward, without its per-call machinery.
 
 Why: on a CPU a small model's forward is mostly Python, not arithmetic. transformers'
 Llama forward passes every module call through keyword handling, decorators, output
@@ -10,8 +10,9 @@ On a GPU the same Python is what keeps the device waiting at small batches.
 
 What it runs: each layer's own submodules (`forward` of the norms, projections and MLP),
 the model's own rotary embedding, `BatchCache.update` and `paged_attention`, in the order
-and with the inputs of `LlamaDecoderLayer.forward` (Mistral's and Qwen2's layers are the
-same code, their attention adding a sliding window). So every operator sees what it sees
+and with the inputs of `LlamaDecoderLayer.forward` (Mistral's, Qwen2's and Qwen3's layers
+are the same code, their attention adding a sliding window, and Qwen3's a norm over each
+head of the queries and keys). So every operator sees what it sees
 in the model's own forward, and the logits are the same bit for bit. Two guards keep it
 so: `install` takes a model only when its classes are those of a family in `_FAMILIES`
 (whose forward this mirrors line for line) with no hooks, and only when a trial at load
@@ -31,6 +32,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from specd.worker import kvstore
 from specd.worker.kvstore import BatchInputs, KVPool
@@ -41,8 +43,10 @@ _LINEARS = (nn.Linear, PackedLinear)
 
 @dataclass(frozen=True)
 class _Family:
-    """transformers' classes of a family whose forward is Llama's line for line, and the
-    sliding window its attention hands the attention interface (the only difference)."""
+    """transformers' classes of a family whose forward is Llama's line for line but for
+    the sliding window its attention hands the attention interface, and, where
+    `head_norms`, an RMS norm over each head of the queries and keys before the rotation
+    (Qwen3's `q_norm` and `k_norm`)."""
 
     base: type
     layer: type
@@ -50,6 +54,7 @@ class _Family:
     mlp: type
     norm: type
     window: Callable[[Any], int | None]
+    head_norms: bool = False
 
 
 _FAMILIES = {
@@ -60,6 +65,8 @@ _FAMILIES = {
                                         lambda attention: getattr(attention.config, "sliding_window", None)),
     qwen2.Qwen2ForCausalLM: _Family(qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
                                     qwen2.Qwen2RMSNorm, lambda attention: attention.sliding_window),
+    qwen3.Qwen3ForCausalLM: _Family(qwen3.Qwen3Model, qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP,
+                                    qwen3.Qwen3RMSNorm, lambda attention: attention.sliding_window, head_norms=True),
 }
 
 
@@ -69,8 +76,9 @@ class LeanDecoder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
-        window = _FAMILIES[type(model)].window
-        self.windows = [window(layer.self_attn) for layer in self.layers]
+        family = _FAMILIES[type(model)]
+        self.windows = [family.window(layer.self_attn) for layer in self.layers]
+        self.head_norms = family.head_norms
 
     @torch.inference_mode()
     def __call__(self, inputs: BatchInputs) -> torch.Tensor:
@@ -87,8 +95,11 @@ class LeanDecoder:
             attention = layer.self_attn
             heads = (*tokens, -1, attention.head_dim)
             normed = layer.input_layernorm.forward(hidden)
-            query = attention.q_proj.forward(normed).view(heads).transpose(1, 2)
-            key = attention.k_proj.forward(normed).view(heads).transpose(1, 2)
+            query = attention.q_proj.forward(normed).view(heads)
+            key = attention.k_proj.forward(normed).view(heads)
+            if self.head_norms:
+                query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
+            query, key = query.transpose(1, 2), key.transpose(1, 2)
             value = attention.v_proj.forward(normed).view(heads).transpose(1, 2)
             query = (query * cos) + (llama.rotate_half(query) * sin)
             key = (key * cos) + (llama.rotate_half(key) * sin)
@@ -114,6 +125,8 @@ def _unmirrored(model: nn.Module) -> str | None:
     for layer in base.layers:
         parts += [(layer, (family.layer,)), (layer.self_attn, (family.attention,)), (layer.mlp, (family.mlp,)),
                   (layer.input_layernorm, norm), (layer.post_attention_layernorm, norm)]
+        if family.head_norms:
+            parts += [(layer.self_attn.q_norm, norm), (layer.self_attn.k_norm, norm)]
     for module, kinds in parts:
         if type(module) not in kinds:
             return f"{type(module).__name__} in place of {' or '.join(kind.__name__ for kind in kinds)}"
