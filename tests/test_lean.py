@@ -5,7 +5,9 @@ Tiny real models made in the test (tests/conftest.py), the paged store as servin
 """
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -113,6 +115,36 @@ def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
     llama, pool = _loaded(model_dirs["target"])
     llama.model.layers[0].input_layernorm.register_forward_hook(lambda *args: None)
     assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
+    assert llama not in kvstore._FORWARDS
+
+
+def test_a_lean_forward_that_raises_in_its_trial_leaves_the_model_its_own(model_dirs, monkeypatch):
+    model, pool = _loaded(model_dirs["target"])
+
+    def fails(self, inputs):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(lean.LeanDecoder, "__call__", fails)
+    assert lean.install(model, pool, model.config.vocab_size, CPU) == \
+        "the lean forward fails its trial: RuntimeError: no kernel for this"
+    assert model not in kvstore._FORWARDS
+
+
+def test_an_instance_forward_keeps_transformers_forward(model_dirs):
+    """accelerate's offloading sets `forward` on module instances; the lean forward would skip it."""
+    model, pool = _loaded(model_dirs["target"])
+    mlp = model.model.layers[0].mlp
+    mlp.forward = mlp.forward
+    assert "a forward of its own" in lean.install(model, pool, model.config.vocab_size, CPU)
+
+
+def test_an_installed_lean_forward_lets_its_model_go(model_dirs):
+    model, pool = _loaded(model_dirs["target"])
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_trial_that_differs_by_one_ulp_keeps_transformers_forward(model_dirs, monkeypatch):
@@ -135,9 +167,9 @@ def test_a_trial_that_differs_by_one_ulp_keeps_transformers_forward(model_dirs, 
 
 def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(model_dirs):
     runner = ModelRunner(model_dirs["target"], max_sessions=2)
-    assert runner.lean_forward
+    assert runner.lean_forward and isinstance(kvstore._FORWARDS[runner.model], lean.LeanDecoder)
     plain = ModelRunner(model_dirs["target"], max_sessions=2, forward="transformers")
-    assert not plain.lean_forward
+    assert not plain.lean_forward and plain.model not in kvstore._FORWARDS
     with pytest.raises(ValueError, match="forward must be one of"):
         ModelRunner(model_dirs["target"], max_sessions=2, forward="compiled")
 

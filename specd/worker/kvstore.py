@@ -560,15 +560,19 @@ def _trial_sequences(vocab_size: int) -> list[list[int]]:
     return [[(7 * i + 3) % vocab_size for i in range(1, 21)], [(11 * i + 5) % vocab_size for i in range(1, 14)]]
 
 
+class NoRoomForTrial(Exception):
+    """The KV pool cannot hold the load trials' two sessions."""
+
+
 def trial_batches(pool: KVPool, vocab_size: int) -> Iterator[list[BatchRow]]:
     """The rows of the load trials' three batched forwards, in order: both sessions of
     `_trial_sequences` prefill, then take a verification-sized step of 5 tokens, then a
-    decoding step of 1, as serving runs them. MemoryError when the pool has no room."""
+    decoding step of 1, as serving runs them. NoRoomForTrial when the pool cannot hold them."""
     sessions = []
     for tokens in _trial_sequences(vocab_size):
         session = SessionKV(pool)
         if not session.reserve(len(tokens)):
-            raise MemoryError("the KV pool has no room for a two-session trial forward")
+            raise NoRoomForTrial("the KV pool has no room for a two-session trial forward")
         session.tokens = tokens
         sessions.append(session)
     for phase in range(3):
@@ -591,7 +595,7 @@ def trial_logits(stand_in: Callable[[BatchInputs], torch.Tensor], pool: KVPool, 
             logits.append(stand_in(prepare(rows, device)))
             for row in rows:
                 row.session.length += len(row.tokens)
-    except MemoryError as exc:
+    except NoRoomForTrial as exc:
         return str(exc)
     return logits
 
@@ -617,7 +621,7 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
                 break
             for row, rows_kept in enumerate(kept):
                 batched[row].append(logits[rows_kept])
-    except MemoryError as exc:
+    except NoRoomForTrial as exc:
         return str(exc)
     except Exception as exc:  # whatever the model's code raises is the reason it cannot be served
         return f"a batched forward fails: {type(exc).__name__}: {exc}"

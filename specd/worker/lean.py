@@ -12,11 +12,11 @@ What it runs: each layer's own submodules (`forward` of the norms, projections a
 the model's own rotary embedding, `BatchCache.update` and `paged_attention`, in the order
 and with the inputs of `LlamaDecoderLayer.forward` (Mistral's, Qwen2's and Qwen3's layers
 are the same code, their attention adding a sliding window, and Qwen3's a norm over each
-head of the queries and keys). So every operator sees what it sees
-in the model's own forward, and the logits are the same bit for bit. Two guards keep it
-so: `install` takes a model only when its classes are those of a family in `_FAMILIES`
-(whose forward this mirrors line for line) with no hooks, and only when a trial at load
-gives logits exactly equal to the model's own batched forward. Any other model keeps
+head of the queries and keys). So every operator sees what it sees in the model's own
+forward, and the logits are the same bit for bit. Two guards keep it so: `install` takes
+a model only when its classes are those of a family in `_FAMILIES` (whose forward this
+mirrors line for line), with no hooks and no forward set on an instance, and only when a
+trial at load gives logits exactly equal to the model's own batched forward. Any other model keeps
 transformers' forward (`specd.worker.kvstore`), and `--model-forward transformers` keeps
 it for every model.
 """
@@ -74,7 +74,9 @@ class LeanDecoder:
     """The batched forward of one model of `_FAMILIES` (see the module's docstring)."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
+        # The model's parts, not the model: the store keys its forwards weakly by the model
+        # (`kvstore.use_forward`), and a forward holding the model would keep it alive.
+        self.base, self.lm_head = model.model, model.lm_head
         self.layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
         family = _FAMILIES[type(model)]
         self.windows = [family.window(layer.self_attn) for layer in self.layers]
@@ -84,7 +86,7 @@ class LeanDecoder:
     def __call__(self, inputs: BatchInputs) -> torch.Tensor:
         """The kept logits [1, Σ keep, V] of one batched forward, as the model's own
         forward computes them for the same inputs."""
-        base, cache = self.model.model, inputs.cache
+        base, cache = self.base, inputs.cache
         hidden = base.embed_tokens.forward(inputs.input_ids)
         # Called as a module: rotary types that rescale with the positions (dynamic, longrope)
         # do it in the call's decorator.
@@ -108,8 +110,9 @@ class LeanDecoder:
                                                   sliding_window=window, batch_cache=cache)
             hidden = hidden + attention.o_proj.forward(attended.reshape(*tokens, -1).contiguous())
             hidden = hidden + layer.mlp.forward(layer.post_attention_layernorm.forward(hidden))
-        # The final norm works row by row, so norming only the kept rows changes no bit of them.
-        return self.model.lm_head.forward(base.norm.forward(hidden[:, inputs.logits_to_keep]))
+        # Normed whole, then cut to the kept rows, as the model does: a device may split the
+        # norm's reduction by the number of rows.
+        return self.lm_head.forward(base.norm.forward(hidden)[:, inputs.logits_to_keep, :])
 
 
 def _unmirrored(model: nn.Module) -> str | None:
@@ -136,8 +139,11 @@ def _unmirrored(model: nn.Module) -> str | None:
                        mlp.up_proj, mlp.down_proj):
             if type(linear) not in _LINEARS:
                 return f"{type(linear).__name__} in place of a linear layer"
-    if any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()):
-        return "hooks on its modules (the lean forward would skip them)"
+    # Hooks, and a forward set on the instance (accelerate's offloading does that), would be
+    # skipped by calls to the class's `forward`.
+    if any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
+           for module in model.modules()):
+        return "hooks or a forward of its own on its modules (the lean forward would skip them)"
     return None
 
 
@@ -149,7 +155,10 @@ def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.devic
         return problem
     lean = LeanDecoder(model)
     own = kvstore.trial_logits(functools.partial(kvstore.own_forward, model), pool, vocab_size, device)
-    mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
+    try:
+        mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
+    except Exception as exc:  # whatever it raises, the model keeps its own forward
+        return f"the lean forward fails its trial: {type(exc).__name__}: {exc}"
     if isinstance(own, str):
         return own
     if isinstance(mirrored, str):
