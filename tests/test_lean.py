@@ -101,6 +101,30 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     assert not all(torch.equal(got, want) for got, want in zip(_steps(pool, windowless), own))
 
 
+# Rotary scalings a Llama checkpoint may carry: Llama 3's, and YaRN's, whose attention
+# scaling multiplies cos and sin (both come from the model's own rotary module).
+ROPES = {
+    "llama3": dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16),
+    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_a_llama_with_scaled_rotary_positions_gets_the_lean_forward_to_the_bit(tmp_path, rope):
+    config = AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  rope_parameters=ROPES[rope])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model, pool = _loaded(tmp_path)
+    assert model.model.rotary_emb.rope_type == rope
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
     config = AutoConfig.for_model("phi3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
