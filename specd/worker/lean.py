@@ -82,10 +82,11 @@ class LeanDecoder:
         self.windows = [family.window(layer.self_attn) for layer in self.layers]
         self.head_norms = family.head_norms
 
-    @torch.inference_mode()
     def __call__(self, inputs: BatchInputs) -> torch.Tensor:
         """The kept logits [1, Σ keep, V] of one batched forward, as the model's own
-        forward computes them for the same inputs."""
+        forward computes them for the same inputs. Called in inference mode, as the
+        store's forwards and trials run (`kvstore.forward`, `kvstore.trial_logits`): not
+        entered again here, on every forward."""
         base, cache = self.base, inputs.cache
         hidden = base.embed_tokens.forward(inputs.input_ids)
         # Called as a module: rotary types that rescale with the positions (dynamic, longrope)
@@ -153,14 +154,14 @@ def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.devic
     problem = _unmirrored(model)
     if problem is not None:
         return problem
-    lean = LeanDecoder(model)
     own = kvstore.trial_logits(functools.partial(kvstore.own_forward, model), pool, vocab_size, device)
+    if isinstance(own, str):
+        return own
+    lean = LeanDecoder(model)
     try:
         mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
     except Exception as exc:  # whatever it raises, the model keeps its own forward
         return f"the lean forward fails its trial: {type(exc).__name__}: {exc}"
-    if isinstance(own, str):
-        return own
     if isinstance(mirrored, str):
         return mirrored
     if not all(torch.equal(a, b) for a, b in zip(own, mirrored)):
