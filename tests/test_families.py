@@ -37,7 +37,9 @@ MAX_PARAMETERS = 5_000_000  # more after shrinking: its sizes live in fields we 
 PROMPTS = [[5, 17, 23, 42, 8, 99], [3, 3, 61, 20]]
 # Models of these classes run specd's lean forward (specd.worker.lean); a few other model
 # types load as one of them (EXAONE, InternLM3 as Llama).
-LEAN_FORWARD = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+LEAN_FORWARD = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+                "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"}
 NEW_TOKENS = 6
 
 

@@ -65,17 +65,38 @@ def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
     assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])
 
 
-# Families whose layers are Llama's, each with a sliding window shorter than the trial's
-# and `_steps`' sequences (so a window left out would change the logits), Qwen2 with its
-# projections' biases trained away from zero, Qwen3 with its per-head norms trained away
-# from one.
+# Families whose layers are Llama's but for named differences (`lean._Family`), each with
+# what sets it apart on, so that leaving that out would change the logits (checked below):
+# sliding windows shorter than the trial's and `_steps`' sequences, Qwen2's and
+# StarCoder2's biases and every norm trained away from their defaults, Qwen3's per-head
+# and OLMo 2's whole-projection query and key norms, experts (Mixtral; Qwen3-MoE with one
+# dense layer), Phi-3's fused projection and half rotation, a SmolLM3 layer without
+# rotation, Granite's scales.
 FAMILIES = {
     "mistral": dict(sliding_window=6),
+    "mixtral": dict(sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
     "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                   layer_types=["full_attention", "sliding_attention"]),
     "qwen3": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                   layer_types=["full_attention", "sliding_attention"], head_dim=16),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                      layer_types=["full_attention", "sliding_attention"]),
+    "phi3": dict(sliding_window=6, partial_rotary_factor=0.5, pad_token_id=0),
+    "olmo2": dict(),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
+    "starcoder2": dict(sliding_window=6),
 }
+
+
+def _without_what_sets_it_apart(decoder: lean.LeanDecoder) -> lean.LeanDecoder:
+    """The same decoder with its family's differences from Llama's layer left out where
+    they are data: windows, skipped rotations, Granite's scales, a partial rotation."""
+    decoder.windows = [None] * len(decoder.windows)
+    decoder.rotated = [True] * len(decoder.rotated)
+    decoder.embedding_multiplier = decoder.logits_scaling = None
+    return decoder
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -87,7 +108,7 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+            if name.endswith("bias") or "norm" in name:
                 parameter.normal_()
     model.save_pretrained(tmp_path)
     model, pool = _loaded(tmp_path)
@@ -95,10 +116,17 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
     for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
         assert torch.equal(got, want)
-    # The window matters over these sequences: without it the logits differ.
-    windowless = lean.LeanDecoder(model)
-    windowless.windows = [None] * len(windowless.windows)
-    assert not all(torch.equal(got, want) for got, want in zip(_steps(pool, windowless), own))
+    if model_type == "olmo2":  # its difference is where its norms sit, which is code, not data
+        family = lean._FAMILIES[type(model)]
+        assert family.norm_after and family.qk_norms == "whole"
+        return
+    # What sets the family apart matters over these sequences: without it the logits differ.
+    decoder = _without_what_sets_it_apart(lean.LeanDecoder(model))
+    if model_type == "phi3":  # the rotation covers half of each head
+        with torch.inference_mode():
+            cos, _ = model.model.rotary_emb(torch.zeros(1, 1, 64), position_ids=torch.tensor([[0]]))
+        assert cos.shape[-1] == model.model.layers[0].self_attn.head_dim // 2
+    assert not all(torch.equal(got, want) for got, want in zip(_steps(pool, decoder), own))
 
 
 # Rotary scalings a Llama checkpoint may carry: Llama 3's, and YaRN's, whose attention
@@ -126,11 +154,14 @@ def test_a_llama_with_scaled_rotary_positions_gets_the_lean_forward_to_the_bit(t
 
 
 def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
-    config = AutoConfig.for_model("phi3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    phi = AutoModelForCausalLM.from_config(config).eval()
-    assert "Phi3ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, " \
-        "Qwen3ForCausalLM" in lean._unmirrored(phi)
+    config = AutoConfig.for_model("gemma2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    gemma = AutoModelForCausalLM.from_config(config).eval()
+    assert "Gemma2ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM" \
+        in lean._unmirrored(gemma)
+
+    llama, _ = _loaded(model_dirs["target"])
+    assert "training mode" in lean._unmirrored(llama.train())  # its dropout would be skipped
 
     llama, _ = _loaded(model_dirs["target"])
     llama.model.layers[1].mlp = torch.nn.Sequential()  # a part the lean forward would not call as the model does
@@ -199,8 +230,8 @@ def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(
 
 
 def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
-    config = AutoConfig.for_model("phi3", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    config = AutoConfig.for_model("gemma2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                   pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -208,4 +239,4 @@ def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_di
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
         runner = ModelRunner(tmp_path, max_sessions=2)
     assert not runner.lean_forward
-    assert "keeps transformers' forward: Phi3ForCausalLM is not one of" in caplog.text
+    assert "keeps transformers' forward: Gemma2ForCausalLM is not one of" in caplog.text
