@@ -39,7 +39,8 @@ PROMPTS = [[5, 17, 23, 42, 8, 99], [3, 3, 61, 20]]
 # types load as one of them (EXAONE, InternLM3 as Llama).
 LEAN_FORWARD = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
-                "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"}
+                "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                "Gemma3ForCausalLM"}
 NEW_TOKENS = 6
 
 

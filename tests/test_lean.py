@@ -71,7 +71,8 @@ def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
 # StarCoder2's biases and every norm trained away from their defaults, Qwen3's per-head
 # and OLMo 2's whole-projection query and key norms, experts (Mixtral; Qwen3-MoE with one
 # dense layer), Phi-3's fused projection and half rotation, a SmolLM3 layer without
-# rotation, Granite's scales.
+# rotation, Granite's scales, Gemma 2's soft-capped scores and logits, Gemma 3's norms
+# over each head and its two rotary frequencies.
 FAMILIES = {
     "mistral": dict(sliding_window=6),
     "mixtral": dict(sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
@@ -87,15 +88,25 @@ FAMILIES = {
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
     "starcoder2": dict(sliding_window=6),
+    "gemma": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                        final_logit_softcapping=20.0,
+                        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e6),
+                                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
 }
+# Families whose differences from Llama's layer are all code (where the norms sit, the
+# embedding's scale inside its module): nothing to leave out as data.
+NOTHING_BUT_CODE = {"olmo2", "gemma"}
 
 
 def _without_what_sets_it_apart(decoder: lean.LeanDecoder) -> lean.LeanDecoder:
     """The same decoder with its family's differences from Llama's layer left out where
-    they are data: windows, skipped rotations, Granite's scales, a partial rotation."""
+    they are data: windows, skipped rotations, Granite's scales, soft caps."""
     decoder.windows = [None] * len(decoder.windows)
     decoder.rotated = [True] * len(decoder.rotated)
-    decoder.embedding_multiplier = decoder.logits_scaling = None
+    decoder.softcaps = [None] * len(decoder.softcaps)
+    decoder.embedding_multiplier = decoder.logits_scaling = decoder.final_softcap = None
     return decoder
 
 
@@ -116,9 +127,7 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
     for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
         assert torch.equal(got, want)
-    if model_type == "olmo2":  # its difference is where its norms sit, which is code, not data
-        family = lean._FAMILIES[type(model)]
-        assert family.norm_after and family.qk_norms == "whole"
+    if model_type in NOTHING_BUT_CODE:
         return
     # What sets the family apart matters over these sequences: without it the logits differ.
     decoder = _without_what_sets_it_apart(lean.LeanDecoder(model))
@@ -154,11 +163,11 @@ def test_a_llama_with_scaled_rotary_positions_gets_the_lean_forward_to_the_bit(t
 
 
 def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
-    config = AutoConfig.for_model("gemma2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
-    gemma = AutoModelForCausalLM.from_config(config).eval()
-    assert "Gemma2ForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM" \
-        in lean._unmirrored(gemma)
+    config = AutoConfig.for_model("gpt_neox", vocab_size=320, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4)
+    neox = AutoModelForCausalLM.from_config(config).eval()
+    assert "GPTNeoXForCausalLM is not one of LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM" \
+        in lean._unmirrored(neox)
 
     llama, _ = _loaded(model_dirs["target"])
     assert "training mode" in lean._unmirrored(llama.train())  # its dropout would be skipped
@@ -230,13 +239,12 @@ def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(
 
 
 def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
-    config = AutoConfig.for_model("gemma2", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                                  pad_token_id=0)
+    config = AutoConfig.for_model("gpt_neox", vocab_size=320, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((model_dirs["target"] / name).read_bytes())
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
         runner = ModelRunner(tmp_path, max_sessions=2)
     assert not runner.lean_forward
-    assert "keeps transformers' forward: Gemma2ForCausalLM is not one of" in caplog.text
+    assert "keeps transformers' forward: GPTNeoXForCausalLM is not one of" in caplog.text

@@ -1,6 +1,7 @@
 """A lean forward for Llama-architecture models (Llama, Mistral, Qwen2, Qwen3, their
-mixture-of-experts kin Mixtral and Qwen3-MoE, Phi-3, OLMo 2, Granite, SmolLM3 and
-StarCoder2): the operators of transformers' own forward, without its per-call machinery.
+mixture-of-experts kin Mixtral and Qwen3-MoE, Phi-3, OLMo 2, Granite, SmolLM3, StarCoder2,
+and Gemma 1, 2 and 3): the operators of transformers' own forward, without its per-call
+machinery.
 
 Why: on a CPU a small model's forward is mostly Python, not arithmetic. transformers'
 Llama forward passes every module call through keyword handling, decorators, output
@@ -14,8 +15,9 @@ a mixture of experts' included), the model's own rotary embedding, `BatchCache.u
 and `paged_attention`, in the order and with the inputs of the family's decoder layer.
 The families differ from Llama's layer in a few named ways (`_Family`): a sliding window,
 norms over the queries and keys, one fused q/k/v projection, a partial rotation, norms
-after each sublayer rather than before, layers without rotation, and scaled embeddings,
-residual branches and logits. So every operator sees what it sees in the model's own
+after each sublayer rather than (or as well as) before, layers without rotation or with
+a rotation of their own kind, scaled embeddings, residual branches and logits, and
+soft-capped scores and logits. So every operator sees what it sees in the model's own
 forward, and the logits are the same bit for bit. Two guards keep it so: `install` takes
 a model only when its classes are those of a family in `_FAMILIES` (whose forward this
 mirrors line for line), with no hooks and no forward set on an instance, and only when a
@@ -32,6 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.gemma import modeling_gemma as gemma
+from transformers.models.gemma2 import modeling_gemma2 as gemma2
+from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.granite import modeling_granite as granite
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
@@ -67,14 +72,23 @@ class _Family:
     fields name:
     - `window`: the sliding window its attention hands the attention interface;
     - `qk_norms`: an RMS norm over the queries and keys before the rotation, over each
-      head ("heads": Qwen3's `q_norm` and `k_norm`) or over the whole projection before it
-      is split into heads ("whole": OLMo 2's);
+      head ("heads": Qwen3's `q_norm` and `k_norm`; "heads, transposed": Gemma 3's, after
+      the heads are moved before the positions) or over the whole projection before it is
+      split into heads ("whole": OLMo 2's);
     - `fused`: one `qkv_proj` whose output is cut into q, k and v (Phi-3);
-    - `norm_after`: no norm before attention and MLP, a norm of each one's output before
-      it joins the residual stream (OLMo 2's `post_attention_layernorm` and
-      `post_feedforward_layernorm`);
+    - `placement`: where the norms of each sublayer sit: before attention and MLP
+      ("before", Llama's `input_layernorm` and `post_attention_layernorm`), on each one's
+      output before it joins the residual stream ("after", OLMo 2's
+      `post_attention_layernorm` and `post_feedforward_layernorm`), or both ("around",
+      Gemma 2 and 3, with a `pre_feedforward_layernorm`);
     - `rotated`: whether a layer rotates its queries and keys (SmolLM3 leaves some out);
-    - `scaled`: embeddings, residual branches and logits scaled by the config (Granite).
+    - `rotary_by_layer_type`: one rotary embedding per kind of layer (Gemma 3's local and
+      global frequencies), as the model's rotary module computes them given the kind;
+    - `scaled`: embeddings, residual branches and logits scaled by the config (Granite);
+    - `softcap`: the cap its attention hands the attention interface (Gemma 2's scores);
+    - `final_softcap`: the logits soft-capped by the config's `final_logit_softcapping`
+      (Gemma 2 and 3), when it has one;
+    - `embedding`: the class of its token embedding (Gemma's scales what it looks up).
     Every family's rotation is Llama's, over the first dimensions the rotary module's cos
     covers (all of them, but for Phi-3's partial rotation)."""
 
@@ -86,9 +100,13 @@ class _Family:
     window: Callable[[Any], int | None]
     qk_norms: str = ""
     fused: bool = False
-    norm_after: bool = False
+    placement: str = "before"
     rotated: Callable[[Any], bool] = lambda attention: True
+    rotary_by_layer_type: bool = False
     scaled: bool = False
+    softcap: Callable[[Any], float | None] = lambda attention: None
+    final_softcap: bool = False
+    embedding: type = nn.Embedding
 
 
 _FAMILIES = {
@@ -110,7 +128,7 @@ _FAMILIES = {
                                   (phi3.Phi3RMSNorm,), _config_window, fused=True),
     olmo2.Olmo2ForCausalLM: _Family(olmo2.Olmo2Model, olmo2.Olmo2DecoderLayer, olmo2.Olmo2Attention,
                                     (olmo2.Olmo2MLP,), (olmo2.Olmo2RMSNorm,), lambda attention: None,
-                                    qk_norms="whole", norm_after=True),
+                                    qk_norms="whole", placement="after"),
     granite.GraniteForCausalLM: _Family(granite.GraniteModel, granite.GraniteDecoderLayer, granite.GraniteAttention,
                                         (granite.GraniteMLP,), (granite.GraniteRMSNorm,), lambda attention: None,
                                         scaled=True),
@@ -120,6 +138,17 @@ _FAMILIES = {
     starcoder2.Starcoder2ForCausalLM: _Family(starcoder2.Starcoder2Model, starcoder2.Starcoder2DecoderLayer,
                                               starcoder2.Starcoder2Attention, (starcoder2.Starcoder2MLP,),
                                               (nn.LayerNorm,), _config_window),
+    gemma.GemmaForCausalLM: _Family(gemma.GemmaModel, gemma.GemmaDecoderLayer, gemma.GemmaAttention, (gemma.GemmaMLP,),
+                                    (gemma.GemmaRMSNorm,), lambda attention: None,
+                                    embedding=gemma.GemmaTextScaledWordEmbedding),
+    gemma2.Gemma2ForCausalLM: _Family(gemma2.Gemma2Model, gemma2.Gemma2DecoderLayer, gemma2.Gemma2Attention,
+                                      (gemma2.Gemma2MLP,), (gemma2.Gemma2RMSNorm,), _own_window, placement="around",
+                                      softcap=lambda attention: attention.attn_logit_softcapping, final_softcap=True,
+                                      embedding=gemma2.Gemma2TextScaledWordEmbedding),
+    gemma3.Gemma3ForCausalLM: _Family(gemma3.Gemma3TextModel, gemma3.Gemma3DecoderLayer, gemma3.Gemma3Attention,
+                                      (gemma3.Gemma3MLP,), (gemma3.Gemma3RMSNorm,), _own_window,
+                                      qk_norms="heads, transposed", placement="around", rotary_by_layer_type=True,
+                                      final_softcap=True, embedding=gemma3.Gemma3TextScaledWordEmbedding),
 }
 
 
@@ -147,6 +176,11 @@ class LeanDecoder:
         # Granite's scales; other families have none (None: no operator at all).
         self.embedding_multiplier = model.model.embedding_multiplier if family.scaled else None
         self.logits_scaling = model.config.logits_scaling if family.scaled else None
+        self.final_softcap = model.config.final_logit_softcapping if family.final_softcap else None
+        self.softcaps = [family.softcap(layer.self_attn) for layer in self.layers]
+        # Gemma 3: each layer rotates with the embedding of its kind (None: one for all layers).
+        self.layer_types = [model.config.layer_types[i] for i in range(len(self.layers))] \
+            if family.rotary_by_layer_type else None
 
     def _project(self, attention: Any, normed: torch.Tensor,
                  heads: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,6 +201,20 @@ class LeanDecoder:
             query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
         return query, key, value
 
+    def _rotations(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos and sin [B, 1, T, D], from the model's rotary module: called as a
+        module (rotary types that rescale with the positions, dynamic or longrope, do it in
+        the call's decorator), once per kind of layer where the kinds rotate differently."""
+        rotary = self.base.rotary_emb
+        if self.layer_types is None:
+            cos, sin = rotary(hidden, position_ids=position_ids)
+            return [(cos.unsqueeze(1), sin.unsqueeze(1))] * len(self.layers)
+        kinds = {}
+        for kind in set(self.layer_types):
+            cos, sin = rotary(hidden, position_ids, kind)
+            kinds[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return [kinds[kind] for kind in self.layer_types]
+
     def _residual(self, hidden: torch.Tensor, branch: torch.Tensor, layer: Any) -> torch.Tensor:
         """The residual stream with a sublayer's output added (scaled first, in Granite)."""
         if self.family.scaled:
@@ -178,41 +226,51 @@ class LeanDecoder:
         forward computes them for the same inputs. Called in inference mode, as the
         store's forwards and trials run (`kvstore.forward`, `kvstore.trial_logits`): not
         entered again here, on every forward."""
-        base, cache, norm_after = self.base, inputs.cache, self.family.norm_after
+        base, cache, placement = self.base, inputs.cache, self.family.placement
+        transposed_norms = self.family.qk_norms == "heads, transposed"
         hidden = base.embed_tokens.forward(inputs.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        # Called as a module: rotary types that rescale with the positions (dynamic, longrope)
-        # do it in the call's decorator.
-        cos, sin = base.rotary_emb(hidden, position_ids=inputs.position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotations = self._rotations(hidden, inputs.position_ids)
         # OLMo 2's rotary module keeps cos and sin in float32; its rotation casts back.
-        cast = cos.dtype != hidden.dtype
+        cast = rotations[0][0].dtype != hidden.dtype
         tokens = inputs.input_ids.shape
-        for layer, window, rotated in zip(self.layers, self.windows, self.rotated):
+        for layer, window, rotated, (cos, sin), softcap in zip(self.layers, self.windows, self.rotated, rotations,
+                                                               self.softcaps):
             attention = layer.self_attn
-            normed = hidden if norm_after else layer.input_layernorm.forward(hidden)
+            normed = hidden if placement == "after" else layer.input_layernorm.forward(hidden)
             query, key, value = self._project(attention, normed, (*tokens, -1, attention.head_dim))
             query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            if transposed_norms:
+                query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
             if rotated:
                 query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
                 if cast:
                     query, key = query.to(hidden.dtype), key.to(hidden.dtype)
             key, value = cache.update(key, value, attention.layer_idx)
             attended, _ = kvstore.paged_attention(attention, query, key, value, None, scaling=attention.scaling,
-                                                  sliding_window=window, batch_cache=cache)
+                                                  sliding_window=window, softcap=softcap, batch_cache=cache)
             attended = attention.o_proj.forward(attended.reshape(*tokens, -1).contiguous())
-            if norm_after:  # OLMo 2: each sublayer's output normed, then added
-                hidden = hidden + layer.post_attention_layernorm.forward(attended)
-                hidden = hidden + layer.post_feedforward_layernorm.forward(layer.mlp.forward(hidden))
-            else:
+            if placement == "before":
                 hidden = self._residual(hidden, attended, layer)
                 hidden = self._residual(hidden, layer.mlp.forward(layer.post_attention_layernorm.forward(hidden)),
                                         layer)
+                continue
+            # OLMo 2, Gemma 2 and 3: each sublayer's output normed, then added; Gemma's MLP
+            # input normed too.
+            hidden = hidden + layer.post_attention_layernorm.forward(attended)
+            fed = hidden if placement == "after" else layer.pre_feedforward_layernorm.forward(hidden)
+            hidden = hidden + layer.post_feedforward_layernorm.forward(layer.mlp.forward(fed))
         # Normed whole, then cut to the kept rows, as the model does: a device may split the
         # norm's reduction by the number of rows.
         logits = self.lm_head.forward(base.norm.forward(hidden)[:, inputs.logits_to_keep, :])
-        return logits if self.logits_scaling is None else logits / self.logits_scaling
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.final_softcap is not None:  # three operators, as the model runs them
+            logits = logits / self.final_softcap
+            logits = torch.tanh(logits)
+            logits = logits * self.final_softcap
+        return logits
 
 
 def _unmirrored(model: nn.Module) -> str | None:
@@ -225,10 +283,12 @@ def _unmirrored(model: nn.Module) -> str | None:
     base: Any = model.model  # transformers' modules are untyped to mypy here (pyproject.toml)
     # Each module's kind is checked before its children are looked at.
     norms = family.norms
-    parts: list[tuple[Any, tuple[type, ...]]] = [(base, (family.base,)), (base.embed_tokens, (nn.Embedding,)),
+    parts: list[tuple[Any, tuple[type, ...]]] = [(base, (family.base,)), (base.embed_tokens, (family.embedding,)),
                                                  (base.norm, norms), (model.lm_head, _LINEARS)]
-    sublayer_norms = ("post_attention_layernorm", "post_feedforward_layernorm") if family.norm_after else \
-        ("input_layernorm", "post_attention_layernorm")
+    sublayer_norms = {"before": ("input_layernorm", "post_attention_layernorm"),
+                      "after": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                      "around": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                 "post_feedforward_layernorm")}[family.placement]
     projections = ("qkv_proj", "o_proj") if family.fused else ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in base.layers:
         parts += [(layer, (family.layer,)), (layer.self_attn, (family.attention,)), (layer.mlp, family.mlps)]
