@@ -90,6 +90,8 @@ def transformers_step_ms(model, prompt: list[int], count: int, repeats: int) -> 
     DynamicCache (as its batched `generate` steps, equal lengths, no padding)."""
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
+        # A sliding-window layer keeps what it drops past its window, so `crop` can roll it back.
+        cache.activate_past_recording()
         model(torch.tensor([prompt] * count), cache=cache, use_cache=True)
         ids, position = torch.full((count, 1), 5), torch.full((count, 1), len(prompt))
 
