@@ -81,8 +81,7 @@ FAMILIES = {
     "qwen3": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                   layer_types=["full_attention", "sliding_attention"], head_dim=16),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
-                      head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1,
-                      layer_types=["full_attention", "sliding_attention"]),
+                      head_dim=16, use_sliding_window=True, sliding_window=6),  # a window on every layer
     "phi3": dict(sliding_window=6, partial_rotary_factor=0.5, pad_token_id=0),
     "olmo2": dict(),
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
@@ -138,6 +137,26 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     assert not all(torch.equal(got, want) for got, want in zip(_steps(pool, decoder), own))
 
 
+def test_olmo2_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
+    """OLMo 2's rotary module keeps cos and sin in float32, and its rotation casts the
+    queries and keys back: in bfloat16 the lean forward must too (in float32 there is
+    nothing to cast)."""
+    config = AutoConfig.for_model("olmo2", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    use_paged_attention(model)
+    pool = KVPool(*kvstore.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
+    with torch.inference_mode():
+        cos, _ = model.model.rotary_emb(torch.zeros(1, 1, 64, dtype=torch.bfloat16), position_ids=torch.tensor([[0]]))
+    assert cos.dtype == torch.float32
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 # Rotary scalings a Llama checkpoint may carry: Llama 3's, and YaRN's, whose attention
 # scaling multiplies cos and sin (both come from the model's own rotary module).
 ROPES = {
@@ -170,15 +189,26 @@ def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
         in lean._unmirrored(neox)
 
     llama, _ = _loaded(model_dirs["target"])
-    assert "training mode" in lean._unmirrored(llama.train())  # its dropout would be skipped
+    llama.model.layers[1].train()  # its dropout (were there any) would be skipped
+    assert "training mode" in lean._unmirrored(llama)
 
     llama, _ = _loaded(model_dirs["target"])
-    llama.model.layers[1].mlp = torch.nn.Sequential()  # a part the lean forward would not call as the model does
+    llama.model.layers[1].mlp = torch.nn.Sequential().eval()  # a part the lean forward would not call as the model does
     assert "Sequential in place of LlamaMLP" in lean._unmirrored(llama)
 
     llama, pool = _loaded(model_dirs["target"])
     llama.model.layers[0].input_layernorm.register_forward_hook(lambda *args: None)
     assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
+    assert llama not in kvstore._FORWARDS
+
+    # A hook torch runs for every module (a profiler's, say): it changes no output, so
+    # only this check would see that the lean forward skips it.
+    llama, pool = _loaded(model_dirs["target"])
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
+    finally:
+        handle.remove()
     assert llama not in kvstore._FORWARDS
 
 

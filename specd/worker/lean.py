@@ -278,8 +278,8 @@ def _unmirrored(model: nn.Module) -> str | None:
     family = _FAMILIES.get(type(model))
     if family is None:
         return f"{type(model).__name__} is not one of {', '.join(kind.__name__ for kind in _FAMILIES)}"
-    if model.training:
-        return "it is in training mode (its dropout would be skipped)"
+    if any(module.training for module in model.modules()):
+        return "a module of it is in training mode (its dropout would be skipped)"
     base: Any = model.model  # transformers' modules are untyped to mypy here (pyproject.toml)
     # Each module's kind is checked before its children are looked at.
     norms = family.norms
@@ -299,10 +299,12 @@ def _unmirrored(model: nn.Module) -> str | None:
     for module, kinds in parts:
         if type(module) not in kinds:
             return f"{type(module).__name__} in place of {' or '.join(kind.__name__ for kind in kinds)}"
-    # Hooks, and a forward set on the instance (accelerate's offloading does that), would be
-    # skipped by calls to the class's `forward`.
-    if any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
-           for module in model.modules()):
+    # Hooks (a module's own, or global ones that torch runs for every module), and a forward
+    # set on the instance (accelerate's offloading does that), would be skipped by calls to
+    # the class's `forward`.
+    if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
+            or any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
+                   for module in model.modules())):
         return "hooks or a forward of its own on its modules (the lean forward would skip them)"
     return None
 

@@ -44,6 +44,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.train(linear.training)  # a layer of a model in evaluation stays in evaluation
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden, self.packed, self.bias, "none", [], "")
