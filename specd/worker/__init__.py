@@ -9,6 +9,7 @@ sessions, and the multiplexed step stream both servicers serve. `draft_service` 
     kvstore   the paged KV pool, one batched forward, and the trial at load of what it can serve
     lean      the batched forward of Llama-architecture models (fourteen families) without transformers' per-call Python
     packing   on a CPU, large linear layers with their weights packed for oneDNN at load
+    rope      rotary scalings that rotate by the forward (longrope, dynamic): which rows share a forward
     batching  the scheduler that batches one model's steps across sessions
     jobs      one step of one session as the scheduler runs it: a proposal, a verification
     predraft  overlapped speculation, draft side: branches pre-drafted during verification

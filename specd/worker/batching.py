@@ -17,7 +17,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -59,17 +59,27 @@ class Job:
         return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards, self.open_sessions)
 
     def next_size(self, chunk: int) -> int:
-        """Tokens this job feeds in its next forward."""
+        """Tokens this job feeds in its next forward, at most (what the batch's budget counts)."""
         return min(len(self.pending), max(chunk, self.keep))
+
+    def _next_take(self, chunk: int) -> int:
+        """Tokens the next forward takes: all pending, or a chunk that leaves at least `keep`
+        tokens for the last forward (their logits are the result)."""
+        if len(self.pending) <= max(chunk, self.keep):
+            return len(self.pending)
+        return min(chunk, len(self.pending) - self.keep)
+
+    def next_end(self, chunk: int) -> int:
+        """Positions the session holds after this job's next forward."""
+        return self.session.length + self._next_take(chunk)
 
     def next_row(self, chunk: int) -> BatchRow:
         """The tokens this job feeds in the next forward (logits only with its last tokens)."""
-        if len(self.pending) <= max(chunk, self.keep):
+        take = self._next_take(chunk)
+        if take == len(self.pending):
             row = BatchRow(self.session, self.pending, self.keep)
             self.pending = []
         else:
-            # Leave at least `keep` tokens for the last forward: their logits are the result.
-            take = min(chunk, len(self.pending) - self.keep)
             row = BatchRow(self.session, self.pending[:take], 0)
             self.pending = self.pending[take:]
         return row
@@ -87,13 +97,18 @@ class Scheduler:
 
     `forward(rows) -> [logits per row]` runs on `executor` (the model's one thread).
     `open_sessions()` says how many sessions could send a step; while fewer steps are
-    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive.
+    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive. With
+    `regime`, only rows whose sessions' ends after the forward give the same key share a
+    forward (`specd.worker.rope`: a rotary scaling that rotates a forward's rows by its
+    last position); the others wait in the queue, in their order, for a forward of their own.
     """
 
     def __init__(self, forward: Callable[[Sequence[BatchRow]], list[torch.Tensor]], executor: Executor,
-                 settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0) -> None:
+                 settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0,
+                 regime: Callable[[int], Hashable] | None = None) -> None:
         self._forward = forward
         self._open_sessions = open_sessions
+        self._regime = regime
         self._executor = executor
         self.settings = settings
         self._queue: collections.deque[Job] = collections.deque()
@@ -159,22 +174,31 @@ class Scheduler:
             self._task = self._loop.create_task(self._run(), name="specd-batch-loop")
 
     def _next_batch(self) -> tuple[list[Job], list[BatchRow]]:
-        """Jobs from the head of the queue whose next chunks fit in max_batch_tokens."""
+        """Jobs from the head of the queue whose next chunks fit in max_batch_tokens (of the
+        first one's regime, where the model has regimes)."""
         jobs: list[Job] = []
         rows: list[BatchRow] = []
         tokens = 0
         chunk = self.settings.prefill_chunk
-        while self._queue:
-            job = self._queue[0]
+        key: Hashable = None
+        index = 0
+        while index < len(self._queue):
+            job = self._queue[index]
             if job.cancelled:
-                self._queue.popleft()
+                del self._queue[index]
                 if job.future is not None:  # it may have no awaiter to cancel it: its callbacks must run
                     job.future.cancel()
                 continue
             size = job.next_size(chunk)
             if rows and tokens + size > self.settings.max_batch_tokens:
                 break
-            self._queue.popleft()
+            if self._regime is not None:
+                if not rows:
+                    key = self._regime(job.next_end(chunk))
+                elif self._regime(job.next_end(chunk)) != key:
+                    index += 1  # it waits, in its place, for a forward of its own regime
+                    continue
+            del self._queue[index]
             row = job.next_row(chunk)
             jobs.append(job)
             rows.append(row)
@@ -205,7 +229,10 @@ class Scheduler:
             return False
         if any(outcome is not False for outcome in outcomes):  # finished or failed
             return False
-        return sum(job.next_size(self.settings.prefill_chunk) for job in jobs) <= self.settings.max_batch_tokens
+        chunk = self.settings.prefill_chunk
+        if self._regime is not None and len({self._regime(job.next_end(chunk)) for job in jobs}) > 1:
+            return False  # their next rows may not share a forward: the loop batches them again
+        return sum(job.next_size(chunk) for job in jobs) <= self.settings.max_batch_tokens
 
     def _forward_once(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
         """One forward and each job's use of its logits."""

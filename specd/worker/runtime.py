@@ -28,7 +28,7 @@ from specd.errors import InvalidArgument, Overloaded, SessionNotFound, Unsupport
 from specd.rejection import Draws, recovered_token
 from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
-from specd.worker import kvstore, lean, packing
+from specd.worker import kvstore, lean, packing, rope
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
 from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
@@ -216,7 +216,8 @@ class ModelRunner:
         # An evicted session's pre-drafted branches go with it: they hold pool blocks.
         self.sessions = SessionStore(max_sessions, on_evict=self._evicted)
         self.batching = batching
-        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions))
+        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions),
+                                   rope.regime(self.model))
         self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
         self.run_ahead = RunAhead()
         # Draft side: each session's last sampled proposal's q rows, for the next step's
@@ -250,7 +251,8 @@ class ModelRunner:
         kvstore.use_paged_attention(self.model)
         self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
                            self._pool_blocks(batching, max_sessions))
-        problem = kvstore.batching_problem(self.model, self.pool, self.info.vocab_size, self.device)
+        problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool, self.info.vocab_size,
+                                                                       self.device)
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
         self.lean_forward = False
