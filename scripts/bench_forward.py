@@ -8,8 +8,10 @@ step of as many rows with a DynamicCache, side by side in one run.
 
 Each session holds `prefix` cached tokens and feeds one new token per forward (a plain
 decoding step). The paged forward's linear layers are packed for oneDNN as a worker's are
-(`--cpu-linear`, specd.worker.packing); transformers' step keeps torch's own. Prints the
-median ms of each case; docs/performance.md keeps the figures.
+(`--cpu-linear`, specd.worker.packing); transformers' step keeps torch's own. The paged
+batch through transformers' layers and through the lean forward take turns, forward by
+forward, so that a machine whose speed drifts slows both alike. Prints the median ms of
+each case; docs/performance.md keeps the figures.
 """
 from __future__ import annotations
 
@@ -27,15 +29,18 @@ from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.settings import CPU_LINEARS
 
 
-def median_ms(run, repeats: int) -> float:
-    for _ in range(3):
-        run()
-    times = []
+def median_ms(*runs, repeats: int) -> list[float]:
+    """The median ms of each of `runs`, timed in turns: one of each, `repeats` times."""
+    for run in runs:
+        for _ in range(3):
+            run()
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+        for run, taken in zip(runs, times):
+            began = time.perf_counter()
+            run()
+            taken.append((time.perf_counter() - began) * 1e3)
+    return [statistics.median(taken) for taken in times]
 
 
 def main() -> None:
@@ -63,26 +68,36 @@ def main() -> None:
                   41 * ((args.prefix + 1) // 16 + 2) + 5)
     print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
           f"paged forward's linear layers: {args.cpu_linear}")
-    cases = {}
+    own = functools.partial(kvstore.own_forward, model)
+    unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)
+    decoder = None if unmirrored is not None else lean.LeanDecoder(model)
+    print(f"lean forward: {unmirrored or 'on'}")
+    print(f"{'sessions':>8} {'paged batch':>12} {'lean batch':>11} {'one at a time':>14} {'ms per session':>15} "
+          f"{'transformers':>13}   (median ms per forward; paged and one at a time: transformers' layers)")
     for count in (1, 8, 32):
         sessions = [SessionKV(pool) for _ in range(count)]
         for session in sessions:
             assert session.reserve(args.prefix + 1)
             kvstore.forward(model, [BatchRow(session, prompt, 1)], cpu)
-        together = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
-        apart = median_ms(functools.partial(step, model, sessions, args.prefix, False), max(3, args.repeats // 4))
-        cases[count] = sessions, together, apart
-    # The same sessions again through specd's lean forward, where it mirrors the model.
-    unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)
-    print(f"lean forward: {unmirrored or 'on'}")
-    print(f"{'sessions':>8} {'paged batch':>12} {'lean batch':>11} {'one at a time':>14} {'ms per session':>15} "
-          f"{'transformers':>13}   (median ms per forward; paged and one at a time: transformers' layers)")
-    for count, (sessions, together, apart) in cases.items():
-        leaner = float("nan")  # a model the lean forward does not mirror: nothing to time
-        if unmirrored is None:
-            leaner = median_ms(functools.partial(step, model, sessions, args.prefix, True), args.repeats)
+        batched = functools.partial(step, model, sessions, args.prefix, True)
+        if decoder is None:  # a model the lean forward does not mirror: nothing to time beside it
+            together, leaner = median_ms(batched, repeats=args.repeats)[0], float("nan")
+        else:
+            together, leaner = median_ms(using(model, own, batched), using(model, decoder, batched),
+                                         repeats=args.repeats)
+        kvstore.use_forward(model, own)
+        apart, = median_ms(functools.partial(step, model, sessions, args.prefix, False),
+                           repeats=max(3, args.repeats // 4))
         print(f"{count:>8} {together:>12.2f} {leaner:>11.2f} {apart:>14.2f} {together / count:>15.2f} "
               f"{references[count]:>13.2f}")
+
+
+def using(model, forward, run):
+    """`run`, with the store sending `model`'s batched forwards through `forward`."""
+    def run_with() -> None:
+        kvstore.use_forward(model, forward)
+        run()
+    return run_with
 
 
 def transformers_step_ms(model, prompt: list[int], count: int, repeats: int) -> float:
@@ -99,7 +114,7 @@ def transformers_step_ms(model, prompt: list[int], count: int, repeats: int) -> 
             model(ids, cache=cache, use_cache=True, position_ids=position, logits_to_keep=1)
             cache.crop(-1)
 
-        return median_ms(step, repeats)
+        return median_ms(step, repeats=repeats)[0]
 
 
 def step(model, sessions: list[SessionKV], prefix: int, batched: bool) -> None:
