@@ -7,6 +7,9 @@ scheduler as serving uses them.
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 import torch
@@ -16,8 +19,10 @@ from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.steps import DraftRequest
 from specd.worker import kvstore, rope
+from specd.worker.batching import Job, Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, use_paged_attention
 from specd.worker.runtime import ModelRunner
+from specd.worker.settings import BatchSettings
 
 CPU = torch.device("cpu")
 # The tiny Phi-3's original context, longrope's long frequencies past it: longer than the
@@ -126,3 +131,66 @@ def test_rotations_by_position_alone_need_no_regime(model_dirs, tmp_path):
     assert rope.regime(llama) is None and rope.problem(llama) is None
     gemma3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3_text", **TINY, head_dim=16))
     assert rope.regime(gemma3) is None and rope.problem(gemma3) is None  # a rotary kind per layer type
+
+
+class _Session:
+    """What the scheduler reads of a session: the positions it holds."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+class _Proposal(Job):
+    """A proposal of `forwards` forwards of one token each."""
+
+    def __init__(self, session: _Session, forwards: int) -> None:
+        super().__init__(cast(SessionKV, session), [1], keep=1)
+        self.left = forwards
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        self.left -= 1
+        self.pending = [1]
+        return self.left == 0
+
+    def result(self) -> None:
+        return None
+
+
+def test_a_session_of_the_other_regime_is_not_kept_waiting_by_a_stream_of_steps():
+    """Two sessions past the switch propose again and again, each step of several forwards
+    back at the head of the queue after each forward: a step of a session short of the
+    switch still gets a forward of its own soon (a model stand-in that takes 2 ms and
+    counts positions as the store does)."""
+    ends: list[list[int]] = []
+
+    def forward(rows):
+        time.sleep(0.002)
+        ends.append([row.session.length + len(row.tokens) for row in rows])
+        for row in rows:
+            row.session.length += len(row.tokens)
+        return [torch.zeros(1, 4) for _ in rows]
+
+    async def scenario() -> int:
+        scheduler = Scheduler(forward, ThreadPoolExecutor(1), BatchSettings(max_wait_ms=0), lambda: 3,
+                              regime=lambda end: end > SWITCH)
+        stop = False
+
+        async def proposing(session: _Session, delay: float) -> None:
+            await asyncio.sleep(delay)
+            while not stop:
+                await scheduler.submit(_Proposal(session, 8))
+                await asyncio.sleep(0.001)  # the gateway's round trip
+
+        streams = [asyncio.create_task(proposing(_Session(100), 0)),
+                   asyncio.create_task(proposing(_Session(200), 0.009))]
+        await asyncio.sleep(0.02)
+        before = len(ends)
+        await asyncio.wait_for(scheduler.submit(_Proposal(_Session(5), 1)), timeout=5)
+        stop = True
+        await asyncio.gather(*streams)
+        return len(ends) - before
+
+    # At most the steps submitted before it finish first: two of 8 forwards, and its own.
+    waited = asyncio.run(scenario())
+    assert waited <= 2 * 8 + 2, f"the short session's step waited {waited} forwards"
+    assert all(len({end > SWITCH for end in forward_ends}) == 1 for forward_ends in ends)

@@ -174,13 +174,15 @@ class Scheduler:
             self._task = self._loop.create_task(self._run(), name="specd-batch-loop")
 
     def _next_batch(self) -> tuple[list[Job], list[BatchRow]]:
-        """Jobs from the head of the queue whose next chunks fit in max_batch_tokens (of the
-        first one's regime, where the model has regimes)."""
+        """Jobs from the head of the queue whose next chunks fit in max_batch_tokens; where
+        the model has regimes, those of the oldest waiting job's regime. (Its oldest, not
+        the head: jobs in progress go back to the head after each forward, and a regime that
+        always has one would keep the other waiting for good.)"""
         jobs: list[Job] = []
         rows: list[BatchRow] = []
         tokens = 0
         chunk = self.settings.prefill_chunk
-        key: Hashable = None
+        key = self._oldest_regime(chunk)
         index = 0
         while index < len(self._queue):
             job = self._queue[index]
@@ -189,21 +191,25 @@ class Scheduler:
                 if job.future is not None:  # it may have no awaiter to cancel it: its callbacks must run
                     job.future.cancel()
                 continue
+            if self._regime is not None and self._regime(job.next_end(chunk)) != key:
+                index += 1  # it waits, in its place, for a forward of its own regime
+                continue
             size = job.next_size(chunk)
             if rows and tokens + size > self.settings.max_batch_tokens:
                 break
-            if self._regime is not None:
-                if not rows:
-                    key = self._regime(job.next_end(chunk))
-                elif self._regime(job.next_end(chunk)) != key:
-                    index += 1  # it waits, in its place, for a forward of its own regime
-                    continue
             del self._queue[index]
             row = job.next_row(chunk)
             jobs.append(job)
             rows.append(row)
             tokens += len(row.tokens)
         return jobs, rows
+
+    def _oldest_regime(self, chunk: int) -> Hashable:
+        """The regime of the live job submitted first (None: the model has none, or nothing waits)."""
+        live = [job for job in self._queue if not job.cancelled]
+        if self._regime is None or not live:
+            return None
+        return self._regime(min(live, key=lambda job: job.submitted).next_end(chunk))
 
     def _run_on_thread(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
         """Forwards of these jobs and each job's use of their logits; errors stay with their job.
