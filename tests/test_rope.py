@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from conftest import request, start_stack
 from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.steps import DraftRequest
@@ -42,6 +43,7 @@ def _model_dir(tmp_path, model_dirs, model_type: str, **config):
 def _longrope(tmp_path, model_dirs):
     torch.manual_seed(0)
     return _model_dir(tmp_path, model_dirs, "phi3", pad_token_id=0, original_max_position_embeddings=SWITCH,
+                      initializer_range=0.5,  # logits wide enough that rotations change greedy tokens
                       rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
                                            long_factor=[4.0] * 8, original_max_position_embeddings=SWITCH))
 
@@ -194,3 +196,29 @@ def test_a_session_of_the_other_regime_is_not_kept_waiting_by_a_stream_of_steps(
     waited = asyncio.run(scenario())
     assert waited <= 2 * 8 + 2, f"the short session's step waited {waited} forwards"
     assert all(len({end > SWITCH for end in forward_ends}) == 1 for forward_ends in ends)
+
+
+def _generate_concurrently(stack, prompts: list[str]) -> list[list[int]]:
+    futures = [stack.stub.Generate.future(request(prompt, max_new_tokens=16, mode="FIXED", draft_length=4))
+               for prompt in prompts]
+    return [list(future.result().token_ids) for future in futures]
+
+
+@pytest.mark.parametrize("kept_apart", [True, False])
+def test_through_the_services_a_short_request_beside_a_long_one_decodes_as_alone(tmp_path, model_dirs,
+                                                                                  monkeypatch, kept_apart):
+    """Greedy, the target as its own draft: a request short of the switch decodes the same
+    tokens beside one past it as alone. With the regimes turned off (kept_apart=False) the
+    same requests do not, which is what the regimes are for."""
+    if not kept_apart:
+        monkeypatch.setattr(rope, "regime", lambda model: None)
+    directory = _longrope(tmp_path, model_dirs)
+    stack = start_stack({"target": directory, "close": directory}, drafts=("close",))
+    try:
+        long_prompt, short_prompt = "def fibonacci(n): return n " * 6, "x = 1"
+        alone = [_generate_concurrently(stack, [prompt])[0] for prompt in (long_prompt, short_prompt)]
+        together = [_generate_concurrently(stack, [long_prompt, short_prompt]) for _ in range(3)]
+    finally:
+        stack.close()
+    assert all(pair[0] == alone[0] for pair in together)  # past the switch alike, whatever shares
+    assert all(pair[1] == alone[1] for pair in together) == kept_apart
