@@ -204,14 +204,11 @@ def _generate_concurrently(stack, prompts: list[str]) -> list[list[int]]:
     return [list(future.result().token_ids) for future in futures]
 
 
-@pytest.mark.parametrize("kept_apart", [True, False])
-def test_through_the_services_a_short_request_beside_a_long_one_decodes_as_alone(tmp_path, model_dirs,
-                                                                                  monkeypatch, kept_apart):
+def test_through_the_services_a_short_request_beside_a_long_one_decodes_as_alone(tmp_path, model_dirs):
     """Greedy, the target as its own draft: a request short of the switch decodes the same
-    tokens beside one past it as alone. With the regimes turned off (kept_apart=False) the
-    same requests do not, which is what the regimes are for."""
-    if not kept_apart:
-        monkeypatch.setattr(rope, "regime", lambda model: None)
+    tokens beside one past it as alone. (That they would not with the regimes turned off is
+    shown above at the store's level: whether two requests share a forward through the
+    services depends on timing, too loose for a test that must fail.)"""
     directory = _longrope(tmp_path, model_dirs)
     stack = start_stack({"target": directory, "close": directory}, drafts=("close",))
     try:
@@ -220,5 +217,4 @@ def test_through_the_services_a_short_request_beside_a_long_one_decodes_as_alone
         together = [_generate_concurrently(stack, [long_prompt, short_prompt]) for _ in range(3)]
     finally:
         stack.close()
-    assert all(pair[0] == alone[0] for pair in together)  # past the switch alike, whatever shares
-    assert all(pair[1] == alone[1] for pair in together) == kept_apart
+    assert all(pair == alone for pair in together)
