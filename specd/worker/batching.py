@@ -206,8 +206,10 @@ class Scheduler:
 
     def _oldest_regime(self, chunk: int) -> Hashable:
         """The regime of the live job submitted first (None: the model has none, or nothing waits)."""
+        if self._regime is None:  # most models: nothing to scan on every forward
+            return None
         live = [job for job in self._queue if not job.cancelled]
-        if self._regime is None or not live:
+        if not live:
             return None
         return self._regime(min(live, key=lambda job: job.submitted).next_end(chunk))
 
