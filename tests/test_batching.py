@@ -355,10 +355,11 @@ def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs):
 
 
 class CountedJob(Job):
-    """A job of `forwards` forwards of one token each, whose forwards a fake model logs."""
+    """A job of `forwards` forwards of one token each (of `session`, or of none where the
+    scheduler never looks at it), whose forwards a fake model logs."""
 
-    def __init__(self, forwards: int) -> None:
-        super().__init__(cast(SessionKV, None), [1], keep=1)
+    def __init__(self, forwards: int, session: object = None) -> None:
+        super().__init__(cast(SessionKV, session), [1], keep=1)
         self.left = forwards
 
     def consume(self, logits: torch.Tensor) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import pytest
 import torch
@@ -20,10 +19,11 @@ from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.steps import DraftRequest
 from specd.worker import kvstore, rope
-from specd.worker.batching import Job, Scheduler
+from specd.worker.batching import Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, use_paged_attention
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings
+from test_batching import CountedJob
 
 CPU = torch.device("cpu")
 # The tiny Phi-3's original context, longrope's long frequencies past it: longer than the
@@ -142,22 +142,6 @@ class _Session:
         self.length = length
 
 
-class _Proposal(Job):
-    """A proposal of `forwards` forwards of one token each."""
-
-    def __init__(self, session: _Session, forwards: int) -> None:
-        super().__init__(cast(SessionKV, session), [1], keep=1)
-        self.left = forwards
-
-    def consume(self, logits: torch.Tensor) -> bool:
-        self.left -= 1
-        self.pending = [1]
-        return self.left == 0
-
-    def result(self) -> None:
-        return None
-
-
 def test_a_session_of_the_other_regime_is_not_kept_waiting_by_a_stream_of_steps():
     """Two sessions past the switch propose again and again, each step of several forwards
     back at the head of the queue after each forward: a step of a session short of the
@@ -180,14 +164,14 @@ def test_a_session_of_the_other_regime_is_not_kept_waiting_by_a_stream_of_steps(
         async def proposing(session: _Session, delay: float) -> None:
             await asyncio.sleep(delay)
             while not stop:
-                await scheduler.submit(_Proposal(session, 8))
+                await scheduler.submit(CountedJob(8, session))
                 await asyncio.sleep(0.001)  # the gateway's round trip
 
         streams = [asyncio.create_task(proposing(_Session(100), 0)),
                    asyncio.create_task(proposing(_Session(200), 0.009))]
         await asyncio.sleep(0.02)
         before = len(ends)
-        await asyncio.wait_for(scheduler.submit(_Proposal(_Session(5), 1)), timeout=5)
+        await asyncio.wait_for(scheduler.submit(CountedJob(1, _Session(5))), timeout=5)
         stop = True
         await asyncio.gather(*streams)
         return len(ends) - before
