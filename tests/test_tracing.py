@@ -319,3 +319,12 @@ def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path)
                            cwd=REPO, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert response.trace_id in shown.stdout and "worker spans missing" not in shown.stdout
+
+    # The step budget joins each step span with its two workers' spans, across the processes.
+    budget = subprocess.run([sys.executable, "scripts/step_budget.py", str(out)], capture_output=True, text=True,
+                            cwd=REPO, timeout=60)
+    assert budget.returncode == 0, budget.stderr
+    speculative = sum(1 for s in spans if s["name"] == "specd.step" and s["attributes"]["specd.draft_length"])
+    assert budget.stdout.startswith(f"{speculative} speculative steps"), budget.stdout
+    rows = {name.strip(): float(ms) for name, ms in (line.rsplit(None, 1) for line in budget.stdout.splitlines()[1:])}
+    assert 0 < rows["draft forward"] < rows["draft hop"] and 0 < rows["verify forward"] < rows["verify hop"]
