@@ -1,33 +1,59 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the exactness tests with the services' models on the GPU in bf16, then
-# `specd bench --concurrency 1,8,32` on the demo pair and on a random-weight pair shaped like
-# a real one (~1B target, ~100M draft), each beside transformers' own generate on the GPU.
-# Appends the figures, with the machine and the commands, to docs/performance.md.
+# `specd bench --concurrency 1,8,32` on a random-weight pair shaped like a real one (~1B
+# target, ~100M draft) and, where its weights are here, on the demo pair, each beside
+# transformers' own batched generate on the GPU. Writes the figures, with the machine and
+# the commands, to bench-out/gpu/report.md (and $OUT/ when set), and appends them to
+# docs/performance.md.
 #
-#   scripts/gpu_check.sh            # about 15 minutes on one H100/H200-class GPU
+#   scripts/gpu_check.sh                       # about 6 minutes on one H100/H200-class GPU
+#   GPU_CHECK_DEVICE=cpu scripts/gpu_check.sh  # a dry run of every stage on this CPU, tiny models
 #
-# Never needed for the test suite; see docs/performance.md ("GPU check").
+# Where pip reaches a registry it installs specd with ./scripts/setup.sh. A lent GPU machine
+# reaches none: there it runs on the machine's own Python and torch, with the wheels that
+# scripts/gpu_wheels.sh put in .whl/ (docs/performance.md, "GPU check", says how to send
+# them). Never needed for the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
-py=.venv/bin/python
-$py -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this check needs a GPU'"
+device=${GPU_CHECK_DEVICE:-cuda}
+if [[ -d .whl ]]; then  # no registry: the machine's Python, torch and numpy, and the carried wheels
+  py=${PYTHON:-python3}
+  $py -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specd-site .whl/*.whl
+  export PYTHONPATH=/tmp/specd-site:$PWD
+else
+  ./scripts/setup.sh
+  py=.venv/bin/python
+fi
+specd() { $py -m specd.cli "$@"; }
 out=bench-out/gpu
 mkdir -p "$out"
-report=docs/performance.md
-gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0))")
+if [[ $device == cuda ]]; then
+  $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this check needs a GPU'"
+  name=$($py -c "import torch; print(torch.cuda.get_device_name(0))")
+  dtype=bfloat16
+  $py scripts/make_sized_pair.py runs/sized-pair
+  pairs=("sized runs/sized-pair/target runs/sized-pair/draft")
+  if [[ -s models/demo/target/model.safetensors ]]; then
+    pairs+=("demo models/demo/target models/demo/draft-distilled")
+  fi
+else  # the dry run: the near-free target as its own draft, on this CPU
+  name="a dry run on this CPU"
+  dtype=float32
+  $py scripts/make_tiny_target.py runs/tiny-target
+  pairs=("tiny runs/tiny-target runs/tiny-target")
+fi
 
-echo "== exactness on $gpu (bf16)"
-SPECD_TEST_DEVICE=cuda SPECD_TEST_DTYPE=bfloat16 $py -m pytest -q tests/test_pipeline.py tests/test_batching.py \
-  tests/test_sampled_distribution.py tests/test_rejection.py 2>&1 | tee "$out/exactness.txt"
+echo "== exactness on $name ($dtype)"
+SPECD_TEST_DEVICE=$device SPECD_TEST_DTYPE=$dtype timeout 300 $py -m pytest -q -p no:cacheprovider \
+  tests/test_pipeline.py tests/test_batching.py tests/test_sampled_distribution.py tests/test_rejection.py \
+  2>&1 | tee "$out/exactness.txt" || echo "(the exactness tests failed or ran out of time; see $out/exactness.txt)"
 
-$py scripts/make_sized_pair.py runs/sized-pair
-serve() {  # target draft port: the three services, the workers on the GPU in bf16
-  .venv/bin/specd verifier --target "$1" --device cuda --dtype bfloat16 --port $(($3 + 1)) >"$out/verifier.log" 2>&1 &
+serve() {  # target draft port: the three services, the workers on the device
+  specd verifier --target "$1" --device "$device" --dtype $dtype --port $(($3 + 1)) >"$out/verifier.log" 2>&1 &
   pids=($!)
-  .venv/bin/specd draft --draft "$2" --device cuda --dtype bfloat16 --port $(($3 + 2)) >"$out/draft.log" 2>&1 &
+  specd draft --draft "$2" --device "$device" --dtype $dtype --port $(($3 + 2)) >"$out/draft.log" 2>&1 &
   pids+=($!)
-  .venv/bin/specd gateway --port "$3" --verifier-address "127.0.0.1:$(($3 + 1))" \
+  specd gateway --port "$3" --verifier-address "127.0.0.1:$(($3 + 1))" \
     --draft-address "127.0.0.1:$(($3 + 2))" >"$out/gateway.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 180); do grep -q "listening" "$out/gateway.log" 2>/dev/null && return; sleep 1; done
@@ -36,33 +62,44 @@ serve() {  # target draft port: the three services, the workers on the GPU in bf
 }
 stop() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap stop EXIT
-for pair in "demo models/demo/target models/demo/draft-distilled" \
-            "sized runs/sized-pair/target runs/sized-pair/draft"; do
-  read -r name target draft <<<"$pair"
-  echo "== $name pair"
+bench=(bench --gateway 127.0.0.1:50161 --configs fixed:4,cost --concurrency 1,8,32 --requests-per-level 24
+  --max-new-tokens 64 --dtype $dtype)
+for pair in "${pairs[@]}"; do
+  read -r label target draft <<<"$pair"
+  echo "== $label pair"
   serve "$target" "$draft" 50161
-  .venv/bin/specd bench --gateway 127.0.0.1:50161 --configs fixed:4,cost --concurrency 1,8,32 \
-    --requests-per-level 64 --max-new-tokens 64 --target "$target" --dtype bfloat16 \
-    --out "$out/$name" | tee "$out/$name.txt"
+  timeout 240 $py -m specd.cli "${bench[@]}" --target "$target" --out "$out/$label" | tee "$out/$label.txt" ||
+    echo "(the bench failed or ran out of time; see $out/$label.txt)"
   stop
 done
 
 {
   echo
-  echo "### GPU check, $(date -u +%Y-%m-%d), $gpu"
+  echo "### GPU check, $(date -u +%Y-%m-%d), $name"
   echo
-  echo "\`scripts/gpu_check.sh\` (commit $(git rev-parse --short HEAD)). Exactness (bf16):"
+  echo "\`scripts/gpu_check.sh\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $dtype."
+  echo "Exactness (\`SPECD_TEST_DEVICE=$device SPECD_TEST_DTYPE=$dtype pytest tests/test_pipeline.py"
+  echo "tests/test_batching.py tests/test_sampled_distribution.py tests/test_rejection.py\`):"
   echo
   echo '```'
   tail -3 "$out/exactness.txt"
   echo '```'
-  for name in demo sized; do
+  for pair in "${pairs[@]}"; do
+    read -r label target draft <<<"$pair"
     echo
-    echo "$name pair, \`specd bench --concurrency 1,8,32\` (greedy, 64 new tokens):"
+    echo "$label pair ($target, $draft): \`specd ${bench[*]} --target $target\`:"
     echo
     echo '```'
-    grep -A 40 "N configuration" "$out/$name.txt" | grep -v "^report"
+    grep -A 12 "N configuration" "$out/$label.txt" | grep -v "^report" || echo "(no table: the bench did not finish)"
     echo '```'
   done
-} >>"$report"
-echo "figures appended to $report"
+} >"$out/report.md"
+if [[ -n ${OUT:-} ]]; then  # a lent machine: what comes back
+  cp "$out/report.md" "$out/exactness.txt" "$OUT/"
+  tar -czf "$OUT/gpu-logs.tgz" "$out"
+fi
+if [[ $device == cuda ]]; then
+  cat "$out/report.md" >>docs/performance.md
+  echo "figures appended to docs/performance.md"
+fi
+cat "$out/report.md"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The wheels scripts/gpu_check.sh installs on a GPU machine that reaches no package registry.
+#
+#   scripts/gpu_wheels.sh        # here, where pip reaches one; writes .whl/ (ignored by git)
+#
+# Such a machine (the lent H200s: Python 3.12, with its own CUDA build of torch, numpy, scipy,
+# pytest and most of what transformers needs) lacks specd's gRPC, protobuf, OpenTelemetry,
+# TLS and HTTP packages, or has older ones. This fetches those, at the versions this
+# checkout's .venv holds (the versions the tests pass with), as CPython 3.12 manylinux
+# wheels, without their dependencies: the machine's own packages provide the rest. About
+# 30 MB, which travels with the working tree (docs/performance.md, "GPU check").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+names=(transformers tokenizers huggingface-hub grpcio grpcio-health-checking grpcio-reflection protobuf
+  opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
+  opentelemetry-exporter-otlp-common opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
+  opentelemetry-instrumentation opentelemetry-instrumentation-grpc googleapis-common-protos
+  cryptography cffi pycparser starlette uvicorn httpx2 httpcore2 truststore click)
+[[ -x .venv/bin/python ]] || ./scripts/setup.sh
+mapfile -t pins < <(.venv/bin/python - "${names[@]}" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        pass  # not needed on this Python (a dependency of another's on older ones)
+EOF
+)
+rm -rf .whl
+.venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "${pins[@]}"
+echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1), in .whl/: ${pins[*]}"
