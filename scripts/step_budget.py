@@ -7,59 +7,60 @@ gateway's own time between the hops.
     python scripts/closed_loop.py --mode fixed --seconds 10
     python scripts/step_budget.py spans.jsonl
 
-Each `specd.step` span (the gateway's) is joined with its children, the workers' step spans
-(`specd.draft.propose`, `specd.draft.recover`, `specd.verifier.verify`). For each hop:
-`hop` is the gateway's wait for the worker (`specd.draft.hop_ms`, `specd.verify.hop_ms`),
-`forward` the worker's forwards (`specd.forward_ms`), `handler` the worker's span less its
-forwards, and `transport` the hop less the worker's span: gRPC both ways, each side's
-poller thread and event loop, the stream's reader and writer. Medians over the steps
-that have both hops; tracing's own cost is in every figure (docs/tracing.md).
+Each `specd.step` span (the gateway's) is joined with its children, the workers' step spans,
+as `specd trace show` joins them (`specd.cli.trace.step_rows`). Only the steps whose draft
+model proposed in their own hop count: a model-free proposal has no draft hop, and a
+proposal drafted in the last step's recovery hop (`specd.draft.in_hand`) has its hop in
+that step. For each hop: `hop` is the gateway's wait for the worker (`specd.draft.hop_ms`,
+`specd.verify.hop_ms`), `forward` the worker's forwards (`specd.forward_ms`), `handler`
+the worker's span less its forwards, and `transport` the hop less the worker's span: gRPC
+both ways, each side's poller thread and event loop, the stream's reader and writer. The
+gateway's own time is the step's span less its hops, a recovery hop included. Medians;
+tracing's own cost is in every figure (docs/tracing.md).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
-WORKER_SPANS = {"specd.draft.propose": "draft", "specd.draft.recover": "draft", "specd.verifier.verify": "verify"}
+from specd.cli.trace import StepRow, load_spans, step_rows
+
+ROWS = ("step", "draft hop", "  draft forward", "  draft handler", "  draft transport", "verify hop",
+        "  verify forward", "  verify handler", "  verify transport", "gateway's own")
+
+
+def budget(rows: list[StepRow]) -> dict[str, list[float]]:
+    """Each figure of the table, one value per step that had both hops of its own."""
+    figures: defaultdict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.draft is None or row.verify is None or row.attr("specd.draft.in_hand", False):
+            continue
+        for hop, worker in (("draft", row.draft), ("verify", row.verify)):
+            waited, forward = row.attr(f"specd.{hop}.hop_ms"), worker["attributes"]["specd.forward_ms"]
+            figures[f"{hop} hop"].append(waited)
+            figures[f"  {hop} forward"].append(forward)
+            figures[f"  {hop} handler"].append(worker["duration_ms"] - forward)
+            figures[f"  {hop} transport"].append(waited - worker["duration_ms"])
+        figures["step"].append(row.step["duration_ms"])
+        figures["gateway's own"].append(row.gateway_ms)
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spans", help="a JSONL file of spans from `specd trace collect`")
+    parser.add_argument("spans", type=Path, help="a JSONL file of spans from `specd trace collect`")
     args = parser.parse_args()
-    steps: dict[str, dict] = {}
-    hops: defaultdict[str, dict[str, dict]] = defaultdict(dict)  # a step span's id → its workers' spans by hop
-    with open(args.spans) as lines:
-        for line in lines:
-            span = json.loads(line)
-            if span["name"] == "specd.step":
-                steps[span["span_id"]] = span
-            elif span["name"] in WORKER_SPANS:
-                hops[span["parent_span_id"]][WORKER_SPANS[span["name"]]] = span
-    rows: defaultdict[str, list[float]] = defaultdict(list)
-    for span_id, step in steps.items():
-        workers = hops.get(span_id, {})
-        if set(workers) != {"draft", "verify"}:
-            continue  # a plain step, or one whose spans did not all arrive
-        attributes = step["attributes"]
-        gateway_own = step["duration_ms"]
-        for hop, worker in workers.items():
-            waited, forward = attributes[f"specd.{hop}.hop_ms"], worker["attributes"]["specd.forward_ms"]
-            rows[f"{hop} hop"].append(waited)
-            rows[f"  {hop} forward"].append(forward)
-            rows[f"  {hop} handler"].append(worker["duration_ms"] - forward)
-            rows[f"  {hop} transport"].append(waited - worker["duration_ms"])
-            gateway_own -= waited
-        rows["step"].append(step["duration_ms"])
-        rows["gateway's own"].append(gateway_own)
-    if not rows:
-        raise SystemExit(f"{args.spans}: no step with both a draft and a verify span")
-    print(f"{len(rows['step'])} speculative steps, median ms:")
-    for name in ("step", "draft hop", "  draft forward", "  draft handler", "  draft transport", "verify hop",
-                 "  verify forward", "  verify handler", "  verify transport", "gateway's own"):
-        print(f"  {name:<22} {statistics.median(rows[name]):7.2f}")
+    by_trace: defaultdict[str, list[dict]] = defaultdict(list)
+    for span in load_spans(args.spans):
+        by_trace[span["trace_id"]].append(span)
+    figures = budget([row for spans in by_trace.values() for row in step_rows(spans)])
+    if not figures:
+        raise SystemExit(f"{args.spans}: no step with a draft hop and a verify hop of its own")
+    print(f"{len(figures['step'])} speculative steps, median ms:")
+    for name in ROWS:
+        print(f"  {name:<22} {statistics.median(figures[name]):7.2f}")
 
 
 if __name__ == "__main__":
