@@ -17,17 +17,15 @@ names=(transformers tokenizers huggingface-hub grpcio grpcio-health-checking grp
   opentelemetry-instrumentation opentelemetry-instrumentation-grpc googleapis-common-protos
   cryptography cffi pycparser starlette uvicorn httpx2 httpcore2 truststore click)
 [[ -x .venv/bin/python ]] || ./scripts/setup.sh
-mapfile -t pins < <(.venv/bin/python - "${names[@]}" <<'EOF'
+pinned=$(.venv/bin/python - "${names[@]}" <<'EOF'
 import sys
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 
-for name in sys.argv[1:]:
-    try:
-        print(f"{name}=={version(name)}")
-    except PackageNotFoundError:
-        pass  # not needed on this Python (a dependency of another's on older ones)
+for name in sys.argv[1:]:  # each one is needed there: one missing here is an error, not a skip
+    print(f"{name}=={version(name)}")
 EOF
-)
+)  # a command substitution, not a process one: a name missing here stops the script (set -e)
+read -ra pins <<<"${pinned//$'\n'/ }"
 rm -rf .whl
 .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
