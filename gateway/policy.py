@@ -296,12 +296,30 @@ class LoadCap:
     def _level(self, load: int) -> _LevelArms:
         level = self._levels.get(load)
         if level is None:
-            # Start from the best cap of the nearest lower load measured (load only makes a
-            # long draft dearer), or from the longest draft a request chose alone.
-            lower = [bucket for bucket in self._levels if bucket < load]
-            start = self._levels[max(lower)].best if lower else min(self.widest or self.highest, self.highest)
-            level = self._levels[load] = _LevelArms(start, settle=load, explore_every=self.explore_every)
+            level = self._levels[load] = _LevelArms(self._borrowed(load), settle=load,
+                                                    explore_every=self.explore_every)
+        elif not level.all_rates and not level.turns:
+            # Not measured yet: follow the levels that are, until an epoch of its own is
+            # averaged in. Why: a level reached only as the load drains (the last requests of
+            # a wave) may never gather an epoch, and would keep for good the cap it started at.
+            borrowed = self._borrowed(load)
+            if borrowed != level.best:
+                level.best, level.running, level.drafted, level.settle = borrowed, _Goodput(), 0, load
         return level
+
+    def _borrowed(self, load: int) -> int:
+        """The cap an unmeasured level at `load` takes: the nearest measured lower level's
+        (load only makes a long draft dearer, so it is an upper bound here), else the nearest
+        measured higher level's (the cap best at a heavier load, which a level's own trials
+        may then raise), else the longest draft a request chose alone."""
+        measured = [bucket for bucket, level in self._levels.items() if level.all_rates and bucket != load]
+        lower = [bucket for bucket in measured if bucket < load]
+        higher = [bucket for bucket in measured if bucket > load]
+        if lower:
+            return self._levels[max(lower)].best
+        if higher:
+            return self._levels[min(higher)].best
+        return min(self.widest or self.highest, self.highest)
 
     def observe(self, cap: int, record: StepRecord) -> None:
         """A step taken under `cap`; steps from a cap no longer in force are left out. The step

@@ -304,6 +304,25 @@ def test_requests_in_flight_are_a_floor_on_the_load():
     assert cap.cap() == 8
 
 
+def test_a_level_reached_only_as_the_load_drains_follows_the_measured_one_above():
+    """Waves of sixteen requests: each wave's last requests pass through four in flight, too
+    briefly to gather an epoch there. Until that level measures for itself it takes the
+    cap measured at sixteen, not the longest draft chosen alone; a lower level measured
+    since outranks it."""
+    cap = LoadCap(highest=8)
+    run_under_load(cap, lambda c: 10.0, sessions=1, steps=20)  # alone the requests draft long
+    assert cap.widest >= 3
+    run_under_load(cap, lambda c: 5.0 + 4 * (c + 1) * 1.5, sessions=4, steps=3)  # the drain: no epoch
+    assert cap.caps() == {} and cap.cap() == cap.widest  # nothing measured yet: the widest draft
+    run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=600)
+    assert cap.caps() == {16: 0}
+    drain = run_under_load(cap, lambda c: 5.0 + 4 * (c + 1) * 1.5, sessions=4, steps=3)
+    assert drain == [0, 0, 0] and 4 not in cap.caps()
+    run_under_load(cap, lambda c: 10.0 + 2 * (c + 1) * 0.02, sessions=2, steps=600)  # at two, drafting pays
+    assert cap.caps()[2] > 0
+    assert run_under_load(cap, lambda c: 5.0 + 4 * (c + 1) * 1.5, sessions=4, steps=2)[-1] > 0
+
+
 def test_steps_count_at_the_load_their_cap_was_chosen_for():
     """Workers that report one session each (several verifier replicas, say) while sixteen
     requests are in flight here: the cap is read at load 16, so its steps must teach load 16."""
