@@ -21,6 +21,7 @@ registry (name → builder) that `POLICIES`, the names a request may ask for, de
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -34,6 +35,10 @@ MAX_PROBE_INTERVAL = 256
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
 TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks quiet steps (`_Goodput`)
+# The trials between two caps at a level are weighed together (`_Verdicts`): their mean for
+# the first few, then an average in which each new trial weighs this much.
+VERDICT_WEIGHT = 0.25
+VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
 
 
 class FixedPolicy:
@@ -148,6 +153,31 @@ def _quiet_enough(tallies: list[_Goodput], load: int) -> bool:
 
 
 @dataclass
+class _Verdicts:
+    """What the trials between two caps at one level said, together: the mean log ratio of
+    the higher cap's goodput to the lower's over their trials (each clipped to ±`VERDICT_CLIP`),
+    an average that weighs each new trial `VERDICT_WEIGHT` once there have been enough.
+
+    Why together: on the demo pair at 8 in flight, one trial's log ratio between plain
+    decoding and a cap of 1 varied with a standard deviation of 0.28 around a mean gap of
+    0.10 (docs/proposers.md, 2026-12-04). Decided trial by trial, a cap of 1 won a
+    third of its trials and plain decoding won it back, and the level spent a third of its
+    steps speculating. Weighed together the flapping fades as trials accumulate, while
+    a gap as wide as the first trial usually shows (plain decoding against 16: 0.46)
+    decides at once. The clip keeps one trial spoiled by a burst of prompts from deciding
+    the next few."""
+
+    mean: float = 0.0
+    trials: int = 0
+
+    def add(self, log_ratio: float) -> float:
+        self.trials += 1
+        clipped = min(max(log_ratio, -VERDICT_CLIP), VERDICT_CLIP)
+        self.mean += max(1.0 / self.trials, VERDICT_WEIGHT) * (clipped - self.mean)
+        return self.mean
+
+
+@dataclass
 class _LevelArms:
     """The caps tried at one load level, and the one in force."""
 
@@ -171,6 +201,7 @@ class _LevelArms:
     # rival): it is no neighbour, so losing it turns no direction
     rival: bool = False  # the trial on now is a rival's (`LoadCap._rival`)
     extended: int = 0  # times the trial on now ran four more turns for want of quiet steps
+    verdicts: dict[tuple[int, int], _Verdicts] = field(default_factory=dict)  # (lower cap, higher) -> trials'
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
 
@@ -439,9 +470,12 @@ class LoadCap:
                 level.rates[arm] = tally.rate(quiet=True)
             else:
                 level.rates.pop(arm, None)  # an older quiet figure would set another stretch against this one
-        # A trial must win clearly: a cap switched on noise costs every session until the next
-        # trial, more than a small real gain is worth.
-        won = rate.get(trial, 0.0) > (1.0 + self.margin) * rate.get(best, 0.0)
+        # A trial must win clearly, over the trials of the same two caps so far: a cap switched
+        # on noise costs every session until the next trial, more than a small real gain is worth.
+        pair = (min(trial, best), max(trial, best))
+        higher_over_lower = math.log(max(rate.get(pair[1], 0.0), 1e-9) / max(rate.get(pair[0], 0.0), 1e-9))
+        verdict = level.verdicts.setdefault(pair, _Verdicts()).add(higher_over_lower)
+        won = (verdict if trial > best else -verdict) > math.log1p(self.margin)
         level.trial, level.window, level.since_trial = None, {}, 0
         if won:
             level.best, level.explore_every, level.rival_after = trial, self.explore_every, 1
