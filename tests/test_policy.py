@@ -415,9 +415,9 @@ def test_a_cap_that_wins_only_on_noise_does_not_keep_coming_back():
     """Plain decoding truly 10% better than a cap of 1, but each round's speed (16 steps)
     swings by a factor of e^N(0, 0.4): one trial's log ratio varies by about 0.28, as on the
     demo pair at 8 in flight. Decided trial by trial, a cap of 1 wins about a third of its
-    trials, and the later halves of these runs spent 44% of their steps speculating (7%
-    with the verdicts); weighed
-    together with the trials before, it stops winning, and plain decoding holds."""
+    trials, and the later halves of these runs spent 44% of their steps speculating.
+    Weighed together with the trials before, it stops winning, and plain decoding holds
+    (7% speculating)."""
     shares = []
     for seed in range(4):
         rng = random.Random(seed)
