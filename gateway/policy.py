@@ -253,7 +253,8 @@ class LoadCap:
     per session) is compared first with plain decoding's (cap 0), then, in turn, with a
     neighbouring cap's and plain decoding's again, one trial in every `explore_every`
     epochs (twice as long after each trial that lost, since a trial costs goodput); a
-    trial that wins by `margin` becomes the cap and the next cap along is tried at once. A
+    trial that wins by `margin`, weighed with the earlier trials of the same two caps
+    (`_Verdicts`), becomes the cap and the next cap along is tried at once. A
     cap measured earlier that beats the average of the cap in force by `margin` is tried
     again soon, after one epoch, twice as long each time such a trial loses. Neighbours are
     taken beside the longest γ the requests chose under the cap in force, which is what
