@@ -344,7 +344,7 @@ class LoadCap:
         (load only makes a long draft dearer, so it is an upper bound here), else the nearest
         measured higher level's (the cap best at a heavier load, which a level's own trials
         may then raise), else the longest draft a request chose alone."""
-        measured = [bucket for bucket, level in self._levels.items() if level.all_rates and bucket != load]
+        measured = [bucket for bucket, level in self._levels.items() if level.all_rates]
         lower = [bucket for bucket in measured if bucket < load]
         higher = [bucket for bucket in measured if bucket > load]
         if lower:
