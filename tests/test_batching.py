@@ -404,3 +404,37 @@ def test_a_run_of_forwards_lets_other_model_thread_work_in_and_stops_at_close():
     before_other, after_close = asyncio.run(scenario())
     assert before_other <= 6, f"the other work waited for {before_other} of 40 forwards"
     assert after_close <= 1, f"{after_close} forwards ran after close()"
+
+
+@pytest.mark.parametrize("max_wait_ms,forwards_a_step", [(1.0, 1), (0.0, 2)])
+def test_a_session_just_answered_is_waited_for_beside_a_run_ahead(max_wait_ms, forwards_a_step):
+    """Beside a session whose forwards follow each other unasked (a run ahead), a session
+    asked step by step comes back a round trip (4 ms) after each answer: longer than
+    `max_wait_ms`, shorter than a quarter of a forward (60 ms). The forward waits for it, so
+    each of its steps takes the next forward, not the one after; with `max_wait_ms` 0
+    nothing waits, and each step misses a forward. (A model stand-in that sleeps.)"""
+    forwards: list[int] = []
+
+    def fake_forward(rows):
+        time.sleep(0.06)
+        forwards.append(len(rows))
+        return [torch.zeros(1, 4) for _ in rows]
+
+    async def scenario() -> list[int]:
+        scheduler = Scheduler(fake_forward, ThreadPoolExecutor(1), BatchSettings(max_wait_ms=max_wait_ms), lambda: 2)
+        run = asyncio.ensure_future(scheduler.submit(CountedJob(10_000, object())))
+        while len(forwards) < 15:  # the scheduler learns what a forward takes
+            await asyncio.sleep(0.01)
+        asked, taken = object(), []
+        for _ in range(6):
+            before = len(forwards)
+            await scheduler.submit(CountedJob(1, asked))
+            taken.append(len(forwards) - before)
+            await asyncio.sleep(0.004)  # the gateway's round trip
+        await scheduler.close()
+        run.cancel()
+        return taken
+
+    taken = asyncio.run(scenario())
+    # The first step may land mid-forward; each later one follows its round trip.
+    assert taken[1:] == [forwards_a_step] * 5, f"forwards each asked step waited through: {taken}"

@@ -97,7 +97,8 @@ class Scheduler:
 
     `forward(rows) -> [logits per row]` runs on `executor` (the model's one thread).
     `open_sessions()` says how many sessions could send a step; while fewer steps are
-    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive. With
+    queued, a forward waits a moment (`max_wait_ms`) for the others to arrive, and a little
+    longer for those it has just answered (`_gather`). With
     `regime`, only rows whose sessions' ends after the forward give the same key share a
     forward (`specd.worker.rope`: a rotary scaling that rotates a forward's rows by its
     last position); the others wait in the queue, in their order, for a forward of their own.
@@ -116,6 +117,9 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._forward_ms = 10.0  # EMA of one forward, for retry hints
         self._running: list[Job] = []  # the jobs of the forwards on the model's thread now
+        # Sessions whose steps the last batch answered and which have not sent their next
+        # (ids, not the sessions: an ended session's blocks must not wait on this set).
+        self._answered: set[int] = set()
         self._other_work = 0  # calls waiting for the model's thread besides the forwards (`on_model_thread`)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the jobs' futures belong to
 
@@ -152,6 +156,7 @@ class Scheduler:
             raise Overloaded(f"{len(self._queue)} steps are waiting for this model (limit "
                              f"{self.settings.max_queue}); retry in about {retry:.0f} ms", retry)
         self._ensure_running()
+        self._answered.discard(id(job.session))
         assert self._wake is not None  # made with the loop's task
         job.future = asyncio.get_running_loop().create_future()
         self._queue.append(job)
@@ -271,16 +276,25 @@ class Scheduler:
         return outcomes
 
     async def _gather(self) -> None:
-        """Wait briefly for the steps of other open sessions, so that they share this forward.
+        """Wait briefly for the steps of other open sessions, so that they share this forward:
+        up to `max_wait_ms` for any, and up to a quarter of a forward for those the last
+        batch answered.
 
         Why: the gateway answers its sessions one after another, so their next steps reach
         the worker a little apart; starting at the first one splits them over two forwards.
+        And a session just answered is on its way back, a round trip away: under load, the
+        other sessions' runs ahead would start the next forward without it, and it would wait
+        that whole forward. On the demo pair at 8 in flight (docs/batching.md), two thirds of
+        the steps asked between runs missed the next forward that way, a round trip of
+        4–6 ms against `max_wait_ms` (3).
         """
         assert self._wake is not None  # made with the loop's task
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
+        now = loop.time()
+        any_deadline = now + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
+        answered_deadline = now + (0.25 * self._forward_ms / 1e3 if self.settings.max_wait_ms > 0 else 0.0)
         while len(self._queue) < self._open_sessions():
-            left = deadline - loop.time()
+            left = (any_deadline if not self._answered else max(any_deadline, answered_deadline)) - loop.time()
             if left <= 0:
                 return
             self._wake.clear()
@@ -316,6 +330,7 @@ class Scheduler:
         finally:
             self._running = []
         unfinished = []
+        self._answered.clear()  # whoever did not come back for the last forward is not awaited again
         for job, outcome in zip(jobs, outcomes):
             assert job.future is not None  # submitted
             if job.future.done():  # cancelled while its forward ran
@@ -324,6 +339,7 @@ class Scheduler:
                 job.future.set_exception(outcome)
             elif outcome:
                 job.future.set_result(job.result())
+                self._answered.add(id(job.session))
             else:
                 unfinished.append(job)
         # Jobs in progress go first: a step already started finishes before new ones start.
