@@ -410,13 +410,13 @@ def test_a_run_of_forwards_lets_other_model_thread_work_in_and_stops_at_close():
 def test_a_session_just_answered_is_waited_for_beside_a_run_ahead(max_wait_ms, forwards_a_step):
     """Beside a session whose forwards follow each other unasked (a run ahead), a session
     asked step by step comes back a round trip (4 ms) after each answer: longer than
-    `max_wait_ms`, shorter than a quarter of a forward (60 ms). The forward waits for it, so
+    `max_wait_ms`, shorter than a quarter of a forward (80 ms). The forward waits for it, so
     each of its steps takes the next forward, not the one after; with `max_wait_ms` 0
     nothing waits, and each step misses a forward. (A model stand-in that sleeps.)"""
     forwards: list[int] = []
 
     def fake_forward(rows):
-        time.sleep(0.06)
+        time.sleep(0.08)
         forwards.append(len(rows))
         return [torch.zeros(1, 4) for _ in rows]
 

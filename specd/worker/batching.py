@@ -290,11 +290,11 @@ class Scheduler:
         """
         assert self._wake is not None  # made with the loop's task
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        any_deadline = now + min(self.settings.max_wait_ms, 0.25 * self._forward_ms) / 1e3
-        answered_deadline = now + (0.25 * self._forward_ms / 1e3 if self.settings.max_wait_ms > 0 else 0.0)
+        now, quarter = loop.time(), 0.25 * self._forward_ms / 1e3
+        any_deadline = now + min(self.settings.max_wait_ms / 1e3, quarter)
+        answered_deadline = now + quarter if self.settings.max_wait_ms > 0 else any_deadline  # 0: no wait at all
         while len(self._queue) < self._open_sessions():
-            left = (any_deadline if not self._answered else max(any_deadline, answered_deadline)) - loop.time()
+            left = (answered_deadline if self._answered else any_deadline) - loop.time()
             if left <= 0:
                 return
             self._wake.clear()
