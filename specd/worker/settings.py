@@ -32,7 +32,8 @@ class BatchSettings:
                                         "full context, within half the memory free at load, the GPU's or the host's)")
     max_wait_ms: float = setting(3.0, flag="--batch-wait-ms",
                                  help="how long a forward may wait for other open sessions' steps to share it, at "
-                                      "most a quarter of a forward (0: start at once)")
+                                      "most a quarter of a forward; the sessions it just answered, up to a quarter "
+                                      "whatever this says (0: start at once, waiting for none)")
 
     def problems(self) -> list[str]:
         found = []
