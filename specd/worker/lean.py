@@ -13,6 +13,10 @@ On a GPU the same Python is what keeps the device waiting at small batches.
 What it runs: each layer's own submodules (`forward` of the norms, projections and MLP,
 a mixture of experts' included), the model's own rotary embedding, `BatchCache.update`
 and `paged_attention`, in the order and with the inputs of the family's decoder layer.
+Where a norm or an MLP runs Llama's own code (most families copy it), its operators are
+called here directly, some in place, and Llama's rotation takes four operators, not
+seven (`_norm`, `_mlp`, `_Rotation`): each gives the same bits, and on the demo draft the
+forward is 7–9% faster for it (docs/performance.md).
 The families differ from Llama's layer in a few named ways (`_Family`): a sliding window,
 norms over the queries and keys, one fused q/k/v projection, a partial rotation, norms
 after each sublayer rather than (or as well as) before, layers without rotation or with
@@ -152,14 +156,127 @@ _FAMILIES = {
 }
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's rotation of queries or keys [B, heads, T, D], over the first dimensions that
-    cos and sin cover (a partial rotation passes the rest through, as Phi-3's does)."""
-    width = cos.shape[-1]
-    if width == states.shape[-1]:
-        return (states * cos) + (llama.rotate_half(states) * sin)
-    turned, passed = states[..., :width], states[..., width:]
-    return torch.cat([(turned * cos) + (llama.rotate_half(turned) * sin), passed], dim=-1)
+def _same_code(function: Callable, reference: Callable) -> bool:
+    """Whether `function` runs `reference`'s bytecode on the same names and constants.
+    transformers copies Llama's norm and MLP into most families, each a function of its own."""
+    a, b = function.__code__, reference.__code__
+    return (a.co_code, a.co_consts, a.co_names, a.co_varnames) == (b.co_code, b.co_consts, b.co_names, b.co_varnames)
+
+
+Step = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _norm(norm: Any) -> Step:
+    """`norm`'s forward; where that is Llama's RMS norm, its eight operators with the same
+    bits and no module call: the epsilon, the root and the weight applied in place (x · w
+    is w · x to the bit; out of place where the weight's dtype is not the output's), so
+    three fewer tensors are made. On the demo draft its five norms were an eighth of a
+    forward."""
+    if not _same_code(type(norm).forward, llama.LlamaRMSNorm.forward):
+        return norm.forward
+    weight, epsilon = norm.weight, norm.variance_epsilon
+
+    def rms_norm(hidden: torch.Tensor) -> torch.Tensor:
+        states = hidden.to(torch.float32)
+        root = states.pow(2).mean(-1, keepdim=True).add_(epsilon).rsqrt_()
+        normed = (states * root).to(hidden.dtype)
+        return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
+
+    return rms_norm
+
+
+def _linear(module: Any) -> Step:
+    """A projection's product with its weights looked up once (`_unmirrored` admits only
+    `nn.Linear` and `PackedLinear`): the operator its forward calls, without the call."""
+    if type(module) is nn.Linear:
+        return functools.partial(nn.functional.linear, weight=module.weight, bias=module.bias)
+    return module.forward
+
+
+def _mlp(mlp: Any) -> Step:
+    """`mlp`'s forward; where that is Llama's gated MLP, the same products with its
+    submodules' forwards looked up once and the gate times the up projection in place."""
+    if not _same_code(type(mlp).forward, llama.LlamaMLP.forward):
+        return mlp.forward
+    gate, up, down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+    act = mlp.act_fn.forward if isinstance(mlp.act_fn, nn.Module) else mlp.act_fn
+
+    def gated(hidden: torch.Tensor) -> torch.Tensor:
+        return down(act(gate(hidden)).mul_(up(hidden)))
+
+    return gated
+
+
+@dataclass(frozen=True)
+class _Rotation:
+    """The cos and sin [B, 1, T, width] of one kind of layer, and the sin with its first
+    half negated (`signed_sin`; None for a partial rotation)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    signed_sin: torch.Tensor | None
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> _Rotation:
+        width = cos.shape[-1]
+        if width != head_dim or width % 2:  # a partial rotation (Phi-3) rotates as Llama writes it
+            return cls(cos, sin, None)
+        half = width // 2
+        return cls(cos, sin, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """Llama's rotation of queries or keys [B, heads, T, D], over the first dimensions
+        that cos covers (a partial rotation passes the rest through, as Phi-3's does).
+
+        Llama's `rotate_half(x) · sin` is (−x₂, x₁) · (s₁, s₂); with the halves of x swapped
+        (one `roll`) and the sign moved onto sin, it is (x₂ · −s₁, x₁ · s₂): the same bits,
+        since negation is exact. Four operators a rotation, not seven; `of` negates the
+        half of sin once a forward."""
+        cos, sin = self.cos, self.sin
+        if self.signed_sin is not None:
+            rotated = states * cos
+            return rotated.add_(states.roll(cos.shape[-1] // 2, -1) * self.signed_sin)
+        width = cos.shape[-1]
+        turned, passed = states[..., :width], states[..., width:]
+        return torch.cat([(turned * cos) + (llama.rotate_half(turned) * sin), passed], dim=-1)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parts, looked up once: each module attribute read in a forward
+    goes through torch's `Module.__getattr__`. The four norms, by where they sit (None: the
+    family has none there): before attention, on its output, before the MLP, on its output."""
+
+    attention: Any
+    project: tuple[Step, ...]  # q, k, v; or Phi-3's one fused projection
+    output: Step
+    q_norm: Step | None
+    k_norm: Step | None
+    before_attention: Step | None
+    after_attention: Step | None
+    before_mlp: Step | None
+    after_mlp: Step | None
+    mlp: Step
+    residual_multiplier: float | None  # Granite's
+
+
+def _layer(layer: Any, family: _Family) -> _Layer:
+    """`layer`'s parts, by its family's placement of norms and kind of projection."""
+    attention, placement = layer.self_attn, family.placement
+    names = ("qkv_proj",) if family.fused else ("q_proj", "k_proj", "v_proj")
+    norm_of = {"before": ("input_layernorm", None, "post_attention_layernorm", None),
+               "after": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+               "around": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm")}[placement]
+    before_attention, after_attention, before_mlp, after_mlp = (
+        None if name is None else _norm(getattr(layer, name)) for name in norm_of)
+    return _Layer(attention=attention, project=tuple(_linear(getattr(attention, name)) for name in names),
+                  output=_linear(attention.o_proj),
+                  q_norm=_norm(attention.q_norm) if family.qk_norms else None,
+                  k_norm=_norm(attention.k_norm) if family.qk_norms else None,
+                  before_attention=before_attention, after_attention=after_attention, before_mlp=before_mlp,
+                  after_mlp=after_mlp, mlp=_mlp(layer.mlp),
+                  residual_multiplier=layer.residual_multiplier if family.scaled else None)
 
 
 class LeanDecoder:
@@ -168,56 +285,59 @@ class LeanDecoder:
     def __init__(self, model: Any) -> None:
         # The model's parts, not the model: the store keys its forwards weakly by the model
         # (`kvstore.use_forward`), and a forward holding the model would keep it alive.
-        self.base, self.lm_head = model.model, model.lm_head
-        self.layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
+        self.base, self.lm_head = model.model, _linear(model.lm_head)
+        layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
         family = self.family = _FAMILIES[type(model)]
-        self.windows = [family.window(layer.self_attn) for layer in self.layers]
-        self.rotated = [family.rotated(layer.self_attn) for layer in self.layers]
+        self.layers = [_layer(layer, family) for layer in layers]
+        self.final_norm = _norm(model.model.norm)
+        self.windows = [family.window(layer.self_attn) for layer in layers]
+        self.rotated = [family.rotated(layer.self_attn) for layer in layers]
         # Granite's scales; other families have none (None: no operator at all).
         self.embedding_multiplier = model.model.embedding_multiplier if family.scaled else None
         self.logits_scaling = model.config.logits_scaling if family.scaled else None
         self.final_softcap = model.config.final_logit_softcapping if family.final_softcap else None
-        self.softcaps = [family.softcap(layer.self_attn) for layer in self.layers]
+        self.softcaps = [family.softcap(layer.self_attn) for layer in layers]
         # Gemma 3: each layer rotates with the embedding of its kind (None: one for all layers).
-        self.layer_types = [model.config.layer_types[i] for i in range(len(self.layers))] \
+        self.layer_types = [model.config.layer_types[i] for i in range(len(layers))] \
             if family.rotary_by_layer_type else None
 
-    def _project(self, attention: Any, normed: torch.Tensor,
+    def _project(self, layer: _Layer, normed: torch.Tensor,
                  heads: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [B, T, heads, D], as the family's attention makes them."""
-        family = self.family
+        family, attention = self.family, layer.attention
         if family.fused:
-            qkv = attention.qkv_proj.forward(normed)
+            qkv = layer.project[0](normed)
             queries = attention.config.num_attention_heads * attention.head_dim
             keys = queries + attention.num_key_value_heads * attention.head_dim
             return qkv[..., :queries].view(heads), qkv[..., queries:keys].view(heads), qkv[..., keys:].view(heads)
-        value = attention.v_proj.forward(normed).view(heads)
+        project_query, project_key, project_value = layer.project
+        value = project_value(normed).view(heads)
         if family.qk_norms == "whole":
-            return (attention.q_norm.forward(attention.q_proj.forward(normed)).view(heads),
-                    attention.k_norm.forward(attention.k_proj.forward(normed)).view(heads), value)
-        query = attention.q_proj.forward(normed).view(heads)
-        key = attention.k_proj.forward(normed).view(heads)
+            return (layer.q_norm(project_query(normed)).view(heads),  # type: ignore[misc]  # set for this family
+                    layer.k_norm(project_key(normed)).view(heads), value)  # type: ignore[misc]
+        query, key = project_query(normed).view(heads), project_key(normed).view(heads)
         if family.qk_norms == "heads":
-            query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
+            query, key = layer.q_norm(query), layer.k_norm(key)  # type: ignore[misc]
         return query, key, value
 
-    def _rotations(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cos and sin [B, 1, T, D], from the model's rotary module: called as a
-        module (rotary types that rescale with the positions, dynamic or longrope, do it in
-        the call's decorator), once per kind of layer where the kinds rotate differently."""
+    def _rotations(self, hidden: torch.Tensor, position_ids: torch.Tensor, head_dim: int) -> list[_Rotation]:
+        """Each layer's rotation, from the model's rotary module: called as a module
+        (rotary types that rescale with the positions, dynamic or longrope, do it in the
+        call's decorator), once per kind of layer where the kinds rotate differently."""
         rotary = self.base.rotary_emb
         if self.layer_types is None:
             cos, sin = rotary(hidden, position_ids=position_ids)
-            return [(cos.unsqueeze(1), sin.unsqueeze(1))] * len(self.layers)
+            return [_Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), head_dim)] * len(self.layers)
         kinds = {}
         for kind in set(self.layer_types):
             cos, sin = rotary(hidden, position_ids, kind)
-            kinds[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
+            kinds[kind] = _Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), head_dim)
         return [kinds[kind] for kind in self.layer_types]
 
-    def _residual(self, hidden: torch.Tensor, branch: torch.Tensor, layer: Any) -> torch.Tensor:
+    @staticmethod
+    def _residual(hidden: torch.Tensor, branch: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """The residual stream with a sublayer's output added (scaled first, in Granite)."""
-        if self.family.scaled:
+        if layer.residual_multiplier is not None:
             return hidden + branch * layer.residual_multiplier
         return hidden + branch
 
@@ -226,44 +346,45 @@ class LeanDecoder:
         forward computes them for the same inputs. Called in inference mode, as the
         store's forwards and trials run (`kvstore.forward`, `kvstore.trial_logits`): not
         entered again here, on every forward."""
-        base, cache, placement = self.base, inputs.cache, self.family.placement
+        base, cache = self.base, inputs.cache
         transposed_norms = self.family.qk_norms == "heads, transposed"
         hidden = base.embed_tokens.forward(inputs.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        rotations = self._rotations(hidden, inputs.position_ids)
+        head_dim = self.layers[0].attention.head_dim
+        rotations = self._rotations(hidden, inputs.position_ids, head_dim)
         # OLMo 2's rotary module keeps cos and sin in float32; its rotation casts back.
-        cast = rotations[0][0].dtype != hidden.dtype
+        cast = rotations[0].cos.dtype != hidden.dtype
         tokens = inputs.input_ids.shape
-        for layer, window, rotated, (cos, sin), softcap in zip(self.layers, self.windows, self.rotated, rotations,
-                                                               self.softcaps):
-            attention = layer.self_attn
-            normed = hidden if placement == "after" else layer.input_layernorm.forward(hidden)
-            query, key, value = self._project(attention, normed, (*tokens, -1, attention.head_dim))
+        for layer, window, rotated, rotate, softcap in zip(self.layers, self.windows, self.rotated, rotations,
+                                                           self.softcaps):
+            attention = layer.attention
+            normed = hidden if layer.before_attention is None else layer.before_attention(hidden)
+            query, key, value = self._project(layer, normed, (*tokens, -1, attention.head_dim))
             query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             if transposed_norms:
-                query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
+                query, key = layer.q_norm(query), layer.k_norm(key)  # type: ignore[misc]  # set for this family
             if rotated:
-                query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+                query, key = rotate(query), rotate(key)
                 if cast:
                     query, key = query.to(hidden.dtype), key.to(hidden.dtype)
             key, value = cache.update(key, value, attention.layer_idx)
             attended, _ = kvstore.paged_attention(attention, query, key, value, None, scaling=attention.scaling,
                                                   sliding_window=window, softcap=softcap, batch_cache=cache)
-            attended = attention.o_proj.forward(attended.reshape(*tokens, -1).contiguous())
-            if placement == "before":
-                hidden = self._residual(hidden, attended, layer)
-                hidden = self._residual(hidden, layer.mlp.forward(layer.post_attention_layernorm.forward(hidden)),
-                                        layer)
-                continue
-            # OLMo 2, Gemma 2 and 3: each sublayer's output normed, then added; Gemma's MLP
-            # input normed too.
-            hidden = hidden + layer.post_attention_layernorm.forward(attended)
-            fed = hidden if placement == "after" else layer.pre_feedforward_layernorm.forward(hidden)
-            hidden = hidden + layer.post_feedforward_layernorm.forward(layer.mlp.forward(fed))
+            attended = layer.output(attended.reshape(*tokens, -1).contiguous())
+            # OLMo 2, Gemma 2 and 3: each sublayer's output normed before it joins the
+            # residual stream; Llama and most others: each sublayer's input normed.
+            if layer.after_attention is not None:
+                attended = layer.after_attention(attended)
+            hidden = self._residual(hidden, attended, layer)
+            fed = hidden if layer.before_mlp is None else layer.before_mlp(hidden)
+            branch = layer.mlp(fed)
+            if layer.after_mlp is not None:
+                branch = layer.after_mlp(branch)
+            hidden = self._residual(hidden, branch, layer)
         # Normed whole, then cut to the kept rows, as the model does: a device may split the
         # norm's reduction by the number of rows.
-        logits = self.lm_head.forward(base.norm.forward(hidden)[:, inputs.logits_to_keep, :])
+        logits = self.lm_head(self.final_norm(hidden)[:, inputs.logits_to_keep, :])
         if self.logits_scaling is not None:
             logits = logits / self.logits_scaling
         if self.final_softcap is not None:  # three operators, as the model runs them
