@@ -1,0 +1,157 @@
+"""What speculation gains with the models alone: greedy fixed-γ decoding ÷ target-only
+decoding of the same prompts in one process, with no gRPC, no gateway and no scheduler.
+
+    python scripts/bench_ceiling.py [--target models/demo/target] [--draft models/demo/draft-distilled]
+        [--gamma 4] [--max-new-tokens 48] [--rounds 3] [--target-threads 0] [--draft-threads 1]
+
+Each model is loaded as a worker loads it (float32, large linear layers packed for oneDNN,
+the paged KV store, the lean forward where it is exact) and runs on a thread of its own
+with the torch threads `specd serve` gives it (`--draft-threads 1`; the target takes
+torch's default). A speculative step is the draft's γ forwards on the draft's thread, then
+one forward of the γ+1 positions on the target's, then the greedy verdict
+(`specd.rejection.verify_greedy`); a target-only step is one forward of one token. So a
+step pays the forwards and two hand-offs between threads per model, as a worker's
+does, and nothing of the serving path: no messages, no event loops, no batching.
+
+The prompts are `specd bench`'s demo workload, decoded both ways in turns, prompt by
+prompt, `--rounds` times; generation stops at EOS or `--max-new-tokens`, and both ways
+must give the same tokens (the script fails if not). It prints tokens/s of each, their
+ratio round by round and tokens per step. Against `specd bench --configs fixed:4
+--concurrency 1` on the same machine, the same hour, it says what the serving path costs
+a speculative step, and what this model pair could give at best on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specd.cli.bench import DEMO_WORKLOAD
+from specd.config import DEMO_DRAFT, DEMO_TARGET
+from specd.rejection import verify_greedy
+from specd.worker import kvstore, lean, packing
+from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+
+CPU = torch.device("cpu")
+BLOCK_TOKENS = 16
+
+
+class Model:
+    """One model on a thread of its own: loaded there, and every forward run there."""
+
+    def __init__(self, path: str, threads: int) -> None:
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{path}")
+        self.thread.submit(self._load, path, threads).result()
+
+    def _load(self, path: str, threads: int) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = packing.packed_model(
+            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+        config = self.model.config
+        shape = kvstore.kv_shape(self.model, CPU)
+        kvstore.use_paged_attention(self.model)
+        self.pool = KVPool(*shape, torch.float32, CPU, BLOCK_TOKENS, 256)
+        unmirrored = lean.install(self.model, self.pool, config.vocab_size, CPU)
+        print(f"{path}: {torch.get_num_threads()} torch thread(s), lean forward: {unmirrored or 'on'}")
+
+    def run(self, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(*args)` on the model's thread; its result."""
+        return self.thread.submit(work, *args).result()
+
+    def forward(self, session: SessionKV, tokens: list[int], keep: int) -> torch.Tensor:
+        """On the model's thread: feed `tokens`, the kept logits' argmax [keep]."""
+        assert session.reserve(session.length + len(tokens))
+        logits, _ = kvstore.forward(self.model, [BatchRow(session, tokens, keep)], CPU)
+        return logits.argmax(dim=-1)
+
+    def propose(self, session: SessionKV, committed: list[int], gamma: int) -> list[int]:
+        """On the model's thread: feed what `session` has not cached of `committed`, then
+        draft `gamma` tokens greedily, one per forward (the last one is not fed)."""
+        proposal = [int(self.forward(session, committed[session.length:], 1)[0])]
+        while len(proposal) < gamma:
+            proposal.append(int(self.forward(session, proposal[-1:], 1)[0]))
+        return proposal
+
+
+def target_only(target: Model, prompt: list[int], max_new: int, eos: set[int]) -> tuple[list[int], int]:
+    """Greedy decoding by the target alone: the new tokens, and the steps taken after the
+    prompt's forward."""
+    session = SessionKV(target.pool)
+    out = [int(target.run(target.forward, session, prompt, 1)[0])]
+    while len(out) < max_new and out[-1] not in eos:
+        out.append(int(target.run(target.forward, session, [out[-1]], 1)[0]))
+    return out, len(out) - 1
+
+
+def speculative(target: Model, draft: Model, gamma: int, prompt: list[int], max_new: int,
+                eos: set[int]) -> tuple[list[int], int]:
+    """Greedy speculative decoding with a fixed γ: the new tokens, and the steps taken
+    after the prompt's forward."""
+    verified, drafted = SessionKV(target.pool), SessionKV(draft.pool)
+    out = [int(target.run(target.forward, verified, prompt, 1)[0])]
+    committed = prompt + out
+    steps = 0
+    while len(out) < max_new and out[-1] not in eos:
+        proposal = draft.run(draft.propose, drafted, committed, gamma)
+        argmax = target.run(target.forward, verified, [committed[-1], *proposal], gamma + 1).tolist()
+        outcome = verify_greedy(proposal, argmax)
+        new = proposal[:outcome.accepted] + [outcome.token]
+        if any(token in eos for token in new):
+            new = new[:next(i for i, token in enumerate(new) if token in eos) + 1]
+        new = new[:max_new - len(out)]
+        out += new
+        committed += new
+        steps += 1
+        # Both caches keep only the committed positions (the newest is fed next step).
+        verified.crop(len(committed) - 1)
+        drafted.crop(min(drafted.length, len(committed) - 1))
+    return out, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(DEMO_TARGET))
+    parser.add_argument("--draft", default=str(DEMO_DRAFT))
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--target-threads", type=int, default=0, help="torch threads of the target (0: default)")
+    parser.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, draft = Model(args.target, args.target_threads), Model(args.draft, args.draft_threads)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
+    speculative(target, draft, args.gamma, prompts[0], 8, eos)  # warm-up
+    ratios, per_step = [], []
+    for round_ in range(1, args.rounds + 1):
+        seconds = {"target-only": 0.0, "speculative": 0.0}
+        tokens = steps = first_tokens = 0
+        for prompt in prompts:
+            began = time.perf_counter()
+            plain, _ = target_only(target, prompt, args.max_new_tokens, eos)
+            seconds["target-only"] += time.perf_counter() - began
+            began = time.perf_counter()
+            fast, taken = speculative(target, draft, args.gamma, prompt, args.max_new_tokens, eos)
+            seconds["speculative"] += time.perf_counter() - began
+            if fast != plain:
+                raise SystemExit(f"speculative decoding differs from the target's own on {prompt[:8]}…")
+            tokens, steps = tokens + len(plain), steps + taken
+            first_tokens += 1
+        ratios.append(seconds["target-only"] / seconds["speculative"])
+        per_step.append((tokens - first_tokens) / steps)  # the prompt's forward gives one each
+        print(f"round {round_}: target-only {tokens / seconds['target-only']:.1f} tokens/s, fixed γ={args.gamma} "
+              f"{tokens / seconds['speculative']:.1f} tokens/s ({ratios[-1]:.2f}×), {per_step[-1]:.2f} tokens a step")
+    print(f"fixed γ={args.gamma} ÷ target-only with the models alone, round by round: "
+          f"{' '.join(f'{r:.2f}' for r in ratios)} (mean {statistics.fmean(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
