@@ -157,6 +157,43 @@ def test_olmo2_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+def test_a_llama_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
+    """In bfloat16 the shortened norm casts to float32 and back, and applies its weight
+    in place (`lean._norm`), and the rotation runs in bfloat16: still the model's bits."""
+    config = AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_()
+    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    use_paged_attention(model)
+    pool = KVPool(*kvstore.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
+    assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_only_llamas_own_norm_and_mlp_code_is_shortened():
+    """A family's norm or MLP runs through its operators only where its code is Llama's
+    (most families copy it); one that differs keeps its module's forward."""
+    from transformers.models.gemma import modeling_gemma as gemma
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.olmo2 import modeling_olmo2 as olmo2
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    assert lean._same_code(qwen2.Qwen2RMSNorm.forward, llama.LlamaRMSNorm.forward)
+    assert lean._same_code(gemma.GemmaMLP.forward, llama.LlamaMLP.forward)
+    for other in (olmo2.Olmo2RMSNorm, gemma.GemmaRMSNorm):  # the weight before the cast; 1 + weight
+        assert not lean._same_code(other.forward, llama.LlamaRMSNorm.forward)
+        norm = other(8)
+        assert lean._norm(norm) == norm.forward
+
+
 # Rotary scalings a Llama checkpoint may carry: Llama 3's, and YaRN's, whose attention
 # scaling multiplies cos and sin (both come from the model's own rotary module).
 ROPES = {
