@@ -3,11 +3,12 @@ decoding of the same prompts in one process, with no gRPC, no gateway and no sch
 
     python scripts/bench_ceiling.py [--target models/demo/target] [--draft models/demo/draft-distilled]
         [--gamma 4] [--max-new-tokens 48] [--rounds 3] [--target-threads 0] [--draft-threads 1]
+        [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
-Each model is loaded as a worker loads it (float32, large linear layers packed for oneDNN,
-the paged KV store, the lean forward where it is exact) and runs on a thread of its own
-with the torch threads `specd serve` gives it (`--draft-threads 1`; the target takes
-torch's default). A speculative step is the draft's γ forwards on the draft's thread, then
+Each model is loaded as a worker loads it (on a CPU large linear layers packed for oneDNN;
+the paged KV store, the lean forward where it is exact) and runs on a thread of its own,
+on a CPU with the torch threads `specd serve` gives it (`--draft-threads 1`; the target
+takes torch's default). A speculative step is the draft's γ forwards on the draft's thread, then
 one forward of the γ+1 positions on the target's, then the greedy verdict
 (`specd.rejection.verify_greedy`); a target-only step is one forward of one token. So a
 step pays the forwards and two hand-offs between threads per model, as a worker's
@@ -38,28 +39,30 @@ from specd.rejection import verify_greedy
 from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 
-CPU = torch.device("cpu")
 BLOCK_TOKENS = 16
 
 
 class Model:
     """One model on a thread of its own: loaded there, and every forward run there."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{path}")
-        self.thread.submit(self._load, path, threads).result()
+        self.thread.submit(self._load, path, threads, dtype).result()
 
-    def _load(self, path: str, threads: int) -> None:
+    def _load(self, path: str, threads: int, dtype: torch.dtype) -> None:
         if threads:
             torch.set_num_threads(threads)
+        # packed_model packs a CPU's layers only.
         self.model = packing.packed_model(
-            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval())
         config = self.model.config
-        shape = kvstore.kv_shape(self.model, CPU)
+        shape = kvstore.kv_shape(self.model, self.device)
         kvstore.use_paged_attention(self.model)
-        self.pool = KVPool(*shape, torch.float32, CPU, BLOCK_TOKENS, 256)
-        unmirrored = lean.install(self.model, self.pool, config.vocab_size, CPU)
-        print(f"{path}: {torch.get_num_threads()} torch thread(s), lean forward: {unmirrored or 'on'}")
+        self.pool = KVPool(*shape, dtype, self.device, BLOCK_TOKENS, 256)
+        unmirrored = lean.install(self.model, self.pool, config.vocab_size, self.device)
+        print(f"{path}: {self.device}, {dtype}, {torch.get_num_threads()} torch thread(s), "
+              f"lean forward: {unmirrored or 'on'}")
 
     def run(self, work: Callable[..., Any], *args: Any) -> Any:
         """`work(*args)` on the model's thread; its result."""
@@ -68,7 +71,7 @@ class Model:
     def forward(self, session: SessionKV, tokens: list[int], keep: int) -> torch.Tensor:
         """On the model's thread: feed `tokens`, the kept logits' argmax [keep]."""
         assert session.reserve(session.length + len(tokens))
-        logits, _ = kvstore.forward(self.model, [BatchRow(session, tokens, keep)], CPU)
+        logits, _ = kvstore.forward(self.model, [BatchRow(session, tokens, keep)], self.device)
         return logits.argmax(dim=-1)
 
     def propose(self, session: SessionKV, committed: list[int], gamma: int) -> list[int]:
@@ -124,9 +127,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--target-threads", type=int, default=0, help="torch threads of the target (0: default)")
     parser.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target, draft = Model(args.target, args.target_threads), Model(args.draft, args.draft_threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    target = Model(args.target, args.target_threads, device, dtype)
+    draft = Model(args.draft, args.draft_threads, device, dtype)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
     speculative(target, draft, args.gamma, prompts[0], 8, eos)  # warm-up
