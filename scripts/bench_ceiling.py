@@ -15,9 +15,11 @@ step pays the forwards and two hand-offs between threads per model, as a worker'
 does, and nothing of the serving path: no messages, no event loops, no batching.
 
 The prompts are `specd bench`'s demo workload, decoded both ways in turns, prompt by
-prompt, `--rounds` times; generation stops at EOS or `--max-new-tokens`, and both ways
-must give the same tokens (the script fails if not). It prints tokens/s of each, their
-ratio round by round and tokens per step. Against `specd bench --configs fixed:4
+prompt, `--rounds` times; generation stops at EOS or `--max-new-tokens`. It prints tokens/s
+of each, their ratio round by round, tokens per step and how many prompts gave the same
+tokens both ways (16 of 16 with the demo pair in float32 on this project's CPU; in half
+precision a verification's product of γ+1 rows may round apart from a one-row product's
+and turn a near tie). Against `specd bench --configs fixed:4
 --concurrency 1` on the same machine, the same hour, it says what the serving path costs
 a speculative step, and what this model pair could give at best on this machine.
 """
@@ -140,7 +142,7 @@ def main() -> None:
     ratios, per_step = [], []
     for round_ in range(1, args.rounds + 1):
         seconds = {"target-only": 0.0, "speculative": 0.0}
-        tokens = steps = first_tokens = 0
+        tokens = steps = first_tokens = same = 0
         for prompt in prompts:
             began = time.perf_counter()
             plain, _ = target_only(target, prompt, args.max_new_tokens, eos)
@@ -148,14 +150,14 @@ def main() -> None:
             began = time.perf_counter()
             fast, taken = speculative(target, draft, args.gamma, prompt, args.max_new_tokens, eos)
             seconds["speculative"] += time.perf_counter() - began
-            if fast != plain:
-                raise SystemExit(f"speculative decoding differs from the target's own on {prompt[:8]}…")
+            same += fast == plain
             tokens, steps = tokens + len(plain), steps + taken
             first_tokens += 1
         ratios.append(seconds["target-only"] / seconds["speculative"])
         per_step.append((tokens - first_tokens) / steps)  # the prompt's forward gives one each
         print(f"round {round_}: target-only {tokens / seconds['target-only']:.1f} tokens/s, fixed γ={args.gamma} "
-              f"{tokens / seconds['speculative']:.1f} tokens/s ({ratios[-1]:.2f}×), {per_step[-1]:.2f} tokens a step")
+              f"{tokens / seconds['speculative']:.1f} tokens/s ({ratios[-1]:.2f}×), {per_step[-1]:.2f} tokens a step, "
+              f"same output {same}/{len(prompts)}")
     print(f"fixed γ={args.gamma} ÷ target-only with the models alone, round by round: "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (mean {statistics.fmean(ratios):.2f})")
 
