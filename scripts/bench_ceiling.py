@@ -5,10 +5,11 @@ decoding of the same prompts in one process, with no gRPC, no gateway and no sch
         [--gamma 4] [--max-new-tokens 48] [--rounds 3] [--target-threads 0] [--draft-threads 1]
         [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
-Each model is loaded as a worker loads it (on a CPU large linear layers packed for oneDNN;
-the paged KV store, the lean forward where it is exact) and runs on a thread of its own,
-on a CPU with the torch threads `specd serve` gives it (`--draft-threads 1`; the target
-takes torch's default). A speculative step is the draft's γ forwards on the draft's thread, then
+Each model is loaded with what shapes a worker's forward (on a CPU large linear layers
+packed for oneDNN; the paged KV store; the lean forward where it is exact) and runs on a
+thread of its own, on a CPU with the torch threads `specd serve` gives the demo pair (the
+draft one, `--draft-threads 1`; the target torch's default, as for any target of 32 MiB
+of weights or more). A speculative step is the draft's γ forwards on the draft's thread, then
 one forward of the γ+1 positions on the target's, then the greedy verdict
 (`specd.rejection.verify_greedy`); a target-only step is one forward of one token. So a
 step pays the forwards and two hand-offs between threads per model, as a worker's
@@ -40,6 +41,7 @@ from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.rejection import verify_greedy
 from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker.runtime import eos_ids
 
 BLOCK_TOKENS = 16
 
@@ -72,7 +74,8 @@ class Model:
 
     def forward(self, session: SessionKV, tokens: list[int], keep: int) -> torch.Tensor:
         """On the model's thread: feed `tokens`, the kept logits' argmax [keep]."""
-        assert session.reserve(session.length + len(tokens))
+        if not session.reserve(session.length + len(tokens)):
+            raise RuntimeError("the KV pool is full")
         logits, _ = kvstore.forward(self.model, [BatchRow(session, tokens, keep)], self.device)
         return logits.argmax(dim=-1)
 
@@ -85,14 +88,13 @@ class Model:
         return proposal
 
 
-def target_only(target: Model, prompt: list[int], max_new: int, eos: set[int]) -> tuple[list[int], int]:
-    """Greedy decoding by the target alone: the new tokens, and the steps taken after the
-    prompt's forward."""
+def target_only(target: Model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Greedy decoding by the target alone: the new tokens."""
     session = SessionKV(target.pool)
     out = [int(target.run(target.forward, session, prompt, 1)[0])]
     while len(out) < max_new and out[-1] not in eos:
         out.append(int(target.run(target.forward, session, [out[-1]], 1)[0]))
-    return out, len(out) - 1
+    return out
 
 
 def speculative(target: Model, draft: Model, gamma: int, prompt: list[int], max_new: int,
@@ -116,7 +118,7 @@ def speculative(target: Model, draft: Model, gamma: int, prompt: list[int], max_
         steps += 1
         # Both caches keep only the committed positions (the newest is fed next step).
         verified.crop(len(committed) - 1)
-        drafted.crop(min(drafted.length, len(committed) - 1))
+        drafted.crop(len(committed) - 1)
     return out, steps
 
 
@@ -124,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=str(DEMO_TARGET))
     parser.add_argument("--draft", default=str(DEMO_DRAFT))
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens a step (at least 1)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--target-threads", type=int, default=0, help="torch threads of the target (0: default)")
@@ -132,32 +134,37 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
+    if args.gamma < 1 or args.max_new_tokens < 2:
+        parser.error("--gamma must be at least 1 and --max-new-tokens at least 2")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    # The target first: torch's thread count is a process-wide setting that each thread
+    # takes at its first parallel operator, so the draft's count set first would be the target's too.
     target = Model(args.target, args.target_threads, device, dtype)
     draft = Model(args.draft, args.draft_threads, device, dtype)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = set(eos_ids(target.model, tokenizer))
     prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
-    speculative(target, draft, args.gamma, prompts[0], 8, eos)  # warm-up
-    ratios, per_step = [], []
+    target_only(target, prompts[0], 8, eos)  # warm-up, both ways
+    speculative(target, draft, args.gamma, prompts[0], 8, eos)
+    ratios = []
     for round_ in range(1, args.rounds + 1):
         seconds = {"target-only": 0.0, "speculative": 0.0}
-        tokens = steps = first_tokens = same = 0
+        plain_tokens = fast_tokens = steps = same = 0
         for prompt in prompts:
             began = time.perf_counter()
-            plain, _ = target_only(target, prompt, args.max_new_tokens, eos)
+            plain = target_only(target, prompt, args.max_new_tokens, eos)
             seconds["target-only"] += time.perf_counter() - began
             began = time.perf_counter()
             fast, taken = speculative(target, draft, args.gamma, prompt, args.max_new_tokens, eos)
             seconds["speculative"] += time.perf_counter() - began
             same += fast == plain
-            tokens, steps = tokens + len(plain), steps + taken
-            first_tokens += 1
-        ratios.append(seconds["target-only"] / seconds["speculative"])
-        per_step.append((tokens - first_tokens) / steps)  # the prompt's forward gives one each
-        print(f"round {round_}: target-only {tokens / seconds['target-only']:.1f} tokens/s, fixed γ={args.gamma} "
-              f"{tokens / seconds['speculative']:.1f} tokens/s ({ratios[-1]:.2f}×), {per_step[-1]:.2f} tokens a step, "
-              f"same output {same}/{len(prompts)}")
+            plain_tokens, fast_tokens, steps = plain_tokens + len(plain), fast_tokens + len(fast), steps + taken
+        plain_rate, fast_rate = plain_tokens / seconds["target-only"], fast_tokens / seconds["speculative"]
+        ratios.append(fast_rate / plain_rate)
+        # The prompt's forward gives each prompt its first token; the steps give the rest.
+        per_step = (fast_tokens - len(prompts)) / max(steps, 1)
+        print(f"round {round_}: target-only {plain_rate:.1f} tokens/s, fixed γ={args.gamma} {fast_rate:.1f} tokens/s "
+              f"({ratios[-1]:.2f}×), {per_step:.2f} tokens a step, same output {same}/{len(prompts)}")
     print(f"fixed γ={args.gamma} ÷ target-only with the models alone, round by round: "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (mean {statistics.fmean(ratios):.2f})")
 

@@ -12,6 +12,11 @@ import weakref
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.gemma import modeling_gemma as gemma
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.olmo2 import modeling_olmo2 as olmo2
+from transformers.models.phi3 import modeling_phi3 as phi3
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from specd.worker import kvstore, lean
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, prepare, use_paged_attention
@@ -173,25 +178,26 @@ def test_a_llama_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
     use_paged_attention(model)
     pool = KVPool(*kvstore.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
+    decoder = lean.LeanDecoder(model)
+    assert decoder.final_norm != model.model.norm.forward  # the shortened norm is what runs
     own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
-    for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
+    for got, want in zip(_steps(pool, decoder), own, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 def test_only_llamas_own_norm_and_mlp_code_is_shortened():
     """A family's norm or MLP runs through its operators only where its code is Llama's
     (most families copy it); one that differs keeps its module's forward."""
-    from transformers.models.gemma import modeling_gemma as gemma
-    from transformers.models.llama import modeling_llama as llama
-    from transformers.models.olmo2 import modeling_olmo2 as olmo2
-    from transformers.models.qwen2 import modeling_qwen2 as qwen2
-
     assert lean._same_code(qwen2.Qwen2RMSNorm.forward, llama.LlamaRMSNorm.forward)
     assert lean._same_code(gemma.GemmaMLP.forward, llama.LlamaMLP.forward)
     for other in (olmo2.Olmo2RMSNorm, gemma.GemmaRMSNorm):  # the weight before the cast; 1 + weight
         assert not lean._same_code(other.forward, llama.LlamaRMSNorm.forward)
         norm = other(8)
         assert lean._norm(norm) == norm.forward
+    # Phi-3's MLP: one fused gate and up projection, its own forward.
+    config = AutoConfig.for_model("phi3", hidden_size=16, intermediate_size=32)
+    mlp = phi3.Phi3MLP(config)
+    assert not lean._same_code(phi3.Phi3MLP.forward, llama.LlamaMLP.forward) and lean._mlp(mlp) == mlp.forward
 
 
 # Rotary scalings a Llama checkpoint may carry: Llama 3's, and YaRN's, whose attention

@@ -10,13 +10,14 @@ capture and a causal mask that paged attention never reads. Measured on this pro
 target's forward fell from about 1.3 to 0.85 ms and the demo draft's from about 2.0 to 1.6.
 On a GPU the same Python is what keeps the device waiting at small batches.
 
-What it runs: each layer's own submodules (`forward` of the norms, projections and MLP,
-a mixture of experts' included), the model's own rotary embedding, `BatchCache.update`
-and `paged_attention`, in the order and with the inputs of the family's decoder layer.
-Where a norm or an MLP runs Llama's own code (most families copy it), its operators are
-called here directly, some in place, and Llama's rotation takes four operators, not
-seven (`_norm`, `_mlp`, `_Rotation`): each gives the same bits, and on the demo draft the
-forward is 7–9% faster for it (docs/performance.md).
+What it runs: each layer's own submodules (the `forward` of its norms and MLP, a mixture
+of experts' included; a plain linear layer's operator), the model's own rotary embedding,
+`BatchCache.update` and `paged_attention`, in the order and with the inputs of the
+family's decoder layer. Where a norm or an MLP runs Llama's own code (most families copy
+it), its operators are called here instead of its `forward`, some in place, and Llama's
+rotation takes four operators, not seven (`_norm`, `_mlp`, `_Rotation`): each gives the
+same bits, and the demo draft's forward is 6–7% faster for them (docs/performance.md,
+item 16).
 The families differ from Llama's layer in a few named ways (`_Family`): a sliding window,
 norms over the queries and keys, one fused q/k/v projection, a partial rotation, norms
 after each sublayer rather than (or as well as) before, layers without rotation or with
@@ -165,6 +166,15 @@ def _same_code(function: Callable, reference: Callable) -> bool:
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 
+# Each placement's sublayer norms, by where they sit: before attention, on its output,
+# before the MLP, on its output (None: the family has none there).
+_SUBLAYER_NORMS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "before": ("input_layernorm", None, "post_attention_layernorm", None),
+    "after": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    "around": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm"),
+}
+
 
 def _norm(norm: Any) -> Step:
     """`norm`'s forward; where that is Llama's RMS norm, its eight operators with the same
@@ -186,8 +196,8 @@ def _norm(norm: Any) -> Step:
 
 
 def _linear(module: Any) -> Step:
-    """A projection's product with its weights looked up once (`_unmirrored` admits only
-    `nn.Linear` and `PackedLinear`): the operator its forward calls, without the call."""
+    """A linear layer's product with its weights looked up once: for a plain `nn.Linear`
+    the operator its forward calls, without the call; any other layer's own forward."""
     if type(module) is nn.Linear:
         return functools.partial(nn.functional.linear, weight=module.weight, bias=module.bias)
     return module.forward
@@ -202,7 +212,9 @@ def _mlp(mlp: Any) -> Step:
     act = mlp.act_fn.forward if isinstance(mlp.act_fn, nn.Module) else mlp.act_fn
 
     def gated(hidden: torch.Tensor) -> torch.Tensor:
-        return down(act(gate(hidden)).mul_(up(hidden)))
+        activated, upward = act(gate(hidden)), up(hidden)
+        # In place only where that keeps the product's dtype (an in-place product casts to its left side's).
+        return down(activated.mul_(upward) if activated.dtype == upward.dtype else activated * upward)
 
     return gated
 
@@ -262,14 +274,10 @@ class _Layer:
 
 def _layer(layer: Any, family: _Family) -> _Layer:
     """`layer`'s parts, by its family's placement of norms and kind of projection."""
-    attention, placement = layer.self_attn, family.placement
+    attention = layer.self_attn
     names = ("qkv_proj",) if family.fused else ("q_proj", "k_proj", "v_proj")
-    norm_of = {"before": ("input_layernorm", None, "post_attention_layernorm", None),
-               "after": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-               "around": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                          "post_feedforward_layernorm")}[placement]
     before_attention, after_attention, before_mlp, after_mlp = (
-        None if name is None else _norm(getattr(layer, name)) for name in norm_of)
+        None if name is None else _norm(getattr(layer, name)) for name in _SUBLAYER_NORMS[family.placement])
     return _Layer(attention=attention, project=tuple(_linear(getattr(attention, name)) for name in names),
                   output=_linear(attention.o_proj),
                   q_norm=_norm(attention.q_norm) if family.qk_norms else None,
@@ -289,6 +297,7 @@ class LeanDecoder:
         layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
         family = self.family = _FAMILIES[type(model)]
         self.layers = [_layer(layer, family) for layer in layers]
+        self.head_dim = layers[0].self_attn.head_dim  # one for all layers: the KV store holds one shape
         self.final_norm = _norm(model.model.norm)
         self.windows = [family.window(layer.self_attn) for layer in layers]
         self.rotated = [family.rotated(layer.self_attn) for layer in layers]
@@ -320,18 +329,18 @@ class LeanDecoder:
             query, key = layer.q_norm(query), layer.k_norm(key)  # type: ignore[misc]
         return query, key, value
 
-    def _rotations(self, hidden: torch.Tensor, position_ids: torch.Tensor, head_dim: int) -> list[_Rotation]:
+    def _rotations(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[_Rotation]:
         """Each layer's rotation, from the model's rotary module: called as a module
         (rotary types that rescale with the positions, dynamic or longrope, do it in the
         call's decorator), once per kind of layer where the kinds rotate differently."""
         rotary = self.base.rotary_emb
         if self.layer_types is None:
             cos, sin = rotary(hidden, position_ids=position_ids)
-            return [_Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), head_dim)] * len(self.layers)
+            return [_Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), self.head_dim)] * len(self.layers)
         kinds = {}
         for kind in set(self.layer_types):
             cos, sin = rotary(hidden, position_ids, kind)
-            kinds[kind] = _Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), head_dim)
+            kinds[kind] = _Rotation.of(cos.unsqueeze(1), sin.unsqueeze(1), self.head_dim)
         return [kinds[kind] for kind in self.layer_types]
 
     @staticmethod
@@ -351,8 +360,7 @@ class LeanDecoder:
         hidden = base.embed_tokens.forward(inputs.input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        head_dim = self.layers[0].attention.head_dim
-        rotations = self._rotations(hidden, inputs.position_ids, head_dim)
+        rotations = self._rotations(hidden, inputs.position_ids)
         # OLMo 2's rotary module keeps cos and sin in float32; its rotation casts back.
         cast = rotations[0].cos.dtype != hidden.dtype
         tokens = inputs.input_ids.shape
@@ -372,8 +380,8 @@ class LeanDecoder:
             attended, _ = kvstore.paged_attention(attention, query, key, value, None, scaling=attention.scaling,
                                                   sliding_window=window, softcap=softcap, batch_cache=cache)
             attended = layer.output(attended.reshape(*tokens, -1).contiguous())
-            # OLMo 2, Gemma 2 and 3: each sublayer's output normed before it joins the
-            # residual stream; Llama and most others: each sublayer's input normed.
+            # Llama and most others norm each sublayer's input; OLMo 2 its output, before
+            # it joins the residual stream; Gemma 2 and 3 both.
             if layer.after_attention is not None:
                 attended = layer.after_attention(attended)
             hidden = self._residual(hidden, attended, layer)
@@ -406,10 +414,7 @@ def _unmirrored(model: nn.Module) -> str | None:
     norms = family.norms
     parts: list[tuple[Any, tuple[type, ...]]] = [(base, (family.base,)), (base.embed_tokens, (family.embedding,)),
                                                  (base.norm, norms), (model.lm_head, _LINEARS)]
-    sublayer_norms = {"before": ("input_layernorm", "post_attention_layernorm"),
-                      "after": ("post_attention_layernorm", "post_feedforward_layernorm"),
-                      "around": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                 "post_feedforward_layernorm")}[family.placement]
+    sublayer_norms = [name for name in _SUBLAYER_NORMS[family.placement] if name is not None]
     projections = ("qkv_proj", "o_proj") if family.fused else ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in base.layers:
         parts += [(layer, (family.layer,)), (layer.self_attn, (family.attention,)), (layer.mlp, family.mlps)]
@@ -439,8 +444,8 @@ def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.devic
     own = kvstore.trial_logits(functools.partial(kvstore.own_forward, model), pool, vocab_size, device)
     if isinstance(own, str):
         return own
-    lean = LeanDecoder(model)
     try:
+        lean = LeanDecoder(model)
         mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
     except Exception as exc:  # whatever it raises, the model keeps its own forward
         return f"the lean forward fails its trial: {type(exc).__name__}: {exc}"

@@ -51,7 +51,8 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids that end a generation: the model's generation config's, else the tokenizer's."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -239,7 +240,7 @@ class ModelRunner:
             vocab_size=int(config.vocab_size),
             max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
-            eos_token_ids=_eos_ids(self.model, self.tokenizer),
+            eos_token_ids=eos_ids(self.model, self.tokenizer),
             weights_digest=weights_digest(path),
             parameter_bytes=packing.weight_bytes(self.model),
             card_json=(path / "card.json").read_text() if (path / "card.json").is_file() else "",
