@@ -8,9 +8,17 @@ becomes `GenerateParams`, the API key (`Authorization: Bearer KEY`, from the sam
 segment, and chunks become OpenAI's objects, streamed as server-sent events ending in
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
 unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
-verifier reachable. A parameter specd does not support (`n` > 1, `logprobs`,
-`logit_bias`, `tools`, ...) is refused by name, never ignored. A client that disconnects
-stops its request at the next step, and the workers' sessions are freed.
+verifier reachable, 500 only for a fault of specd's own (an error object too). A
+parameter specd does not support (`n` > 1, `logprobs`, `logit_bias`, `tools`, ...) is
+refused by name, never ignored. A client that disconnects stops its request at the next
+step, and the workers' sessions are freed.
+
+The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
+its request's headers within --http-header-timeout; at most --http-max-connections are
+open, a new one displacing the oldest that has not sent a request; the API key is checked
+before the body is read; the body is parsed, checked for text that is not Unicode and, for
+chat, rendered on a thread of its own, never on the event loop the steps run on. Streams
+still running when the gateway drains end with an error event and `[DONE]`.
 
 Extensions in the body, as vLLM's extra parameters: `top_k`, and `speculation` with the
 gRPC API's fields (`mode`, `draft_length`, `min_draft_length`, `max_draft_length`,
@@ -24,26 +32,32 @@ import contextlib
 import json
 import logging
 import math
+import resource
 import socket
 import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.records import Finish
 from gateway.request import Mode
+from specd.grpcserver import PortInUse
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +98,8 @@ def _from_core(exc: Exception) -> HttpError:
     """The HTTP error of what the core raised."""
     if isinstance(exc, InvalidRequest):
         return HttpError(400, str(exc))
-    if isinstance(exc, Busy):
+    # A worker's RESOURCE_EXHAUSTED (its KV pool full) is the same "come back soon" as admission's.
+    if isinstance(exc, Busy) or isinstance(exc, WorkerError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return _busy(str(exc))
     if isinstance(exc, WorkerError):
         status = _WORKER_STATUS.get(exc.code, 502)
@@ -114,6 +129,40 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int = 0)
     value = _typed(body, name, (int,), default, "an integer")
     if value is not None and value < low:
         raise HttpError(400, f"'{name}' must be at least {low}, got {value}", param=name)
+    return value
+
+
+def _check_text(value: Any) -> None:
+    """400 unless every string in the parsed body (keys too) is Unicode text: JSON's
+    `\\ud800` escapes decode to lone surrogates, which no UTF-8 encoder (the tokenizer's,
+    protobuf's, the log's) accepts."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise HttpError(400, f"the body holds a lone UTF-16 surrogate ({item[exc.start]!r}): JSON text "
+                                         f"must be Unicode; escape a character outside the BMP as a surrogate "
+                                         f"pair, or send it as UTF-8") from None
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """The body's JSON object, its text checked (on the body thread: 1 MiB takes a while)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
+        raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
+    if not isinstance(value, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    _check_text(value)
     return value
 
 
@@ -197,6 +246,11 @@ class OpenAIApp:
         self.chat_template = chat_template
         self.serving = serving
         self.max_body = core.settings.max_request_bytes
+        self.max_messages = core.settings.max_chat_messages
+        # Bodies are parsed and chats rendered here, one at a time: a flood of large bodies
+        # queues on this thread, not on the event loop every request's steps run on.
+        self._body_thread = ThreadPoolExecutor(1, thread_name_prefix="specd-http-body")
+        self.closing = asyncio.Event()  # set as the gateway drains: streams still running end now
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -204,7 +258,14 @@ class OpenAIApp:
             Route("/health", self.health, methods=["GET"]),
         ], exception_handlers={HttpError: lambda request, exc: exc.response(),
                                404: lambda request, exc: HttpError(404, f"no route {request.url.path}").response(),
-                               405: lambda request, exc: HttpError(405, "method not allowed").response()})
+                               405: lambda request, exc: HttpError(405, "method not allowed").response(),
+                               Exception: _internal_error})
+
+    def close(self) -> None:
+        self._body_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._body_thread, work, *args)
 
     @property
     def model_name(self) -> str:
@@ -216,20 +277,17 @@ class OpenAIApp:
         return HttpError(503, "no verifier answers its health checks", "server_error").response()
 
     async def models(self, request: Request) -> Response:
-        self._segment(request, {})
+        self._tenant(request)
         target = self.core.backend.target
         return JSONResponse({"object": "list", "data": [{
             "id": target.name, "object": "model", "created": 0, "owned_by": "specd",
             "max_model_len": target.max_context}]})
 
-    def _segment(self, request: Request, body: dict[str, Any]) -> str:
-        """The caller's user segment: its API key's when the gateway has keys (401 without a
-        valid one), else the body's `user`."""
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise HttpError(400, "'user' must be a string", param="user")
+    def _tenant(self, request: Request) -> str | None:
+        """The segment of the caller's API key (401 without a valid one); None when the
+        gateway has no keys. Checked from the headers, before the body is read."""
         if self.keys is None:
-            return user or ""
+            return None
         try:
             token = bearer_token(list(request.headers.items()))
         except AmbiguousCredentials as exc:
@@ -239,13 +297,25 @@ class OpenAIApp:
             message = ("an API key is required: send the header 'Authorization: Bearer KEY'" if token is None
                        else "the API key is not valid for this gateway")
             raise HttpError(401, message, "authentication_error")
-        if user is not None and user != key.segment:
-            raise HttpError(400, "'user' cannot choose a segment on a gateway with API keys: the key decides it; "
-                                 "leave 'user' unset", param="user")
         return key.segment
 
+    @staticmethod
+    def _segment(tenant: str | None, body: dict[str, Any]) -> str:
+        """The request's user segment: the key's when the gateway has keys, else the
+        body's `user` (which callers without keys choose freely: docs/http.md)."""
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise HttpError(400, "'user' must be a string", param="user")
+        if tenant is None:
+            return user or ""
+        if user is not None and user != tenant:
+            raise HttpError(400, "'user' cannot choose a segment on a gateway with API keys: the key decides it; "
+                                 "leave 'user' unset", param="user")
+        return tenant
+
     async def _body(self, request: Request) -> dict[str, Any]:
-        """The JSON object of the body, read up to --max-request-bytes (413 past it)."""
+        """The JSON object of the body, read up to --max-request-bytes (413 past it), parsed
+        and checked on the body thread."""
         length = request.headers.get("content-length", "")
         too_large = HttpError(413, f"the body is over this gateway's limit of {self.max_body} bytes")
         if length.isdigit() and int(length) > self.max_body:
@@ -255,13 +325,7 @@ class OpenAIApp:
             body += piece
             if len(body) > self.max_body:
                 raise too_large
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
-            raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
-        if not isinstance(value, dict):
-            raise HttpError(400, "the body must be a JSON object")
-        return value
+        return await self._off_loop(_parse_body, bytes(body))
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -272,8 +336,9 @@ class OpenAIApp:
                                  f"{self.model_name!r}", param="model")
 
     async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
         body = await self._body(request)
-        segment = self._segment(request, body)
+        segment = self._segment(tenant, body)
         _refuse_unsupported(body, _COMPLETIONS)
         self._check_model(body)
         prompt = body.get("prompt")
@@ -290,11 +355,12 @@ class OpenAIApp:
         return await self._respond(request, params, body, "text_completion", "cmpl", segment)
 
     async def chat_completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
         body = await self._body(request)
-        segment = self._segment(request, body)
+        segment = self._segment(tenant, body)
         _refuse_unsupported(body, _CHAT)
         self._check_model(body)
-        prompt = self._render(body.get("messages"))
+        prompt = await self._off_loop(self._render, body.get("messages"))
         max_tokens = _integer(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
@@ -303,9 +369,12 @@ class OpenAIApp:
         return await self._respond(request, params, body, "chat.completion", "chatcmpl", segment)
 
     def _render(self, messages: Any) -> str:
-        """The conversation as the prompt text, through the chat template."""
+        """The conversation as the prompt text, through the chat template (on the body thread)."""
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        if len(messages) > self.max_messages:
+            raise HttpError(400, f"{len(messages)} messages is over this gateway's limit of {self.max_messages} "
+                                 f"(--max-chat-messages); send fewer", param="messages")
         plain = []
         for i, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
@@ -348,7 +417,7 @@ class OpenAIApp:
             if stream:
                 first = await _first(chunks)  # errors before any text still get a status
                 streaming = True
-                return _EventStream(reply.events(first, chunks, include_usage), chunks, leave)
+                return _EventStream(reply.events(first, chunks, include_usage, self.closing), chunks, leave)
             outcome = await _until_disconnect(request.receive, _collect(chunks))
         except (InvalidRequest, Busy, WorkerError) as exc:
             raise _from_core(exc) from exc
@@ -371,6 +440,11 @@ class OpenAIApp:
         return lambda: quota.leave(segment)
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A fault of specd's own is still an OpenAI error object (the traceback is logged)."""
+    return HttpError(500, f"the gateway failed this request: {type(exc).__name__}", "server_error").response()
+
+
 async def _first(chunks: AsyncGenerator[Chunk, None]) -> Chunk:
     try:
         return await anext(chunks)
@@ -390,14 +464,18 @@ async def _collect(chunks: AsyncGenerator[Chunk, None]) -> tuple[str, Chunk]:
 
 
 async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
-    """Run `work` unless the client disconnects first; then cancel it and return None."""
+    """Run `work` unless the client disconnects first; then cancel it and return None.
+    Cancelled itself, it cancels `work` and waits for it to end before it goes: the caller's
+    cleanup must not find `work` still running (an event generator cannot be closed then)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
         gone.cancel()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
         raise
     gone.cancel()
     if task.done():
@@ -406,6 +484,30 @@ async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) ->
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+class _Closing(Exception):
+    """The gateway is draining and this stream's time is up."""
+
+
+async def _unless_closing(step: Coroutine[Any, Any, Chunk], closing: asyncio.Event) -> Chunk:
+    """The next chunk, or _Closing once `closing` is set (the step in progress cancelled)."""
+    if closing.is_set():
+        step.close()
+        raise _Closing
+    task = asyncio.ensure_future(step)
+    closed = asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({task, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closed.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise _Closing
+    return task.result()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -463,18 +565,25 @@ class _Reply:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         return _event(self._object([choice], chunk=True))
 
-    async def events(self, first: Chunk, chunks: AsyncGenerator[Chunk, None],
-                     include_usage: bool) -> AsyncGenerator[bytes, None]:
-        """Server-sent events: a chunk object per chunk of text, the usage when asked, [DONE]."""
+    async def events(self, first: Chunk, chunks: AsyncGenerator[Chunk, None], include_usage: bool,
+                     closing: asyncio.Event) -> AsyncGenerator[bytes, None]:
+        """Server-sent events: a chunk object per chunk of text, the usage when asked, [DONE].
+        Every way a stream can end after its first chunk ends with [DONE]: a failure or
+        the gateway draining (`closing`) sends an error event first."""
         async with contextlib.aclosing(chunks):
             chunk = first
             yield self._delta(chunk.text, chunk.finish, first=True)
             try:
                 while chunk.finish is None:
-                    chunk = await anext(chunks)
+                    chunk = await _unless_closing(anext(chunks), closing)
                     yield self._delta(chunk.text, chunk.finish)
             except (InvalidRequest, Busy, WorkerError) as exc:  # after the status line: an error event
                 yield _event(_from_core(exc).body())
+                yield b"data: [DONE]\n\n"
+                return
+            except _Closing:
+                yield _event(HttpError(503, "the gateway is shutting down and ended this stream before its last "
+                                            "token; retry the request", "server_error").body())
                 yield b"data: [DONE]\n\n"
                 return
             except Exception as exc:  # never a silent end: a client would take it for a whole answer
@@ -521,9 +630,12 @@ class _EventStream(Response):
         finally:
             # Closed here too: cancelled before the events began, closing them would not
             # reach the request's chunks, and its worker sessions would wait for the GC.
-            await self.events.aclose()
-            await self.chunks.aclose()
-            self.on_close()
+            # The tenant's slot is given back whatever the closing raises.
+            try:
+                await self.events.aclose()
+                await self.chunks.aclose()
+            finally:
+                self.on_close()
 
 
 # -- serving ----------------------------------------------------------------------------------
@@ -536,28 +648,157 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+# One log line per this many seconds for accept() failing on a lack of file descriptors:
+# asyncio logs each failed attempt with its traceback, megabytes a minute under a flood.
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+# The connection cap when none is given: nginx's worker_connections is 512 to 1024, and a
+# quarter of the process's descriptors leaves the rest to the gRPC port and the workers' streams.
+MAX_CONNECTIONS_CEILING = 1024
+
+
+def default_max_connections() -> int:
+    """1,024 connections, or a quarter of this process's open-file limit when that is less."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS_CEILING if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS_CEILING,
+                                                                                     soft // 4))
+
+
+@dataclass
+class EdgeLimits:
+    """What one HTTP connection may hold, and how many may be open."""
+
+    header_timeout_s: float
+    max_connections: int
+    refused: int = 0  # connections closed at the cap, since start
+    displaced: int = 0  # connections closed at the cap to make room for a new one
+    late: int = 0  # connections closed for not sending a request's headers in time
+    last_warned: float = -math.inf
+
+    def warn(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last_warned >= ACCEPT_ERROR_LOG_INTERVAL_S:
+            self.last_warned = now
+            log.warning("HTTP edge: %s (since start: %d connections closed for late headers, %d displaced and %d "
+                        "refused at the cap of %d)", what, self.late, self.displaced, self.refused,
+                        self.max_connections)
+
+
+class _EdgeProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the two limits a public edge needs and uvicorn lacks.
+
+    - A request's headers must be whole within `header_timeout_s` of the connection opening
+      or of the previous response ending (nginx's client_header_timeout, Envoy's
+      request_headers_timeout): a silent or trickling socket is closed.
+    - At most `max_connections` are open. A new one past the cap displaces the oldest
+      connection that is waiting for a request (silent, or idle between requests); when
+      every connection is in a request, the new one is closed at once. Either way the
+      process keeps file descriptors for the gRPC port and the workers' streams.
+    """
+
+    limits: EdgeLimits  # set on the subclass each HttpServer makes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.opened = self.loop.time()
+        self._headers_due: asyncio.TimerHandle | None = None
+        limits = self.limits
+        if sum(1 for c in self.connections if not c.transport.is_closing()) > limits.max_connections:
+            if not self._displace_one():
+                limits.refused += 1
+                limits.warn("connection cap reached; a new connection was closed")
+                transport.close()
+                return
+        self._expect_headers()
+
+    def _displace_one(self) -> bool:
+        waiting = [c for c in self.connections
+                   if c is not self and isinstance(c, _EdgeProtocol) and c.waiting and not c.transport.is_closing()]
+        if not waiting:
+            return False
+        min(waiting, key=lambda c: c.opened).transport.close()
+        self.limits.displaced += 1
+        self.limits.warn("connection cap reached; the oldest connection waiting for a request was closed")
+        return True
+
+    @property
+    def waiting(self) -> bool:
+        """No request in progress: nothing received yet, or idle between requests."""
+        return self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
+
+    def _expect_headers(self) -> None:
+        self._headers_due = self.loop.call_later(self.limits.header_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._headers_due = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.limits.late += 1
+            self.limits.warn("a connection sent no whole request headers in time and was closed")
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            if self._headers_due is not None:
+                self._headers_due.cancel()
+            self._expect_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if getattr(self, "_headers_due", None) is not None:
+            self._headers_due.cancel()  # type: ignore[union-attr]
+        super().connection_lost(exc)
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log accept() failures for want of file descriptors once per interval, with a count,
+    not once per attempt with a traceback each (everything else goes where it went)."""
+    previous = loop.get_exception_handler()
+    state = {"last": -math.inf, "since": 0}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+            state["since"] += 1
+            now = time.monotonic()
+            if now - state["last"] >= ACCEPT_ERROR_LOG_INTERVAL_S:
+                log.error("cannot accept connections: %s (%d times since the last such line); the process is out "
+                          "of file descriptors: raise its limit (ulimit -n) or lower --http-max-connections",
+                          context.get("exception"), state["since"])
+                state["last"], state["since"] = now, 0
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class HttpServer:
     """The HTTP app listening on host:port (0: a free port), in the running event loop."""
 
-    def __init__(self, app: OpenAIApp, host: str, port: int, certfile: str | None = None,
+    def __init__(self, app: OpenAIApp, host: str, port: int, limits: EdgeLimits, certfile: str | None = None,
                  keyfile: str | None = None, client_ca: str | None = None) -> None:
-        """With client_ca, callers must present a certificate it signed, as over gRPC."""
+        """With client_ca, callers must present a certificate it signed, as over gRPC.
+        A taken port raises PortInUse naming it."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._socket.bind((host, port))
-        except OSError:
+        except OSError as exc:
             self._socket.close()
-            raise
+            raise PortInUse(f"{host}:{port}", "HTTP port") from exc
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False,
+        self.app = app
+        self.limits = limits
+        protocol = type("EdgeProtocol", (_EdgeProtocol,), {"limits": self.limits})
+        config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False, http=protocol,
                                 timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile,
                                 ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
         for _ in range(1000):
             if self._server.started or self._task.done():
@@ -568,16 +809,25 @@ class HttpServer:
         log.info("OpenAI-compatible HTTP listening on port %d", self.port)
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking connections; let requests in flight finish for up to grace_s."""
+        """Stop taking connections; let requests in flight finish for up to grace_s. Streams
+        still running a moment before the grace ends are ended with an error event and
+        [DONE], so that no client reads a cut body."""
         self._server.config.timeout_graceful_shutdown = max(math.ceil(grace_s), 1)
         self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
+        closing = asyncio.get_running_loop().call_later(max(grace_s - min(1.0, grace_s / 2), 0),
+                                                         self.app.closing.set)
+        try:
+            if self._task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
+        finally:
+            closing.cancel()
 
     async def stop(self) -> None:
+        self.app.closing.set()
         self._server.should_exit = True
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 5)
         self._socket.close()
+        self.app.close()

@@ -21,7 +21,7 @@ from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.drift import load_baseline
-from gateway.http import HttpServer, OpenAIApp
+from gateway.http import EdgeLimits, HttpServer, OpenAIApp, default_max_connections
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label
@@ -167,6 +167,9 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     if settings.draft_selection not in DRAFT_SELECTIONS:
         problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
     problems += model_free_problems(settings)
+    if settings.http_header_timeout_s <= 0 or settings.http_max_connections < 0 or settings.max_chat_messages < 1:
+        problems.append("--http-header-timeout must be above 0, --http-max-connections 0 or more and "
+                        "--max-chat-messages 1 or more")
     chat_template = None
     if settings.chat_template is not None:
         try:
@@ -214,9 +217,11 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     running.servicer = servicer
     if settings.http_port is not None:
         tls = settings.server.tls
+        limits = EdgeLimits(settings.http_header_timeout_s,
+                            settings.http_max_connections or default_max_connections())
         try:
             http = HttpServer(OpenAIApp(core, keys, quota, chat_template, lambda: core.serving),
-                              settings.server.host, settings.http_port, *(
+                              settings.server.host, settings.http_port, limits, *(
                                   str(path) if path else None for path in (tls.cert, tls.key, tls.client_ca)))
             await http.start()
         except BaseException:

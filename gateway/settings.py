@@ -129,3 +129,14 @@ class GatewaySettings:
                                          "default: off)")
     chat_template: Path | None = setting(flag="--chat-template", parse=optional_path, metavar="FILE",
                                          help="Jinja template for /v1/chat/completions (default: the tokenizer's)")
+    # The HTTP edge's connection limits (docs/http.md, "Limits"), as nginx and Envoy set them.
+    http_header_timeout_s: float = setting(10.0, flag="--http-header-timeout", metavar="SECONDS",
+                                           help="an HTTP connection must send a request's whole headers within "
+                                                "this many seconds of opening (or of its last response), else it "
+                                                "is closed")
+    http_max_connections: int = setting(0, flag="--http-max-connections", metavar="N",
+                                        help="open HTTP connections at most; past it a new one displaces the oldest "
+                                             "waiting for a request, or is closed (0: 1024, or a quarter of the "
+                                             "process's open-file limit when less)")
+    max_chat_messages: int = setting(2048, flag="--max-chat-messages", metavar="N",
+                                     help="messages one chat request may hold; more get 400 before rendering")
