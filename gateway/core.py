@@ -106,7 +106,10 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
             prompt_ids = []
         elif not prompt_ids:
             problems.append("prompt is an empty list of token ids; send at least one")
-        prompt_text = backend.tokenizer.decode(prompt_ids) if prompt_ids else ""
+        # Decoded (for stop strings and task classification) only when it can be served:
+        # a list of ids past the context window costs no decoding on the one parse thread.
+        fits = len(prompt_ids) < backend.target.max_context
+        prompt_text = backend.tokenizer.decode(prompt_ids) if prompt_ids and fits else ""
     elif prompt_bytes > settings.max_prompt_bytes:
         problems.append(f"prompt is {prompt_bytes} bytes, over this gateway's limit of {settings.max_prompt_bytes}; "
                         f"shorten it")
