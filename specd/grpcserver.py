@@ -13,6 +13,7 @@ import inspect
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,13 +42,14 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS[:2], ("grpc.so_reuseport", 0)]
 
 
 class PortInUse(OSError):
-    """The address a server was told to listen on is taken (or cannot be bound)."""
+    """The address a server was told to listen on is taken (or cannot be bound); `reason`,
+    when the cause is known to be another (a Unix socket's directory that is gone)."""
 
-    def __init__(self, address: str, what: str = "port") -> None:
-        super().__init__(errno.EADDRINUSE,
-                         f"cannot listen on {address}: the {what} is taken by another process "
-                         f"(another specd?) or the address is not this host's; stop that process "
-                         f"or choose another {what}")
+    def __init__(self, address: str, what: str = "port", reason: str | None = None) -> None:
+        super().__init__(errno.EADDRINUSE if reason is None else errno.ENOENT,
+                         f"cannot listen on {address}: " + (reason or (
+                             f"the {what} is taken by another process (another specd?) or the address is not "
+                             f"this host's; stop that process or choose another {what}")))
         self.address = address
 
 
@@ -121,6 +123,11 @@ async def start_server(
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,
           what: str = "port") -> int:
     """Add the listening port; PortInUse naming the address if it cannot be had."""
+    if address.startswith("unix:"):
+        directory = Path(address.removeprefix("unix:")).parent
+        if not directory.is_dir():
+            raise PortInUse(address, what, f"the socket's directory {directory} does not exist (was it removed "
+                                           f"while the service ran?); create it or choose another --socket")
     try:
         if credentials is None:
             port = server.add_insecure_port(address)

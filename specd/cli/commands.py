@@ -134,9 +134,13 @@ def _serve(create, settings, what: str, port_file: Path | None) -> int:
 
     server = settings.server
     try:
-        for port, kind in (((0 if server.socket else server.port), "port"), (server.health_port, "health port")):
-            if _port_taken(server.host, port):
-                raise PortInUse(f"{server.host}:{port}", kind)
+        listeners = [(server.host, 0 if server.socket else server.port, "port"),
+                     (server.host, server.health_port, "health port"),
+                     (settings.metrics_host, settings.metrics_port, "metrics port"),
+                     (server.host, getattr(settings, "http_port", None), "HTTP port")]
+        for host, port, kind in listeners:
+            if port and _port_taken(host, port):
+                raise PortInUse(f"{host}:{port}", kind)
         asyncio.run(_run_service(create, settings, what, port_file))
     except PortInUse as exc:
         print(f"specd {what}: {exc.strerror}", file=sys.stderr)
@@ -315,11 +319,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"or hub ids ORG/NAME sharing one tokenizer, or make the demo pair with "
                   f"`python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
-    # Checked before anything loads; the server's exclusive bind makes it certain.
-    if _port_taken(args.host, args.port):
-        print(f"specd serve: port {args.port} on {args.host} is taken (another specd serve?); pass --port "
-              f"with a free port", file=sys.stderr)
-        return 2
+    # Every listener is checked before anything loads; the servers' exclusive binds make it certain.
+    for host, port, flag in ((args.host, args.port, "--port"), (args.host, args.http_port, "--http-port"),
+                             (args.metrics_host, args.metrics_port, "--metrics-port")):
+        if port and _port_taken(host, port):
+            print(f"specd serve: port {port} on {host} is taken (another specd serve?); pass {flag} "
+                  f"with a free port", file=sys.stderr)
+            return 2
     worker_tls: list[str] = []
     gateway_tls: list[str] = []
     client_tls = ClientTLS()
@@ -347,8 +353,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP too (a closed terminal, or `kill -HUP`): serve stops its children, never leaves them.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     from specd.cli.supervisor import Supervisor
 
     supervisor = Supervisor(env)
@@ -579,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specd.cli.supervisor import die_with_supervisor
+
+    die_with_supervisor()  # a child of `specd serve` ends when serve does, however serve ends
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

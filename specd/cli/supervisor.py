@@ -5,14 +5,48 @@ on it once it is back, or decodes plainly when the draft is the one missing. So 
 worker is restarted with the same command (same port), after an exponential backoff
 that resets once the worker has stayed up a while; the gateway is never restarted behind
 the user's back: when it exits, serve stops everything.
+
+However serve itself ends (`kill -9` included), its children end with it: each is told
+serve's pid and asks Linux for SIGTERM when its parent dies (elsewhere a thread watches
+its parent's pid), so no orphan keeps serve's ports.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+# The environment variable that tells a child the supervisor's pid.
+SUPERVISOR_PID = "SPECD_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_supervisor() -> None:
+    """In a child of `specd serve`: SIGTERM (a graceful stop) when serve dies, however it dies;
+    exit at once if serve is already gone. Nothing outside a supervised child."""
+    supervisor = os.environ.pop(SUPERVISOR_PID, None)  # popped: the child's own children are not serve's
+    if supervisor is None:
+        return
+    pid = int(supervisor)
+    if sys.platform.startswith("linux"):
+        # Asked of the kernel, so it holds through a SIGKILL of serve; checked again after,
+        # for a serve that died before the request was made.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    else:
+        def watch() -> None:
+            while os.getppid() == pid:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="specd-watch-serve", daemon=True).start()
+    if os.getppid() != pid:
+        sys.exit("specd: `specd serve`, which started this process, has already exited")
 
 
 @dataclass(frozen=True)
@@ -71,7 +105,8 @@ class Supervisor:
         return child
 
     def _spawn(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.argv, env=self.env)
+        env = {**(os.environ if self.env is None else self.env), SUPERVISOR_PID: str(os.getpid())}
+        child.proc = subprocess.Popen(child.argv, env=env)
         child.started_at = self.clock()
         child.restart_at = None
         child.history.append(child.proc.pid)
