@@ -205,3 +205,30 @@ def test_common_families_through_the_services(model_type, tokenizer, tmp_path):
         assert list(off.token_ids) == until_eos(expected) and off.stats.proposed_tokens == 0
     finally:
         stack.close()
+
+
+def test_a_model_whose_own_forward_fails_is_refused_naming_the_family(tokenizer, tmp_path, monkeypatch):
+    """The load-time trial's reference (the model's own eager forward) raising is a refusal
+    with the reason, not a worker that dies with a traceback."""
+    from transformers.models.llama import modeling_llama
+
+    build("llama", tmp_path / "llama", tokenizer)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the eager kernel is broken here")
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", broken)
+    with pytest.raises(UnsupportedModel, match=r"\(llama\) cannot be served: its own forward fails: RuntimeError"):
+        ModelRunner(tmp_path / "llama", max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))
+
+
+def test_latent_attention_with_fewer_kv_heads_than_query_heads_is_refused(tokenizer, tmp_path):
+    """A DeepSeek-V3 config whose KV heads are fewer than its query heads: transformers' own
+    forward fails on it, so specd refuses it at load, naming the family."""
+    config = tiny_config("deepseek_v3", len(tokenizer))
+    config.num_key_value_heads = config.num_attention_heads // 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ds")
+    tokenizer.save_pretrained(tmp_path / "ds")
+    with pytest.raises(UnsupportedModel, match="deepseek_v3"):
+        ModelRunner(tmp_path / "ds", max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))

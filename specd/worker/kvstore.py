@@ -629,10 +629,12 @@ def batching_problem(model: PreTrainedModel, pool: KVPool, vocab_size: int, devi
         del rows  # the last of the trial's sessions: their blocks go back to the pool
         return _trial_handing_whole_contexts(model, pool, vocab_size, device)
     # The reference: the model's own eager attention over each whole sequence.
-    model.set_attn_implementation("eager")
     try:
+        model.set_attn_implementation("eager")
         plains = [model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
                   for tokens in _trial_sequences(vocab_size)]
+    except Exception as exc:  # a model whose own forward fails cannot be checked, so is not served
+        return f"its own forward fails: {type(exc).__name__}: {exc}"
     finally:
         use_paged_attention(model)
     for row, plain in enumerate(plains):

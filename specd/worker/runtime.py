@@ -252,8 +252,11 @@ class ModelRunner:
         kvstore.use_paged_attention(self.model)
         self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
                            self._pool_blocks(batching, max_sessions))
-        problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool, self.info.vocab_size,
-                                                                       self.device)
+        try:
+            problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool,
+                                                                           self.info.vocab_size, self.device)
+        except Exception as exc:  # anything the trial meets is a refusal naming the family, never a crash
+            problem = f"the load-time trial fails: {type(exc).__name__}: {exc}"
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
         self.lean_forward = False
