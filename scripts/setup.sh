@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Create .venv and install specd with its test tools (torch pinned to the CPU 2.13.0 wheel).
+# Create .venv and install specd with its test tools, torch pinned to 2.13.0.
+# From the public index on Linux that pin is the CUDA build (several GB); set
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU wheel (the Dockerfile's way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install --quiet --upgrade pip
+if [[ -n "${TORCH_INDEX:-}" ]]; then
+  .venv/bin/pip install --quiet torch==2.13.0 --index-url "${TORCH_INDEX}"
+fi
 .venv/bin/pip install --quiet -e '.[dev]'

@@ -88,7 +88,8 @@ def _descendants(pid: int) -> set[int]:
                     parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
@@ -116,7 +117,7 @@ def test_serve_killed_leaves_no_process_and_frees_its_ports(model_dirs, signum):
                               "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:
-        for line in serve.stdout:  # type: ignore[union-attr]
+        for line in serve.stdout:
             if "specd serve: ready" in line:
                 break
         else:

@@ -146,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"specd certs: {exc}", file=sys.stderr)
         return 2
+    from specd.cli.commands import specd_command
+
+    specd = specd_command()
     print(f"specd certs: wrote {', '.join(str(p) for p in paths.values())}\n"
           f"server names: {', '.join(server_names(args.name, args.namespace))}\n"
-          f"try: specd serve --tls {args.directory}   and   "
-          f"specd generate --ca {paths['ca.pem']} \"def fibonacci(n):\"")
+          f"try: {specd} serve --tls {args.directory}   and   "
+          f"{specd} generate --ca {paths['ca.pem']} \"def fibonacci(n):\"")
     return 0

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import collections
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -296,6 +297,16 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+def specd_command() -> str:
+    """How to run `specd` from the user's shell: bare when the PATH finds this one, else its
+    path (a .venv not activated), so that a printed hint runs as it is."""
+    here = Path(sys.executable).with_name("specd")
+    found = shutil.which("specd")
+    if not here.exists() or found is not None and Path(found).resolve() == here.resolve():
+        return "specd"
+    return str(here)
+
+
 def _tls_dir(directory: Path) -> dict[str, Path]:
     """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
     from specd.cli.certs import FILES
@@ -395,7 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"(target {target}, drafts {list(drafts)}; workers on private sockets "
                   f"unix:{sockets['verifier']}, unix:{sockets['draft']})"
                   f"{f'; OpenAI-compatible HTTP on port {args.http_port}' if args.http_port is not None else ''}"
-                  f"; try: specd generate "
+                  f"; try: {specd_command()} generate "
                   f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",
                   flush=True)
             # A worker that dies is restarted (with backoff); the gateway keeps serving meanwhile.
