@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import resource
 import socket
 import ssl
@@ -154,15 +155,27 @@ def _check_text(value: Any) -> None:
             pending.extend(item)
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
-    """The body's JSON object, its text checked (on the body thread: 1 MiB takes a while)."""
+# Where a lone surrogate can come from in a body: JSON's escapes of one (\\ud800-\\udfff),
+# or its UTF-8-like bytes, which json.loads lets through ("surrogatepass"). A body with
+# neither (nearly every body) skips the walk over its strings.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _parse_body(raw: bytes, max_messages: int) -> dict[str, Any]:
+    """The body's JSON object, its text checked (on the body thread: 1 MiB takes a while).
+    A chat over `max_messages` is refused here, before its strings are walked or rendered."""
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
         raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
     if not isinstance(value, dict):
         raise HttpError(400, "the body must be a JSON object")
-    _check_text(value)
+    messages = value.get("messages")
+    if isinstance(messages, list) and len(messages) > max_messages:
+        raise HttpError(400, f"{len(messages)} messages is over this gateway's limit of {max_messages} "
+                             f"(--max-chat-messages); send fewer", param="messages")
+    if _MAYBE_SURROGATE.search(raw):
+        _check_text(value)
     return value
 
 
@@ -325,7 +338,7 @@ class OpenAIApp:
             body += piece
             if len(body) > self.max_body:
                 raise too_large
-        return await self._off_loop(_parse_body, bytes(body))
+        return await self._off_loop(_parse_body, bytes(body), self.max_messages)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -372,9 +385,6 @@ class OpenAIApp:
         """The conversation as the prompt text, through the chat template (on the body thread)."""
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        if len(messages) > self.max_messages:
-            raise HttpError(400, f"{len(messages)} messages is over this gateway's limit of {self.max_messages} "
-                                 f"(--max-chat-messages); send fewer", param="messages")
         plain = []
         for i, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
