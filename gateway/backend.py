@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import WORKER_PROTOCOL, model_info_from_pb
 
 log = logging.getLogger(__name__)
+
+WAITING_LOG_INTERVAL_S = 30.0  # how often a gateway waiting for its workers says so
 
 
 class IncompatibleDraft(RuntimeError):
@@ -121,15 +124,33 @@ class WorkerPool:
 
     async def model_infos(self, timeout_s: float) -> list[worker_pb2.ModelInfo]:
         """Ask one ready endpoint which models the service hosts (as it answers: `connect`
-        keeps `specd.steps.ModelInfo`s, the verifier's tokenizer files aside)."""
+        keeps `specd.steps.ModelInfo`s, the verifier's tokenizer files aside).
+
+        Waits for an endpoint to be ready and to answer, up to timeout_s (0: without
+        limit): on Kubernetes the workers may load for minutes after the gateway is up, and
+        a gateway that exits meanwhile only restarts into a back-off."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s if timeout_s else math.inf
         probe = f"model-info-{id(self)}"
-        address = self.router.place(probe)
-        self.router.release(probe)
+        said = -math.inf
+        while True:
+            try:
+                address = self.router.place(probe)
+                self.router.release(probe)
+                break
+            except NoEndpoint as exc:
+                if loop.time() >= deadline:
+                    raise ConnectionError(f"{exc} within {timeout_s:g} s") from exc
+                if loop.time() - said >= WAITING_LOG_INTERVAL_S:
+                    said = loop.time()
+                    log.warning("waiting for a ready %s endpoint: %s", self.name, exc)
+                await asyncio.sleep(0.5)
         stub = self.stub(address)
         channel = self._channels[address][0]
         try:
-            await asyncio.wait_for(channel.channel_ready(), timeout_s)
-            response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=timeout_s)
+            remaining = None if deadline == math.inf else max(deadline - loop.time(), 0.1)
+            await asyncio.wait_for(channel.channel_ready(), remaining)
+            response = await stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=remaining or 60)
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             hint = ""
             if self.tls.enabled:  # a failed handshake looks the same as no answer at all
@@ -159,7 +180,7 @@ async def _pool(name: str, addresses: str, service: str, namespace: str, stub_cl
         return WorkerPool(name, Router.static(name, parse_addresses(addresses)), stub_class, budget, tls=tls)
     router = Router(name)
     watcher = EndpointSliceWatcher(router, service, namespace or None).start()
-    if not await asyncio.to_thread(watcher.wait_synced, timeout_s):
+    if not await asyncio.to_thread(watcher.wait_synced, timeout_s or None):
         watcher.stop()
         raise ConnectionError(f"could not list the EndpointSlices of Service {service!r} within {timeout_s} s")
     # Pods are dialled by IP: their certificates name the Service (`specd certs` does).

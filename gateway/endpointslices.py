@@ -119,8 +119,8 @@ class EndpointSliceWatcher:
         self._thread.start()
         return self
 
-    def wait_synced(self, timeout_s: float) -> bool:
-        """Block until the first list reached the router; False on timeout.
+    def wait_synced(self, timeout_s: float | None) -> bool:
+        """Block until the first list reached the router (None: without limit); False on timeout.
 
         From asyncio: `await asyncio.to_thread(watcher.wait_synced, 30)`.
         """

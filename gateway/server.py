@@ -30,7 +30,7 @@ from gateway.records import Finish
 from gateway.request import Mode
 from gateway.selection import DraftSelector
 from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
-from specd.grpcserver import RunningServer, start_server
+from specd.grpcserver import RunningServer, start_health, start_server
 from specd.steps import ModelInfo
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -179,7 +179,15 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     if problems:
         raise ValueError("; ".join(problems))
     baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
-    backend = await connect(settings)
+    # The health port first: while the gateway waits for its workers (minutes, for a GPU
+    # deploy), a liveness probe finds it alive and a readiness probe finds it not ready.
+    health_port = await start_health(settings.server)
+    try:
+        backend = await connect(settings)
+    except BaseException:
+        if health_port.server is not None:
+            await health_port.server.stop(0)
+        raise
     stats = AcceptanceStats(window_steps=settings.window_steps, drift=settings.drift, baseline=baseline)
     selector = None
     costs = PairCosts()
@@ -213,7 +221,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     interceptors = [ApiKeyInterceptor(keys, settings.protect_reflection, quota)] if keys is not None else []
     running = await start_server(
         settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        [service], interceptors=interceptors, on_stop=stop, options=edge_options(settings))
+        [service], interceptors=interceptors, on_stop=stop, options=edge_options(settings), health_port=health_port)
     running.servicer = servicer
     if settings.http_port is not None:
         tls = settings.server.tls

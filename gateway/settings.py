@@ -44,7 +44,8 @@ class GatewaySettings:
     max_draft_length: int = setting(16, flag="--max-draft-length", help="largest γ a request may ask")
     default_max_new_tokens: int = setting(128, flag="--max-new-tokens", help="default generation length")
     worker_timeout_s: float = setting(60.0, flag="--worker-timeout",
-                                      help="seconds to wait for the workers at start-up")
+                                      help="seconds to wait at start-up for a ready verifier (and draft) to answer "
+                                           "(0: without limit, as on Kubernetes, where workers load for minutes)")
     # Step budgets (gateway.budgets): max(floor, factor × measured p99 step time) per forward.
     draft_step_floor_s: float = setting(0.5, flag="--draft-step-floor", metavar="SECONDS",
                                         help="shortest draft step budget; a draft step past its budget is skipped "

@@ -79,6 +79,44 @@ class RunningServer:
             await result
 
 
+# The health name a liveness probe asks: SERVING from the moment a server's health port
+# is up until it shuts down, whatever its dependencies do. "" and the service names follow
+# the dependencies (the gateway's verifiers), which is readiness, not liveness: a
+# liveness probe on "" restarted every gateway in an outage of the verifiers.
+LIVENESS = "specd.liveness"
+# A health check is a few bytes: the health-only port takes small messages, not the
+# workers' 256 MiB.
+HEALTH_PORT_OPTIONS = [("grpc.max_receive_message_length", 4096), ("grpc.max_send_message_length", 4096),
+                       ("grpc.so_reuseport", 0)]
+
+
+@dataclass
+class HealthPort:
+    """A server's health servicer, and the plaintext health-only server on its health
+    port when it has one, started before the server itself (`start_health`)."""
+
+    health: health_aio.HealthServicer
+    server: grpc.aio.Server | None
+
+
+async def start_health(settings: ServerSettings) -> HealthPort:
+    """The health servicer, on settings.health_port at once when set: LIVENESS SERVING,
+    "" NOT_SERVING until `start_server` has the services up. A service that waits for
+    something before serving (the gateway, for its workers) starts this first, so that a
+    probe finds the process alive meanwhile."""
+    health = health_aio.HealthServicer()
+    await health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = None
+    if settings.health_port:
+        server = grpc.aio.server(options=HEALTH_PORT_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        _bind(server, f"{settings.host}:{settings.health_port}", None, what="health port")
+        await server.start()
+    return HealthPort(health, server)
+
+
+
 async def start_server(
     settings: ServerSettings,
     register: Callable[[grpc.aio.Server], None],
@@ -86,11 +124,13 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     on_stop: Callable[[], Awaitable[None] | None] | None = None,
     options: Sequence[tuple[str, int | str]] = (),
+    health_port: HealthPort | None = None,
 ) -> RunningServer:
     """Build, register and start a server on settings.address; report SERVING.
 
     TLS per settings.tls. The port is bound exclusively: a taken one raises PortInUse.
-    With settings.health_port, grpc.health.v1 is also served alone, in plaintext, there.
+    With settings.health_port, grpc.health.v1 is also served alone, in plaintext, there
+    (`health_port`: one `start_health` started already).
     With tracing on, every RPC but health checks also gets an OpenTelemetry server span.
     Every server maps errors to real statuses (`specd.interceptors`), outside `interceptors`.
     `options` (gRPC channel arguments) replace the internal defaults they name: the public
@@ -101,23 +141,23 @@ async def start_server(
         interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *interceptors],
         options=list(merged.items()))
     register(server)
-    health = health_aio.HealthServicer()
+    if health_port is None:
+        health_port = await start_health(settings)
+    health = health_port.health
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    port = _bind(server, settings.address, server_credentials(settings.tls))
-    health_server = None
-    if settings.health_port:
-        health_server = grpc.aio.server(options=SERVER_OPTIONS)
-        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
-        _bind(health_server, f"{settings.host}:{settings.health_port}", None, what="health port")
-    await server.start()
-    if health_server is not None:
-        await health_server.start()
+    try:
+        port = _bind(server, settings.address, server_credentials(settings.tls))
+        await server.start()
+    except BaseException:
+        if health_port.server is not None:
+            await health_port.server.stop(0)
+        raise
     for name in ("", *service_names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health, on_stop, health_server)
+    return RunningServer(server, port, health, on_stop, health_port.server)
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,

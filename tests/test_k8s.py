@@ -333,3 +333,33 @@ def test_cert_manager_component_issues_the_secrets_the_pods_mount(with_cert_mana
     assert "client auth" in client["usages"]
     for leaf in (server, client):
         assert leaf["issuerRef"]["name"] == "specd-ca" and leaf["renewBefore"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_in_another_namespace_binds_the_gateway_there(overlay, tmp_path):
+    """`namespace: llm` over an overlay, as k8s/README allows: every object and every
+    ServiceAccount subject of a binding lands in `llm` (a subject left in `specd` made
+    the gateway's EndpointSlice watch a 403)."""
+    base = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: llm\n"
+        f"resources: [{base}/overlays/{overlay}]\n")
+    manifest = render(tmp_path)
+    assert validate(manifest).returncode == 0
+    docs = [doc for doc in yaml.safe_load_all(manifest) if doc]
+    subjects = [s for doc in docs if doc["kind"] in ("RoleBinding", "ClusterRoleBinding") for s in doc["subjects"]]
+    assert subjects and all(s["namespace"] == "llm" for s in subjects if s["kind"] == "ServiceAccount"), subjects
+    placed = {doc["metadata"].get("namespace") for doc in docs if doc["kind"] != "Namespace"}
+    assert placed == {"llm"}, placed
+
+
+def test_the_gateway_liveness_probe_asks_the_liveness_name():
+    """The name a gateway's liveness and startup probes ask is the one that stays SERVING
+    while the process runs (`specd.grpcserver.LIVENESS`), never "" (readiness)."""
+    from specd.grpcserver import LIVENESS
+
+    for overlay in OVERLAYS:
+        c = container(overlay, "gateway")
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["grpc"].get("service") == LIVENESS, (overlay, probe)
+        assert "--worker-timeout=0" in c["args"]
