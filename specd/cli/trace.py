@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 from gateway.proposers import MODEL_FREE
 
 DEFAULT_FILE = "specd-traces.jsonl"
+# The longest span line: `collect` drops longer ones, `show` skips them unread.
+MAX_LINE_BYTES = 1 << 20
 
 
 # -- collect ---------------------------------------------------------------------------------
@@ -57,31 +60,67 @@ def span_records(request) -> Iterable[dict]:
                     "span_id": span.span_id.hex(),
                     "parent_span_id": span.parent_span_id.hex(),
                     "name": span.name,
-                    "kind": trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_").lower(),
+                    "kind": _enum_name(trace_pb2.Span.SpanKind, span.kind, "SPAN_KIND_"),
                     "service": service,
                     "scope": scope_spans.scope.name,
                     "start_ns": span.start_time_unix_nano,
                     "end_ns": span.end_time_unix_nano,
                     "duration_ms": (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
                     "attributes": {kv.key: any_value(kv.value) for kv in span.attributes},
-                    "status": {"code": trace_pb2.Status.StatusCode.Name(span.status.code)
-                               .removeprefix("STATUS_CODE_").lower(),
+                    "status": {"code": _enum_name(trace_pb2.Status.StatusCode, span.status.code, "STATUS_CODE_"),
                                "message": span.status.message},
                 }
 
 
-def start_collector(out: Path, port: int = 0, host: str = "127.0.0.1"):
-    """Start an OTLP/gRPC trace receiver appending spans to `out`; return (server, port)."""
+def _enum_name(enum, value: int, prefix: str) -> str:
+    """An OTLP enum's name in lower case; an unknown value (a newer sender) as its number."""
+    try:
+        return enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return str(value)
+
+
+# What one export request may add to the file: a few KB of compressed OTLP can expand to
+# hundreds of MB of JSON. Spans past the cap, and lines `show` would skip, are dropped.
+MAX_EXPORT_BYTES = 16 << 20
+DEFAULT_MAX_FILE_BYTES = 256 << 20
+
+
+def export_lines(request) -> tuple[list[str], int]:
+    """The JSON lines of an export request's spans within the caps, and how many were dropped."""
+    lines: list[str] = []
+    size = dropped = 0
+    for record in span_records(request):
+        line = json.dumps(record) + "\n"
+        if len(line) > MAX_LINE_BYTES or size + len(line) > MAX_EXPORT_BYTES:
+            dropped += 1
+            continue
+        lines.append(line)
+        size += len(line)
+    return lines, dropped
+
+
+def start_collector(out: Path, port: int = 0, host: str = "127.0.0.1", max_file_bytes: int = DEFAULT_MAX_FILE_BYTES):
+    """Start an OTLP/gRPC trace receiver appending spans to `out`; return (server, port).
+    Past max_file_bytes the file moves to `out`.1 (replacing the one before) and a new one starts."""
     import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
     lock = threading.Lock()
+    older = out.with_name(out.name + ".1")
 
     class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request, context):
-            lines = "".join(json.dumps(record) + "\n" for record in span_records(request))
-            with lock, out.open("a", encoding="utf-8") as sink:  # whole batches, in order
-                sink.write(lines)
+            lines, dropped = export_lines(request)
+            size = sum(len(line) for line in lines)
+            with lock:  # whole batches, in order
+                if out.exists() and out.stat().st_size + size > max_file_bytes:
+                    out.replace(older)
+                with out.open("a", encoding="utf-8") as sink:
+                    sink.writelines(lines)
+            if dropped:
+                print(f"specd trace collect: dropped {dropped} spans over the per-request cap of "
+                      f"{MAX_EXPORT_BYTES >> 20} MiB or the line cap of {MAX_LINE_BYTES >> 20} MiB", file=sys.stderr)
             return trace_service_pb2.ExportTraceServiceResponse()
 
     # Exclusive port, as every specd server (specd.grpcserver.SERVER_OPTIONS says why).
@@ -101,7 +140,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        server, port = start_collector(out, args.port, args.host)
+        server, port = start_collector(out, args.port, args.host, args.max_mib << 20)
     except OSError as exc:
         print(f"specd trace collect: {exc}", file=sys.stderr)
         return 1
@@ -117,16 +156,112 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 # -- show ------------------------------------------------------------------------------------
 
-def load_spans(path: Path) -> list[dict]:
-    """Every span of a `collect` file; a line cut short by a crash is skipped."""
-    spans = []
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
+# A trace of more spans than this is not shown (a request of thousands of steps has a few thousand).
+MAX_TRACE_SPANS = 200_000
+# Attributes the table computes with: each must be a number (or absent), and counts must be
+# small enough to loop over (a draft_length of 1e8 once cost 6 GB).
+_NUMBERS = ("gen_ai.request.temperature", "specd.acceptance_rate", "specd.mean_tokens_per_step",
+            "specd.draft.hop_ms", "specd.verify.hop_ms", "specd.draft.recovery_ms", "specd.verify.forward_ms",
+            "specd.forward_ms")
+_COUNTS = ("specd.step.index", "specd.draft_length", "specd.accepted", "specd.draft.bytes", "specd.verify.bytes",
+           "specd.first_rejected")
+MAX_COUNT = 1 << 40
+MAX_DRAFT_LENGTH = 4096
+_SPAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "trace_id": str, "span_id": str, "parent_span_id": str, "name": str, "service": str, "start_ns": int,
+    "end_ns": int, "duration_ms": (int, float), "attributes": dict, "status": dict}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_COUNT
+
+
+def valid_span(span: Any) -> bool:
+    """Whether a parsed line is a span `show` can print: its fields of their types, and the
+    attributes it computes with numbers of bounded size."""
+    if not isinstance(span, dict):
+        return False
+    for name, kind in _SPAN_FIELDS.items():
+        if not isinstance(span.get(name), kind) or isinstance(span.get(name), bool):
+            return False
+    status, attributes = span["status"], span["attributes"]
+    if not isinstance(status.get("code"), str) or not isinstance(status.get("message", ""), str):
+        return False
+    if not all(_is_number(attributes[k]) for k in _NUMBERS if k in attributes):
+        return False
+    if not all(isinstance(attributes[k], int) and _is_number(attributes[k]) for k in _COUNTS
+               if attributes.get(k) is not None):
+        return False
+    if not 0 <= attributes.get("specd.draft_length", 0) <= MAX_DRAFT_LENGTH:
+        return False
+    reasons = attributes.get("gen_ai.response.finish_reasons", [])
+    return isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)
+
+
+def _lines(path: Path) -> Iterable[str | None]:
+    """The file's lines, streamed; None for a line over MAX_LINE_BYTES (skipped unread)."""
+    with path.open("rb") as source:
+        while True:
+            line = source.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while (rest := source.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass
+                yield None
                 continue
-    return spans
+            yield line.decode("utf-8", errors="replace")
+
+
+@dataclass
+class SpanFile:
+    """What one pass over a `collect` file found: the spans kept, and the lines skipped."""
+
+    spans: list[dict]
+    skipped: int = 0
+
+
+def read_spans(path: Path, keep: Callable[[dict], bool]) -> SpanFile:
+    """The valid spans of a `collect` file that `keep` accepts, streamed; every other line
+    (malformed, cut short by a crash, too long, hostile) skipped and counted."""
+    found = SpanFile([])
+    for line in _lines(path):
+        try:
+            span = json.loads(line) if line is not None else None
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
+            span = None
+        if not valid_span(span):
+            found.skipped += line is None or bool(line.strip())
+            continue
+        assert span is not None
+        if keep(span):
+            if len(found.spans) >= MAX_TRACE_SPANS:
+                raise LookupError(f"the trace has more than {MAX_TRACE_SPANS:,} spans")
+            found.spans.append(span)
+    return found
+
+
+def load_spans(path: Path) -> list[dict]:
+    """Every valid span of a `collect` file (scripts read whole files of their own runs)."""
+    return read_spans(path, lambda span: True).spans
+
+
+def load_trace(path: Path, trace_id: str | None) -> SpanFile:
+    """The spans of one trace, chosen as `pick_trace` chooses, in two streamed passes: the
+    first keeps one small record a trace (its latest specd.generate span, else its first
+    span), the second the chosen trace's spans."""
+    heads: dict[str, dict] = {}
+
+    def note(span: dict) -> bool:
+        known = heads.get(span["trace_id"])
+        if known is None or span["name"] == "specd.generate" and (
+                known["name"] != "specd.generate" or span["end_ns"] > known["end_ns"]):
+            heads[span["trace_id"]] = {key: span[key] for key in ("trace_id", "name", "end_ns")}
+        return False
+
+    read_spans(path, note)
+    chosen = pick_trace(list(heads.values()), trace_id)[0]["trace_id"]
+    return read_spans(path, lambda span: span["trace_id"] == chosen)
 
 
 def pick_trace(spans: list[dict], trace_id: str | None) -> list[dict]:
@@ -142,6 +277,16 @@ def pick_trace(spans: list[dict], trace_id: str | None) -> list[dict]:
             raise LookupError("no specd.generate span in the file yet")
         chosen = max(requests, key=lambda s: s["end_ns"])["trace_id"]
     return [s for s in spans if s["trace_id"] == chosen]
+
+
+# C0 and C1 controls but the newline, and the bidirectional overrides: span text is the
+# caller's (prompts' task types, segments, error messages) and must not drive the terminal.
+_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Text with every control character but the newline shown as U+FFFD."""
+    return _CONTROLS.sub("\ufffd", text)
 
 
 @dataclass
@@ -315,11 +460,14 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"and send requests with OTEL_EXPORTER_OTLP_ENDPOINT pointing at it", file=sys.stderr)
         return 1
     try:
-        spans = pick_trace(load_spans(path), args.trace_id)
+        found = load_trace(path, args.trace_id)
     except LookupError as exc:
-        print(f"specd trace show: {exc} in {path}", file=sys.stderr)
+        print(printable(f"specd trace show: {exc} in {path}"), file=sys.stderr)
         return 1
-    print(render(spans))
+    print(printable(render(found.spans)))
+    if found.skipped:
+        print(f"specd trace show: skipped {found.skipped} lines of {path} that are not spans specd wrote",
+              file=sys.stderr)
     return 0
 
 
@@ -331,6 +479,8 @@ def add_parser(sub) -> None:
     collect.add_argument("--host", default="127.0.0.1", help="interface to bind")
     collect.add_argument("--port", type=int, default=4317, help="port to listen on (0: any free port)")
     collect.add_argument("--out", default=DEFAULT_FILE, help=f"file to append spans to (default {DEFAULT_FILE})")
+    collect.add_argument("--max-mib", type=int, default=DEFAULT_MAX_FILE_BYTES >> 20,
+                         help="past this many MiB the file moves to FILE.1 and a new one starts")
     collect.set_defaults(func=cmd_collect)
     show = commands.add_parser("show", help="print a request's steps, acceptance and time per hop")
     show.add_argument("trace_id", nargs="?", help="trace id or a unique prefix (default: the latest request)")
