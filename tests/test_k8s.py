@@ -363,3 +363,34 @@ def test_the_gateway_liveness_probe_asks_the_liveness_name():
         for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["grpc"].get("service") == LIVENESS, (overlay, probe)
         assert "--worker-timeout=0" in c["args"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_specd_pod_has_an_egress_allow_list_without_the_metadata_service(overlay):
+    """Each component's pods are selected by a policy with Egress (an allow list), and no
+    rule lets any of them reach 169.254.169.254, the cloud metadata service."""
+    import ipaddress
+
+    metadata = ipaddress.ip_address("169.254.169.254")
+    policies = of_kind(overlay, "NetworkPolicy").values()
+    for component in ("gateway", "draft", "verifier", "otel-collector"):
+        mine = [p for p in policies if component in _components(p["spec"]["podSelector"])]
+        assert any("Egress" in p["spec"]["policyTypes"] for p in mine), component
+        for policy in mine:
+            for rule in policy["spec"].get("egress", []):
+                for peer in rule.get("to", []):
+                    block = peer.get("ipBlock")
+                    if block is None or ipaddress.ip_network(block["cidr"]).version != 4:
+                        continue
+                    assert metadata in ipaddress.ip_network(block["cidr"])  # the only v4 blocks are "any"
+                    assert any(metadata in ipaddress.ip_network(e) for e in block.get("except", [])), policy
+
+
+def test_hub_downloads_are_an_opt_in_component(tmp_path):
+    """The hub-egress component adds HTTPS egress for the workers only; without it they
+    reach nothing outside the cluster."""
+    docs = with_component("cpu-demo", "hub-egress", tmp_path)
+    added = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "specd-workers-hub-egress"]
+    assert len(added) == 1 and set(_components(added[0]["spec"]["podSelector"])) == {"draft", "verifier"}
+    assert [port["port"] for rule in added[0]["spec"]["egress"] for port in rule["ports"]] == [443]
+    assert "specd-workers-hub-egress" not in of_kind("cpu-demo", "NetworkPolicy")
