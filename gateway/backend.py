@@ -37,7 +37,7 @@ from gateway.streams import StepFailed, WorkerStream
 from specd.config import ClientTLS
 from specd.grpcserver import CHANNEL_OPTIONS
 from specd.steps import ModelInfo
-from specd.tls import TLSConfigError, aio_channel
+from specd.tls import TLSConfigError, aio_channel, files_stamp
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.wire import WORKER_PROTOCOL, model_info_from_pb
 
@@ -69,15 +69,46 @@ class WorkerPool:
         self.server_name = server_name
         self._stub_class = stub_class
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+        # The client certificate files' stamp each channel was made with: a stream opened
+        # after they were renewed gets a new channel (`_renewed`).
+        self._tls_paths = [p for p in (tls.ca, tls.cert, tls.key) if p is not None]
+        self._stamps: dict[str, tuple] = {}
         self._streams: dict[tuple[str, str], WorkerStream] = {}  # (address, rpc) → its stream
 
     def stub(self, address: str):
         """The stub for an endpoint (its channel is made on first use and kept while listed)."""
         if address not in self._channels:
             self._close_unlisted()
+            self._stamps[address] = self._tls_stamp()
             channel = aio_channel(address, self.tls, CHANNEL_OPTIONS, self.server_name)
             self._channels[address] = (channel, self._stub_class(channel))
         return self._channels[address][1]
+
+    def _tls_stamp(self) -> tuple:
+        try:
+            return files_stamp(self._tls_paths)
+        except OSError:  # a file between two versions: taken as unchanged, checked again next time
+            return ()
+
+    def _renew(self, address: str) -> None:
+        """Drop the endpoint's channel when the client certificate files changed since it
+        was made (cert-manager renewed the Secret): the new stream about to open, and
+        every one after, handshake with the new certificate. Streams that still work keep
+        their connection: a renewal never interrupts a request."""
+        if address not in self._channels or not self._tls_paths:
+            return
+        stamp = self._tls_stamp()
+        if stamp in ((), self._stamps[address]):
+            return
+        log.info("the %s client certificate files changed: new connections to %s use them", self.name, address)
+        self._drop(address)
+
+    def _drop(self, address: str) -> None:
+        channel, _ = self._channels.pop(address)
+        self._stamps.pop(address, None)
+        for key in [k for k in self._streams if k[0] == address]:
+            self._streams.pop(key).close()
+        asyncio.get_running_loop().create_task(channel.close())
 
     def stream(self, session_id: str, rpc: str, moved: bool) -> WorkerStream:
         """The stream to the endpoint the router picks for a session (shared by every
@@ -88,6 +119,9 @@ class WorkerPool:
         """
         try:
             address = self.router.fail_over(session_id) if moved else self.router.place(session_id)
+            stream = self._streams.get((address, rpc))
+            if stream is None or stream.failure is not None:
+                self._renew(address)
             # A channel to a new endpoint reads the client certificate files then; caught
             # mid-renewal they may not load, and the step is retried like any lost worker.
             stub = self.stub(address)
@@ -106,13 +140,11 @@ class WorkerPool:
         """Close the channels of endpoints that left the service (pods come and go)."""
         listed = {state.address for state in self.router.snapshot()}
         for address in [a for a in self._channels if a not in listed]:
-            channel, _ = self._channels.pop(address)
-            for key in [k for k in self._streams if k[0] == address]:
-                self._streams.pop(key).close()
-            asyncio.get_running_loop().create_task(channel.close())
+            self._drop(address)
 
     async def serving(self, address: str, timeout_s: float) -> bool:
         """Whether the endpoint answers its grpc.health.v1 check with SERVING within timeout_s."""
+        self._renew(address)
         self.stub(address)  # the channel the endpoint's requests use
         channel = self._channels[address][0]
         try:

@@ -33,32 +33,31 @@ import json
 import logging
 import math
 import re
-import resource
 import socket
 import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
-import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
+from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
 from gateway.request import Mode
 from specd.grpcserver import PortInUse
+from specd.tls import files_stamp
 
 log = logging.getLogger(__name__)
 
@@ -658,130 +657,8 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-# One log line per this many seconds for accept() failing on a lack of file descriptors:
-# asyncio logs each failed attempt with its traceback, megabytes a minute under a flood.
-ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
-# The connection cap when none is given: nginx's worker_connections is 512 to 1024, and a
-# quarter of the process's descriptors leaves the rest to the gRPC port and the workers' streams.
-MAX_CONNECTIONS_CEILING = 1024
-
-
-def default_max_connections() -> int:
-    """1,024 connections, or a quarter of this process's open-file limit when that is less."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return MAX_CONNECTIONS_CEILING if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS_CEILING,
-                                                                                     soft // 4))
-
-
-@dataclass
-class EdgeLimits:
-    """What one HTTP connection may hold, and how many may be open."""
-
-    header_timeout_s: float
-    max_connections: int
-    refused: int = 0  # connections closed at the cap, since start
-    displaced: int = 0  # connections closed at the cap to make room for a new one
-    late: int = 0  # connections closed for not sending a request's headers in time
-    last_warned: float = -math.inf
-
-    def warn(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self.last_warned >= ACCEPT_ERROR_LOG_INTERVAL_S:
-            self.last_warned = now
-            log.warning("HTTP edge: %s (since start: %d connections closed for late headers, %d displaced and %d "
-                        "refused at the cap of %d)", what, self.late, self.displaced, self.refused,
-                        self.max_connections)
-
-
-class _EdgeProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the two limits a public edge needs and uvicorn lacks.
-
-    - A request's headers must be whole within `header_timeout_s` of the connection opening
-      or of the previous response ending (nginx's client_header_timeout, Envoy's
-      request_headers_timeout): a silent or trickling socket is closed.
-    - At most `max_connections` are open. A new one past the cap displaces the oldest
-      connection that is waiting for a request (silent, or idle between requests); when
-      every connection is in a request, the new one is closed at once. Either way the
-      process keeps file descriptors for the gRPC port and the workers' streams.
-    """
-
-    limits: EdgeLimits  # set on the subclass each HttpServer makes
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.opened = self.loop.time()
-        self._headers_due: asyncio.TimerHandle | None = None
-        limits = self.limits
-        if sum(1 for c in self.connections if not c.transport.is_closing()) > limits.max_connections:
-            if not self._displace_one():
-                limits.refused += 1
-                limits.warn("connection cap reached; a new connection was closed")
-                transport.close()
-                return
-        self._expect_headers()
-
-    def _displace_one(self) -> bool:
-        waiting = [c for c in self.connections
-                   if c is not self and isinstance(c, _EdgeProtocol) and c.waiting and not c.transport.is_closing()]
-        if not waiting:
-            return False
-        min(waiting, key=lambda c: c.opened).transport.close()
-        self.limits.displaced += 1
-        self.limits.warn("connection cap reached; the oldest connection waiting for a request was closed")
-        return True
-
-    @property
-    def waiting(self) -> bool:
-        """No request in progress: nothing received yet, or idle between requests."""
-        return self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
-
-    def _expect_headers(self) -> None:
-        self._headers_due = self.loop.call_later(self.limits.header_timeout_s, self._headers_late)
-
-    def _headers_late(self) -> None:
-        self._headers_due = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.limits.late += 1
-            self.limits.warn("a connection sent no whole request headers in time and was closed")
-            self.transport.close()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            if self._headers_due is not None:
-                self._headers_due.cancel()
-            self._expect_headers()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if getattr(self, "_headers_due", None) is not None:
-            self._headers_due.cancel()  # type: ignore[union-attr]
-        super().connection_lost(exc)
-
-
-def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
-    """Log accept() failures for want of file descriptors once per interval, with a count,
-    not once per attempt with a traceback each (everything else goes where it went)."""
-    previous = loop.get_exception_handler()
-    state = {"last": -math.inf, "since": 0}
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
-            state["since"] += 1
-            now = time.monotonic()
-            if now - state["last"] >= ACCEPT_ERROR_LOG_INTERVAL_S:
-                log.error("cannot accept connections: %s (%d times since the last such line); the process is out "
-                          "of file descriptors: raise its limit (ulimit -n) or lower --http-max-connections",
-                          context.get("exception"), state["since"])
-                state["last"], state["since"] = now, 0
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
+# How often the HTTPS port looks for renewed certificate files.
+CERTIFICATE_CHECK_INTERVAL_S = 5.0
 class HttpServer:
     """The HTTP app listening on host:port (0: a free port), in the running event loop."""
 
@@ -800,8 +677,10 @@ class HttpServer:
         self.port = self._socket.getsockname()[1]
         self.app = app
         self.limits = limits
-        protocol = type("EdgeProtocol", (_EdgeProtocol,), {"limits": self.limits})
-        config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False, http=protocol,
+        self._tls_files = (certfile, keyfile, client_ca)
+        self._reloading: asyncio.Task | None = None
+        config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False,
+                                http=edge_protocol(limits),
                                 timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile,
                                 ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)
@@ -816,7 +695,37 @@ class HttpServer:
             await asyncio.sleep(0.01)
         if self._task.done():
             self._task.result()  # raises what stopped it
+        if self._server.config.ssl is not None:
+            self._reloading = asyncio.get_running_loop().create_task(self._reload_certificates())
         log.info("OpenAI-compatible HTTP listening on port %d", self.port)
+
+    async def _reload_certificates(self) -> None:
+        """Take renewed certificate files into the live TLS context, for the handshakes after
+        (gRPC's ports do the same, `specd.tls`). A pair caught mid-write, which does not load,
+        is tried again at the next check. A new client CA is added to the trusted ones."""
+        certfile, keyfile, client_ca = self._tls_files
+        assert certfile is not None and keyfile is not None  # TLS is on
+        paths = [Path(f) for f in self._tls_files if f is not None]
+        context = self._server.config.ssl
+        assert context is not None  # started with TLS
+        seen = files_stamp(paths)
+        while True:
+            await asyncio.sleep(CERTIFICATE_CHECK_INTERVAL_S)
+            try:
+                stamp = files_stamp(paths)
+                if stamp == seen:
+                    continue
+                # Tried on a context of its own first: a pair caught mid-write must not
+                # reach the live one half loaded.
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+                context.load_cert_chain(certfile, keyfile)
+                if client_ca is not None:
+                    context.load_verify_locations(client_ca)
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("keeping the HTTPS certificate: its files changed but do not load (%s)", exc)
+                continue
+            seen = stamp
+            log.info("HTTPS certificate files changed: new connections get the new certificate")
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking connections; let requests in flight finish for up to grace_s. Streams
@@ -834,6 +743,8 @@ class HttpServer:
             closing.cancel()
 
     async def stop(self) -> None:
+        if self._reloading is not None:
+            self._reloading.cancel()
         self.app.closing.set()
         self._server.should_exit = True
         if self._task is not None:

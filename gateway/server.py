@@ -21,7 +21,8 @@ from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.drift import load_baseline
-from gateway.http import EdgeLimits, HttpServer, OpenAIApp, default_max_connections
+from gateway.http import HttpServer, OpenAIApp
+from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label

@@ -110,6 +110,13 @@ def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials | None:
                                                require_client_authentication=tls.client_ca is not None)
 
 
+def files_stamp(paths: Sequence[Path]) -> tuple:
+    """What changes when any of these files is replaced: a renewed Secret reaches a pod as
+    new files (the kubelet swaps a symlink, which os.stat follows). OSError when one is gone."""
+    stats = [os.stat(p) for p in paths]
+    return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+
+
 class _ReloadingConfiguration:
     """gRPC calls this before every handshake: a new configuration when the files changed.
 
@@ -125,8 +132,7 @@ class _ReloadingConfiguration:
         self._seen = self._stamp()
 
     def _stamp(self) -> tuple:
-        stats = [os.stat(p) for p in self._paths]  # follows the kubelet's symlinks
-        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+        return files_stamp(self._paths)
 
     def load(self) -> grpc.ServerCertificateConfiguration:
         assert self._tls.cert is not None and self._tls.key is not None  # enabled; check_server_tls

@@ -287,7 +287,7 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
     per interval, with a count; anything else reaches the loop's handler as before."""
     import asyncio
 
-    from gateway.http import quiet_accept_errors
+    from gateway.httpedge import quiet_accept_errors
 
     loop = asyncio.new_event_loop()
     seen = []

@@ -61,9 +61,10 @@ def secure(model_dirs, pki):
     loop.close()
 
 
-def generate(port: int, tls: ClientTLS, prompt: str = "def fibonacci(n):"):
+def generate(port: int, tls: ClientTLS, prompt: str = "def fibonacci(n):", mode: str = "FIXED"):
     with client_channel(f"127.0.0.1:{port}", tls) as channel:
-        return gateway_pb2_grpc.GatewayStub(channel).Generate(request(prompt, max_new_tokens=16), timeout=60)
+        return gateway_pb2_grpc.GatewayStub(channel).Generate(request(prompt, max_new_tokens=16, mode=mode),
+                                                              timeout=60)
 
 
 def test_tls_gateway_with_the_right_ca_serves_exact_output(secure, pki, target_model, tokenizer):
@@ -268,4 +269,91 @@ def test_the_http_front_end_requires_the_client_certificate_grpc_requires(secure
             assert response.status == 200
     finally:
         loop.run(gateway.stop(0))
+        loop.close()
+
+
+def swap_in(files: dict[str, Path], directory: Path) -> None:
+    """Replace certificate files as the kubelet renews a mounted Secret: each new file whole."""
+    for name, source in files.items():
+        shutil.copy(source, directory / f"{name}.new")
+        (directory / f"{name}.new").replace(directory / name)
+
+
+def test_https_takes_renewed_certificate_files_without_a_restart(secure, pki, tmp_path):
+    """The HTTP front end's certificate, renewed by another CA: within the check interval,
+    new handshakes get the new certificate; nothing restarts."""
+    import ssl
+    import time
+    import urllib.request
+
+    from gateway import http as http_module
+
+    swap_in({"server.pem": pki["server.pem"], "server-key.pem": pki["server-key.pem"]}, tmp_path)
+    loop = LoopThread()
+    edge = ServerSettings("127.0.0.1", 0, grace_s=0.5, tls=ServerTLS(tmp_path / "server.pem",
+                                                                     tmp_path / "server-key.pem"))
+    gateway = loop.run(create_gateway(GatewaySettings(
+        edge, verifier_address=f"127.0.0.1:{secure['verifier']}", draft_address="",
+        worker_tls=ClientTLS(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]), worker_timeout_s=10.0,
+        http_port=0)))
+
+    def trusted_by(ca: Path) -> bool:
+        context = ssl.create_default_context(cafile=str(ca))
+        context.check_hostname = False
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{gateway.servicer.http.port}/health", context=context,
+                                        timeout=10) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        assert trusted_by(pki["ca.pem"]) and not trusted_by(pki["other-ca.pem"])
+        swap_in({"server.pem": pki["other-server.pem"], "server-key.pem": pki["other-server-key.pem"]}, tmp_path)
+        deadline = time.monotonic() + http_module.CERTIFICATE_CHECK_INTERVAL_S + 10
+        while not trusted_by(pki["other-ca.pem"]):
+            assert time.monotonic() < deadline, "the HTTPS port kept its old certificate"
+            time.sleep(0.5)
+        assert not trusted_by(pki["ca.pem"])
+    finally:
+        loop.run(gateway.stop(0))
+        loop.close()
+
+
+def test_the_gateway_presents_its_renewed_client_certificate_to_a_restarted_worker(model_dirs, pki, tmp_path):
+    """The gateway's client certificate is renewed (here by another CA, which the worker
+    now requires) and the verifier restarts: the gateway's next connection presents the new
+    certificate and its requests are served, with no restart of the gateway."""
+    client_dir, worker_dir = tmp_path / "client", tmp_path / "worker"
+    client_dir.mkdir()
+    worker_dir.mkdir()
+    swap_in({"tls.crt": pki["client.pem"], "tls.key": pki["client-key.pem"]}, client_dir)
+    swap_in({"ca.crt": pki["ca.pem"]}, worker_dir)
+    loop = LoopThread()
+    port = _free_port()
+    worker_tls = ServerTLS(pki["server.pem"], pki["server-key.pem"], client_ca=worker_dir / "ca.crt")
+    verifier_settings = VerifierSettings(ServerSettings("127.0.0.1", port, grace_s=0.5, tls=worker_tls),
+                                         model_dirs["target"])
+    verifier = loop.run(create_verifier(verifier_settings))
+    edge = ServerSettings("127.0.0.1", 0, grace_s=0.5)
+    gateway = loop.run(create_gateway(GatewaySettings(
+        edge, verifier_address=f"127.0.0.1:{port}", draft_address="", worker_timeout_s=10.0,
+        worker_tls=ClientTLS(pki["ca.pem"], client_dir / "tls.crt", client_dir / "tls.key"))))
+    try:
+        assert len(generate(gateway.port, ClientTLS(), mode="OFF").token_ids) == 16
+        swap_in({"tls.crt": pki["other-client.pem"], "tls.key": pki["other-client-key.pem"]}, client_dir)
+        swap_in({"ca.crt": pki["other-ca.pem"]}, worker_dir)
+        loop.run(verifier.stop(0))
+        verifier = loop.run(create_verifier(verifier_settings))
+        replies = []
+        for _ in range(3):  # the first may meet the old connection's end and be retried by the client
+            try:
+                replies.append(generate(gateway.port, ClientTLS(), mode="OFF"))
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert replies and len(replies[0].token_ids) == 16
+    finally:
+        loop.run(gateway.stop(0))
+        loop.run(verifier.stop(0))
         loop.close()
