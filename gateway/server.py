@@ -296,4 +296,9 @@ def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:
         # comes within 20 s: a vanished client does not hold its streams for ever.
         ("grpc.keepalive_time_ms", 120_000),
         ("grpc.keepalive_timeout_ms", 20_000),
+        # gRPC clients keep one connection to one gateway: without an age, gateways the
+        # autoscaler adds get no traffic from clients already connected. gRPC spreads the
+        # age by ±10%; a call in flight then has half an hour to finish.
+        *([("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+           ("grpc.max_connection_age_grace_ms", 1_800_000)] if settings.max_connection_age_s > 0 else []),
     ]

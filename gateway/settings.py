@@ -100,6 +100,10 @@ class GatewaySettings:
     max_streams_per_connection: int = setting(1024, flag="--max-streams-per-connection",
                                               help="concurrent requests one client connection may carry")
     min_client_ping_interval_s: float = 10.0  # client keepalive pings closer than this are strikes
+    max_connection_age_s: float = setting(300.0, flag="--max-connection-age", metavar="SECONDS",
+                                          help="a client connection is asked to reconnect (GOAWAY) after about "
+                                               "this long, so that clients spread over gateways added since; calls "
+                                               "in flight finish on it (0: never)")
     # The settings object keeps the task map, so code that embeds the gateway opts in to goodput.
     draft_selection: str = setting("task-map", flag="--draft-selection", choices=DRAFT_SELECTIONS,
                                    cli_default=CLI_DRAFT_SELECTION,

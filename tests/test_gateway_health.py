@@ -142,3 +142,26 @@ def test_the_liveness_name_is_serving_as_soon_as_the_health_port_is_up():
     finally:
         loop.run(health.server.stop(0))
         loop.close()
+
+
+def test_clients_are_asked_to_reconnect_after_the_connection_age(stack):
+    """--max-connection-age: the gateway sends GOAWAY to a connection older than it, so a
+    client's channel goes idle and reconnects (to whichever gateway the Service picks)."""
+    from specd.v1 import gateway_pb2
+
+    loop = LoopThread()
+    gateway = loop.run(create_gateway(GatewaySettings(
+        ServerSettings("127.0.0.1", 0, grace_s=0.5), verifier_address=f"127.0.0.1:{stack.verifier.port}",
+        draft_address="", max_connection_age_s=1.0)))
+    states: list[grpc.ChannelConnectivity] = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            channel.subscribe(states.append, try_to_connect=False)
+            gateway_pb2_grpc.GatewayStub(channel).GetGatewayInfo(gateway_pb2.GatewayInfoRequest(), timeout=10)
+            ready, idle = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE
+            assert until(lambda: ready in states and idle in states[states.index(ready):], 10), states
+            # and it serves again on a new connection
+            gateway_pb2_grpc.GatewayStub(channel).GetGatewayInfo(gateway_pb2.GatewayInfoRequest(), timeout=10)
+    finally:
+        loop.run(gateway.stop(0))
+        loop.close()
