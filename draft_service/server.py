@@ -130,13 +130,18 @@ async def create_server(settings: DraftSettings) -> RunningServer:
     servicer = DraftServicer(runners)
     stop_metrics = start_worker_metrics(runners, "draft", settings.metrics_host, settings.metrics_port)
 
+    watch: asyncio.Task | None = None  # the forwards' health, once serving
+
     async def close() -> None:
+        if watch is not None:
+            watch.cancel()
         stop_metrics()
         for runner in runners.values():
             await runner.close()
 
+    names = [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name]
     running = await start_server(
-        settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s),
-        [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], on_stop=close)
+        settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s), names, on_stop=close)
     running.servicer = servicer
+    watch = asyncio.get_running_loop().create_task(service.watch_forwards(runners, running.health, names))
     return running

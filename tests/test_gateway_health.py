@@ -165,3 +165,35 @@ def test_clients_are_asked_to_reconnect_after_the_connection_age(stack):
     finally:
         loop.run(gateway.stop(0))
         loop.close()
+
+
+def test_a_worker_whose_forwards_keep_failing_reports_not_serving(model_dirs):
+    """Every forward of the verifier raising (a device in a bad state): after
+    FAILING_FORWARDS of them in a row its health says NOT_SERVING, so that its readiness
+    probe takes it out and its liveness probe restarts it; one forward that works again
+    makes it SERVING."""
+    from conftest import start_stack
+    from specd.worker.service import FAILING_FORWARDS
+
+    stack = start_stack(model_dirs, drafts=("close",))
+    try:
+        runner = stack.verifier.servicer.target
+        scheduler = runner.scheduler
+        forward = scheduler._forward
+
+        def broken(rows):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{stack.verifier.port}"))
+        check = lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
+        assert check() == SERVING
+        scheduler._forward = broken
+        for _ in range(FAILING_FORWARDS + 1):
+            with pytest.raises(grpc.RpcError):
+                stack.stub.Generate(request("def f(n):", max_new_tokens=2, mode="OFF"), timeout=30)
+        assert until(lambda: check() == NOT_SERVING, 5)
+        scheduler._forward = forward
+        assert until(lambda: stack.stub.Generate(request("def f(n):", max_new_tokens=2, mode="OFF"), timeout=30)
+                     .token_ids and check() == SERVING, 15)
+    finally:
+        stack.close()

@@ -5,6 +5,7 @@ is `specd.worker.service`'s, shared with the draft.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -106,12 +107,18 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
     stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
                                         settings.metrics_port)
 
+    watch: asyncio.Task | None = None  # the forwards' health, once serving
+
     async def close() -> None:
+        if watch is not None:
+            watch.cancel()
         stop_metrics()
         await target.close()
 
+    names = [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
     running = await start_server(
-        settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-        [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name], on_stop=close)
+        settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s), names, on_stop=close)
     running.servicer = servicer
+    watch = asyncio.get_running_loop().create_task(
+        service.watch_forwards({target.info.name: target}, running.health, names))
     return running

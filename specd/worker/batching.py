@@ -116,6 +116,9 @@ class Scheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._forward_ms = 10.0  # EMA of one forward, for retry hints
+        # Whole forwards that raised since the last that did not: a worker whose every
+        # forward fails (a device in a bad state) says NOT_SERVING (`specd.worker.service`).
+        self.failed_forwards = 0
         self._running: list[Job] = []  # the jobs of the forwards on the model's thread now
         # Sessions whose steps the last batch answered and which have not sent their next
         # (ids, not the sessions: an ended session's blocks must not wait on this set).
@@ -253,7 +256,9 @@ class Scheduler:
         try:
             logits = self._forward(rows)
         except Exception as exc:  # the whole forward failed: every job in it fails
+            self.failed_forwards += 1
             return [exc] * len(jobs)
+        self.failed_forwards = 0
         elapsed = (time.perf_counter() - began) * 1e3
         outcomes: list[BaseException | bool] = []
         published = []

@@ -22,6 +22,7 @@ or the gateway gave up on the step), when its request's deadline passes
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,6 +35,8 @@ from specd.steps import BatchStats, ModelInfo
 from specd.telemetry import batch_span_attributes, worker_step_span
 from specd.wire import identity_mismatch, status_to_pb
 from specd.worker.runtime import ModelRunner
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only: specd.wire is this side's protobuf module
     from specd.v1 import worker_pb2
@@ -235,3 +238,31 @@ def step_span_attributes(model: str, delta: worker_pb2.SequenceDelta, forward_ms
         "specd.forward_ms": forward_ms,
         **batch_span_attributes(batch),
     }
+
+
+# Whole forwards failing in a row before a worker reports NOT_SERVING. A request's bad
+# input fails its own step, never a whole forward; forwards that all fail are the device
+# or the process, which a restart (the liveness probe on "") may cure and traffic cannot.
+FAILING_FORWARDS = 5
+
+
+async def watch_forwards(runners: Mapping[str, ModelRunner], health: Any, names: list[str],
+                         interval_s: float = 1.0) -> None:
+    """Set `names` and "" NOT_SERVING while any runner's last FAILING_FORWARDS forwards
+    all failed, SERVING again once one succeeds; runs until cancelled."""
+    from grpc_health.v1 import health_pb2
+
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        failing = [name for name, runner in runners.items() if runner.scheduler.failed_forwards >= FAILING_FORWARDS]
+        if serving == (not failing):
+            continue
+        serving = not failing
+        if failing:
+            log.error("the last %d forwards of %s all failed: NOT_SERVING", FAILING_FORWARDS, ", ".join(failing))
+        else:
+            log.warning("forwards succeed again: SERVING")
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *names):
+            await health.set(name, status)
