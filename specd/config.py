@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.flags import optional_path, setting
+from specd.flags import comma_list, optional_path, setting
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
@@ -32,6 +32,11 @@ class ServerTLS:
                                help="the certificate's private key (PEM)")
     client_ca: Path | None = setting(flag="--tls-client-ca", parse=optional_path, metavar="FILE", serve=False,
                                      help="require client certificates signed by this CA (mutual TLS)")
+    client_names: tuple[str, ...] = setting((), flag="--tls-client-names", parse=comma_list, cli_default="",
+                                            metavar="LIST", serve=False,
+                                            help="with --tls-client-ca, serve only clients whose certificate names "
+                                                 "one of these (DNS name or common name; comma-separated), e.g. "
+                                                 "specd-gateway")
 
     @property
     def enabled(self) -> bool:

@@ -21,7 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from specd.config import ServerSettings
-from specd.interceptors import ErrorMappingInterceptor
+from specd.interceptors import ClientNameInterceptor, ErrorMappingInterceptor
 from specd.telemetry import server_interceptors
 from specd.tls import server_credentials
 
@@ -137,8 +137,9 @@ async def start_server(
     gateway takes small limits, the workers keep the large ones distributions need.
     """
     merged = {**dict(SERVER_OPTIONS), **dict(options)}
+    identity = [ClientNameInterceptor(settings.tls.client_names)] if settings.tls.client_names else []
     server = grpc.aio.server(
-        interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *interceptors],
+        interceptors=[*server_interceptors(), ErrorMappingInterceptor(), *identity, *interceptors],
         options=list(merged.items()))
     register(server)
     if health_port is None:

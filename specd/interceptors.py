@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,3 +158,50 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
             return None
         return wrap_handler(handler, handler_call_details.method)
+
+
+def guarded(handler: grpc.RpcMethodHandler, check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]
+            ) -> grpc.RpcMethodHandler:
+    """The same handler, `check` (which aborts the call to refuse it) run first."""
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+        "stream" if handler.response_streaming else "unary")
+    behavior = getattr(handler, kind)
+    if handler.response_streaming and inspect.isasyncgenfunction(behavior):
+        async def streaming(request, context):
+            await check(context)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return replace_behavior(handler, **{kind: streaming})
+
+    async def once(request, context):
+        await check(context)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return replace_behavior(handler, **{kind: once})
+
+
+class ClientNameInterceptor(grpc.aio.ServerInterceptor):
+    """Mutual TLS that checks who the client is, not only who signed its certificate: a
+    call is served only when the client certificate names one of `names` (a DNS
+    subject-alternative name, or the common name). Health checks are open, as probes need."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = set(names)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        return guarded(handler, self._check)
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        auth = context.auth_context()
+        presented = {v.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name")
+                     for v in auth.get(key, [])}
+        if not presented & self.names:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this worker serves clients named {sorted(self.names)}; the client certificate "
+                                f"names {sorted(presented)[:4] or 'nothing'} (--tls-client-names)")

@@ -77,6 +77,8 @@ def check_server_tls(tls: ServerTLS, cert_flag: str = "--tls-cert", key_flag: st
     """Raise TLSConfigError unless the server's TLS files are all there and parse."""
     if (tls.cert is None) != (tls.key is None):
         raise TLSConfigError(f"{cert_flag} and {key_flag} go together: give both to serve TLS")
+    if tls.client_names and tls.client_ca is None:
+        raise TLSConfigError(f"--tls-client-names checks client certificates, which needs {ca_flag}")
     if tls.client_ca is not None and tls.cert is None:
         raise TLSConfigError(f"{ca_flag} asks for client certificates, which needs TLS: "
                              f"also give {cert_flag} and {key_flag}")

@@ -357,3 +357,30 @@ def test_the_gateway_presents_its_renewed_client_certificate_to_a_restarted_work
         loop.run(gateway.stop(0))
         loop.run(verifier.stop(0))
         loop.close()
+
+
+@pytest.mark.parametrize("names, served", [(("specd-gateway",), True), (("someone-else",), False)])
+def test_a_worker_serves_only_the_client_names_it_is_told(model_dirs, pki, names, served):
+    """--tls-client-names: a certificate our CA signed is not enough; it must name the
+    gateway (`specd certs` writes it as DNS name and common name)."""
+    loop = LoopThread()
+    tls = ServerTLS(pki["server.pem"], pki["server-key.pem"], client_ca=pki["ca.pem"], client_names=names)
+    verifier = loop.run(create_verifier(VerifierSettings(ServerSettings("127.0.0.1", 0, tls=tls),
+                                                         model_dirs["target"])))
+    try:
+        ours = ClientTLS(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"])
+        with client_channel(f"127.0.0.1:{verifier.port}", ours) as channel:
+            call = lambda: worker_pb2_grpc.VerifierStub(channel).GetModelInfo(  # noqa: E731
+                worker_pb2.ModelInfoRequest(), timeout=10)
+            if served:
+                assert call().models
+            else:
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "specd-gateway" in err.value.details() and "someone-else" in err.value.details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes stay open
+    finally:
+        loop.run(verifier.stop(0))
+        loop.close()

@@ -105,7 +105,7 @@ def write_dev_certs(directory: Path, extra_names: Sequence[str] = (), namespace:
     server = _certificate("specd server", server_key, ca_name, ca_key, days,
                           usage=ExtendedKeyUsageOID.SERVER_AUTH, names=server_names(list(extra_names), namespace))
     client = _certificate("specd-gateway", client_key, ca_name, ca_key, days,
-                          usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+                          usage=ExtendedKeyUsageOID.CLIENT_AUTH, names=["specd-gateway"])
 
     pem = serialization.Encoding.PEM
     _write(paths["ca.pem"], ca.public_bytes(pem))

@@ -345,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # TLS without client certificates at the edge; mutual TLS on the workers' sockets.
         files = {name: str(path) for name, path in _tls_dir(Path(args.tls)).items()}
         server = ["--tls-cert", files["server.pem"], "--tls-key", files["server-key.pem"]]
-        worker_tls = [*server, "--tls-client-ca", files["ca.pem"]]
+        worker_tls = [*server, "--tls-client-ca", files["ca.pem"], "--tls-client-names", "specd-gateway"]
         gateway_tls = [*server, "--worker-ca", files["ca.pem"], "--worker-cert", files["client.pem"],
                        "--worker-key", files["client-key.pem"]]
         client_tls = ClientTLS(ca=Path(files["ca.pem"]))
