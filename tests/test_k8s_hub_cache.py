@@ -16,7 +16,11 @@ def test_hub_cache_component_gives_the_workers_a_cache_and_an_optional_token(ove
         env = {e["name"]: e for e in container["env"]}
         mount = next(m for m in container["volumeMounts"] if m["name"] == "hub-cache")
         assert env["HF_HOME"]["value"] == mount["mountPath"]
-        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        # The token as a file from an optional Secret, never in the environment.
+        assert "HF_TOKEN" not in env
+        token = next(m for m in container["volumeMounts"] if m["name"] == "hub-token")
+        assert env["HF_TOKEN_PATH"]["value"].startswith(token["mountPath"] + "/") and token["readOnly"]
+        assert any(v["name"] == "hub-token" and v["secret"]["optional"] for v in pod["volumes"])
         assert any(v["name"] == "hub-cache" and "ephemeral" in v for v in pod["volumes"])
     gateway = deployments["specd-gateway"]["spec"]["template"]["spec"]["containers"][0]
-    assert "HF_TOKEN" not in {e["name"] for e in gateway.get("env", [])}  # the gateway loads no model
+    assert not {"HF_TOKEN", "HF_TOKEN_PATH"} & {e["name"] for e in gateway.get("env", [])}  # it loads no model
