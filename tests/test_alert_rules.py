@@ -52,7 +52,14 @@ def test_component_renders_with_an_overlay(tmp_path):
     custom = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
     result = validate(yaml.safe_dump_all([d for d in docs if d not in custom]))
     assert result.returncode == 0, result.stdout + result.stderr
-    (rule,) = custom
+    rule, monitor = sorted(custom, key=lambda d: d["kind"] != "PrometheusRule")
     assert rule["kind"] == "PrometheusRule" and rule["metadata"]["namespace"] == "specd"
+    # The PodMonitor that has the Operator scrape what the rules read: the gateway's metrics port.
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "specd-gateway")
+    pod = gateway["spec"]["template"]
+    assert monitor["kind"] == "PodMonitor" and monitor["metadata"]["namespace"] == "specd"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"] and "metrics" in ports
     assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == {"SpecdAcceptanceDrift",
                                                                              "SpecdAcceptanceTooLow"}
