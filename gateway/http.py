@@ -679,8 +679,11 @@ class HttpServer:
         self.limits = limits
         self._tls_files = (certfile, keyfile, client_ca)
         self._reloading: asyncio.Task | None = None
+        # The listen backlog is also how many connections asyncio accepts in one go, before
+        # any is closed at the cap: no larger than the cap, so a burst cannot take every
+        # descriptor at once (2,048, uvicorn's default, did at a file limit of 512).
         config = uvicorn.Config(app.app, lifespan="off", log_level="warning", access_log=False,
-                                http=edge_protocol(limits),
+                                http=edge_protocol(limits), backlog=max(16, min(2048, limits.max_connections)),
                                 timeout_graceful_shutdown=2, ssl_certfile=certfile, ssl_keyfile=keyfile,
                                 ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)
