@@ -59,6 +59,10 @@ class GenerateParams:
     seed: int = 0  # 0: the gateway picks one (reported in the statistics)
     max_new_tokens: int | None = None  # None: the gateway's default
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0: unset (1.0, off), as proto3 reads it
+    logit_bias: dict[int, float] = field(default_factory=dict)
     mode: str = Mode.AUTO.value  # a `Mode` value
     draft_length: int = 0
     min_draft_length: int = 0
@@ -92,8 +96,13 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     choose(task type, user segment): picks the draft of a request that names none
     (`gateway.selection`); None: the task map, else the default draft.
     """
-    transform = Transform.from_fields(request.temperature, request.top_k, request.top_p)
+    transform = Transform.from_fields(request.temperature, request.top_k, request.top_p, request.presence_penalty,
+                                      request.frequency_penalty, request.repetition_penalty, request.logit_bias)
     problems = transform.problems() + _size_problems(request, settings)
+    outside_bias = sorted(t for t in request.logit_bias if not 0 <= t < backend.target.vocab_size)
+    if outside_bias:
+        problems.append(f"logit_bias names token ids {outside_bias[:5]} outside the target's vocabulary of "
+                        f"{backend.target.vocab_size}")
 
     prompt_bytes = len(request.prompt.encode("utf-8"))
     prompt_text = request.prompt
@@ -191,6 +200,8 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     # The confidence policy's threshold is carried out by the draft, inside each step.
     min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)
                       if policy == "confidence" and draft_model else 0.0)
+    # Penalties count output tokens from where the prompt ends.
+    transform = replace(transform, output_start=len(prompt_ids))
     generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
     return ParsedRequest(
         generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,

@@ -9,9 +9,11 @@ segment, and chunks become OpenAI's objects, streamed as server-sent events endi
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
 unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
 verifier reachable, 500 only for a fault of specd's own (an error object too). A
-parameter specd does not support (`n` > 1, `logprobs`, `logit_bias`, `tools`, ...) is
-refused by name, never ignored. A client that disconnects stops its request at the next
-step, and the workers' sessions are freed.
+parameter specd does not support (`n` > 1, `logprobs`, `tools`, ...) is refused by name,
+never ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
+`repetition_penalty` (vLLM's) are applied exactly under speculation (`specd.sampling`).
+A client that disconnects stops its request at the next step, and the workers' sessions
+are freed.
 
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
@@ -63,7 +65,7 @@ log = logging.getLogger(__name__)
 
 # What each endpoint accepts. Anything else is refused by name (never ignored).
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
-             "speculation", "n", "user", "presence_penalty", "frequency_penalty"}
+             "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
@@ -193,9 +195,6 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         lacking.append("logprobs")
     if body.get("echo") not in (None, False):
         lacking.append("echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            lacking.append(name)
     if lacking:
         raise HttpError(400, f"specd does not support {', '.join(lacking)}; leave them unset")
 
@@ -241,8 +240,34 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:  # checked here: the core reads 0 as "unset", as proto3 does
         raise HttpError(400, f"'top_p' must be in (0, 1] (1 = disabled), got {top_p:g}", param="top_p")
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if repetition <= 0:  # checked here: the core reads 0 as "unset", as proto3 does
+        raise HttpError(400, f"'repetition_penalty' must be in (0, 100] (1 = off), got {repetition:g}",
+                        param="repetition_penalty")
     return {"temperature": _number(body, "temperature", 1.0), "top_p": top_p, "top_k": _integer(body, "top_k", 0),
-            "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body), **_speculation(body)}
+            "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body),
+            "presence_penalty": _number(body, "presence_penalty", 0.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0), "repetition_penalty": repetition,
+            "logit_bias": _logit_bias(body), **_speculation(body)}
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) → a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise HttpError(400, "'logit_bias' must be an object of token id → bias", param="logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise HttpError(400, f"'logit_bias' keys are token ids (digits), got {json.dumps(key)[:40]}",
+                            param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise HttpError(400, f"'logit_bias' values are numbers in [-100, 100], got {json.dumps(value)[:40]}",
+                            param="logit_bias")
+        parsed[int(key)] = float(value)
+    return parsed
 
 
 # -- the app ----------------------------------------------------------------------------------

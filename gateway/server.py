@@ -56,7 +56,9 @@ def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
     return GenerateParams(
         prompt=request.prompt, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         seed=sampling.seed, max_new_tokens=sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None,
-        stop=list(sampling.stop), mode=mode.value if mode is not None else str(speculation.mode),
+        stop=list(sampling.stop), presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias), mode=mode.value if mode is not None else str(speculation.mode),
         draft_length=speculation.draft_length, min_draft_length=speculation.min_draft_length,
         max_draft_length=speculation.max_draft_length, draft_model=speculation.draft_model,
         policy=speculation.policy, min_draft_confidence=speculation.min_draft_confidence,

@@ -1,11 +1,14 @@
 """Sampling transforms shared by the draft and the target.
 
 Exactness needs the draft's q and the target's p to be built by the same function from
-their logits: temperature, then top-k, then top-p (the order of transformers' warpers).
-Pure torch; no gRPC.
+their logits: first the penalties and biases that depend on the tokens before a position
+(`penalized`: logit bias, then repetition, frequency and presence penalties, vLLM's
+order), then temperature, top-k and top-p (the order of transformers' warpers).
+Greedy takes the argmax of the penalized logits. Pure torch; no gRPC.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ MIN_TEMPERATURE = 1e-3
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2 ** 31 - 1
 MIN_TOP_P = 1e-30
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI allows 300)
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,30 @@ class Transform:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # Applied to the logits before the rest, at each position over the tokens before it
+    # (`penalized`). OpenAI's presence and frequency penalties count output tokens only;
+    # vLLM's repetition penalty counts prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids in order
+    output_start: int = 0  # where the output starts in a session's tokens: the prompt's length
 
     @classmethod
-    def from_fields(cls, temperature: float, top_k: int, top_p: float) -> Transform:
+    def from_fields(cls, temperature: float, top_k: int, top_p: float, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
+                    logit_bias: dict[int, float] | None = None, output_start: int = 0) -> Transform:
         """From a message's fields (public or worker), where proto3's 0 means unset: a
-        top_p of 0 is 1.0, no nucleus cut. The one place that default is applied."""
-        return cls(temperature, top_k, top_p or 1.0)
+        top_p of 0 is 1.0, no nucleus cut, and a repetition penalty of 0 is 1.0, none. The
+        one place those defaults are applied."""
+        return cls(temperature, top_k, top_p or 1.0, presence_penalty, frequency_penalty, repetition_penalty or 1.0,
+                   tuple(sorted((logit_bias or {}).items())), output_start)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens before each position (or carry a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +82,67 @@ class Transform:
             found.append(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
         elif self.top_p < MIN_TOP_P:
             found.append(f"top_p must be at least {MIN_TOP_P:g} (smaller rounds to 0 on the wire), got {self.top_p:g}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also catches NaN
+                found.append(f"{name} must be in [-2, 2] (0 = off), as OpenAI's, got {value:g}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            found.append(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty:g}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            found.append(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:  # also catches NaN
+                found.append(f"logit_bias for token {token} must be in [-100, 100], as OpenAI's, got {bias:g}")
+                break
         return found
+
+
+def penalized(logits: torch.Tensor, transform: Transform, tokens: Sequence[int]) -> torch.Tensor:
+    """The logits [n, V] of n consecutive positions with the transform's bias and penalties
+    applied; row i follows the tokens `tokens[:len(tokens) - n + 1 + i]` (so the last row
+    follows them all). The same logits, untouched, when the transform has none.
+
+    In vLLM's order, all before temperature: logit bias; repetition penalty over the prompt
+    and output tokens (a positive logit divided by it, a negative one multiplied); then
+    OpenAI's frequency penalty (times the token's count in the output) and presence penalty
+    (once it occurs in the output) subtracted. Output tokens are those from
+    `transform.output_start` on, proposed ones included: each row counts what precedes it.
+    """
+    if not transform.penalized:
+        return logits
+    rows, vocab = logits.shape
+    logits = logits.float().clone()
+    if transform.logit_bias:
+        ids = torch.tensor([t for t, _ in transform.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in transform.logit_bias if t < vocab], dtype=torch.float32)
+        logits[:, ids.to(logits.device)] += bias.to(logits.device)
+    history = torch.tensor(list(tokens), dtype=torch.long)
+    first = len(tokens) - rows + 1  # tokens before row 0
+    start = min(transform.output_start, first)
+    # Ids past `vocab` (a draft whose logits are cut to the target's vocabulary) have no logit to change.
+    output = history[start:first]
+    counts = torch.bincount(output[output < vocab], minlength=vocab).float().expand(rows, vocab).clone()
+    later = history[first:first + rows - 1]  # the token each row adds to the next rows' history
+    if len(later):
+        added = torch.zeros(rows, vocab, dtype=torch.float32)
+        inside = later < vocab
+        added[torch.arange(1, rows)[inside], later[inside]] = 1.0
+        counts += added.cumsum(0)
+    counts = counts.to(logits.device)
+    if transform.repetition_penalty != 1.0:
+        seen = counts > 0
+        if start:
+            prompt = torch.zeros(vocab, dtype=torch.bool)
+            before = history[:start]
+            prompt[before[before < vocab]] = True
+            seen |= prompt.to(logits.device)
+        scaled = torch.where(logits > 0, logits / transform.repetition_penalty, logits * transform.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if transform.frequency_penalty:
+        logits -= transform.frequency_penalty * counts
+    if transform.presence_penalty:
+        logits -= transform.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def probs_from_logits(logits: torch.Tensor, transform: Transform) -> torch.Tensor:

@@ -27,7 +27,7 @@ from specd.v1 import worker_pb2
 MAX_DRAFT_LENGTH = 128
 # The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
 # in ModelInfoResponse.protocol and the gateway refuses a worker of another.
-WORKER_PROTOCOL = 5
+WORKER_PROTOCOL = 6
 
 
 # -- distributions ------------------------------------------------------------------------
@@ -69,7 +69,10 @@ def unpack_distributions(message: worker_pb2.Distributions) -> torch.Tensor:
 
 def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
     return worker_pb2.Transform(temperature=transform.temperature, top_k=transform.top_k,
-                                top_p=transform.top_p)
+                                top_p=transform.top_p, presence_penalty=transform.presence_penalty,
+                                frequency_penalty=transform.frequency_penalty,
+                                repetition_penalty=transform.repetition_penalty,
+                                logit_bias=dict(transform.logit_bias), output_start=transform.output_start)
 
 
 def draft_request_fields(request: DraftRequest) -> dict:
@@ -168,7 +171,9 @@ def verdict_from_pb(response: worker_pb2.VerifyResponse) -> TargetVerdict:
 
 
 def transform_from_pb(message: worker_pb2.Transform) -> Transform:
-    return Transform.from_fields(message.temperature, message.top_k, message.top_p)
+    return Transform.from_fields(message.temperature, message.top_k, message.top_p, message.presence_penalty,
+                                 message.frequency_penalty, message.repetition_penalty, dict(message.logit_bias),
+                                 message.output_start)
 
 
 def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:

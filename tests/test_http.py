@@ -116,7 +116,9 @@ def test_errors_raise_the_clients_matching_exceptions(client, keyed):
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         client.completions.create(model=model, prompt=PROMPT, n=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model=model, prompt=PROMPT, logit_bias={"1": 5})
+        client.completions.create(model=model, prompt=PROMPT, logit_bias={"one": 5})
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=model, prompt=PROMPT, logprobs=2)
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
@@ -331,3 +333,19 @@ def test_specd_serve_with_http_keys_and_a_chat_template(model_dirs, tmp_path):
         serve.send_signal(signal.SIGTERM)
         output, _ = serve.communicate(timeout=60)
     assert serve.returncode == 0, output
+
+
+def test_penalties_and_logit_bias_over_http_equal_grpc(client, http_stack):
+    """The OpenAI names carry the same rule as the gRPC fields (tests/test_penalties.py
+    checks the rule itself against transformers)."""
+    from test_penalties import penalized_request
+
+    model = client.models.list().data[0].id
+    rule = dict(presence_penalty=0.9, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={12: 3.0})
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=24, temperature=0, presence_penalty=0.9, frequency_penalty=0.4,
+        logit_bias={"12": 3.0}, extra_body={"repetition_penalty": 1.3})
+    by_grpc = http_stack.stub.Generate(penalized_request(PROMPT, rule, max_new_tokens=24, mode="AUTO"))
+    assert completion.choices[0].text == by_grpc.text
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert plain.choices[0].text != completion.choices[0].text

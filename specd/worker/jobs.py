@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specd.rejection import Draws, recovered_token, sample, target_verdict
-from specd.sampling import Transform, probs_from_logits
+from specd.sampling import Transform, penalized, probs_from_logits
 from specd.steps import DraftRequest, Proposal, Recovery, Scores
 from specd.worker.batching import Job
 from specd.worker.kvstore import SessionKV
@@ -52,6 +52,8 @@ class ProposeJob(Job):
         embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
+        # What the target will score this position under: the tokens before it, drafted ones included.
+        logits = penalized(logits, request.transform, self.session.tokens + self.drafted)
         if self.guessing:
             self.guessing = False
             self.guess = int(logits[0].argmax())
@@ -147,6 +149,7 @@ class ScoreJob(Job):
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:
             return False
+        logits = penalized(logits, self.transform, self.session.tokens)  # each row over the tokens before it
         if self.transform.greedy:
             self.scores = Scores(logits.argmax(dim=-1).tolist(), None, 0.0)
         else:
