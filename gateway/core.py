@@ -63,6 +63,10 @@ class GenerateParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 0.0  # 0: unset (1.0, off), as proto3 reads it
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
     mode: str = Mode.AUTO.value  # a `Mode` value
     draft_length: int = 0
     min_draft_length: int = 0
@@ -97,12 +101,17 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     (`gateway.selection`); None: the task map, else the default draft.
     """
     transform = Transform.from_fields(request.temperature, request.top_k, request.top_p, request.presence_penalty,
-                                      request.frequency_penalty, request.repetition_penalty, request.logit_bias)
+                                      request.frequency_penalty, request.repetition_penalty, request.logit_bias,
+                                      min_p=request.min_p, min_tokens=request.min_tokens)
     problems = transform.problems() + _size_problems(request, settings)
-    outside_bias = sorted(t for t in request.logit_bias if not 0 <= t < backend.target.vocab_size)
-    if outside_bias:
-        problems.append(f"logit_bias names token ids {outside_bias[:5]} outside the target's vocabulary of "
-                        f"{backend.target.vocab_size}")
+    vocab = backend.target.vocab_size
+    for name, ids in (("logit_bias", request.logit_bias), ("stop_token_ids", request.stop_token_ids)):
+        outside = sorted(t for t in ids if not 0 <= t < vocab)
+        if outside:
+            problems.append(f"{name} names token ids {outside[:5]} outside the target's vocabulary of {vocab}")
+    if len(request.stop_token_ids) > settings.max_stop_strings * 4:
+        problems.append(f"stop_token_ids may list at most {settings.max_stop_strings * 4} ids, got "
+                        f"{len(request.stop_token_ids)}")
 
     prompt_bytes = len(request.prompt.encode("utf-8"))
     prompt_text = request.prompt
@@ -200,9 +209,15 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     # The confidence policy's threshold is carried out by the draft, inside each step.
     min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)
                       if policy == "confidence" and draft_model else 0.0)
-    # Penalties count output tokens from where the prompt ends.
-    transform = replace(transform, output_start=len(prompt_ids))
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence)
+    if request.min_tokens > max_new:
+        problems.append(f"min_tokens={request.min_tokens} asks for more than the {max_new} tokens this request "
+                        f"may generate")
+    # Penalties count output tokens from where the prompt ends; until min_tokens, no token
+    # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
+    eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
+    transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
+    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
+                                   stops, request.ignore_eos)
     return ParsedRequest(
         generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
         request.user_segment, list(request.stop), selected, model_free, forced,
@@ -340,14 +355,15 @@ class GatewayCore:
     def _model_pair(self, draft_model: str) -> str:
         return model_pair_label(draft_model, self.backend.target.name)
 
-    def _bounds(self, draft_model: str) -> ModelBounds:
+    def _bounds(self, generation: GenerationRequest) -> ModelBounds:
         target = self.backend.target
-        draft = self.backend.drafts.get(draft_model)
+        draft = self.backend.drafts.get(generation.draft_model)
         return ModelBounds(
             draft_context=draft.max_context if draft else 0,
             vocab_size=target.vocab_size,
             eos_token_ids=frozenset(target.eos_token_ids),
             target_context=target.max_context,
+            stop_token_ids=generation.stop_token_ids, ignore_eos=generation.ignore_eos,
         )
 
     def _hybrid(self, parsed: ParsedRequest, policy: DraftLengthPolicy, model_pair: str,
@@ -439,7 +455,7 @@ class GatewayCore:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
             if hybrid is not None:  # a long prompt's indexing must not stall the other requests' steps
                 await asyncio.get_running_loop().run_in_executor(self._parser, hybrid.index, generation.prompt_ids)
-            steps = speculate(generation, policy, draft, verifier, self._bounds(generation.draft_model), observers,
+            steps = speculate(generation, policy, draft, verifier, self._bounds(generation), observers,
                               tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max)
             async with contextlib.aclosing(steps):
                 async for output in steps:

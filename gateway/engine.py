@@ -49,6 +49,14 @@ class ModelBounds:
     vocab_size: int
     eos_token_ids: frozenset[int]
     target_context: int = 0  # a model-free proposal may run up to the target's context
+    # The request's stop token ids, and whether EOS ends it (not with ignore_eos).
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    @property
+    def ending(self) -> frozenset[int]:
+        """The tokens that end the request (finish STOP for a stop token id, else EOS)."""
+        return (frozenset() if self.ignore_eos else self.eos_token_ids) | self.stop_token_ids
 
 
 class DraftClient(Protocol):
@@ -256,7 +264,7 @@ class _Speculation:
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
-            ended_at = next((t for t in hop.tokens[:verdict.accepted] if t in self.bounds.eos_token_ids), None)
+            ended_at = next((t for t in hop.tokens[:verdict.accepted] if t in self.bounds.ending), None)
             if verdict.rejected_row is not None and ended_at is not None:
                 # An accepted EOS ends the request before the rejected position: no token after
                 # it is emitted, so none is drawn (the record names the EOS as the step's token).
@@ -350,9 +358,10 @@ class _Speculation:
         if hop.tokens and not hop.model_free and self.draft is not None:
             self.draft.advance(kept_before + verdict.drafted_recovery)
         finish = None
-        eos_at = next((i for i, t in enumerate(emitted) if t in self.bounds.eos_token_ids), None)
-        if eos_at is not None:
-            emitted, finish = emitted[: eos_at + 1], Finish.EOS
+        end_at = next((i for i, t in enumerate(emitted) if t in self.bounds.ending), None)
+        if end_at is not None:
+            finish = Finish.STOP if emitted[end_at] in self.bounds.stop_token_ids else Finish.EOS
+            emitted = emitted[: end_at + 1]
         generated_before = self.generated
         self.generated += len(emitted)
         if finish is None and self.generated >= self.request.max_new_tokens:

@@ -11,7 +11,8 @@ unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 5
 verifier reachable, 500 only for a fault of specd's own (an error object too). A
 parameter specd does not support (`n` > 1, `logprobs`, `tools`, ...) is refused by name,
 never ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
-`repetition_penalty` (vLLM's) are applied exactly under speculation (`specd.sampling`).
+`repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos` (vLLM's) are
+applied exactly under speculation (`specd.sampling`).
 A client that disconnects stops its request at the next step, and the workers' sessions
 are freed.
 
@@ -65,7 +66,8 @@ log = logging.getLogger(__name__)
 
 # What each endpoint accepts. Anything else is refused by name (never ignored).
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
-             "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+             "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+             "min_p", "min_tokens", "stop_token_ids", "ignore_eos"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
@@ -248,7 +250,18 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
             "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body),
             "presence_penalty": _number(body, "presence_penalty", 0.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0), "repetition_penalty": repetition,
-            "logit_bias": _logit_bias(body), **_speculation(body)}
+            "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", 0.0),
+            "min_tokens": _integer(body, "min_tokens", 0), "stop_token_ids": _token_ids(body, "stop_token_ids"),
+            "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"), **_speculation(body)}
+
+
+def _token_ids(body: dict[str, Any], name: str) -> list[int]:
+    ids = body.get(name)
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise HttpError(400, f"'{name}' must be a list of token ids", param=name)
+    return ids
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:

@@ -36,6 +36,8 @@ class GenerationRequest:
     # > 0: the draft stops proposing inside a step once its top probability falls below
     # this (the confidence policy's setting, carried out by the draft).
     min_confidence: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()  # these end the request too (finish STOP)
+    ignore_eos: bool = False  # EOS does not end the request
 
 
 @dataclass(frozen=True)

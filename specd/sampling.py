@@ -2,8 +2,9 @@
 
 Exactness needs the draft's q and the target's p to be built by the same function from
 their logits: first the penalties and biases that depend on the tokens before a position
-(`penalized`: logit bias, then repetition, frequency and presence penalties, vLLM's
-order), then temperature, top-k and top-p (the order of transformers' warpers).
+(`penalized`: logit bias, then repetition, frequency and presence penalties, then the
+ending tokens held back until min_tokens; vLLM's order), then temperature, min_p, top-k
+and top-p (vLLM's order; transformers' warpers keep the same for the last three).
 Greedy takes the argmax of the penalized logits. Pure torch; no gRPC.
 """
 from __future__ import annotations
@@ -38,22 +39,30 @@ class Transform:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids in order
     output_start: int = 0  # where the output starts in a session's tokens: the prompt's length
+    # vLLM's min_p: after temperature, tokens less likely than min_p × the likeliest go.
+    min_p: float = 0.0
+    # While the output is shorter than min_tokens, `suppressed` (the ids that would end it:
+    # EOS and the request's stop token ids) cannot be chosen.
+    min_tokens: int = 0
+    suppressed: tuple[int, ...] = ()
 
     @classmethod
     def from_fields(cls, temperature: float, top_k: int, top_p: float, presence_penalty: float = 0.0,
                     frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
-                    logit_bias: dict[int, float] | None = None, output_start: int = 0) -> Transform:
+                    logit_bias: dict[int, float] | None = None, output_start: int = 0, min_p: float = 0.0,
+                    min_tokens: int = 0, suppressed: Sequence[int] = ()) -> Transform:
         """From a message's fields (public or worker), where proto3's 0 means unset: a
         top_p of 0 is 1.0, no nucleus cut, and a repetition penalty of 0 is 1.0, none. The
         one place those defaults are applied."""
         return cls(temperature, top_k, top_p or 1.0, presence_penalty, frequency_penalty, repetition_penalty or 1.0,
-                   tuple(sorted((logit_bias or {}).items())), output_start)
+                   tuple(sorted((logit_bias or {}).items())), output_start, min_p, min_tokens,
+                   tuple(sorted(set(suppressed))))
 
     @property
     def penalized(self) -> bool:
         """Whether the logits depend on the tokens before each position (or carry a bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or (self.min_tokens and self.suppressed))
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +71,7 @@ class Transform:
     @property
     def sparse(self) -> bool:
         """True when the distribution's support is truncated (send the support only)."""
-        return self.top_k > 0 or self.top_p < 1.0
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def problems(self) -> list[str]:
         """Human-readable reasons this transform is invalid; empty when valid."""
@@ -88,6 +97,10 @@ class Transform:
                 found.append(f"{name} must be in [-2, 2] (0 = off), as OpenAI's, got {value:g}")
         if not 0.0 < self.repetition_penalty <= 100.0:
             found.append(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty:g}")
+        if not 0.0 <= self.min_p <= 1.0:  # also catches NaN
+            found.append(f"min_p must be in [0, 1] (0 = off), got {self.min_p:g}")
+        if self.min_tokens < 0:
+            found.append(f"min_tokens must be >= 0, got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             found.append(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
@@ -105,7 +118,8 @@ def penalized(logits: torch.Tensor, transform: Transform, tokens: Sequence[int])
     In vLLM's order, all before temperature: logit bias; repetition penalty over the prompt
     and output tokens (a positive logit divided by it, a negative one multiplied); then
     OpenAI's frequency penalty (times the token's count in the output) and presence penalty
-    (once it occurs in the output) subtracted. Output tokens are those from
+    (once it occurs in the output) subtracted; last, while fewer than `min_tokens` output
+    tokens precede a row, its `suppressed` tokens go to -inf. Output tokens are those from
     `transform.output_start` on, proposed ones included: each row counts what precedes it.
     """
     if not transform.penalized:
@@ -142,6 +156,11 @@ def penalized(logits: torch.Tensor, transform: Transform, tokens: Sequence[int])
         logits -= transform.frequency_penalty * counts
     if transform.presence_penalty:
         logits -= transform.presence_penalty * (counts > 0).float()
+    if transform.min_tokens and transform.suppressed:
+        produced = first - transform.output_start + torch.arange(rows)  # output tokens before each row
+        early = (produced < transform.min_tokens).to(logits.device)
+        ids = torch.tensor([t for t in transform.suppressed if t < vocab], dtype=torch.long, device=logits.device)
+        logits[early.nonzero().flatten()[:, None], ids[None, :]] = float("-inf")
     return logits
 
 
@@ -154,6 +173,10 @@ def probs_from_logits(logits: torch.Tensor, transform: Transform) -> torch.Tenso
     assert logits.dim() == 2, f"expected [n, V] logits, got {tuple(logits.shape)}"
     assert not transform.greedy, "greedy decoding uses argmax, not probabilities"
     scores = logits.float() / transform.temperature
+    if transform.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        threshold = transform.min_p * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < threshold, float("-inf"))
     if transform.top_k > 0:
         k = min(transform.top_k, scores.shape[-1])
         kth_best = torch.topk(scores, k, dim=-1).values[..., -1:]

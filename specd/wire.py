@@ -72,7 +72,9 @@ def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
                                 top_p=transform.top_p, presence_penalty=transform.presence_penalty,
                                 frequency_penalty=transform.frequency_penalty,
                                 repetition_penalty=transform.repetition_penalty,
-                                logit_bias=dict(transform.logit_bias), output_start=transform.output_start)
+                                logit_bias=dict(transform.logit_bias), output_start=transform.output_start,
+                                min_p=transform.min_p, min_tokens=transform.min_tokens,
+                                suppressed_tokens=transform.suppressed)
 
 
 def draft_request_fields(request: DraftRequest) -> dict:
@@ -173,7 +175,8 @@ def verdict_from_pb(response: worker_pb2.VerifyResponse) -> TargetVerdict:
 def transform_from_pb(message: worker_pb2.Transform) -> Transform:
     return Transform.from_fields(message.temperature, message.top_k, message.top_p, message.presence_penalty,
                                  message.frequency_penalty, message.repetition_penalty, dict(message.logit_bias),
-                                 message.output_start)
+                                 message.output_start, message.min_p, message.min_tokens,
+                                 list(message.suppressed_tokens))
 
 
 def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:

@@ -349,3 +349,16 @@ def test_penalties_and_logit_bias_over_http_equal_grpc(client, http_stack):
     assert completion.choices[0].text == by_grpc.text
     plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
     assert plain.choices[0].text != completion.choices[0].text
+    # vLLM's extra parameters: EOS held back, then not ending the output; a stop token id.
+    # FIXED γ: under AUTO's cost policy a seed fixes the law of the output, not the sample.
+    request = penalized_request(PROMPT, {}, max_new_tokens=24, mode="FIXED", draft_length=3, temperature=0.8, seed=7)
+    request.sampling.min_p, request.sampling.min_tokens, request.sampling.ignore_eos = 0.2, 3, True
+    request.sampling.stop_token_ids.append(12)
+    by_grpc = http_stack.stub.Generate(request)
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=24, temperature=0.8, seed=7,
+        extra_body={"min_p": 0.2, "min_tokens": 3, "ignore_eos": True, "stop_token_ids": [12],
+                    "speculation": {"mode": "fixed", "draft_length": 3}})
+    assert completion.choices[0].text == by_grpc.text
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model=model, prompt=PROMPT, extra_body={"stop_token_ids": ["x"]})

@@ -1,4 +1,5 @@
-"""Penalties and logit bias, exact under speculation for every proposer.
+"""Penalties, logit bias, min_p, min_tokens, stop token ids and ignore_eos, exact under
+speculation for every proposer.
 
 Greedy output through the three services equals transformers' own `generate` with the
 same rule applied by a reference processor written here from the definitions (OpenAI's
@@ -115,8 +116,8 @@ def test_bad_rules_are_invalid_argument(stack):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
 
 
-TRANSFORM = Transform(temperature=1.5, top_k=4, presence_penalty=1.2, frequency_penalty=0.5,
-                      repetition_penalty=1.4, logit_bias=((7, 1.0),))
+TRANSFORM = Transform(temperature=1.5, top_k=6, presence_penalty=1.2, frequency_penalty=0.5,
+                      repetition_penalty=1.4, logit_bias=((7, 1.0),), min_p=0.15)
 
 
 def penalized_joint(target_model, tokenizer, prompt: str) -> dict[tuple[int, int], float]:
@@ -146,6 +147,7 @@ def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model
     def sample(seed: int) -> tuple[int, int]:
         req = penalized_request(prompt, rule, temperature=TRANSFORM.temperature, top_k=TRANSFORM.top_k, seed=seed,
                                 max_new_tokens=3, draft_length=2, draft_model=draft_model)
+        req.sampling.min_p = TRANSFORM.min_p
         return tuple(stack.stub.Generate(req).token_ids[:2])
 
     trials = 1500
@@ -163,3 +165,80 @@ def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model
         observed, wanted = observed[:-1], wanted[:-1]
     wanted = [w * trials / sum(wanted) for w in wanted]  # the joint sums to 1 up to float rounding
     assert chisquare(observed, wanted).pvalue > 1e-3, list(zip(observed, wanted))
+
+
+def manual_greedy(target_model, ids: list[int], processor: LogitsProcessor, new_tokens: int,
+                  ends: set[int]) -> list[int]:
+    """Greedy decoding one forward at a time, no cache: the plainest reference there is."""
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = target_model(torch.tensor([tokens])).logits[:, -1]
+            token = int(processor(torch.tensor([tokens]), logits).argmax())
+            tokens.append(token)
+            if token in ends:
+                break
+    return tokens[len(ids):]
+
+
+class HoldBack(Reference):
+    """The reference rules, and `held` tokens at -inf until `min_tokens` are out."""
+
+    def __init__(self, prompt_length: int, min_tokens: int, held: set[int], **rule) -> None:
+        super().__init__(prompt_length, **rule)
+        self.min_tokens, self.held = min_tokens, held
+
+    def __call__(self, input_ids, scores):
+        scores = super().__call__(input_ids, scores)
+        if input_ids.shape[1] - self.prompt_length < self.min_tokens:
+            scores[:, sorted(self.held)] = float("-inf")
+        return scores
+
+
+EOS = 0  # the test tokenizer's <eos>
+
+
+@pytest.mark.parametrize("mode", ["FIXED", "AUTO"])
+def test_min_tokens_stop_token_ids_and_ignore_eos(stack, target_model, tokenizer, mode):
+    """EOS made likely by a bias: it ends the output at once, unless min_tokens holds it
+    back, or ignore_eos lets the output run on past it; a stop token id ends the output
+    after its first occurrence, with finish reason STOP."""
+    from specd.v1 import gateway_pb2
+
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt)["input_ids"]
+    rule = dict(logit_bias={EOS: 6.0})
+
+    def ours(rule: dict = rule, **fields):
+        extra = {k: fields.pop(k) for k in ("min_tokens", "stop_token_ids", "ignore_eos") if k in fields}
+        req = penalized_request(prompt, rule, max_new_tokens=30, mode=mode, draft_length=4, draft_model="close",
+                                **fields)
+        req.sampling.min_tokens = extra.get("min_tokens", 0)
+        req.sampling.stop_token_ids.extend(extra.get("stop_token_ids", []))
+        req.sampling.ignore_eos = extra.get("ignore_eos", False)
+        return stack.stub.Generate(req)
+
+    plain = manual_greedy(target_model, ids, Reference(len(ids), **rule), 30, {EOS})
+    assert plain[-1] == EOS and len(plain) < 10, plain  # the bias makes EOS come early
+    response = ours()
+    assert list(response.token_ids) == plain and response.finish_reason == gateway_pb2.FINISH_REASON_EOS
+
+    held = manual_greedy(target_model, ids, HoldBack(len(ids), 12, {EOS}, **rule), 30, {EOS})
+    response = ours(min_tokens=12)
+    assert list(response.token_ids) == held and len(held) > 12 and EOS not in held[:12]
+
+    running_on = manual_greedy(target_model, ids, Reference(len(ids), **rule), 30, set())
+    response = ours(ignore_eos=True)
+    assert list(response.token_ids) == running_on and len(running_on) == 30 and EOS in running_on
+    assert response.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+
+    unbiased = manual_greedy(target_model, ids, Reference(len(ids)), 30, {EOS})
+    stop = unbiased[4]  # the fifth token of the plain output
+    assert stop != EOS and len(unbiased) > 12, unbiased
+    expected = manual_greedy(target_model, ids, Reference(len(ids)), 30, {EOS, stop})
+    response = ours({}, stop_token_ids=[stop])
+    assert list(response.token_ids) == expected and response.finish_reason == gateway_pb2.FINISH_REASON_STOP
+
+    held = manual_greedy(target_model, ids, HoldBack(len(ids), 12, {EOS, stop}), 30, {EOS, stop})
+    response = ours({}, stop_token_ids=[stop], min_tokens=12)
+    assert list(response.token_ids) == held and stop not in held[:12] and len(held) > 12
