@@ -9,12 +9,12 @@ segment, and chunks become OpenAI's objects, streamed as server-sent events endi
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
 unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
 verifier reachable, 500 only for a fault of specd's own (an error object too). A
-parameter specd does not support (`n` > 1, `logprobs`, `tools`, ...) is refused by name,
-never ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
+parameter specd does not support (`logprobs`, `tools`, ...) is refused by name, never
+ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
 `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos` (vLLM's) are
-applied exactly under speculation (`specd.sampling`).
-A client that disconnects stops its request at the next step, and the workers' sessions
-are freed.
+applied exactly under speculation (`specd.sampling`). `n` > 1 runs that many generations,
+choice i seeded with the seed plus i. A client that disconnects stops its request at the
+next step, and the workers' sessions are freed.
 
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
@@ -36,14 +36,16 @@ import json
 import logging
 import math
 import re
+import secrets
 import socket
 import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import uvicorn
@@ -63,6 +65,7 @@ from specd.grpcserver import PortInUse
 from specd.tls import files_stamp
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What each endpoint accepts. Anything else is refused by name (never ignored).
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
@@ -189,8 +192,6 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise HttpError(400, f"unsupported parameters {unknown}: specd does not implement them (it never ignores "
                              f"a parameter); remove them", param=unknown[0])
     lacking = []
-    if body.get("n") not in (None, 1):
-        lacking.append("n > 1 (one completion per request)")
     if body.get("best_of") not in (None, 1):
         lacking.append("best_of > 1")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
@@ -456,16 +457,22 @@ class OpenAIApp:
             raise HttpError(400, "'stream_options' is {include_usage: bool}, with stream: true",
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
-        leave = self._admit(segment)
-        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name)
-        streaming = False  # once the stream is handed out, it gives the tenant's slot back
+        choices = _choices(params, _integer(body, "n", 1, low=1) or 1)
+        leaves = [self._admit(segment) for _ in choices]  # each choice is a request in flight
+        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices))
+
+        def leave() -> None:
+            for one in leaves:
+                one()
+
+        streaming = False  # once the stream is handed out, it gives the tenant's slots back
         try:
-            chunks = self.core.generate(params)
+            chunks = _merged([self.core.generate(choice) for choice in choices])
             if stream:
                 first = await _first(chunks)  # errors before any text still get a status
                 streaming = True
                 return _EventStream(reply.events(first, chunks, include_usage, self.closing), chunks, leave)
-            outcome = await _until_disconnect(request.receive, _collect(chunks))
+            outcome = await _until_disconnect(request.receive, _collect(chunks, len(choices)))
         except (InvalidRequest, Busy, WorkerError) as exc:
             raise _from_core(exc) from exc
         finally:
@@ -473,7 +480,7 @@ class OpenAIApp:
                 leave()
         if outcome is None:  # the client left; nobody reads a reply
             return Response(status_code=499)
-        return JSONResponse(reply.whole(*outcome))
+        return JSONResponse(reply.whole(outcome))
 
     def _admit(self, segment: str) -> Callable[[], None]:
         """Hold one of the tenant's requests in flight (429 at its share, with keys); the
@@ -487,12 +494,28 @@ class OpenAIApp:
         return lambda: quota.leave(segment)
 
 
+# The most completions one request may ask for (OpenAI allows 128; each is a request in flight).
+MAX_CHOICES = 16
+
+
+def _choices(params: GenerateParams, n: int) -> list[GenerateParams]:
+    """The parameters of each of n completions. Choice i is seeded with the request's seed
+    plus i (a random seed when the request gives none), so the same request reproduces
+    every choice, and a gRPC caller can ask for any one of them with that seed."""
+    if n > MAX_CHOICES:
+        raise HttpError(400, f"'n' may be at most {MAX_CHOICES}, got {n}", param="n")
+    if n == 1:
+        return [params]
+    base = params.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
+    return [replace(params, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """A fault of specd's own is still an OpenAI error object (the traceback is logged)."""
     return HttpError(500, f"the gateway failed this request: {type(exc).__name__}", "server_error").response()
 
 
-async def _first(chunks: AsyncGenerator[Chunk, None]) -> Chunk:
+async def _first(chunks: AsyncGenerator[tuple[int, Chunk], None]) -> tuple[int, Chunk]:
     try:
         return await anext(chunks)
     except BaseException:
@@ -500,14 +523,50 @@ async def _first(chunks: AsyncGenerator[Chunk, None]) -> Chunk:
         raise
 
 
-async def _collect(chunks: AsyncGenerator[Chunk, None]) -> tuple[str, Chunk]:
-    parts = []
+async def _merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """The chunks of one or more generations as they come, each with its choice index.
+    A failure of one is raised here; closing this closes them all (their worker sessions)."""
+    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    queue.put_nowait((index, chunk))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _collect(chunks: AsyncGenerator[tuple[int, Chunk], None], n: int) -> list[tuple[str, Chunk]]:
+    """Each choice's whole text and last chunk, in index order."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    lasts: list[Chunk | None] = [None] * n
     async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            parts.append(chunk.text)
+        async for index, chunk in chunks:
+            parts[index].append(chunk.text)
             if chunk.finish is not None:
-                return "".join(parts), chunk
-    raise RuntimeError("generation ended without a last chunk")
+                lasts[index] = chunk
+    if any(last is None for last in lasts):
+        raise RuntimeError("a generation ended without a last chunk")
+    return [("".join(texts), last) for texts, last in zip(parts, lasts) if last is not None]
 
 
 async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
@@ -537,8 +596,8 @@ class _Closing(Exception):
     """The gateway is draining and this stream's time is up."""
 
 
-async def _unless_closing(step: Coroutine[Any, Any, Chunk], closing: asyncio.Event) -> Chunk:
-    """The next chunk, or _Closing once `closing` is set (the step in progress cancelled)."""
+async def _unless_closing(step: Coroutine[Any, Any, T], closing: asyncio.Event) -> T:
+    """The next item, or _Closing once `closing` is set (the step in progress cancelled)."""
     if closing.is_set():
         step.close()
         raise _Closing
@@ -562,31 +621,45 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def _usage(chunk: Chunk) -> dict[str, Any]:
-    """OpenAI's usage, with the request's speculative figures under vLLM's names."""
+def _figures(chunk: Chunk) -> dict[str, Any]:
+    """One generation's speculative figures, under vLLM's names."""
     stats = chunk.stats
     assert stats is not None  # the last chunk
     drafts = sum(1 for g in stats.draft_lengths if g)
     return {
-        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "speculation": {
-            "num_drafts": drafts, "num_draft_tokens": stats.proposed_tokens,
-            "num_accepted_tokens": stats.accepted_tokens,
-            "draft_acceptance_rate": stats.acceptance_rate,
-            "mean_acceptance_length": 1 + stats.accepted_tokens / drafts if drafts else 1.0,
-            "drafted_per_step": list(stats.draft_lengths), "accepted_per_step": list(stats.accepted_lengths),
-            "proposers": list(stats.proposers), "draft_model": stats.draft_model, "policy": stats.policy,
-            "seed": stats.seed, "trace_id": chunk.trace_id,
-        },
+        "num_drafts": drafts, "num_draft_tokens": stats.proposed_tokens, "num_accepted_tokens": stats.accepted_tokens,
+        "draft_acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": 1 + stats.accepted_tokens / drafts if drafts else 1.0,
+        "drafted_per_step": list(stats.draft_lengths), "accepted_per_step": list(stats.accepted_lengths),
+        "proposers": list(stats.proposers), "draft_model": stats.draft_model, "policy": stats.policy,
+        "seed": stats.seed, "trace_id": chunk.trace_id,
     }
 
 
-class _Reply:
-    """One response's OpenAI objects (completion or chat completion, whole or streamed)."""
+def _usage(lasts: list[Chunk]) -> dict[str, Any]:
+    """OpenAI's usage, with the speculative figures: one generation's, or with n > 1 the
+    counts over every choice and each choice's figures under `choices`."""
+    stats = [last.stats for last in lasts if last.stats is not None]  # last chunks: all have them
+    prompt, generated = stats[0].prompt_tokens, sum(s.generated_tokens for s in stats)
+    figures = [_figures(last) for last in lasts]
+    if len(figures) == 1:
+        speculation = figures[0]
+    else:
+        drafts, proposed, accepted = (sum(f[k] for f in figures)
+                                      for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        speculation = {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+                       "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
+                       "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "choices": figures}
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "speculation": speculation}
 
-    def __init__(self, kind: str, ident: str, model: str) -> None:
-        self.kind, self.id, self.model = kind, ident, model
+
+class _Reply:
+    """One response's OpenAI objects (completion or chat completion, whole or streamed), of
+    `n` choices."""
+
+    def __init__(self, kind: str, ident: str, model: str, n: int = 1) -> None:
+        self.kind, self.id, self.model, self.n = kind, ident, model, n
         self.created = int(time.time())
         self.chat = kind == "chat.completion"
 
@@ -594,36 +667,46 @@ class _Reply:
         return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
-        assert last.finish is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _FINISH[last.finish], "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._object([choice]), "usage": _usage(last)}
+    def whole(self, outcomes: list[tuple[str, Chunk]]) -> dict[str, Any]:
+        choices = []
+        for index, (text, last) in enumerate(outcomes):
+            assert last.finish is not None
+            choice: dict[str, Any] = {"index": index, "finish_reason": _FINISH[last.finish], "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._object(choices), "usage": _usage([last for _, last in outcomes])}
 
-    def _delta(self, text: str, finish: Finish | None, first: bool = False) -> bytes:
+    def _delta(self, index: int, text: str, finish: Finish | None, first: bool = False) -> bytes:
         reason = _FINISH[finish] if finish is not None else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
         return _event(self._object([choice], chunk=True))
 
-    async def events(self, first: Chunk, chunks: AsyncGenerator[Chunk, None], include_usage: bool,
-                     closing: asyncio.Event) -> AsyncGenerator[bytes, None]:
-        """Server-sent events: a chunk object per chunk of text, the usage when asked, [DONE].
-        Every way a stream can end after its first chunk ends with [DONE]: a failure or
-        the gateway draining (`closing`) sends an error event first."""
+    async def events(self, first: tuple[int, Chunk], chunks: AsyncGenerator[tuple[int, Chunk], None],
+                     include_usage: bool, closing: asyncio.Event) -> AsyncGenerator[bytes, None]:
+        """Server-sent events: a chunk object per chunk of text of any choice, the usage when
+        asked, [DONE]. Every way a stream can end after its first chunk ends with [DONE]: a
+        failure or the gateway draining (`closing`) sends an error event first."""
+        lasts: dict[int, Chunk] = {}
         async with contextlib.aclosing(chunks):
-            chunk = first
-            yield self._delta(chunk.text, chunk.finish, first=True)
+            index, chunk = first
+            started = {index}
+            yield self._delta(index, chunk.text, chunk.finish, first=True)
+            if chunk.finish is not None:
+                lasts[index] = chunk
             try:
-                while chunk.finish is None:
-                    chunk = await _unless_closing(anext(chunks), closing)
-                    yield self._delta(chunk.text, chunk.finish)
+                while len(lasts) < self.n:
+                    index, chunk = await _unless_closing(anext(chunks), closing)
+                    yield self._delta(index, chunk.text, chunk.finish, first=index not in started)
+                    started.add(index)
+                    if chunk.finish is not None:
+                        lasts[index] = chunk
             except (InvalidRequest, Busy, WorkerError) as exc:  # after the status line: an error event
                 yield _event(_from_core(exc).body())
                 yield b"data: [DONE]\n\n"
@@ -639,7 +722,7 @@ class _Reply:
                 yield b"data: [DONE]\n\n"
                 return
         if include_usage:
-            yield _event({**self._object([], chunk=True), "usage": _usage(chunk)})
+            yield _event({**self._object([], chunk=True), "usage": _usage([lasts[i] for i in range(self.n)])})
         yield b"data: [DONE]\n\n"
 
 
@@ -656,7 +739,7 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], chunks: AsyncGenerator[Chunk, None],
+    def __init__(self, events: AsyncGenerator[bytes, None], chunks: AsyncGenerator[tuple[int, Chunk], None],
                  on_close: Callable[[], None]) -> None:
         # No body, so no Content-Length: the events are sent as they come.
         self.status_code, self.background = 200, None

@@ -113,8 +113,8 @@ def test_errors_raise_the_clients_matching_exceptions(client, keyed):
         client.completions.create(model=model, prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt=PROMPT)
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=model, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=model, prompt=PROMPT, best_of=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=model, prompt=PROMPT, logit_bias={"one": 5})
     with pytest.raises(openai.BadRequestError, match="logprobs"):
@@ -362,3 +362,35 @@ def test_penalties_and_logit_bias_over_http_equal_grpc(client, http_stack):
     assert completion.choices[0].text == by_grpc.text
     with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         client.completions.create(model=model, prompt=PROMPT, extra_body={"stop_token_ids": ["x"]})
+
+
+def test_n_choices_each_reproduce_from_the_seed(client, http_stack):
+    """n=3 with a seed: three indexed choices, the same again for the same request, choice
+    i equal to a gRPC request seeded seed + i, streamed or not; usage counts them all."""
+    model = client.models.list().data[0].id
+    fixed = {"speculation": {"mode": "fixed", "draft_length": 3}}  # a seed fixes the sample under FIXED γ
+
+    def ask(**extra):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.0, n=3, seed=11,
+                                         extra_body=fixed, **extra)
+
+    first, again = ask(), ask()
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1  # three samples, not one thrice
+    generated = 0
+    for i, text in enumerate(texts):
+        by_grpc = http_stack.stub.Generate(request(PROMPT, temperature=1.0, seed=11 + i, max_new_tokens=12,
+                                                   mode="FIXED", draft_length=3))
+        assert by_grpc.text == text
+        generated += by_grpc.stats.generated_tokens
+    figures = first.usage.model_extra["speculation"]
+    assert first.usage.completion_tokens == generated and len(figures["choices"]) == 3
+    assert figures["num_accepted_tokens"] == sum(c["num_accepted_tokens"] for c in figures["choices"])
+    streamed = ["", "", ""]
+    for chunk in ask(stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    with pytest.raises(openai.BadRequestError, match="'n' may be at most"):
+        client.completions.create(model=model, prompt=PROMPT, n=100)
