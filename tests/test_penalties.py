@@ -137,8 +137,11 @@ def penalized_joint(target_model, tokenizer, prompt: str) -> dict[tuple[int, int
     return joint
 
 
-@pytest.mark.parametrize("draft_model", ["unrelated", "close"])
-def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model, tokenizer, draft_model):
+@pytest.mark.parametrize("draft_model,gamma,overlap", [("unrelated", 2, False), ("close", 2, False),
+                                                       ("close", 1, True)])
+def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model, tokenizer, draft_model, gamma,
+                                                             overlap):
+    """With overlap, second tokens may come from a branch pre-drafted under the rule."""
     prompt = "def fibonacci(n):"
     joint = penalized_joint(target_model, tokenizer, prompt)
     rule = dict(presence_penalty=TRANSFORM.presence_penalty, frequency_penalty=TRANSFORM.frequency_penalty,
@@ -146,8 +149,9 @@ def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model
 
     def sample(seed: int) -> tuple[int, int]:
         req = penalized_request(prompt, rule, temperature=TRANSFORM.temperature, top_k=TRANSFORM.top_k, seed=seed,
-                                max_new_tokens=3, draft_length=2, draft_model=draft_model)
+                                max_new_tokens=gamma + 1 + overlap, draft_length=gamma, draft_model=draft_model)
         req.sampling.min_p = TRANSFORM.min_p
+        req.speculation.overlap = overlap
         return tuple(stack.stub.Generate(req).token_ids[:2])
 
     trials = 1500
