@@ -257,10 +257,15 @@ def test_health(http_stack):
 
 # Text with lone UTF-16 surrogates too (hypothesis leaves them out by default): JSON's \\ud800
 # escapes decode to them, and no UTF-8 encoder downstream takes them.
-TEXT = st.text(max_size=12) | st.builds("".join, st.lists(st.sampled_from(["a", "\ud800", "\udfff", "é"]), max_size=4))
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-2, 3) | TEXT,
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
-                    max_leaves=8)
+SURROGATES = st.builds("".join, st.lists(st.sampled_from(["a", "\ud800", "\udfff", "é"]), max_size=4))
+
+
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | SURROGATES, inner, max_size=3)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-2, 3) | st.text(max_size=12)
+                    | SURROGATES, _containers, max_leaves=8)
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
           "speculation", "stream_options", "logprobs", "echo", "user", "messages", "extra"]
 
