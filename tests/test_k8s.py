@@ -58,16 +58,23 @@ def render(directory: Path) -> str:
     return result.stdout
 
 
-def with_component(overlay: str, component: str, directory: Path) -> list[dict]:
-    """The overlay rendered with an optional component (a kustomization written in
-    `directory`), validated strictly; its objects."""
+def over(overlay: str, directory: Path, component: str = "", namespace: str = "") -> list[dict]:
+    """The overlay rendered through a kustomization written in `directory` (adding a
+    component, or setting a namespace), validated strictly; its objects."""
     base = os.path.relpath(K8S, directory)
     (directory / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{base}/overlays/{overlay}]\ncomponents: [{base}/components/{component}]\n")
+        + (f"namespace: {namespace}\n" if namespace else "")
+        + f"resources: [{base}/overlays/{overlay}]\n"
+        + (f"components: [{base}/components/{component}]\n" if component else ""))
     manifest = render(directory)
     assert validate(manifest).returncode == 0
     return [doc for doc in yaml.safe_load_all(manifest) if doc]
+
+
+def with_component(overlay: str, component: str, directory: Path) -> list[dict]:
+    """The overlay rendered with an optional component, validated strictly; its objects."""
+    return over(overlay, directory, component=component)
 
 
 def objects(overlay: str) -> list[dict]:
@@ -340,13 +347,7 @@ def test_an_overlay_in_another_namespace_binds_the_gateway_there(overlay, tmp_pa
     """`namespace: llm` over an overlay, as k8s/README allows: every object and every
     ServiceAccount subject of a binding lands in `llm` (a subject left in `specd` made
     the gateway's EndpointSlice watch a 403)."""
-    base = os.path.relpath(K8S, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: llm\n"
-        f"resources: [{base}/overlays/{overlay}]\n")
-    manifest = render(tmp_path)
-    assert validate(manifest).returncode == 0
-    docs = [doc for doc in yaml.safe_load_all(manifest) if doc]
+    docs = over(overlay, tmp_path, namespace="llm")
     subjects = [s for doc in docs if doc["kind"] in ("RoleBinding", "ClusterRoleBinding") for s in doc["subjects"]]
     assert subjects and all(s["namespace"] == "llm" for s in subjects if s["kind"] == "ServiceAccount"), subjects
     placed = {doc["metadata"].get("namespace") for doc in docs if doc["kind"] != "Namespace"}
