@@ -191,8 +191,10 @@ def test_a_repeated_request_is_drafted_from_the_cache(hybrid_stack):
     assert list(second.token_ids) == list(first.token_ids)
     stats = second.stats
     # The whole response is in the cache: the first step already proposes from it, and
-    # every suffix token proposed is accepted (greedy: the same continuation).
-    assert stats.proposers[0] == SUFFIX and stats.accepted_lengths[0] == stats.draft_lengths[0] > 1
+    # every suffix token proposed is accepted (greedy: the same continuation). How many
+    # tokens a match proposes is priced with measured step costs (gateway.hybrid), which a
+    # loaded machine inflates: at least one, and fewer steps than the first time.
+    assert stats.proposers[0] == SUFFIX and stats.accepted_lengths[0] == stats.draft_lengths[0] >= 1
     suffix_steps = [i for i, p in enumerate(stats.proposers) if p == SUFFIX]
     assert all(stats.accepted_lengths[i] == stats.draft_lengths[i] for i in suffix_steps)
     assert stats.steps < first.stats.steps
