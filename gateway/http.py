@@ -458,12 +458,19 @@ class OpenAIApp:
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
         choices = _choices(params, _integer(body, "n", 1, low=1) or 1)
-        leaves = [self._admit(segment) for _ in choices]  # each choice is a request in flight
-        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices))
+        leaves: list[Callable[[], None]] = []
 
         def leave() -> None:
             for one in leaves:
                 one()
+
+        try:
+            for _ in choices:  # each choice is a request in flight
+                leaves.append(self._admit(segment))
+        except HttpError:  # over the tenant's share part-way: give back what was taken
+            leave()
+            raise
+        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices))
 
         streaming = False  # once the stream is handed out, it gives the tenant's slots back
         try:
@@ -526,6 +533,11 @@ async def _first(chunks: AsyncGenerator[tuple[int, Chunk], None]) -> tuple[int, 
 async def _merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
     """The chunks of one or more generations as they come, each with its choice index.
     A failure of one is raised here; closing this closes them all (their worker sessions)."""
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async with contextlib.aclosing(streams[0]) as only:
+            async for chunk in only:
+                yield 0, chunk
+        return
     queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:

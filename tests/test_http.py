@@ -399,3 +399,13 @@ def test_n_choices_each_reproduce_from_the_seed(client, http_stack):
     assert streamed == texts
     with pytest.raises(openai.BadRequestError, match="'n' may be at most"):
         client.completions.create(model=model, prompt=PROMPT, n=100)
+
+
+def test_n_over_the_tenants_share_is_429_and_gives_back_what_it_took(keyed, client):
+    """n=2 against a share of 1: refused with 429, and the one slot taken before the
+    refusal is given back (the next request of that tenant is served)."""
+    model = client.models.list().data[0].id
+    alpha = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
+    with pytest.raises(openai.RateLimitError, match="share"):
+        alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, n=2)
+    assert alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens
