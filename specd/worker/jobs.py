@@ -52,8 +52,8 @@ class ProposeJob(Job):
         embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
-        # What the target will score this position under: the tokens before it, drafted ones included.
-        logits = penalized(logits, request.transform, self.session.tokens + self.drafted)
+        if request.transform.penalized:  # what the target scores this position under: the tokens before it
+            logits = penalized(logits, request.transform, self.session.tokens + self.drafted)
         if self.guessing:
             self.guessing = False
             self.guess = int(logits[0].argmax())
