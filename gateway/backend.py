@@ -18,6 +18,7 @@ Channels are TLS (mutual with a client certificate) when `GatewaySettings.worker
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import tempfile
@@ -26,11 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import llguidance
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.budgets import BudgetSettings, SlowMark, StepBudget
 from gateway.endpointslices import EndpointSliceWatcher
+from gateway.grammar import tokenizer_for
 from gateway.router import NoEndpoint, Router, parse_addresses
 from gateway.settings import GatewaySettings
 from gateway.streams import StepFailed, WorkerStream
@@ -237,6 +240,12 @@ class Backend:
     @property
     def default_draft(self) -> str:
         return next(iter(self.drafts), "")
+
+    @functools.cached_property
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """The target's tokenizer as structured output's matcher reads it (built at the first
+        structured request, on the gateway's one parse thread)."""
+        return tokenizer_for(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)
 
     async def close(self) -> None:
         await self.verifier.close()

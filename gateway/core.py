@@ -24,8 +24,9 @@ from dataclasses import dataclass, field, replace
 
 from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
 from gateway.backend import Backend
-from gateway.engine import ModelBounds, speculate
+from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
+from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.paircosts import PairCosts, model_pair_label
 from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, build_policy
@@ -39,7 +40,7 @@ from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink
 from specd.errors import clip
-from specd.sampling import Transform
+from specd.sampling import MAX_LOGPROBS, Transform
 from specd.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class GenerateParams:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else how many alternatives beside each token's own
+    structure: StructureSpec | None = None  # what the output must match
     mode: str = Mode.AUTO.value  # a `Mode` value
     draft_length: int = 0
     min_draft_length: int = 0
@@ -89,6 +92,7 @@ class Chunk:
     finish: Finish | None = None
     stats: gateway_pb2.GenerationStats | None = None
     trace_id: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asks
 
 
 def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySettings,
@@ -109,6 +113,18 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
         outside = sorted(t for t in ids if not 0 <= t < vocab)
         if outside:
             problems.append(f"{name} names token ids {outside[:5]} outside the target's vocabulary of {vocab}")
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {request.logprobs}")
+    grammar = ""
+    if request.structure is not None:
+        try:
+            grammar = compile_structure(request.structure, backend.grammar_tokenizer)
+        except ValueError as exc:
+            problems.append(f"structured output: {str(exc)[:600]}")
+        # The structure decides where the output ends: it allows nothing but EOS then.
+        if request.ignore_eos or request.min_tokens:
+            problems.append("ignore_eos and min_tokens cannot be combined with structured output: the structure "
+                            "decides where the output ends")
     if len(request.stop_token_ids) > settings.max_stop_strings * 4:
         problems.append(f"stop_token_ids may list at most {settings.max_stop_strings * 4} ids, got "
                         f"{len(request.stop_token_ids)}")
@@ -217,7 +233,7 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
     transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
     generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
-                                   stops, request.ignore_eos)
+                                   stops, request.ignore_eos, request.logprobs, grammar)
     return ParsedRequest(
         generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
         request.user_segment, list(request.stop), selected, model_free, forced,
@@ -455,8 +471,12 @@ class GatewayCore:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
             if hybrid is not None:  # a long prompt's indexing must not stall the other requests' steps
                 await asyncio.get_running_loop().run_in_executor(self._parser, hybrid.index, generation.prompt_ids)
+            target = self.backend.target
+            grammar = (Grammar(self.backend.grammar_tokenizer, generation.grammar, target.vocab_size,
+                               frozenset(target.eos_token_ids)) if generation.grammar else None)
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation), observers,
-                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max)
+                              tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max,
+                              grammar=grammar)
             async with contextlib.aclosing(steps):
                 async for output in steps:
                     delta, kept = text.add(output.tokens)
@@ -464,8 +484,9 @@ class GatewayCore:
                         finish = Finish.STOP
                     elif output.finish is not None:
                         finish = output.finish
+                    logprobs = output.logprobs[:len(kept)]
                     if output.finish is None and not text.stopped:
-                        yield Chunk(delta, kept)
+                        yield Chunk(delta, kept, logprobs=logprobs)
                         continue
                     # Only the selector's own choices teach it: a request that names its draft
                     # may do so for reasons goodput does not see.
@@ -482,7 +503,7 @@ class GatewayCore:
                     summary = self._summary(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.
                     request_trace.finish(stats, len(text.token_ids), finish.value)
-                    yield Chunk(delta + text.finish(), kept, finish, summary, request_trace.trace_id)
+                    yield Chunk(delta + text.finish(), kept, finish, summary, request_trace.trace_id, logprobs)
                     return
         except WorkerError as exc:
             request_trace.end(exc)

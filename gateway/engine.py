@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from gateway.errors import DraftSkipped, WorkerError
+from gateway.grammar import Grammar
 from gateway.hybrid import HybridChoice
 from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
 from gateway.request import GenerationRequest
@@ -85,15 +86,27 @@ class VerifierClient(Protocol):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = ()) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = (),
+                     logprobs: int | None = None, allowed: torch.Tensor | None = None) -> Scores:
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
         its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
         run_ahead: up to that many plain steps follow (sampled: each with its uniform in
-        `ahead_uniforms`), so the verifier may score them at once (`specd.worker.runahead`)."""
+        `ahead_uniforms`), so the verifier may score them at once (`specd.worker.runahead`).
+        logprobs: the decided positions' raw log-probabilities too, with that many
+        alternatives; allowed: a grammar's bitmask words per position (`gateway.grammar`)."""
         ...
 
     def advance(self, position: int) -> None:
         """As `DraftClient.advance`."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's raw log-probability of one output token and its likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class StepOutput:
 
     tokens: list[int]
     finish: Finish | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asks
 
 
 def draft_seed(request_seed: int, step: int) -> int:
@@ -151,8 +165,10 @@ class _Speculation:
     """One request's state across steps: the committed sequence, the RNG and the links."""
 
     def __init__(self, request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
-                 verifier: VerifierClient, bounds: ModelBounds, hybrid: HybridChoice | None = None) -> None:
+                 verifier: VerifierClient, bounds: ModelBounds, hybrid: HybridChoice | None = None,
+                 grammar: Grammar | None = None) -> None:
         self.request = request
+        self.grammar = grammar
         self.policy = policy
         self.draft = draft
         self.verifier = verifier
@@ -195,6 +211,14 @@ class _Speculation:
         # q(x) = 1 for each token; a sampled step builds the one-hot row it needs at a rejection (decide).
         return _DraftHop(match.tokens, (1.0,) * len(match.tokens), ms, proposer=match.proposer, model_free=True)
 
+    def within_grammar(self, hop: _DraftHop) -> _DraftHop:
+        """The proposal cut before its first token the request's grammar forbids (the target
+        would give it probability 0: `gateway.grammar` says why the cut is exact)."""
+        if self.grammar is None or not hop.tokens:
+            return hop
+        allowed = self.grammar.allowed_prefix(hop.tokens)
+        return hop if allowed == len(hop.tokens) else hop.prefix(allowed)
+
     def _one_hot(self, tokens: list[int]) -> Callable[[int], torch.Tensor]:
         """q's row at each position of a model-free proposal: all mass on the proposed token."""
         def row(i: int) -> torch.Tensor:
@@ -222,7 +246,8 @@ class _Speculation:
             next_seed = 0 if transform.greedy else draft_seed(request.seed, self.steps + 1)
             pre_draft = PreDraftRequest(gamma, next_seed)
         try:
-            draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size)
+            draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size,
+                                         request.grammar)
             proposal = await self.draft.propose(self.committed, draft_request, request.draft_model, carrier, pre_draft)
         except DraftSkipped as exc:
             log.info("%s", exc)
@@ -245,9 +270,11 @@ class _Speculation:
         run_ahead = self._run_ahead(hop)
         if self.hybrid is not None:
             self._count_blind(hop, run_ahead)
+        logprobs = self.request.logprobs
+        allowed = None if self.grammar is None else self.grammar.masks(hop.tokens)
         if self.request.transform.greedy:
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                run_ahead=run_ahead)
+                                                run_ahead=run_ahead, logprobs=logprobs, allowed=allowed)
             ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
             outcome = verify_greedy(hop.tokens, scores.argmax)
@@ -260,7 +287,8 @@ class _Speculation:
             while len(self.drawn_ahead) < run_ahead:
                 self.drawn_ahead.append(Draws.draw(0, self.generator).final)
             scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                hop.token_probs, draws, run_ahead, self.drawn_ahead[:run_ahead])
+                                                hop.token_probs, draws, run_ahead, self.drawn_ahead[:run_ahead],
+                                                logprobs, allowed)
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
@@ -294,7 +322,8 @@ class _Speculation:
                      if request.overlap and gamma else None)
         self.draft.advance(len(kept))  # it holds the accepted tokens; the rest of its proposal is stale
         began = time.perf_counter()
-        draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size)
+        draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size,
+                                     request.grammar)
         proposal = await self.draft.propose(kept, draft_request, request.draft_model, carrier, pre_draft, recovery)
         assert proposal.recovered is not None  # the link checks that a recovery was answered
         if proposal.tokens:  # none when γ = 0, or the recovered token is one the draft cannot feed
@@ -320,8 +349,9 @@ class _Speculation:
         with no draft left; else as many as the γ policy foresees, `plain_steps_ahead`), up
         to `RUN_AHEAD_STEPS`. With model-free proposers, none while their matches pay (a
         match would stop the run); once they are quiet, up to `QUIET_RUN_STEPS`, which look
-        for no match; none while such a run is under way (its steps take its answers)."""
-        if hop.tokens:
+        for no match; none while such a run is under way (its steps take its answers).
+        None under a grammar: each position's allowed tokens follow the token before it."""
+        if hop.tokens or self.grammar is not None:
             return 0
         after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
@@ -362,6 +392,12 @@ class _Speculation:
         if end_at is not None:
             finish = Finish.STOP if emitted[end_at] in self.bounds.stop_token_ids else Finish.EOS
             emitted = emitted[: end_at + 1]
+        if self.grammar is not None:
+            self.grammar.commit(emitted)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if self.request.logprobs is not None:
+            logprobs = tuple(TokenLogprob(token, position.of(token), position.top)
+                             for token, position in zip(emitted, verdict.scores.logprobs))
         generated_before = self.generated
         self.generated += len(emitted)
         if finish is None and self.generated >= self.request.max_new_tokens:
@@ -379,13 +415,13 @@ class _Speculation:
             interval_ms=interval_ms, proposal_in_hand=hop.in_hand, recovery_ms=verdict.recovery_ms)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
-        return record, StepOutput(emitted, finish)
+        return record, StepOutput(emitted, finish, logprobs)
 
 
 async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
                     verifier: VerifierClient, bounds: ModelBounds, observers: Sequence[StepObserver] = (),
                     tracer: StepTracer | None = None, hybrid: HybridChoice | None = None,
-                    max_model_free: int = 0) -> AsyncGenerator[StepOutput, None]:
+                    max_model_free: int = 0, grammar: Grammar | None = None) -> AsyncGenerator[StepOutput, None]:
     """Run speculative steps until max_new_tokens or EOS, yielding each step's tokens.
 
     After each step its record goes to the policy, then to `observers` in order, then to
@@ -397,14 +433,18 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     With `hybrid`, each step first asks the request's model-free proposers for up to
     `max_model_free` tokens, and verifies their match instead of drafting when the match
     promises more tokens per millisecond (`gateway.hybrid`).
+
+    With `grammar`, every proposal is cut to what the grammar allows and the verifier
+    restricts the target to it, position by position (`gateway.grammar`).
     """
     tracer = tracer or NoTracer()
     everyone = (policy, *observers, tracer)
-    speculation = _Speculation(request, policy, draft, verifier, bounds, hybrid)
+    speculation = _Speculation(request, policy, draft, verifier, bounds, hybrid, grammar)
     while True:
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
         hop = speculation.propose_model_free(gamma, max_model_free) or await speculation.propose(gamma, carrier)
+        hop = speculation.within_grammar(hop)
         verdict = await speculation.decide(hop, carrier)
         record, output = speculation.commit(hop, verdict)
         for observer in everyone:

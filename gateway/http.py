@@ -36,14 +36,12 @@ import json
 import logging
 import math
 import re
-import secrets
 import socket
 import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,10 +52,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
+from gateway.choices import choice_params, merged
 from gateway.core import Chunk, GatewayCore, GenerateParams
+from gateway.engine import TokenLogprob
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
+from gateway.grammar import StructureSpec
 from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
 from gateway.request import Mode
@@ -70,7 +72,7 @@ T = TypeVar("T")
 # What each endpoint accepts. Anything else is refused by name (never ignored).
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
              "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-             "min_p", "min_tokens", "stop_token_ids", "ignore_eos"}
+             "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
@@ -194,12 +196,72 @@ def _refuse_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
     lacking = []
     if body.get("best_of") not in (None, 1):
         lacking.append("best_of > 1")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        lacking.append("logprobs")
     if body.get("echo") not in (None, False):
         lacking.append("echo")
     if lacking:
         raise HttpError(400, f"specd does not support {', '.join(lacking)}; leave them unset")
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives to report beside each token's log-probability (None: none asked).
+    Chat: `logprobs: true` with `top_logprobs` (OpenAI's); completions: `logprobs: N`."""
+    if not chat:
+        return _integer(body, "logprobs", None)
+    wanted = _typed(body, "logprobs", (bool,), False, "true or false")
+    top = _integer(body, "top_logprobs", None)
+    if top is not None and not wanted:
+        raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+# vLLM's structured_outputs kinds → gateway.grammar's.
+_STRUCTURES = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+               "grammar": "grammar"}
+
+
+def _structure(body: dict[str, Any]) -> StructureSpec | None:
+    """OpenAI's response_format, or vLLM's structured_outputs (one of them, one kind)."""
+    response_format, extension = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and extension is not None:
+        raise HttpError(400, "give 'response_format' or 'structured_outputs', not both", param="response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructureSpec("json_object", "")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise HttpError(400, "'response_format' json_schema needs {json_schema: {name, schema: {...}}}",
+                                param="response_format")
+            return StructureSpec("json", json.dumps(schema))
+        raise HttpError(400, "'response_format' is {type: text | json_object | json_schema}",
+                        param="response_format")
+    if extension is None:
+        return None
+    given = {k: v for k, v in extension.items() if v is not None} if isinstance(extension, dict) else {}
+    if len(given) != 1 or next(iter(given)) not in _STRUCTURES:
+        raise HttpError(400, f"'structured_outputs' takes exactly one of {sorted(_STRUCTURES)}",
+                        param="structured_outputs")
+    (kind, value), = given.items()
+    if kind == "json":
+        if not isinstance(value, (dict, str)):
+            raise HttpError(400, "'structured_outputs.json' is a JSON Schema (an object or its text)",
+                            param="structured_outputs")
+        return StructureSpec("json", value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        if value is not True:
+            raise HttpError(400, "'structured_outputs.json_object' is true", param="structured_outputs")
+        return StructureSpec("json_object", "")
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise HttpError(400, "'structured_outputs.choice' is a list of strings", param="structured_outputs")
+        return StructureSpec("choice", json.dumps(value))
+    if not isinstance(value, str):
+        raise HttpError(400, f"'structured_outputs.{kind}' is a string", param="structured_outputs")
+    return StructureSpec(_STRUCTURES[kind], value)
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -253,7 +315,8 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
             "frequency_penalty": _number(body, "frequency_penalty", 0.0), "repetition_penalty": repetition,
             "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", 0.0),
             "min_tokens": _integer(body, "min_tokens", 0), "stop_token_ids": _token_ids(body, "stop_token_ids"),
-            "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"), **_speculation(body)}
+            "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"),
+            "structure": _structure(body), **_speculation(body)}
 
 
 def _token_ids(body: dict[str, Any], name: str) -> list[int]:
@@ -401,7 +464,7 @@ class OpenAIApp:
         else:
             raise HttpError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                             param="prompt")
-        params = GenerateParams(**source, user_segment=segment,
+        params = GenerateParams(**source, user_segment=segment, logprobs=_logprobs(body, chat=False),
                                 **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)))
         return await self._respond(request, params, body, "text_completion", "cmpl", segment)
 
@@ -416,7 +479,7 @@ class OpenAIApp:
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
         params = GenerateParams(prompt=prompt, add_special_tokens=False, user_segment=segment,
-                                **_sampling(body, max_tokens))
+                                logprobs=_logprobs(body, chat=True), **_sampling(body, max_tokens))
         return await self._respond(request, params, body, "chat.completion", "chatcmpl", segment)
 
     def _render(self, messages: Any) -> str:
@@ -457,7 +520,10 @@ class OpenAIApp:
             raise HttpError(400, "'stream_options' is {include_usage: bool}, with stream: true",
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
-        choices = _choices(params, _integer(body, "n", 1, low=1) or 1)
+        try:
+            choices = choice_params(params, _integer(body, "n", 1, low=1) or 1)
+        except InvalidRequest as exc:
+            raise HttpError(400, str(exc), param="n") from exc
         leaves: list[Callable[[], None]] = []
 
         def leave() -> None:
@@ -470,11 +536,13 @@ class OpenAIApp:
         except HttpError:  # over the tenant's share part-way: give back what was taken
             leave()
             raise
-        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices))
+        chat = kind == "chat.completion"
+        logprobs = None if params.logprobs is None else _Logprobs(self.core.backend.tokenizer, chat)
+        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices), logprobs)
 
         streaming = False  # once the stream is handed out, it gives the tenant's slots back
         try:
-            chunks = _merged([self.core.generate(choice) for choice in choices])
+            chunks = merged([self.core.generate(choice) for choice in choices])
             if stream:
                 first = await _first(chunks)  # errors before any text still get a status
                 streaming = True
@@ -501,22 +569,6 @@ class OpenAIApp:
         return lambda: quota.leave(segment)
 
 
-# The most completions one request may ask for (OpenAI allows 128; each is a request in flight).
-MAX_CHOICES = 16
-
-
-def _choices(params: GenerateParams, n: int) -> list[GenerateParams]:
-    """The parameters of each of n completions. Choice i is seeded with the request's seed
-    plus i (a random seed when the request gives none), so the same request reproduces
-    every choice, and a gRPC caller can ask for any one of them with that seed."""
-    if n > MAX_CHOICES:
-        raise HttpError(400, f"'n' may be at most {MAX_CHOICES}, got {n}", param="n")
-    if n == 1:
-        return [params]
-    base = params.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
-    return [replace(params, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
-
-
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """A fault of specd's own is still an OpenAI error object (the traceback is logged)."""
     return HttpError(500, f"the gateway failed this request: {type(exc).__name__}", "server_error").response()
@@ -530,55 +582,21 @@ async def _first(chunks: AsyncGenerator[tuple[int, Chunk], None]) -> tuple[int, 
         raise
 
 
-async def _merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
-    """The chunks of one or more generations as they come, each with its choice index.
-    A failure of one is raised here; closing this closes them all (their worker sessions)."""
-    if len(streams) == 1:  # the common case: no tasks, no queue
-        async with contextlib.aclosing(streams[0]) as only:
-            async for chunk in only:
-                yield 0, chunk
-        return
-    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for chunk in stream:
-                    queue.put_nowait((index, chunk))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
-            queue.put_nowait((index, exc))
-        finally:
-            queue.put_nowait((index, None))
-
-    pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        running = len(pumps)
-        while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-
-async def _collect(chunks: AsyncGenerator[tuple[int, Chunk], None], n: int) -> list[tuple[str, Chunk]]:
-    """Each choice's whole text and last chunk, in index order."""
+async def _collect(chunks: AsyncGenerator[tuple[int, Chunk], None], n: int) -> list[_Outcome]:
+    """Each choice's whole text, last chunk and token log-probabilities, in index order."""
     parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     lasts: list[Chunk | None] = [None] * n
     async with contextlib.aclosing(chunks):
         async for index, chunk in chunks:
             parts[index].append(chunk.text)
+            logprobs[index].extend(chunk.logprobs)
             if chunk.finish is not None:
                 lasts[index] = chunk
     if any(last is None for last in lasts):
         raise RuntimeError("a generation ended without a last chunk")
-    return [("".join(texts), last) for texts, last in zip(parts, lasts) if last is not None]
+    return [("".join(texts), last, tuple(entries)) for texts, last, entries in zip(parts, lasts, logprobs)
+            if last is not None]
 
 
 async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
@@ -666,38 +684,85 @@ def _usage(lasts: list[Chunk]) -> dict[str, Any]:
             "speculation": speculation}
 
 
+# A choice's whole text, its last chunk and its tokens' log-probabilities.
+_Outcome = tuple[str, Chunk, tuple[TokenLogprob, ...]]
+# What JSON cannot carry: a log-probability of -inf is written as vLLM writes it.
+_NO_LOGPROB = -9999.0
+
+
+class _Logprobs:
+    """Tokens' log-probabilities in OpenAI's shapes: chat's `content` entries, or the legacy
+    completions object (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offsets: dict[int, int] = {}  # each choice's text offset so far (completions)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @staticmethod
+    def _value(logprob: float) -> float:
+        return logprob if math.isfinite(logprob) else _NO_LOGPROB
+
+    def render(self, index: int, entries: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [{**self._entry(e.token, e.logprob),
+                                 "top_logprobs": [self._entry(t, v) for t, v in e.top]} for e in entries]}
+        texts = [self._text(e.token) for e in entries]
+        offset = self.offsets.get(index, 0)
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": texts, "token_logprobs": [self._value(e.logprob) for e in entries],
+                "top_logprobs": [{self._text(t): self._value(v) for t, v in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": self._value(logprob), "bytes": list(text.encode("utf-8"))}
+
+
 class _Reply:
     """One response's OpenAI objects (completion or chat completion, whole or streamed), of
-    `n` choices."""
+    `n` choices; with `logprobs` (when the request asks), each choice's log-probabilities."""
 
-    def __init__(self, kind: str, ident: str, model: str, n: int = 1) -> None:
+    def __init__(self, kind: str, ident: str, model: str, n: int = 1, logprobs: _Logprobs | None = None) -> None:
         self.kind, self.id, self.model, self.n = kind, ident, model, n
         self.created = int(time.time())
         self.chat = kind == "chat.completion"
+        self.logprobs = logprobs
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, outcomes: list[tuple[str, Chunk]]) -> dict[str, Any]:
+    def _rendered(self, index: int, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.render(index, entries)
+
+    def whole(self, outcomes: list[_Outcome]) -> dict[str, Any]:
         choices = []
-        for index, (text, last) in enumerate(outcomes):
+        for index, (text, last, entries) in enumerate(outcomes):
             assert last.finish is not None
-            choice: dict[str, Any] = {"index": index, "finish_reason": _FINISH[last.finish], "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "finish_reason": _FINISH[last.finish],
+                                      "logprobs": self._rendered(index, entries)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
-        return {**self._object(choices), "usage": _usage([last for _, last in outcomes])}
+        return {**self._object(choices), "usage": _usage([last for _, last, _ in outcomes])}
 
-    def _delta(self, index: int, text: str, finish: Finish | None, first: bool = False) -> bytes:
-        reason = _FINISH[finish] if finish is not None else None
+    def _delta(self, index: int, chunk: Chunk, first: bool = False) -> bytes:
+        reason = _FINISH[chunk.finish] if chunk.finish is not None else None
+        text, logprobs = chunk.text, self._rendered(index, chunk.logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
         return _event(self._object([choice], chunk=True))
 
     async def events(self, first: tuple[int, Chunk], chunks: AsyncGenerator[tuple[int, Chunk], None],
@@ -709,13 +774,13 @@ class _Reply:
         async with contextlib.aclosing(chunks):
             index, chunk = first
             started = {index}
-            yield self._delta(index, chunk.text, chunk.finish, first=True)
+            yield self._delta(index, chunk, first=True)
             if chunk.finish is not None:
                 lasts[index] = chunk
             try:
                 while len(lasts) < self.n:
                     index, chunk = await _unless_closing(anext(chunks), closing)
-                    yield self._delta(index, chunk.text, chunk.finish, first=index not in started)
+                    yield self._delta(index, chunk, first=index not in started)
                     started.add(index)
                     if chunk.finish is not None:
                         lasts[index] = chunk

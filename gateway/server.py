@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,8 +20,11 @@ import grpc
 from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
+from gateway.choices import choice_params, merged
 from gateway.core import Chunk, GatewayCore, GenerateParams
 from gateway.drift import load_baseline
+from gateway.engine import TokenLogprob
+from gateway.grammar import StructureSpec
 from gateway.http import HttpServer, OpenAIApp
 from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
@@ -49,6 +53,20 @@ _FINISH = {
 }
 
 
+def structure_from_pb(message: gateway_pb2.StructuredOutput) -> StructureSpec | None:
+    """The request's structure, or None when no kind is set."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructureSpec("json", message.json_schema)
+    if kind == "json_object":
+        return StructureSpec("json_object", "")
+    if kind == "choice":
+        return StructureSpec("choice", json.dumps(list(message.choice.choices)))
+    return StructureSpec(kind, getattr(message, kind))
+
+
 def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
     """A GenerateRequest as the core's parameters (proto3's unset fields as None)."""
     sampling, speculation = request.sampling, request.speculation
@@ -60,6 +78,8 @@ def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
         frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias), min_p=sampling.min_p, min_tokens=sampling.min_tokens,
         stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        structure=structure_from_pb(sampling.structured),
         mode=mode.value if mode is not None else str(speculation.mode),
         draft_length=speculation.draft_length, min_draft_length=speculation.min_draft_length,
         max_draft_length=speculation.max_draft_length, draft_model=speculation.draft_model,
@@ -68,11 +88,20 @@ def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
         task_type=request.task_type, user_segment=request.user_segment)
 
 
-def _chunk_pb(chunk: Chunk) -> gateway_pb2.GenerateChunk:
-    if chunk.finish is None:
-        return gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
-    return gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=_FINISH[chunk.finish],
-                                     stats=chunk.stats, trace_id=chunk.trace_id)
+def _logprobs_pb(logprobs: tuple[TokenLogprob, ...]) -> list[gateway_pb2.TokenLogprobs]:
+    return [gateway_pb2.TokenLogprobs(token_id=one.token, logprob=one.logprob, top_ids=[t for t, _ in one.top],
+                                      top_logprobs=[v for _, v in one.top]) for one in logprobs]
+
+
+def _chunk_pb(index: int, chunk: Chunk) -> gateway_pb2.GenerateChunk:
+    message = gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, index=index,
+                                        logprobs=_logprobs_pb(chunk.logprobs))
+    if chunk.finish is not None:
+        assert chunk.stats is not None  # the last chunk carries the statistics
+        message.finish_reason = _FINISH[chunk.finish]
+        message.stats.CopyFrom(chunk.stats)
+        message.trace_id = chunk.trace_id
+    return message
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -88,9 +117,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         # aclosing: a client that goes away closes the links now, not at garbage collection.
         # InvalidRequest, Busy and WorkerError leave as their statuses (specd.interceptors).
-        async with contextlib.aclosing(self.core.generate(params_from_pb(request), deadline)) as chunks:
-            async for chunk in chunks:
-                yield _chunk_pb(chunk)
+        choices = choice_params(params_from_pb(request), request.n or 1)
+        async with contextlib.aclosing(merged([self.core.generate(one, deadline) for one in choices])) as chunks:
+            async for index, chunk in chunks:
+                yield _chunk_pb(index, chunk)
 
     async def GetAcceptanceStats(self, request, context) -> gateway_pb2.AcceptanceStatsResponse:
         # An unknown label is InvalidArgument: INVALID_ARGUMENT (specd.interceptors).
@@ -137,17 +167,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield chunk
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
-        response = gateway_pb2.GenerateResponse()
-        parts = []
+        completions = [gateway_pb2.Completion(index=i) for i in range(request.n or 1)]
+        parts: list[list[str]] = [[] for _ in completions]
+        trace_id = ""
         async for chunk in self._chunks(request, context):
-            parts.append(chunk.text)
-            response.token_ids.extend(chunk.token_ids)
+            completion = completions[chunk.index]
+            parts[chunk.index].append(chunk.text)
+            completion.token_ids.extend(chunk.token_ids)
+            completion.logprobs.extend(chunk.logprobs)
             if chunk.HasField("stats"):
-                response.finish_reason = chunk.finish_reason
-                response.stats.CopyFrom(chunk.stats)
-                response.trace_id = chunk.trace_id
-        response.text = "".join(parts)
-        return response
+                completion.finish_reason = chunk.finish_reason
+                completion.stats.CopyFrom(chunk.stats)
+                trace_id = trace_id or chunk.trace_id
+        for completion, texts in zip(completions, parts):
+            completion.text = "".join(texts)
+        first, *others = completions
+        return gateway_pb2.GenerateResponse(text=first.text, token_ids=first.token_ids,
+                                            finish_reason=first.finish_reason, stats=first.stats, trace_id=trace_id,
+                                            logprobs=first.logprobs, choices=others)
 
 
 def _served_model(info: ModelInfo, problem: str, path: bool) -> gateway_pb2.ServedModel:

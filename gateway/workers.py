@@ -27,21 +27,24 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 
 from gateway.errors import DraftSkipped, WorkerError
 from gateway.streams import StepFailed, WorkerStream
-from specd.rejection import Draws
+from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
 from specd.v1 import worker_pb2
 from specd.wire import (
+    allowed_to_bytes,
     batch_from_pb,
     draft_request_fields,
     identity_to_pb,
+    logprobs_from_pb,
     recovery_to_pb,
     transform_to_pb,
     verdict_from_pb,
@@ -327,15 +330,19 @@ class VerifierLink(WorkerLink):
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      trace_carrier: dict[str, str], draft_token_probs: Sequence[float] = (),
-                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = ()) -> Scores:
+                     draws: Draws | None = None, run_ahead: int = 0, ahead_uniforms: Sequence[float] = (),
+                     logprobs: int | None = None, allowed: torch.Tensor | None = None) -> Scores:
         """Greedy: the target's argmax. Sampled: its verdict under `draws` (one row at most crosses).
+        With `logprobs`, the decided positions' log-probabilities too; with `allowed` (a
+        grammar's bitmask words, int32 [γ+1, ceil(V / 32)]), only those tokens may be chosen.
 
         run_ahead: plain steps follow, up to that many (sampled, each with its uniform in
         `ahead_uniforms`): the verifier scores them unasked (`specd.worker.runahead`). A
         plain step that one of them is for takes that answer and sends nothing."""
         if self.reserved:
             ahead = self.reserved.expects == (len(committed), committed[-1]) and self.position == len(committed) - 1
-            scores = await self._answered_ahead(draft_tokens, transform) if ahead and not draft_tokens else None
+            scores = (await self._answered_ahead(draft_tokens, transform, logprobs is not None)
+                      if ahead and not draft_tokens else None)
             if scores is not None:
                 self._expect_after(committed, scores)
                 return scores
@@ -346,6 +353,10 @@ class VerifierLink(WorkerLink):
                 delta=delta, draft_tokens=draft_tokens, transform=transform_to_pb(transform),
                 trace_context=worker_pb2.TraceContext(carrier=trace_carrier), draft_token_probs=draft_token_probs,
                 run_ahead_steps=run_ahead)
+            if logprobs is not None:
+                message.logprobs = logprobs
+            if allowed is not None:
+                message.allowed_tokens = allowed_to_bytes(allowed)
             if draws is not None:
                 message.uniforms.extend((*draws.accept, draws.final))
             message.ahead_uniforms.extend(ahead_uniforms)
@@ -364,11 +375,11 @@ class VerifierLink(WorkerLink):
                 self.reopens += 1
         else:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: every verifier tried was over budget")
-        scores = self._scores(response, draft_tokens, transform)
+        scores = self._scores(response, draft_tokens, transform, logprobs is not None)
         self._expect_after(committed, scores)
         return scores
 
-    async def _answered_ahead(self, draft_tokens: list[int], transform: Transform) -> Scores | None:
+    async def _answered_ahead(self, draft_tokens: list[int], transform: Transform, logprobs: bool) -> Scores | None:
         """This plain step's answer, sent unasked; None if it does not come within a step's
         budget or came as a failure (the run stopped): then the step is asked."""
         remaining = self.settings.remaining()
@@ -378,21 +389,31 @@ class VerifierLink(WorkerLink):
         except (StepFailed, TimeoutError):
             return None
         self.last_exchange_bytes = response.ByteSize()
-        return self._scores(response, draft_tokens, transform)
+        return self._scores(response, draft_tokens, transform, logprobs)
 
     def _expect_after(self, committed: list[int], scores: Scores) -> None:
         """After a plain step, the next reserved answer is for the step that commits its token."""
         if self.reserved:
             self.reserved.expects = (len(committed) + 1, scores.plain_token())
 
-    def _scores(self, response: worker_pb2.VerifyResponse, draft_tokens: list[int], transform: Transform) -> Scores:
+    def _scores(self, response: worker_pb2.VerifyResponse, draft_tokens: list[int], transform: Transform,
+                logprobs: bool = False) -> Scores:
         batch = batch_from_pb(response.batch)
         if transform.greedy:
             if len(response.target_argmax) != len(draft_tokens) + 1:
                 raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} scored {len(response.target_argmax)} "
                                                             f"positions of {len(draft_tokens) + 1}")
-            return Scores(list(response.target_argmax), None, response.forward_ms, batch, response.ran_ahead)
-        problem = verdict_problem(response, len(draft_tokens))
-        if problem is not None:  # a verifier of another protocol: never sample from what it sent
-            raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name}: {problem}")
-        return Scores(None, verdict_from_pb(response), response.forward_ms, batch, response.ran_ahead)
+            scores = Scores(list(response.target_argmax), None, response.forward_ms, batch, response.ran_ahead)
+            decided = verify_greedy(draft_tokens, scores.argmax or []).accepted + 1
+        else:
+            problem = verdict_problem(response, len(draft_tokens))
+            if problem is not None:  # a verifier of another protocol: never sample from what it sent
+                raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name}: {problem}")
+            scores = Scores(None, verdict_from_pb(response), response.forward_ms, batch, response.ran_ahead)
+            decided = response.accepted + 1
+        if not logprobs:
+            return scores
+        if len(response.logprobs) != decided:
+            raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} sent log-probabilities of "
+                                                        f"{len(response.logprobs)} positions of {decided}")
+        return replace(scores, logprobs=logprobs_from_pb(response.logprobs))

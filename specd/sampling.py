@@ -22,6 +22,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2 ** 31 - 1
 MIN_TOP_P = 1e-30
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI allows 300)
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's top_logprobs bound, vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
@@ -192,3 +193,26 @@ def probs_from_logits(logits: torch.Tensor, transform: Transform) -> torch.Tenso
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def allowed_from_words(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bool [n, vocab] from a grammar's bitmask, int32 [n, ceil(vocab / 32)]: bit j of word i
+    allows token 32·i + j (llguidance's and xgrammar's layout)."""
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
+def restricted(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The logits [n, V] with every token a grammar forbids at -inf (`allowed`: bool [n, V'],
+    ids past V' forbidden too); the same logits when there is no grammar."""
+    if allowed is None:
+        return logits
+    width = min(allowed.shape[1], logits.shape[1])
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[:, :width] = allowed[:, :width].to(logits.device)
+    return logits.float().masked_fill(~keep, float("-inf"))
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The model's own log-probabilities [n, V] (logprobs' meaning: before any processing)."""
+    return torch.log_softmax(logits.float(), dim=-1)

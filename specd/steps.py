@@ -54,6 +54,7 @@ class DraftRequest:
     seed: int = 0  # the step's sampler seed (`gateway.engine.draft_seed`; 0 when greedy)
     min_confidence: float = 0.0  # > 0: stop inside the step once the draft's top probability falls below
     vocab_limit: int = 0  # > 0: propose only ids below it (the target's vocabulary)
+    grammar: str = ""  # a structured request's grammar: propose only what it allows (`specd.worker.grammar`)
 
     def then(self, pre_draft: PreDraftRequest) -> DraftRequest:
         """The next step's request, as a pre-draft foresees it: its γ and seed, the rest the same."""
@@ -102,6 +103,23 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class PositionLogprobs:
+    """The target's own log-probabilities at one position a step decided (the log-softmax of
+    its logits before penalties, grammar and temperature: vLLM's raw logprobs)."""
+
+    top: tuple[tuple[int, float], ...]  # the likeliest (token id, logprob), likeliest first
+    token: float | None  # the emitted token's; None at a sampled rejection (drawn elsewhere)
+    row: torch.Tensor | None = None  # at a sampled rejection: every token's [V], for the one drawn
+
+    def of(self, token: int) -> float:
+        """The log-probability of the token emitted here."""
+        if self.token is not None:
+            return self.token
+        assert self.row is not None  # a rejected position carries its row
+        return float(self.row[token])
+
+
+@dataclass(frozen=True)
 class Scores:
     """The target's view of a proposal: argmax at the γ+1 positions when greedy, else its
     verdict under the gateway's draws (`specd.rejection.TargetVerdict`)."""
@@ -111,6 +129,8 @@ class Scores:
     forward_ms: float
     batch: BatchStats = BatchStats()
     ran_ahead: bool = False  # scored before it was asked for (`specd.worker.runahead`)
+    # Asked for: positions 1 to accepted + 1, the ones the step decided.
+    logprobs: tuple[PositionLogprobs, ...] = ()
 
     def plain_token(self) -> int:
         """The token a plain step commits: the argmax, or the token its uniform drew from p."""

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from specd.rejection import Draws, TargetVerdict
-from specd.sampling import Transform
-from specd.steps import BatchStats, DraftRequest, ModelInfo, Recovery
+from specd.sampling import MAX_LOGPROBS, Transform, allowed_from_words
+from specd.steps import BatchStats, DraftRequest, ModelInfo, PositionLogprobs, Recovery
 from specd.v1 import worker_pb2
 
 # Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
@@ -27,7 +27,7 @@ from specd.v1 import worker_pb2
 MAX_DRAFT_LENGTH = 128
 # The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
 # in ModelInfoResponse.protocol and the gateway refuses a worker of another.
-WORKER_PROTOCOL = 6
+WORKER_PROTOCOL = 7
 
 
 # -- distributions ------------------------------------------------------------------------
@@ -80,12 +80,13 @@ def transform_to_pb(transform: Transform) -> worker_pb2.Transform:
 def draft_request_fields(request: DraftRequest) -> dict:
     """A `DraftRequest` as the fields of a ProposeRequest (the gateway's side)."""
     return dict(draft_length=request.draft_length, transform=transform_to_pb(request.transform), seed=request.seed,
-                min_confidence=request.min_confidence, vocab_limit=request.vocab_limit)
+                min_confidence=request.min_confidence, vocab_limit=request.vocab_limit, grammar=request.grammar)
 
 
 def draft_request_from_pb(message: worker_pb2.ProposeRequest, transform: Transform) -> DraftRequest:
     """A ProposeRequest's `DraftRequest` (the draft's side), its transform already read."""
-    return DraftRequest(message.draft_length, transform, message.seed, message.min_confidence, message.vocab_limit)
+    return DraftRequest(message.draft_length, transform, message.seed, message.min_confidence, message.vocab_limit,
+                        message.grammar)
 
 
 def recovery_to_pb(recovery: Recovery, sparse: bool) -> worker_pb2.Recovery:
@@ -149,6 +150,57 @@ def draws_from_pb(request: worker_pb2.VerifyRequest) -> Draws | None:
 def ahead_draws_from_pb(request: worker_pb2.VerifyRequest) -> list[Draws]:
     """The draws of the plain steps after this one, sent early for the verifier to run ahead."""
     return [Draws((), u) for u in request.ahead_uniforms]
+
+
+def logprobs_from_request(request: worker_pb2.VerifyRequest) -> int | None:
+    """How many alternatives a verify step asks with its log-probabilities (None: none asked)."""
+    if not request.HasField("logprobs"):
+        return None
+    if request.logprobs > MAX_LOGPROBS:
+        raise ValueError(f"logprobs is {request.logprobs}; at most {MAX_LOGPROBS} alternatives")
+    return request.logprobs
+
+
+def allowed_to_bytes(words: torch.Tensor) -> bytes:
+    """A grammar's bitmask rows, int32 [n, ceil(V / 32)], as VerifyRequest.allowed_tokens."""
+    return words.to(torch.int32).cpu().contiguous().numpy().astype("<i4").tobytes()
+
+
+def allowed_from_request(request: worker_pb2.VerifyRequest, vocab: int) -> torch.Tensor | None:
+    """The tokens a grammar allows at each scored position, bool [γ+1, vocab] (None: all).
+    ValueError when the bitmask is not γ+1 rows of ceil(vocab / 32) words."""
+    if not request.allowed_tokens:
+        return None
+    width = (vocab + 31) // 32
+    rows = len(request.draft_tokens) + 1
+    if len(request.allowed_tokens) != rows * width * 4:
+        raise ValueError(f"allowed_tokens is {len(request.allowed_tokens)} bytes; {rows} positions of a "
+                         f"{vocab}-token vocabulary take {rows * width * 4}")
+    words = torch.from_numpy(np.frombuffer(request.allowed_tokens, dtype="<i4").astype(np.int32)).view(rows, width)
+    return allowed_from_words(words, vocab)
+
+
+def logprobs_to_pb(positions: tuple[PositionLogprobs, ...]) -> list[worker_pb2.PositionLogprobs]:
+    messages = []
+    for position in positions:
+        message = worker_pb2.PositionLogprobs(top_ids=[t for t, _ in position.top],
+                                              top_logprobs=[v for _, v in position.top])
+        if position.token is not None:
+            message.token = position.token
+        else:
+            assert position.row is not None  # a rejected position carries its row
+            message.row = position.row.float().cpu().contiguous().numpy().astype("<f4").tobytes()
+        messages.append(message)
+    return messages
+
+
+def logprobs_from_pb(messages) -> tuple[PositionLogprobs, ...]:
+    """The positions' log-probabilities as the verifier sent them."""
+    return tuple(PositionLogprobs(tuple(zip(m.top_ids, m.top_logprobs)),
+                                  m.token if m.HasField("token") else None,
+                                  None if m.HasField("token") else
+                                  torch.from_numpy(np.frombuffer(m.row, dtype="<f4").astype(np.float32)))
+                 for m in messages)
 
 
 def verdict_problem(response: worker_pb2.VerifyResponse, gamma: int) -> str | None:

@@ -76,7 +76,7 @@ class ScriptedVerifier:
 
     async def verify(self, committed: list[int], draft_tokens: list[int], transform: Transform,
                      carrier: dict[str, str], draft_token_probs=(), draws=None, run_ahead=0,
-                     ahead_uniforms=()) -> Scores:
+                     ahead_uniforms=(), logprobs=None, allowed=None) -> Scores:
         self.run_ahead.append(run_ahead)
         argmax, prefix = [], list(committed)
         for token in [*draft_tokens, None]:
@@ -244,7 +244,7 @@ def test_a_sampled_request_sends_the_uniforms_of_the_steps_ahead_early_and_in_or
 
     class PlainSampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None, run_ahead=0, ahead_uniforms=()) -> Scores:
+                         draws=None, run_ahead=0, ahead_uniforms=(), logprobs=None, allowed=None) -> Scores:
             sent.append((draws.final, run_ahead, list(ahead_uniforms)))
             p = torch.full((1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict([], [], p, draws), 0.0)
@@ -303,7 +303,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
-                         draws=None, run_ahead=0, ahead_uniforms=()) -> Scores:
+                         draws=None, run_ahead=0, ahead_uniforms=(), logprobs=None, allowed=None) -> Scores:
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
@@ -368,7 +368,7 @@ class LawVerifier(ScriptedVerifier):
         self.steps: list[tuple[int, list[int], torch.Tensor, Draws]] = []
 
     async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
-                     run_ahead=0, ahead_uniforms=()) -> Scores:
+                     run_ahead=0, ahead_uniforms=(), logprobs=None, allowed=None) -> Scores:
         prefix, rows = list(committed), []
         for token in [*draft_tokens, None]:
             rows.append(_law(prefix, 1))
@@ -450,7 +450,7 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
 
     class EosVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,
-                         run_ahead=0, ahead_uniforms=()) -> Scores:
+                         run_ahead=0, ahead_uniforms=(), logprobs=None, allowed=None) -> Scores:
             p = torch.zeros(len(draft_tokens) + 1, VOCAB)
             p[0, EOS], p[1:, 5] = 1.0, 1.0  # EOS surely accepted, 3 surely rejected
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)

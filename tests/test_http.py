@@ -117,8 +117,11 @@ def test_errors_raise_the_clients_matching_exceptions(client, keyed):
         client.completions.create(model=model, prompt=PROMPT, best_of=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=model, prompt=PROMPT, logit_bias={"one": 5})
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model=model, prompt=PROMPT, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"logprobs must be in \[0, 20\]"):
+        client.completions.create(model=model, prompt=PROMPT, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "xml"})
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
@@ -267,7 +270,8 @@ def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-2, 3) | st.text(max_size=12)
                     | SURROGATES, _containers, max_leaves=8)
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
-          "speculation", "stream_options", "logprobs", "echo", "user", "messages", "extra"]
+          "speculation", "stream_options", "logprobs", "echo", "user", "messages", "extra", "top_logprobs",
+          "response_format", "structured_outputs"]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -397,7 +401,7 @@ def test_n_choices_each_reproduce_from_the_seed(client, http_stack):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == texts
-    with pytest.raises(openai.BadRequestError, match="'n' may be at most"):
+    with pytest.raises(openai.BadRequestError, match="n may be at most 16"):
         client.completions.create(model=model, prompt=PROMPT, n=100)
 
 
@@ -409,3 +413,54 @@ def test_n_over_the_tenants_share_is_429_and_gives_back_what_it_took(keyed, clie
     with pytest.raises(openai.RateLimitError, match="share"):
         alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, n=2)
     assert alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_logprobs_in_openais_shapes(client, http_stack):
+    """Chat's `logprobs: true` with `top_logprobs`, and completions' `logprobs: N`, whole and
+    streamed: one entry per token, the chosen one heading its alternatives (greedy), the same
+    figures as the gRPC API's."""
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
+    grpc_reply = http_stack.stub.Generate(request(PROMPT, max_new_tokens=10, mode="AUTO"))
+    legacy = completion.choices[0].logprobs
+    assert "".join(legacy.tokens) == completion.choices[0].text == grpc_reply.text
+    assert legacy.text_offset[0] == 0 and all(len(top) <= 2 for top in legacy.top_logprobs)
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                         stream=True)
+    tokens, values = [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+    assert tokens == legacy.tokens and values == pytest.approx(legacy.token_logprobs, abs=1e-6)
+
+
+def test_structured_output_over_http(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs
+    (choice, regex): every output has its structure and ends by itself."""
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content) in ({"ok": True}, {"ok": False})
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.speculation["num_drafts"] >= 0
+    sampled = client.completions.create(model=model, prompt=PROMPT, max_tokens=60, temperature=1.0, seed=3, n=2,
+                                        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in sampled.choices)
+    regex = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{2}-[a-z]{2}"}})
+    assert len(regex.choices[0].text) == 5 and regex.choices[0].text[2] == "-"
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})

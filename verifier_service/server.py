@@ -59,6 +59,11 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         service.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
         if request.run_ahead_steps > MAX_RUN_AHEAD_STEPS:
             raise InvalidArgument(f"run_ahead_steps is {request.run_ahead_steps}; at most {MAX_RUN_AHEAD_STEPS}")
+        try:
+            logprobs = wire.logprobs_from_request(request)
+            allowed = wire.allowed_from_request(request, target.info.vocab_size)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
 
         def answer_ahead(index: int, scores: Scores | None) -> None:
             # The steps after this one take the step ids the gateway reserved after its id.
@@ -70,7 +75,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
                          list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead_steps,
-                         wire.ahead_draws_from_pb(request), answer_ahead),
+                         wire.ahead_draws_from_pb(request), answer_ahead, logprobs, allowed),
             lambda scores: {
                 **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
@@ -80,9 +85,10 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
 
 def _response(scores: Scores, transform: Transform) -> worker_pb2.VerifyResponse:
-    """A step's scores as the gateway reads them: the argmax, or the sampled verdict."""
+    """A step's scores as the gateway reads them: the argmax, or the sampled verdict (and
+    the log-probabilities, when asked)."""
     response = worker_pb2.VerifyResponse(forward_ms=scores.forward_ms, batch=wire.batch_to_pb(scores.batch),
-                                         ran_ahead=scores.ran_ahead)
+                                         ran_ahead=scores.ran_ahead, logprobs=wire.logprobs_to_pb(scores.logprobs))
     if scores.argmax is not None:
         response.target_argmax.extend(scores.argmax)
     else:

@@ -429,11 +429,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
             "off": gateway_pb2.SPECULATION_MODE_OFF}[args.mode]
+    sampling = gateway_pb2.SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens or None, stop=args.stop or [], presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+        logprobs=args.logprobs)
+    if args.json_schema:
+        sampling.structured.json_schema = Path(args.json_schema).read_text()
+    elif args.regex:
+        sampling.structured.regex = args.regex
+    elif args.choice:
+        sampling.structured.choice.choices.extend(args.choice)
     request = gateway_pb2.GenerateRequest(
-        prompt=args.prompt,
-        sampling=gateway_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                            top_p=args.top_p, seed=args.seed,
-                                            max_new_tokens=args.max_new_tokens or None, stop=args.stop or []),
+        prompt=args.prompt, sampling=sampling,
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
@@ -449,10 +457,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 return 1
         try:
             stats = None
+            logprobs = []
             sys.stdout.write(args.prompt)
             for chunk in stub.GenerateStream(request, timeout=args.timeout):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                logprobs += [entry.logprob for entry in chunk.logprobs]
                 if chunk.HasField("stats"):
                     stats, finish = chunk.stats, gateway_pb2.FinishReason.Name(chunk.finish_reason)
         except grpc.RpcError as exc:
@@ -466,6 +476,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"draft tokens accepted), {stats.mean_tokens_per_step:.2f} tokens per step over {stats.steps} steps, "
           f"draft {stats.draft_model or 'none'}, policy {stats.policy}, task {stats.task_type}, "
           f"γ per step {list(stats.draft_lengths)}, seed {stats.seed}", file=sys.stderr)
+    if logprobs:
+        print("logprobs " + " ".join(f"{value:.3f}" for value in logprobs), file=sys.stderr)
     drafted = collections.Counter(p for p in stats.proposers if p)
     if set(drafted) - {stats.draft_model}:  # model-free proposers drafted some steps: say which
         print("steps drafted by " + ", ".join(f"{name} ×{n}" for name, n in drafted.most_common()), file=sys.stderr)
@@ -553,6 +565,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--max-new-tokens", type=int, default=0, help="0: the gateway's default")
     generate.add_argument("--stop", action="append")
+    generate.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    generate.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    generate.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, 1 = off")
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--logprobs", type=int, default=None, metavar="N",
+                          help="print each token's log-probability (N alternatives each are in the API)")
+    structure = generate.add_mutually_exclusive_group()
+    structure.add_argument("--json-schema", metavar="FILE", help="the output must validate against this JSON Schema")
+    structure.add_argument("--regex", help="the output must match this regular expression")
+    structure.add_argument("--choice", action="append", help="the output is one of these (repeat the flag)")
     generate.add_argument("--mode", choices=["auto", "fixed", "off"], default="auto")
     generate.add_argument("--draft-length", type=int, default=0)
     generate.add_argument("--draft-model", default="")

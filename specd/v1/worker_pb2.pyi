@@ -89,7 +89,7 @@ class ModelIdentity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model", "pre_draft", "recovery")
+    __slots__ = ("delta", "draft_length", "transform", "seed", "draft_model", "trace_context", "min_confidence", "vocab_limit", "expected_model", "pre_draft", "recovery", "grammar")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class ProposeRequest(_message.Message):
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
     draft_length: int
     transform: Transform
@@ -112,7 +113,8 @@ class ProposeRequest(_message.Message):
     expected_model: ModelIdentity
     pre_draft: PreDraft
     recovery: Recovery
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., pre_draft: _Optional[_Union[PreDraft, _Mapping]] = ..., recovery: _Optional[_Union[Recovery, _Mapping]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_length: _Optional[int] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., min_confidence: _Optional[float] = ..., vocab_limit: _Optional[int] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., pre_draft: _Optional[_Union[PreDraft, _Mapping]] = ..., recovery: _Optional[_Union[Recovery, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Recovery(_message.Message):
     __slots__ = ("target_row", "uniform")
@@ -147,7 +149,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., recovered_token: _Optional[int] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., pre_drafted: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead_steps", "ahead_uniforms", "expected_model")
+    __slots__ = ("delta", "draft_tokens", "transform", "trace_context", "draft_token_probs", "uniforms", "run_ahead_steps", "logprobs", "allowed_tokens", "ahead_uniforms", "expected_model")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,8 @@ class VerifyRequest(_message.Message):
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     RUN_AHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     delta: SequenceDelta
@@ -164,12 +168,14 @@ class VerifyRequest(_message.Message):
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     uniforms: _containers.RepeatedScalarFieldContainer[float]
     run_ahead_steps: int
+    logprobs: int
+    allowed_tokens: bytes
     ahead_uniforms: _containers.RepeatedScalarFieldContainer[float]
     expected_model: ModelIdentity
-    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., run_ahead_steps: _Optional[int] = ..., ahead_uniforms: _Optional[_Iterable[float]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    def __init__(self, delta: _Optional[_Union[SequenceDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., transform: _Optional[_Union[Transform, _Mapping]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., uniforms: _Optional[_Iterable[float]] = ..., run_ahead_steps: _Optional[int] = ..., logprobs: _Optional[int] = ..., allowed_tokens: _Optional[bytes] = ..., ahead_uniforms: _Optional[_Iterable[float]] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch", "accepted", "bonus_token", "ran_ahead")
+    __slots__ = ("target_argmax", "target_probs", "forward_ms", "batch", "accepted", "bonus_token", "ran_ahead", "logprobs")
     TARGET_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +183,7 @@ class VerifyResponse(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RAN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     target_argmax: _containers.RepeatedScalarFieldContainer[int]
     target_probs: Distributions
     forward_ms: float
@@ -184,7 +191,20 @@ class VerifyResponse(_message.Message):
     accepted: int
     bonus_token: int
     ran_ahead: bool
-    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., ran_ahead: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    def __init__(self, target_argmax: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Union[Distributions, _Mapping]] = ..., forward_ms: _Optional[float] = ..., batch: _Optional[_Union[BatchInfo, _Mapping]] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., ran_ahead: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PositionLogprobs(_message.Message):
+    __slots__ = ("token", "top_ids", "top_logprobs", "row")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    token: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    row: bytes
+    def __init__(self, token: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., row: _Optional[bytes] = ...) -> None: ...
 
 class BatchInfo(_message.Message):
     __slots__ = ("size", "tokens", "queue_ms", "forwards", "sessions")

@@ -13,6 +13,7 @@ sessions, and the multiplexed step stream both servicers serve. `draft_service` 
     batching  the scheduler that batches one model's steps across sessions
     jobs      one step of one session as the scheduler runs it: a proposal, a verification
     predraft  overlapped speculation, draft side: branches pre-drafted during verification
+    grammar   structured output, draft side: each session's grammar cursor, so the draft proposes under it
     runahead  plain steps scored before the gateway asks for them (verifier side)
     service   what the draft and verifier servicers share: the multiplexed step stream
     metrics   Prometheus exposition of a worker's load

@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specd.rejection import Draws, recovered_token, sample, target_verdict
-from specd.sampling import Transform, penalized, probs_from_logits
-from specd.steps import DraftRequest, Proposal, Recovery, Scores
+from specd.rejection import Draws, recovered_token, sample, target_verdict, verify_greedy
+from specd.sampling import Transform, penalized, probs_from_logits, raw_logprobs, restricted
+from specd.steps import DraftRequest, PositionLogprobs, Proposal, Recovery, Scores
 from specd.worker.batching import Job
+from specd.worker.grammar import GrammarCursor
 from specd.worker.kvstore import SessionKV
 
 
@@ -28,13 +29,15 @@ class ProposeJob(Job):
     the branch that assumes every proposal was accepted starts from the draft's guess at
     the bonus token. With `recovery`, the first forward's q is the draft's at the position
     the last step rejected (a session rebuilt from the committed tokens): the recovered
-    token is sampled from it and fed on, and the proposal follows it.
+    token is sampled from it and fed on, and the proposal follows it. With `grammar`, q at
+    every position is restricted to what a structured request's grammar allows there.
     """
 
     def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False,
-                 recovery: Recovery | None = None) -> None:
+                 recovery: Recovery | None = None, grammar: GrammarCursor | None = None) -> None:
         super().__init__(session, feed, keep=1)
         self.request = request
+        self.grammar = grammar
         self.generator = torch.Generator().manual_seed(request.seed)
         self.guessing = guess_first
         self.guess: int | None = None
@@ -54,6 +57,8 @@ class ProposeJob(Job):
             logits = logits[:, :request.vocab_limit]
         if request.transform.penalized:  # what the target scores this position under: the tokens before it
             logits = penalized(logits, request.transform, self.session.tokens + self.drafted)
+        if self.grammar is not None:
+            logits = restricted(logits, self.grammar.allowed(self.session.tokens + self.drafted))
         if self.guessing:
             self.guessing = False
             self.guess = int(logits[0].argmax())
@@ -129,34 +134,74 @@ class AheadRun:
         return session.reserve(needed)
 
 
+def decided_logprobs(logits: torch.Tensor, chosen: list[int], positions: int,
+                     top: int) -> tuple[PositionLogprobs, ...]:
+    """The raw log-probabilities of the first `positions` rows of `logits`: each position's
+    `top` likeliest tokens and its chosen token's. A position past `chosen` (a sampled
+    rejection: its token is drawn by the draft or the gateway) carries its whole row."""
+    logprobs = raw_logprobs(logits[:positions])
+    if top:
+        best = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
+        tops = [tuple(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist())]
+    else:
+        tops = [()] * positions
+    rows = torch.arange(len(chosen), device=logprobs.device)
+    token = logprobs[rows, torch.tensor(chosen, dtype=torch.long, device=logprobs.device)].tolist()
+    return tuple(PositionLogprobs(tops[i], token[i]) if i < len(chosen) else
+                 PositionLogprobs(tops[i], None, logprobs[i].cpu()) for i in range(positions))
+
+
 class ScoreJob(Job):
     """A verify step: feed the delta and the proposal; keep logits of the last γ+1 positions.
 
     Greedy, the result is their argmax. Sampled, the acceptance tests run here with the
     gateway's `draws` and the draft's qᵢ(xᵢ), and only the verdict leaves (`specd.rejection`).
+    With `allowed` (a grammar's tokens at each position, bool [γ+1, V]) the rest are
+    forbidden after the penalties; with `logprobs` (how many alternatives), the raw
+    log-probabilities of the positions the step decided come back too.
     """
 
     def __init__(self, session: SessionKV, feed: list[int], draft_tokens: list[int], transform: Transform,
-                 draft_token_probs: list[float], draws: Draws | None, run: AheadRun | None = None) -> None:
+                 draft_token_probs: list[float], draws: Draws | None, run: AheadRun | None = None,
+                 logprobs: int | None = None, allowed: torch.Tensor | None = None) -> None:
         super().__init__(session, feed + draft_tokens, keep=len(draft_tokens) + 1)
         self.run = run  # plain steps scored ahead, unasked (specd.worker.runahead)
         self.draft_tokens = draft_tokens
         self.transform = transform
         self.draft_token_probs = draft_token_probs
         self.draws = draws
+        self.logprobs = logprobs
+        self.allowed = allowed
         self.scores: Scores | None = None
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:
             return False
-        logits = penalized(logits, self.transform, self.session.tokens)  # each row over the tokens before it
+        raw = logits
+        # Each row over the tokens before it, then the grammar's cut.
+        logits = restricted(penalized(logits, self.transform, self.session.tokens), self.allowed)
         if self.transform.greedy:
             self.scores = Scores(logits.argmax(dim=-1).tolist(), None, 0.0)
         else:
             assert self.draws is not None  # a sampled step carries the gateway's draws (checked on arrival)
             p = probs_from_logits(logits, self.transform)
             self.scores = Scores(None, target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws), 0.0)
+        if self.logprobs is not None:
+            self.scores = self._with_logprobs(self.scores, raw, self.logprobs)
         return self.run is None or not self._go_on(self.run)
+
+    def _with_logprobs(self, scores: Scores, raw: torch.Tensor, top: int) -> Scores:
+        """The scores with the raw log-probabilities of the positions they decide: up to the
+        first mismatch (greedy), or the accepted ones and the bonus or rejected one."""
+        if scores.argmax is not None:
+            chosen = scores.argmax[:verify_greedy(self.draft_tokens, scores.argmax).accepted + 1]
+            positions = len(chosen)
+        else:
+            assert scores.verdict is not None
+            verdict = scores.verdict
+            bonus = [] if verdict.bonus_token is None else [verdict.bonus_token]
+            chosen, positions = self.draft_tokens[:verdict.accepted] + bonus, verdict.accepted + 1
+        return Scores(scores.argmax, scores.verdict, 0.0, logprobs=decided_logprobs(raw, chosen, positions, top))
 
     def _go_on(self, run: AheadRun) -> bool:
         """Model's thread, a step of a run scored: hand its answer out and, unless the run
@@ -183,4 +228,5 @@ class ScoreJob(Job):
     def result(self) -> Scores:
         assert self.scores is not None  # the job finished: consume() scored it
         ahead = self.run is not None
-        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats(), ahead)
+        return Scores(self.scores.argmax, self.scores.verdict, self.forward_ms, self.batch_stats(), ahead,
+                      self.scores.logprobs)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specd.steps import DraftRequest, PreDraftRequest, Proposal
+from specd.worker.grammar import GrammarCursor
 from specd.worker.jobs import ProposeJob
 from specd.worker.kvstore import SessionKV
 
@@ -89,9 +90,9 @@ class PreDrafts:
         for j in self._verdicts(proposed.token_probs):
             if j < len(drafted):  # x_{j+1} rejected: the target commits the draft's other guess there
                 token = proposed.alternatives[j]
-                branch = self._branch(session, committed + j, token, token, request)
+                branch = self._branch(session, committed + j, token, token, request, proposed.grammar)
             else:  # everything accepted: feed x_m (not cached yet), guess the bonus, go on from it
-                branch = self._branch(session, committed + j - 1, drafted[-1], None, request)
+                branch = self._branch(session, committed + j - 1, drafted[-1], None, request, proposed.grammar)
             if branch is not None:
                 branches.append(branch)
         self._pending[session_id] = PendingPreDraft(request, branches)
@@ -113,15 +114,17 @@ class PreDrafts:
         ranked = [j for _, j in sorted(likelihood, reverse=True)]
         return ranked if self.mode == "all" else ranked[:int(self.mode)]
 
-    def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None,
-                request: DraftRequest) -> Branch | None:
+    def _branch(self, session: SessionKV, keep: int, feed: int, token: int | None, request: DraftRequest,
+                grammar: GrammarCursor | None) -> Branch | None:
         """A job proposing from the first `keep` cached tokens plus `feed` (then a guess if token
-        is None); None when the KV pool has no room for it (pre-drafting is only a bet)."""
+        is None), under a copy of the proposal's grammar cursor if it had one; None when the
+        KV pool has no room for it (pre-drafting is only a bet)."""
         fork = session.fork(keep, keep + request.draft_length + 2)
         if fork is None:
             return None
         fork.tokens.append(feed)
-        job = ProposeJob(fork, [feed], request, guess_first=token is None)
+        job = ProposeJob(fork, [feed], request, guess_first=token is None,
+                         grammar=None if grammar is None else grammar.copy())
         task = asyncio.get_running_loop().create_task(self._submit(job))
         task.add_done_callback(_consume_error)
         start = keep if token is not None else keep + 1

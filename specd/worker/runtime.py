@@ -30,6 +30,7 @@ from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
 from specd.worker import kvstore, lean, packing, rope
 from specd.worker.batching import Job, Scheduler
+from specd.worker.grammar import GrammarCursors
 from specd.worker.identity import weights_digest
 from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
@@ -224,6 +225,8 @@ class ModelRunner:
         # Draft side: each session's last sampled proposal's q rows, for the next step's
         # recovered token (they never cross the wire).
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
+        # Draft side: each structured session's grammar cursor (`specd.worker.grammar`).
+        self.grammars = GrammarCursors(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, max_sessions)
 
     def _load(self, path: Path, name: str | None, max_sessions: int, batching: BatchSettings,
               cpu_linear: str, forward: str) -> None:
@@ -268,9 +271,10 @@ class ModelRunner:
 
     def _evicted(self, session_id: str) -> None:
         """What else an evicted session held goes with it: its pre-drafted branches and its
-        kept q rows. (A session running ahead is taken, so never evicted.)"""
+        kept q rows and grammar cursor. (A session running ahead is taken, so never evicted.)"""
         self.pre_drafts.cancel(session_id)
         self.kept_rows.pop(session_id)
+        self.grammars.drop(session_id)
 
     async def close(self) -> None:
         await self.scheduler.close()
@@ -281,6 +285,7 @@ class ModelRunner:
         its request's deadline passed, or the stream that opened it ended."""
         self.run_ahead.cancel(session_id)  # first: a step scored ahead holds the session
         self.kept_rows.pop(session_id)
+        self.grammars.drop(session_id)
         if self.sessions.drop(session_id):
             self.pre_drafts.cancel(session_id)
 
@@ -420,7 +425,9 @@ class ModelRunner:
                 self.sessions.put(session_id, session)
                 self.sessions.release()
                 return Proposal([], None, 0.0, recovered=recovered)
-            job = ProposeJob(session, feed, request, recovery=recovery)
+            grammar = (self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
+                       if request.grammar else None)
+            job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar)
             proposal = await self._step(session_id, session, job)
         assert job is not None  # it made the proposal
         committed = len(job.session.tokens) - len(proposal.tokens)
@@ -464,7 +471,8 @@ class ModelRunner:
     async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
                     transform: Transform, draft_token_probs: Sequence[float] = (),
                     draws: Draws | None = None, run_ahead: int = 0, ahead_draws: Sequence[Draws] = (),
-                    answer_ahead: AnswerAhead | None = None) -> Scores:
+                    answer_ahead: AnswerAhead | None = None, logprobs: int | None = None,
+                    allowed: torch.Tensor | None = None) -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
@@ -475,6 +483,10 @@ class ModelRunner:
         scored next, unasked, each answered with `answer_ahead(index, scores)` (index 1
         first; scores None: the run stopped before that step); sampled, each with its draws
         from `ahead_draws`, one per step (`specd.worker.runahead`).
+
+        `logprobs`: also the raw log-probabilities of the positions decided, with that many
+        alternatives each. `allowed`: a grammar's tokens at each of the γ+1 positions (bool
+        [γ+1, V]); the others are forbidden there.
         """
         if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
                                      or len(draft_token_probs) != len(draft_tokens)):
@@ -486,6 +498,9 @@ class ModelRunner:
                              f"{self.info.vocab_size}")
         if run_ahead and (draft_tokens or answer_ahead is None):
             raise InvalidArgument("only a plain step (no draft tokens) may run ahead")
+        if allowed is not None and (allowed.shape[0] != len(draft_tokens) + 1 or run_ahead):
+            raise InvalidArgument(f"allowed_tokens must have one row for each of the {len(draft_tokens) + 1} "
+                                  f"positions scored, got {allowed.shape[0]}, and no run ahead")
         if run_ahead and not transform.greedy and len(ahead_draws) != run_ahead:
             raise InvalidArgument(f"a sampled step that runs {run_ahead} steps ahead needs a uniform for each; "
                                   f"it sent {len(ahead_draws)}")
@@ -495,15 +510,17 @@ class ModelRunner:
             self.sessions.release()
             raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
         session.tokens.extend(draft_tokens)
-        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws)
+        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws,
+                       logprobs=logprobs, allowed=allowed)
         scores = await self._step(session_id, session, job)
         if run_ahead:
             assert answer_ahead is not None  # checked on arrival
-            self._run_ahead(session_id, scores.plain_token(), transform, ahead_draws, run_ahead, answer_ahead)
+            self._run_ahead(session_id, scores.plain_token(), transform, ahead_draws, run_ahead, answer_ahead,
+                            logprobs)
         return scores
 
     def _run_ahead(self, session_id: str, token: int, transform: Transform, draws: Sequence[Draws], steps: int,
-                   answer: AnswerAhead) -> None:
+                   answer: AnswerAhead, logprobs: int | None) -> None:
         """Score up to `steps` plain steps after the one that committed `token`, unasked. Not
         past EOS or the context, nor while the queue is half full (a bet must not take the
         room of steps that were asked for), nor without room in the pool (a bet evicts
@@ -525,7 +542,7 @@ class ModelRunner:
             answer(1, None)
             return
         session.tokens.append(token)
-        job = ScoreJob(session, [token], [], transform, [], draws[0] if draws else None, run)
+        job = ScoreJob(session, [token], [], transform, [], draws[0] if draws else None, run, logprobs)
         future = self.scheduler.enqueue(job)
         future.add_done_callback(lambda done: self._run_ended(session_id, job, run))
         self.run_ahead.start(session_id, job, future)

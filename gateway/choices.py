@@ -1,0 +1,69 @@
+"""Several completions of one prompt (n > 1), for every transport.
+
+Each completion is a request of its own through `gateway.core.GatewayCore`, seeded with
+the request's seed plus its index, so the same request reproduces every one of them, and
+any one can be asked for alone with its seed. Their chunks are merged as they come, each
+with its index. The HTTP front end and the gRPC servicer share this.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+from gateway.core import Chunk, GenerateParams
+from gateway.errors import InvalidRequest
+
+# The most completions one request may ask for (OpenAI allows 128; each is a request in flight).
+MAX_CHOICES = 16
+
+
+def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
+    """The parameters of each of n completions. Choice i is seeded with the request's seed
+    plus i (a random seed when the request gives none), so the same request reproduces
+    every choice, and a gRPC caller can ask for any one of them with that seed."""
+    if n > MAX_CHOICES:
+        raise InvalidRequest(f"n may be at most {MAX_CHOICES}, got {n}")
+    if n == 1:
+        return [params]
+    base = params.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
+    return [replace(params, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
+
+
+async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """The chunks of one or more generations as they come, each with its choice index.
+    A failure of one is raised here; closing this closes them all (their worker sessions)."""
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async with contextlib.aclosing(streams[0]) as only:
+            async for chunk in only:
+                yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    queue.put_nowait((index, chunk))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)

@@ -1,0 +1,122 @@
+"""Log-probabilities, and n completions, through the three services.
+
+Each output token's log-probability, and its alternatives', equal the log-softmax of the
+target's own logits (float32 transformers, one forward over prompt and output) within
+2e-3, whichever proposer made the step and whether the token was accepted, a bonus, or
+recovered after a rejection (drawn by the draft, or by the gateway for a model-free
+proposal). They are the raw ones (vLLM's default): before penalties and temperature.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from conftest import request, start_stack
+from specd.v1 import gateway_pb2
+
+TOLERANCE = 2e-3
+
+
+def reference_logprobs(target_model, tokenizer, prompt: str, output: list[int]) -> torch.Tensor:
+    """log_softmax of the target's logits at each output position [len(output), V]."""
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        logits = target_model(torch.tensor([ids + output])).logits[0].float()
+    return torch.log_softmax(logits[len(ids) - 1:-1], dim=-1)
+
+
+def check(response, target_model, tokenizer, prompt: str, top: int, greedy: bool) -> None:
+    output = list(response.token_ids)
+    assert len(response.logprobs) == len(output) > 0
+    expected = reference_logprobs(target_model, tokenizer, prompt, output)
+    for i, (token, entry) in enumerate(zip(output, response.logprobs)):
+        assert entry.token_id == token
+        assert abs(entry.logprob - float(expected[i, token])) < TOLERANCE, (i, entry.logprob, expected[i, token])
+        assert len(entry.top_ids) == len(entry.top_logprobs) == top
+        best = expected[i].topk(top)
+        assert torch.allclose(torch.tensor(list(entry.top_logprobs)), best.values, atol=TOLERANCE)
+        if greedy:
+            assert entry.top_ids[0] == token  # the chosen token heads the alternatives
+
+
+def with_logprobs(prompt: str, top: int, **fields) -> gateway_pb2.GenerateRequest:
+    req = request(prompt, **fields)
+    req.sampling.logprobs = top
+    return req
+
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.mark.parametrize("mode,draft", [("OFF", ""), ("FIXED", "close"), ("AUTO", "close")])
+def test_greedy_logprobs_are_the_targets(stack, target_model, tokenizer, mode, draft):
+    response = stack.stub.Generate(with_logprobs(PROMPT, 5, max_new_tokens=32, mode=mode, draft_length=4,
+                                                 draft_model=draft))
+    check(response, target_model, tokenizer, PROMPT, 5, greedy=True)
+    if mode == "FIXED":
+        assert response.stats.accepted_tokens > 0  # logprobs leave speculation on
+
+
+@pytest.mark.parametrize("draft", ["unrelated", "close"])
+def test_sampled_logprobs_hold_at_accepted_bonus_and_recovered_tokens(stack, target_model, tokenizer, draft):
+    """The unrelated draft is rejected often: its recovered tokens come from the draft."""
+    rejected = 0
+    for seed in range(1, 6):
+        response = stack.stub.Generate(with_logprobs(PROMPT, 3, temperature=1.0, seed=seed, max_new_tokens=24,
+                                                     draft_length=4, draft_model=draft))
+        check(response, target_model, tokenizer, PROMPT, 3, greedy=False)
+        rejected += sum(1 for g, a in zip(response.stats.draft_lengths, response.stats.accepted_lengths) if a < g)
+    assert rejected > 0
+
+
+def test_model_free_and_streamed_logprobs(model_dirs, target_model, tokenizer):
+    """A model-free proposal's rejected position: the gateway draws the token, from the
+    row the verifier sent. A stream's chunks carry the logprobs of their own tokens."""
+    running = start_stack(model_dirs, model_free=("suffix", "prompt-lookup"))
+    try:
+        prompt = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+        for seed in (1, 2):
+            req = with_logprobs(prompt, 2, temperature=0.8, seed=seed, max_new_tokens=30, mode="AUTO")
+            chunks = list(running.stub.GenerateStream(req))
+            whole = gateway_pb2.GenerateResponse(token_ids=[t for c in chunks for t in c.token_ids],
+                                                 logprobs=[e for c in chunks for e in c.logprobs])
+            assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+            check(whole, target_model, tokenizer, prompt, 2, greedy=False)
+    finally:
+        running.close()
+
+
+def test_logprobs_are_raw_under_penalties(stack, target_model, tokenizer):
+    req = with_logprobs(PROMPT, 0, max_new_tokens=20, draft_length=4, draft_model="close")
+    req.sampling.repetition_penalty = 1.8
+    req.sampling.logit_bias[7] = 5.0
+    check(stack.stub.Generate(req), target_model, tokenizer, PROMPT, 0, greedy=False)
+
+
+def test_too_many_alternatives_is_invalid_argument(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(with_logprobs(PROMPT, 21, max_new_tokens=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs must be in [0, 20]" in \
+        err.value.details()
+
+
+def test_n_completions_each_reproduce_from_the_seed(stack):
+    req = request(PROMPT, temperature=1.0, seed=40, max_new_tokens=12, draft_length=3, draft_model="close")
+    req.n = 3
+    response = stack.stub.Generate(req)
+    completions = [(response.text, list(response.token_ids))] + [(c.text, list(c.token_ids))
+                                                                 for c in response.choices]
+    assert [c.index for c in response.choices] == [1, 2] and len(set(t for t, _ in completions)) > 1
+    for i, (text, tokens) in enumerate(completions):
+        alone = stack.stub.Generate(request(PROMPT, temperature=1.0, seed=40 + i, max_new_tokens=12,
+                                            draft_length=3, draft_model="close"))
+        assert (alone.text, list(alone.token_ids)) == (text, tokens)
+    streamed: dict[int, list[int]] = {}
+    for chunk in stack.stub.GenerateStream(req):
+        streamed.setdefault(chunk.index, []).extend(chunk.token_ids)
+    assert [streamed[i] for i in range(3)] == [tokens for _, tokens in completions]
+    req.n = 17
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n may be at most 16" in err.value.details()
