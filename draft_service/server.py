@@ -89,7 +89,7 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         proposal = await service.traced_step(
             _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", request.trace_context.carrier,
             runner.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
-                           pre_draft, wire.recovery_from_pb(request)),
+                           pre_draft, wire.recovery_from_pb(request), delta.cache_salt),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)

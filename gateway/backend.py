@@ -22,7 +22,7 @@ import functools
 import logging
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,15 +113,17 @@ class WorkerPool:
             self._streams.pop(key).close()
         asyncio.get_running_loop().create_task(channel.close())
 
-    def stream(self, session_id: str, rpc: str, moved: bool) -> WorkerStream:
+    def stream(self, session_id: str, rpc: str, moved: bool, prefix: Sequence[bytes] = ()) -> WorkerStream:
         """The stream to the endpoint the router picks for a session (shared by every
         session there; a new one when the last one failed).
 
         moved=True: the session's endpoint failed it (dead or unreachable), so the router
         moves it to another endpoint when there is one; otherwise the session stays put.
+        prefix: a new session's prompt keys (`gateway.router.prefix_keys`), which the
+        router follows to the endpoint likely to hold them in its prefix cache.
         """
         try:
-            address = self.router.fail_over(session_id) if moved else self.router.place(session_id)
+            address = self.router.fail_over(session_id) if moved else self.router.place(session_id, prefix)
             stream = self._streams.get((address, rpc))
             if stream is None or stream.failure is not None:
                 self._renew(address)

@@ -70,6 +70,7 @@ class GenerateParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; else how many alternatives beside each token's own
     structure: StructureSpec | None = None  # what the output must match
+    cache_salt: str = ""  # vLLM's: prefix cache hits only among requests with the same salt
     mode: str = Mode.AUTO.value  # a `Mode` value
     draft_length: int = 0
     min_draft_length: int = 0
@@ -238,13 +239,23 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
         generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
         request.user_segment, list(request.stop), selected, model_free, forced,
         min(request.max_draft_length or settings.max_draft_length, settings.max_draft_length)
-        if mode is Mode.AUTO else request.draft_length or settings.default_draft_length)
+        if mode is Mode.AUTO else request.draft_length or settings.default_draft_length, request.cache_salt)
+
+
+def cache_salt(settings: GatewaySettings, user_segment: str, own: str) -> bytes:
+    """The salt of a request's prefix cache keys on the workers. With API keys, the tenant
+    (the key's segment): one tenant never hits another's prefixes, so a hit's speed tells
+    nothing of what others sent. Without keys, every caller shares the cache. The caller's
+    own `cache_salt` (vLLM's) narrows it further."""
+    tenant = user_segment if settings.api_keys_file is not None else ""
+    return f"{len(tenant)}:{tenant}{own}".encode()
 
 
 def _size_problems(request: GenerateParams, settings: GatewaySettings) -> list[str]:
     """What is too large in a request, apart from its prompt (labels, stop strings)."""
     problems = []
     for name, value in (("task_type", request.task_type), ("user_segment", request.user_segment),
+                        ("cache_salt", request.cache_salt),
                         ("draft_model", request.draft_model), ("policy", request.policy)):
         if len(value.encode("utf-8")) > settings.max_label_bytes:
             problems.append(f"{name} is {len(value.encode('utf-8'))} bytes; at most {settings.max_label_bytes}")
@@ -258,14 +269,16 @@ def _size_problems(request: GenerateParams, settings: GatewaySettings) -> list[s
 
 
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
-               deadline: float | None = None) -> tuple[DraftLink | None, VerifierLink]:
+               deadline: float | None = None, cache_salt: bytes = b"") -> tuple[DraftLink | None, VerifierLink]:
     """One request's links to its workers (no draft link when it decodes plainly).
 
     `deadline` (time.monotonic()) is the client's: no step waits past it, and the links
-    then end their sessions on the workers.
+    then end their sessions on the workers. `cache_salt`: the workers' prefix caches
+    hit only what was cached under the same salt (`cache_salt`).
     """
     session_id = uuid.uuid4().hex
-    link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline)
+    link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline,
+                        cache_salt)
     verifier = VerifierLink("verifier", backend.verifier, "Verify", link, backend.target)
     draft = None
     if draft_model:
@@ -457,7 +470,8 @@ class GatewayCore:
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
                                            policy=parsed.policy)
-        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline)
+        draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline,
+                                     cache_salt(self.settings, parsed.user_segment, parsed.cache_salt))
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         observers: list[StepObserver] = [stats]
@@ -558,5 +572,6 @@ class GatewayCore:
             pre_draft_hits=stats.pre_draft_hits,
             pre_draft_steps=stats.pre_draft_steps,
             proposers=[r.proposer for r in stats.records],
+            cached_tokens=sum(r.verify_batch.cached for r in stats.records),
         )
 

@@ -72,7 +72,8 @@ T = TypeVar("T")
 # What each endpoint accepts. Anything else is refused by name (never ignored).
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
              "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-             "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs"}
+             "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
+             "cache_salt"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
@@ -316,7 +317,8 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
             "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", 0.0),
             "min_tokens": _integer(body, "min_tokens", 0), "stop_token_ids": _token_ids(body, "stop_token_ids"),
             "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"),
-            "structure": _structure(body), **_speculation(body)}
+            "structure": _structure(body), "cache_salt": _typed(body, "cache_salt", (str,), "", "a string"),
+            **_speculation(body)}
 
 
 def _token_ids(body: dict[str, Any], name: str) -> list[int]:
@@ -680,8 +682,10 @@ def _usage(lasts: list[Chunk]) -> dict[str, Any]:
         speculation = {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
                        "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
                        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "choices": figures}
+    # The prompt is counted once, as are its cached tokens (the most any choice found).
+    cached = max(s.cached_tokens for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "speculation": speculation}
+            "prompt_tokens_details": {"cached_tokens": cached}, "speculation": speculation}
 
 
 # A choice's whole text, its last chunk and its tokens' log-probabilities.

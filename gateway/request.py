@@ -63,3 +63,4 @@ class ParsedRequest:
     # else the gateway's (not the task's, which prices a model draft's tokens: a confident
     # match costs nothing to draft, only to verify, and the hybrid cuts it where that pays).
     model_free_max: int = 0
+    cache_salt: str = ""  # the caller's own prefix cache salt (`gateway.core.cache_salt`)

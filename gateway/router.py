@@ -5,9 +5,12 @@ step of a session must reach the same pod; the gateway holds the committed token
 a session whose pod went away is re-opened on another pod from those tokens
 (docs/design.md §1). `Router` makes those decisions for one worker service:
 
-    place(sid)        where to open (or re-open) the session's stream: the pod that
-                      holds it while that pod is listed and ready, else the least-loaded
-                      ready pod
+    place(sid, prefix)  where to open (or re-open) the session's stream: the pod that
+                      holds it while that pod is listed and ready; a new session goes
+                      to the pod most likely to hold its prompt's prefix in its prefix
+                      cache, unless that pod carries more than its share of the load
+                      (a bound relative to the mean, and an absolute room), else to the
+                      least-loaded ready pod
     fail_over(sid)    the session's pod failed it: move it to another ready pod
     has_alternative(sid)  whether another ready pod could take the session
     release(sid)      the session is over
@@ -39,10 +42,12 @@ directly from the event loop while the watcher thread calls `set_endpoints`.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,27 @@ log = logging.getLogger(__name__)
 # How long an endpoint that failed a session is avoided for new sessions, unless it is
 # the only one left. Outside Kubernetes nothing else reports a dead static address.
 DEFAULT_SUSPECT_S = 5.0
+# Prefix-aware placement: the prompt's leading blocks of this many tokens are keyed (the
+# workers' KV block size), each endpoint remembers the keys of the prompts it was given
+# (at most this many, least recently placed first out), and a new session follows its
+# longest match unless that endpoint would carry more than LOAD_SLACK × the mean load
+# plus LOAD_ROOM sessions (a relative and an absolute threshold, as SGLang's cache-aware
+# router has: with few sessions the cache wins, with many the load is bounded).
+PREFIX_BLOCK_TOKENS = 16
+PREFIX_KEYS_PER_ENDPOINT = 1 << 16
+LOAD_SLACK = 1.25
+LOAD_ROOM = 4
+
+
+def prefix_keys(salt: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """Keys of a prompt's full leading blocks, each chained over those before it and the
+    salt (so two tenants' equal prompts never share a key, as on the workers)."""
+    keys, before = [], hashlib.blake2b(salt, digest_size=16).digest()
+    for end in range(PREFIX_BLOCK_TOKENS, len(tokens), PREFIX_BLOCK_TOKENS):
+        block = ",".join(map(str, tokens[end - PREFIX_BLOCK_TOKENS:end])).encode()
+        before = hashlib.blake2b(before + block, digest_size=16).digest()
+        keys.append(before)
+    return keys
 
 
 class NoEndpoint(RuntimeError):
@@ -91,6 +117,8 @@ class Router:
         self._suspect_until: dict[str, float] = {}  # address → clock time it is trusted again
         self._placed_at: dict[str, int] = {}  # address → placement counter, to rotate ties
         self._placements = 0
+        self._prefixes: dict[str, OrderedDict[bytes, None]] = {}  # address → prompt block keys placed there
+        self.prefix_placements = 0  # new sessions placed by their prefix (for tests and logs)
         self._suspect_s = suspect_s
         self._clock = clock
 
@@ -101,18 +129,20 @@ class Router:
 
     # -- sessions ----------------------------------------------------------------------
 
-    def place(self, session_id: str) -> str:
-        """Where to open the session's stream now; a new session goes to the least loaded.
+    def place(self, session_id: str, prefix: Sequence[bytes] = ()) -> str:
+        """Where to open the session's stream now.
 
         Sticky: a placed session stays on its endpoint while that one is listed and ready.
-        Otherwise (new, its pod left, or it is draining) it moves to the least-loaded
-        ready endpoint. Raises NoEndpoint when no endpoint is ready.
+        Otherwise (new, its pod left, or it is draining) it moves: to the ready endpoint
+        that was given the longest run of its `prefix` keys (`prefix_keys`) while that
+        one's load stays within LOAD_SLACK of the mean, else to the least-loaded ready
+        endpoint. Raises NoEndpoint when no endpoint is ready.
         """
         with self._lock:
             current = self._session_at.get(session_id)
             if current is not None and self._ready.get(current, False):
                 return current
-            return self._move(session_id, avoid=None)
+            return self._move(session_id, avoid=None, prefix=prefix)
 
     def fail_over(self, session_id: str) -> str:
         """The session's endpoint failed it: move it to another ready endpoint.
@@ -150,6 +180,7 @@ class Router:
             for address in removed:
                 self._suspect_until.pop(address, None)
                 self._placed_at.pop(address, None)
+                self._prefixes.pop(address, None)  # its caches went with it
         if added or removed:
             log.info("%s endpoints: +%s -%s (%d ready of %d)", self.service, sorted(added),
                      sorted(removed), sum(endpoints.values()), len(endpoints))
@@ -162,14 +193,45 @@ class Router:
 
     # -- internals (called with the lock held) -----------------------------------------
 
-    def _move(self, session_id: str, avoid: str | None) -> str:
-        target = self._least_loaded(avoid)
+    def _move(self, session_id: str, avoid: str | None, prefix: Sequence[bytes] = ()) -> str:
+        target = self._holding(prefix, avoid) or self._least_loaded(avoid)
         self._unassign(session_id)
+        if prefix:
+            known = self._prefixes.setdefault(target, OrderedDict())
+            for key in prefix:
+                known[key] = None
+                known.move_to_end(key)
+            while len(known) > PREFIX_KEYS_PER_ENDPOINT:
+                known.popitem(last=False)
         self._session_at[session_id] = target
         self._load[target] = self._load.get(target, 0) + 1
         self._placements += 1
         self._placed_at[target] = self._placements
         return target
+
+    def _holding(self, prefix: Sequence[bytes], avoid: str | None) -> str | None:
+        """The ready endpoint given the longest run of `prefix` (not `avoid`), if its load
+        leaves room: at most LOAD_SLACK × the mean + LOAD_ROOM once this session is placed."""
+        if not prefix:
+            return None
+        ready = [address for address, ok in self._ready.items() if ok and address != avoid]
+        if len(ready) < 2:
+            return None
+        best, longest = None, 0
+        for address in ready:
+            known = self._prefixes.get(address)
+            if not known:
+                continue
+            matched = next((i for i, key in enumerate(prefix) if key not in known), len(prefix))
+            if matched > longest:
+                best, longest = address, matched
+        if best is None:
+            return None
+        mean = (sum(self._load.get(a, 0) for a in ready) + 1) / len(ready)
+        if self._load.get(best, 0) + 1 > LOAD_SLACK * mean + LOAD_ROOM:
+            return None
+        self.prefix_placements += 1
+        return best
 
     def _least_loaded(self, avoid: str | None) -> str:
         """The ready endpoint with fewest sessions, preferring trusted ones and not `avoid`.

@@ -85,7 +85,7 @@ def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
         max_draft_length=speculation.max_draft_length, draft_model=speculation.draft_model,
         policy=speculation.policy, min_draft_confidence=speculation.min_draft_confidence,
         overlap=speculation.overlap if speculation.HasField("overlap") else None,
-        task_type=request.task_type, user_segment=request.user_segment)
+        task_type=request.task_type, user_segment=request.user_segment, cache_salt=request.cache_salt)
 
 
 def _logprobs_pb(logprobs: tuple[TokenLogprob, ...]) -> list[gateway_pb2.TokenLogprobs]:

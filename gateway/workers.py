@@ -34,6 +34,7 @@ import grpc
 import torch
 
 from gateway.errors import DraftSkipped, WorkerError
+from gateway.router import prefix_keys
 from gateway.streams import StepFailed, WorkerStream
 from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
@@ -71,6 +72,7 @@ class LinkSettings:
     max_reopens: int
     connect_timeout_s: float = 5.0  # a new stream's endpoint must accept it within this
     deadline: float | None = None  # the client's deadline (time.monotonic()); None: none
+    cache_salt: bytes = b""  # the workers' prefix caches hit only prompts cached under the same salt
 
     def remaining(self) -> float | None:
         """Seconds left before the client's deadline (None: no deadline)."""
@@ -183,6 +185,8 @@ class WorkerLink:
             delta = worker_pb2.SequenceDelta(session_id=self.worker_session, start=self.position,
                                              tokens=committed[self.position:],
                                              expires_in_ms=_expires_in_ms(remaining))
+            if self.position == 0:
+                delta.cache_salt = self.settings.cache_salt
             message = build(delta)
             if self.position == 0 and self.identity is not None:  # the step opens the session
                 message.expected_model.CopyFrom(identity_to_pb(self.identity))
@@ -190,7 +194,9 @@ class WorkerLink:
             waited = budget  # what the timeout below stands for, if it fires
             try:
                 if self._stream is None:
-                    self._stream = self.pool.stream(self.settings.session_id, self._rpc, self._moved)
+                    # A session that opens goes where its prompt's prefix is likely cached.
+                    prefix = prefix_keys(self.settings.cache_salt, committed) if self.position == 0 else ()
+                    self._stream = self.pool.stream(self.settings.session_id, self._rpc, self._moved, prefix)
                 stream = self._stream
                 if stream.connecting():
                     # A new stream waits for its endpoint, but not for ever: a dead one is left

@@ -80,6 +80,7 @@ class BatchStats:
     queue_ms: float = 0.0  # from arrival to its first forward
     forwards: int = 0  # forwards the step took part in
     sessions: int = 0  # sessions the worker held when the step ran: the load it serves
+    cached: int = 0  # prompt positions the step took from the prefix cache, not computed
 
 
 @dataclass(frozen=True)

@@ -233,11 +233,12 @@ def transform_from_pb(message: worker_pb2.Transform) -> Transform:
 
 def batch_to_pb(batch: BatchStats) -> worker_pb2.BatchInfo:
     return worker_pb2.BatchInfo(size=batch.size, tokens=batch.tokens, queue_ms=batch.queue_ms,
-                                forwards=batch.forwards, sessions=batch.sessions)
+                                forwards=batch.forwards, sessions=batch.sessions, cached_tokens=batch.cached)
 
 
 def batch_from_pb(message: worker_pb2.BatchInfo) -> BatchStats:
-    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards, message.sessions)
+    return BatchStats(message.size, message.tokens, message.queue_ms, message.forwards, message.sessions,
+                      message.cached_tokens)
 
 
 def model_info_to_pb(info: ModelInfo, tokenizer_files: dict[str, bytes] | None = None) -> worker_pb2.ModelInfo:

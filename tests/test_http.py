@@ -440,7 +440,7 @@ def test_logprobs_in_openais_shapes(client, http_stack):
         if chunk.choices and chunk.choices[0].logprobs:
             tokens += chunk.choices[0].logprobs.tokens
             values += chunk.choices[0].logprobs.token_logprobs
-    assert tokens == legacy.tokens and values == pytest.approx(legacy.token_logprobs, abs=1e-6)
+    assert tokens == legacy.tokens and values == pytest.approx(legacy.token_logprobs, abs=1e-4)  # float rounding
 
 
 def test_structured_output_over_http(client):

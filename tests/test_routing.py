@@ -89,6 +89,18 @@ def test_sessions_stick_to_their_worker(gateway, target_model, tokenizer):
         assert chunks[-1].stats.steps > 3 and chunks[-1].stats.session_reopens == 0
 
 
+def test_a_repeated_prefix_goes_where_it_is_cached(gateway, target_model, tokenizer):
+    """Two verifiers: placed by load alone, a prompt sent again would go to the other one
+    (ties rotate) and miss its cache; placed by prefix, every repeat hits, and the output is
+    the same."""
+    prompt = "".join(PROMPTS) * 2
+    first = gateway.Generate(request(prompt, max_new_tokens=8))
+    for question in ("# and then?", "# once more", "# why?"):
+        again = gateway.Generate(request(prompt + question, max_new_tokens=8))
+        assert again.stats.cached_tokens >= 48, question
+    assert list(gateway.Generate(request(prompt, max_new_tokens=8)).token_ids) == list(first.token_ids)
+
+
 @pytest.mark.parametrize("kind", ["verifier", "draft"])
 def test_killed_worker_sessions_finish_elsewhere(gateway, workers, target_model, tokenizer, kind):
     streams = [gateway.GenerateStream(request(p, max_new_tokens=40)) for p in PROMPTS]

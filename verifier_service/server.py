@@ -75,7 +75,7 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
             target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
                          list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead_steps,
-                         wire.ahead_draws_from_pb(request), answer_ahead, logprobs, allowed),
+                         wire.ahead_draws_from_pb(request), answer_ahead, logprobs, allowed, delta.cache_salt),
             lambda scores: {
                 **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),

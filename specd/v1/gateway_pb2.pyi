@@ -111,23 +111,25 @@ class SpeculationParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., draft_length: _Optional[int] = ..., min_draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., draft_model: _Optional[str] = ..., policy: _Optional[str] = ..., min_draft_confidence: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "speculation", "task_type", "user_segment", "n")
+    __slots__ = ("prompt", "sampling", "speculation", "task_type", "user_segment", "n", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
     USER_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: SamplingParams
     speculation: SpeculationParams
     task_type: str
     user_segment: str
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., task_type: _Optional[str] = ..., user_segment: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., task_type: _Optional[str] = ..., user_segment: _Optional[str] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio", "mean_verify_batch_size", "mean_verify_batch_tokens", "verify_queue_ms", "pre_draft_hits", "pre_draft_steps", "proposers")
+    __slots__ = ("steps", "proposed_tokens", "accepted_tokens", "acceptance_rate", "draft_lengths", "accepted_lengths", "mean_tokens_per_step", "prompt_tokens", "generated_tokens", "draft_ms", "verify_ms", "total_ms", "seed", "draft_model", "session_reopens", "proposed_per_position", "accepted_per_position", "task_type", "policy", "draft_cost_ratio", "verify_cost_ratio", "mean_verify_batch_size", "mean_verify_batch_tokens", "verify_queue_ms", "pre_draft_hits", "pre_draft_steps", "proposers", "cached_tokens")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class GenerationStats(_message.Message):
     PRE_DRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     proposed_tokens: int
     accepted_tokens: int
@@ -182,7 +185,8 @@ class GenerationStats(_message.Message):
     pre_draft_hits: int
     pre_draft_steps: int
     proposers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ..., mean_verify_batch_size: _Optional[float] = ..., mean_verify_batch_tokens: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., pre_draft_hits: _Optional[int] = ..., pre_draft_steps: _Optional[int] = ..., proposers: _Optional[_Iterable[str]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., mean_tokens_per_step: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., seed: _Optional[int] = ..., draft_model: _Optional[str] = ..., session_reopens: _Optional[int] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., task_type: _Optional[str] = ..., policy: _Optional[str] = ..., draft_cost_ratio: _Optional[float] = ..., verify_cost_ratio: _Optional[float] = ..., mean_verify_batch_size: _Optional[float] = ..., mean_verify_batch_tokens: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., pre_draft_hits: _Optional[int] = ..., pre_draft_steps: _Optional[int] = ..., proposers: _Optional[_Iterable[str]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "trace_id", "logprobs", "choices")

@@ -54,16 +54,18 @@ class Distributions(_message.Message):
     def __init__(self, positions: _Optional[int] = ..., vocab_size: _Optional[int] = ..., probs: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., support_offsets: _Optional[bytes] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("session_id", "start", "tokens", "expires_in_ms")
+    __slots__ = ("session_id", "start", "tokens", "expires_in_ms", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     expires_in_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expires_in_ms: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("carrier",)
@@ -207,18 +209,20 @@ class PositionLogprobs(_message.Message):
     def __init__(self, token: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., row: _Optional[bytes] = ...) -> None: ...
 
 class BatchInfo(_message.Message):
-    __slots__ = ("size", "tokens", "queue_ms", "forwards", "sessions")
+    __slots__ = ("size", "tokens", "queue_ms", "forwards", "sessions", "cached_tokens")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     size: int
     tokens: int
     queue_ms: float
     forwards: int
     sessions: int
-    def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, size: _Optional[int] = ..., tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., forwards: _Optional[int] = ..., sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepStatus(_message.Message):
     __slots__ = ("code", "message")

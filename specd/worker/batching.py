@@ -49,6 +49,7 @@ class Job:
         self.forwards = 0
         self.largest = (0, 0)  # (sessions, tokens) of the largest forward it shared
         self.open_sessions = 0  # sessions the worker held at the step's first forward
+        self.cached = 0  # positions the step found in the prefix cache (the step that opened the session)
         self.future: asyncio.Future | None = None
         # An answer the job hands out while it goes on (`specd.worker.jobs.AheadRun`): a
         # callable for the event loop, and its arguments.
@@ -56,7 +57,7 @@ class Job:
 
     def batch_stats(self) -> BatchStats:
         queue_ms = ((self.started or self.submitted) - self.submitted) * 1e3
-        return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards, self.open_sessions)
+        return BatchStats(self.largest[0], self.largest[1], queue_ms, self.forwards, self.open_sessions, self.cached)
 
     def next_size(self, chunk: int) -> int:
         """Tokens this job feeds in its next forward, at most (what the batch's budget counts)."""

@@ -34,8 +34,12 @@ refused there with the reason. No gRPC here.
 """
 from __future__ import annotations
 
+import array
+import hashlib
 import inspect
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -57,13 +61,22 @@ class KVPool:
     zeroed when it is handed out, and block 0 is never handed out (table padding points
     at it): a gather reads whole blocks, and the masked positions it reads are then
     finite, never uninitialised memory (in SDPA, weight 0 × NaN would poison a row).
-    Blocks are handed out and taken back from plain list operations, each atomic under the
-    GIL: blocks are handed out on the event loop and, for plain steps scored ahead, on the
-    model's thread; sessions are let go on either.
+    Blocks are handed out and taken back under a lock: on the event loop and, for plain
+    steps scored ahead and copies on write, on the model's thread; sessions are let go on
+    either.
+
+    Prefix caching (vLLM's automatic prefix caching, in this pool's blocks): a full block
+    whose tokens a session has cached is registered under a key chained over every token
+    before it and the session's salt (`SessionKV.publish`). A new session takes the blocks
+    its prompt shares with the index by reference (`SessionKV.take_prefix`), and computes
+    only the rest. Blocks are counted by reference; a registered block no session holds
+    stays cached, and the pool evicts those least recently let go first when it needs a
+    block. A block that is shared or registered is never written: a session about to write
+    into one copies it first (`SessionKV.own_from`).
     """
 
     def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, blocks: int) -> None:
+                 device: torch.device, block_tokens: int, blocks: int, prefix_caching: bool = False) -> None:
         if blocks < 2:
             raise ValueError("a KV pool needs at least 2 blocks (block 0 is reserved)")
         self.block_tokens = block_tokens
@@ -74,19 +87,39 @@ class KVPool:
         self.keys[:, :block_tokens].zero_()
         self.values[:, :block_tokens].zero_()
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # pop() hands out low blocks first
+        self._lock = threading.Lock()
+        self._refs = [0] * blocks  # sessions holding each block
+        self._key_of: dict[int, bytes] = {}  # a registered block's prefix key
+        self._block_of: dict[bytes, int] = {}  # prefix key → the block holding its keys and values
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by none: least recent first
+        self.prefix_caching = prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up in the index (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of them, tokens found (prefix_cache_hits)
         self.block_bytes = layers * block_tokens * kv_heads * (key_dim + value_dim) * self.keys.element_size()
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # see `gather`
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a session may take: free ones, and cached ones no session holds."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks, held or not: what the prefix index can hit."""
+        return len(self._key_of)
 
     def allocate(self) -> int | None:
-        """One free block, zeroed (None: the pool is full)."""
-        try:
-            block = self._free.pop()
-        except IndexError:
-            return None
+        """One block of its own for a session, zeroed: a free one, else the cached block let
+        go longest ago, unregistered (None: the pool is full)."""
+        with self._lock:
+            if self._free:
+                block = self._free.pop()
+            elif self._cached:
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._key_of.pop(block)]
+            else:
+                return None
+            self._refs[block] = 1
         slots = slice(block * self.block_tokens, (block + 1) * self.block_tokens)
         self.keys[:, slots].zero_()
         self.values[:, slots].zero_()
@@ -112,9 +145,43 @@ class KVPool:
         return keys, values
 
     def release(self, blocks: list[int]) -> None:
-        """Take a let-go session's blocks back (last first, so the next session that takes
-        them gets them in ascending order again: one run, read without a gather)."""
-        self._free.extend(reversed(blocks))
+        """A session lets go of its blocks. One no session holds any more goes back to the free
+        list (last first, so the next session that takes them gets them in ascending order
+        again: one run, read without a gather), or, when registered, to the cached ones."""
+        with self._lock:
+            for block in reversed(blocks):
+                self._refs[block] -= 1
+                if self._refs[block]:
+                    continue
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest run of `keys` (a prompt's chain of full blocks) the index
+        holds, each now held once more by the caller."""
+        found = []
+        with self._lock:
+            for key in keys:
+                block = self._block_of.get(key)
+                if block is None:
+                    break
+                self._refs[block] += 1
+                self._cached.pop(block, None)
+                found.append(block)
+        return found
+
+    def register(self, block: int, key: bytes) -> None:
+        """Index a full block under its prefix key (a key already held keeps its block)."""
+        with self._lock:
+            if key not in self._block_of and block not in self._key_of:
+                self._block_of[key] = block
+                self._key_of[block] = key
+
+    def writable(self, block: int) -> bool:
+        """Whether a session holding `block` may write into it: it alone holds it, unregistered."""
+        return self._refs[block] == 1 and block not in self._key_of
 
 
 class SessionKV:
@@ -130,6 +197,11 @@ class SessionKV:
         self.length = 0
         self.tokens: list[int] = []
         self.blocks: list[int] = []
+        # Prefix caching: the root of the session's key chain (its salt; None: it neither
+        # hits nor registers), and the keys of its first blocks, registered or hit.
+        self.root: bytes | None = None
+        self.keys: list[bytes] = []
+        self.hit = 0  # positions taken from the cache when the session opened, until a step reports them
         # The blocks go back when the session is garbage, whoever let go of it last.
         weakref.finalize(self, pool.release, self.blocks)
 
@@ -149,6 +221,66 @@ class SessionKV:
                 return False
             self.blocks.append(block)
         return True
+
+    def _chain(self, tokens: list[int], blocks: int) -> list[bytes]:
+        """The prefix keys of the first `blocks` full blocks of `tokens`, after self.keys."""
+        assert self.root is not None
+        size, keys = self.pool.block_tokens, list(self.keys)
+        for i in range(len(keys), blocks):
+            before = keys[-1] if keys else self.root
+            block = array.array("q", tokens[i * size:(i + 1) * size]).tobytes()
+            keys.append(hashlib.blake2b(before + block, digest_size=16).digest())
+        return keys[len(self.keys):]
+
+    def take_prefix(self, tokens: list[int], salt: bytes) -> int:
+        """A new session: take by reference the cached blocks `tokens` starts with (never
+        the last token's: its logits are the step's result), and register its own as they
+        fill (under `salt`). The positions taken, now cached."""
+        if not self.pool.prefix_caching:
+            return 0
+        assert not self.blocks and not self.length, "a prefix is taken by a new session"
+        self.root = hashlib.blake2b(salt, digest_size=16).digest()
+        keys = self._chain(tokens, (len(tokens) - 1) // self.pool.block_tokens)
+        found = self.pool.lookup(keys)
+        self.blocks.extend(found)
+        self.keys = keys[:len(found)]
+        self.length = len(found) * self.pool.block_tokens
+        self.pool.prefix_queries += len(tokens)
+        self.pool.prefix_hits += self.length
+        return self.length
+
+    def own_from(self, start: int) -> None:
+        """Before writing positions from `start` on: each block there that is shared or
+        registered is swapped for one of the session's own, with the positions before
+        `start` copied (model's thread). RuntimeError when the pool has no block left."""
+        size = self.pool.block_tokens
+        del self.keys[start // size:]  # those blocks' tokens change from here: their keys go
+        for i in range(start // size, len(self.blocks)):
+            block = self.blocks[i]
+            if self.pool.writable(block):
+                continue
+            own = self.pool.allocate()
+            if own is None:
+                raise RuntimeError("the KV pool has no block left to copy a shared block into")
+            kept = min(start - i * size, size)
+            if kept > 0:
+                source = slice(block * size, block * size + kept)
+                target = slice(own * size, own * size + kept)
+                self.pool.keys[:, target] = self.pool.keys[:, source]
+                self.pool.values[:, target] = self.pool.values[:, source]
+            self.blocks[i] = own
+            self.pool.release([block])
+
+    def publish(self) -> None:
+        """Register every full block of cached tokens not registered yet (after a forward)."""
+        if self.root is None:
+            return
+        full = min(self.length, len(self.tokens)) // self.pool.block_tokens
+        if full <= len(self.keys):
+            return
+        for i, key in enumerate(self._chain(self.tokens, full), start=len(self.keys)):
+            self.pool.register(self.blocks[i], key)
+            self.keys.append(key)
 
     def slots(self, start: int, stop: int) -> list[int]:
         """Slot numbers of positions [start, stop) (all reserved)."""
@@ -508,11 +640,17 @@ def forward(model: torch.nn.Module, rows: Sequence[BatchRow], device: torch.devi
 def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
              device: torch.device) -> tuple[torch.Tensor, list[slice], bool]:
     """`forward`, and whether the model's attention read through `paged_attention`."""
+    caching = rows[0].session.pool.prefix_caching
+    if caching:  # no session writes into a block another holds, or the index does
+        for row in rows:
+            row.session.own_from(row.session.length)
     inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
     stand_in = _FORWARDS.get(model)
     logits = own_forward(model, inputs) if stand_in is None else stand_in(inputs)
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
+        if caching:
+            row.session.publish()
     # The math after the forward runs where the logits are (specd.worker.jobs): only token ids, a
     # few probabilities and the rows a sampled step needs ever reach the host.
     return logits[0].float(), inputs.kept, inputs.cache.attended

@@ -1,5 +1,6 @@
-"""Prometheus exposition of a worker's load: sessions held, steps queued, KV memory, and
-how many of the steps the verifier scored ahead were asked for.
+"""Prometheus exposition of a worker's load: sessions held, steps queued, KV memory, the
+prefix cache (vLLM's names: prompt tokens looked up and found, and the blocks it holds),
+and how many of the steps the verifier scored ahead were asked for.
 
 The gauge of open sessions is how a leak shows: once every request is over, it returns
 to 0 (tests/test_batching.py checks it). Read at scrape time from the runners; the
@@ -42,7 +43,18 @@ class WorkerCollector(Collector):
                                         "answered), and runs of them cut short (outcome dropped: by another step "
                                         "of the session, its end or eviction, a full KV pool, a failed forward).",
                                         labels=[*labels, "outcome"])
+        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+                                      labels=labels)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                                   "Of them, tokens whose keys and values were reused (vLLM's prefix_cache_hits).",
+                                   labels=labels)
+        cached = GaugeMetricFamily(PREFIX + "prefix_cache_blocks",
+                                   "KV blocks the prefix cache indexes, held by a session or not.", labels=labels)
         for name, runner in self.runners.items():
+            queries.add_metric([name, self.role], runner.pool.prefix_queries)
+            hits.add_metric([name, self.role], runner.pool.prefix_hits)
+            cached.add_metric([name, self.role], runner.pool.cached_blocks)
             run_ahead.add_metric([name, self.role, "answered"], runner.run_ahead.answered)
             run_ahead.add_metric([name, self.role, "dropped"], runner.run_ahead.dropped)
             sessions.add_metric([name, self.role], len(runner.sessions))
@@ -50,7 +62,7 @@ class WorkerCollector(Collector):
             queued.add_metric([name, self.role], runner.scheduler.queued)
             kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
             kept_rows.add_metric([name, self.role], runner.kept_rows.nbytes)
-        return [sessions, queued, kv_bytes, kept_rows, pre_drafts, run_ahead]
+        return [sessions, queued, kv_bytes, kept_rows, pre_drafts, run_ahead, queries, hits, cached]
 
 
 def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:

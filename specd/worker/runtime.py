@@ -254,7 +254,7 @@ class ModelRunner:
         self._kv_shape = kvstore.kv_shape(self.model, self.device)
         kvstore.use_paged_attention(self.model)
         self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
-                           self._pool_blocks(batching, max_sessions))
+                           self._pool_blocks(batching, max_sessions), prefix_caching=not batching.no_prefix_caching)
         try:
             problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool,
                                                                            self.info.vocab_size, self.device)
@@ -329,12 +329,14 @@ class ModelRunner:
 
     # -- session bookkeeping (on the event loop) ----------------------------------------
 
-    def _sync(self, session_id: str, start: int, tokens: list[int], extra: int) -> tuple[SessionKV, list[int]]:
+    def _sync(self, session_id: str, start: int, tokens: list[int], extra: int,
+              salt: bytes = b"") -> tuple[SessionKV, list[int]]:
         """Take the session, crop it to `start` known tokens, and return what to feed next,
         with room in the pool for the feed and `extra` positions after it.
 
-        start == 0 (re)opens the session from `tokens`. The returned feed is the known
-        tokens the cache lacks up to `start`, then `tokens`.
+        start == 0 (re)opens the session from `tokens`, taking the blocks of its longest
+        cached prefix under `salt` (prefix caching): the feed is the rest. Otherwise it is
+        the known tokens the cache lacks up to `start`, then `tokens`.
         """
         bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
         if bad:
@@ -344,15 +346,18 @@ class ModelRunner:
             self.sessions.drop(session_id)
             session = SessionKV(self.pool)
             self.sessions.adopt()
+            session.tokens = list(tokens)
+            session.hit = session.take_prefix(session.tokens, salt)
+            feed = session.tokens[session.length:]
         else:
             session = self.sessions.take(session_id)
             if start > len(session.tokens):
                 self.sessions.release()
                 raise SessionNotFound(
                     f"{session_id}: asked to keep {start} tokens but only {len(session.tokens)} are known")
-        session.crop(start)
-        feed = session.tokens[session.length:start] + list(tokens)
-        session.tokens = session.tokens[:start] + list(tokens)
+            session.crop(start)
+            feed = session.tokens[session.length:start] + list(tokens)
+            session.tokens = session.tokens[:start] + list(tokens)
         try:
             self._reserve(session, session.length + len(feed) + extra)
         except BaseException:
@@ -362,6 +367,7 @@ class ModelRunner:
 
     async def _step(self, session_id: str, session: SessionKV, job: Job):
         """Run a job through the scheduler; put the session back only if it succeeded."""
+        job.cached, session.hit = session.hit, 0
         try:
             result = await self.scheduler.submit(job)
         finally:
@@ -377,7 +383,8 @@ class ModelRunner:
     # -- the two operations the services expose -----------------------------------------
 
     async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
-                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> Proposal:
+                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None,
+                      salt: bytes = b"") -> Proposal:
         """Draft side: bring the session up to date and propose up to `request.draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
@@ -414,7 +421,7 @@ class ModelRunner:
             proposal, job = await self._adopt(session_id, branch, draft_length)
         if proposal is None:
             # The guess a pre-drafted branch may feed, then the drafted tokens fed back.
-            session, feed = self._sync(session_id, start, tokens, draft_length + 1)
+            session, feed = self._sync(session_id, start, tokens, draft_length + 1, salt)
             if not feed and recovery is not None and start > 0:  # q at `start` needs its last token fed again
                 session.crop(start - 1)
                 feed = session.tokens[start - 1:start]
@@ -472,7 +479,7 @@ class ModelRunner:
                     transform: Transform, draft_token_probs: Sequence[float] = (),
                     draws: Draws | None = None, run_ahead: int = 0, ahead_draws: Sequence[Draws] = (),
                     answer_ahead: AnswerAhead | None = None, logprobs: int | None = None,
-                    allowed: torch.Tensor | None = None) -> Scores:
+                    allowed: torch.Tensor | None = None, salt: bytes = b"") -> Scores:
         """Target side: bring the session up to date and score γ+1 positions in one forward.
 
         The forward is shared with every session verifying at the same time. With no
@@ -505,7 +512,7 @@ class ModelRunner:
             raise InvalidArgument(f"a sampled step that runs {run_ahead} steps ahead needs a uniform for each; "
                                   f"it sent {len(ahead_draws)}")
         await self.run_ahead.stop(session_id)  # any other step stops the session's run
-        session, feed = self._sync(session_id, start, tokens, len(draft_tokens))
+        session, feed = self._sync(session_id, start, tokens, len(draft_tokens), salt)
         if not feed:
             self.sessions.release()
             raise InvalidArgument("nothing to score: a step must carry at least one new committed token")

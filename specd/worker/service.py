@@ -236,6 +236,7 @@ def step_span_attributes(model: str, delta: worker_pb2.SequenceDelta, forward_ms
         "specd.delta.start": delta.start,
         "specd.delta.tokens": len(delta.tokens),
         "specd.forward_ms": forward_ms,
+        "specd.prefix_cache.hit_tokens": batch.cached,  # the prompt positions a session-opening step reused
         **batch_span_attributes(batch),
     }
 

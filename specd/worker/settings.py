@@ -30,6 +30,9 @@ class BatchSettings:
     kv_cache_tokens: int = setting(0, flag="--kv-cache-tokens",
                                    help="positions the KV pool holds, all sessions together (0: every session at "
                                         "full context, within half the memory free at load, the GPU's or the host's)")
+    no_prefix_caching: bool = setting(False, flag="--no-prefix-caching",
+                                      help="do not keep the KV of prompts' shared prefixes for later sessions "
+                                           "(specd.worker.kvstore: prefix caching, on by default)")
     max_wait_ms: float = setting(3.0, flag="--batch-wait-ms",
                                  help="how long a forward may wait for other open sessions' steps to share it, at "
                                       "most a quarter of a forward; the sessions it just answered, up to a quarter "

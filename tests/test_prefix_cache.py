@@ -1,0 +1,155 @@
+"""Prefix caching: a new session takes the cached blocks its prompt shares with earlier
+ones, salted per tenant, and its output is a cold server's.
+
+The pool's own rules first (reference counts, copy on write, eviction), on a real pool;
+then through the three services: a repeated prefix is served from the cache in both
+workers with greedy and seeded sampled output unchanged, and a different salt (another
+tenant, or another cache_salt) never hits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import request, start_stack
+from gateway.core import cache_salt
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
+from specd.worker.kvstore import KVPool, SessionKV
+
+
+def pool(blocks: int = 12, caching: bool = True) -> KVPool:
+    return KVPool(1, 1, 2, 2, torch.float32, torch.device("cpu"), 4, blocks, prefix_caching=caching)
+
+
+def filled(kv: KVPool, tokens: list[int], salt: bytes = b"") -> SessionKV:
+    """A session that took what the cache had of `tokens`, then 'computed' the rest: each
+    position's key and value are its token id, so a test can read what a block holds."""
+    session = SessionKV(kv)
+    session.tokens = list(tokens)
+    session.take_prefix(session.tokens, salt)
+    assert session.reserve(len(tokens))
+    session.own_from(session.length)
+    for position in range(session.length, len(tokens)):
+        slot = session.slots(position, position + 1)[0]
+        kv.keys[:, slot] = kv.values[:, slot] = float(tokens[position])
+    session.length = len(tokens)
+    session.publish()
+    return session
+
+
+def held(kv: KVPool, session: SessionKV) -> list[float]:
+    return [float(kv.keys[0, slot, 0, 0]) for slot in session.slots(0, session.length)]
+
+
+def test_a_shared_prefix_is_taken_by_reference_and_copied_before_a_write():
+    kv = pool()
+    first = filled(kv, list(range(1, 11)))  # 10 tokens: two full blocks registered
+    assert kv.cached_blocks == 2
+    second = SessionKV(kv)
+    second.tokens = list(range(1, 10)) + [99, 98]
+    assert second.take_prefix(second.tokens, b"") == 8  # two blocks, by reference
+    assert second.blocks == first.blocks[:2] and held(kv, second) == [float(t) for t in range(1, 9)]
+    # The second session crops into its second (shared) block and writes: it copies it first.
+    second.crop(6)
+    assert second.reserve(8)
+    second.own_from(6)
+    assert second.blocks[1] != first.blocks[1] and second.blocks[0] == first.blocks[0]
+    slot = second.slots(6, 7)[0]
+    kv.keys[:, slot] = 77.0
+    assert held(kv, first)[:8] == [float(t) for t in range(1, 9)]  # the first session's block is intact
+    assert float(kv.keys[0, second.slots(5, 6)[0], 0, 0]) == 6.0  # the copy kept the positions before 6
+
+
+def test_salts_and_the_last_token_are_never_hit():
+    kv = pool()
+    filled(kv, list(range(1, 9)), salt=b"tenant-a")
+    other = SessionKV(kv)
+    assert other.take_prefix(list(range(1, 9)), b"tenant-b") == 0
+    same = SessionKV(kv)
+    # 8 tokens: the second block holds the last token, whose logits the step needs: one block only.
+    assert same.take_prefix(list(range(1, 9)), b"tenant-a") == 4
+    assert kv.prefix_queries == 24 and kv.prefix_hits == 4  # the first session looked up too
+
+
+def test_unheld_cached_blocks_are_evicted_rather_than_a_session_refused():
+    kv = pool(blocks=6)  # 5 usable blocks
+    for start in range(0, 100, 10):  # distinct prefixes, each let go at once
+        session = filled(kv, list(range(start + 1, start + 9)))
+        del session
+    assert kv.free_blocks == 5 and kv.cached_blocks <= 5
+    big = SessionKV(kv)
+    assert big.reserve(20)  # every block, cached ones evicted
+    assert kv.free_blocks == 0 and kv.cached_blocks == 0
+
+
+def test_without_prefix_caching_nothing_is_looked_up():
+    kv = pool(caching=False)
+    filled(kv, list(range(1, 11)))
+    assert kv.cached_blocks == 0 and SessionKV(kv).take_prefix(list(range(1, 11)), b"") == 0
+
+
+def test_the_tenant_salts_the_cache_only_with_keys():
+    keyed = GatewaySettings(ServerSettings("127.0.0.1", 0), api_keys_file="keys.txt")
+    open_ = GatewaySettings(ServerSettings("127.0.0.1", 0))
+    assert cache_salt(keyed, "alpha", "") != cache_salt(keyed, "beta", "")
+    assert cache_salt(open_, "alpha", "") == cache_salt(open_, "beta", "")
+    assert cache_salt(open_, "", "mine") != cache_salt(open_, "", "")
+    assert cache_salt(keyed, "ab", "c") != cache_salt(keyed, "a", "bc")  # the tenant's end is marked
+
+
+LONG = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+        "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n")
+
+
+@pytest.fixture(scope="module")
+def cold_stack(model_dirs):
+    from specd.worker.settings import BatchSettings
+
+    running = start_stack(model_dirs, batching=BatchSettings(no_prefix_caching=True))
+    yield running
+    running.close()
+
+
+@pytest.mark.parametrize("mode,temperature", [("FIXED", 0.0), ("AUTO", 0.0), ("FIXED", 1.0), ("OFF", 0.0)])
+def test_a_hit_gives_a_cold_servers_output(stack, cold_stack, mode, temperature):
+    salt = f"{mode}-{temperature}"  # a cache of this test's own
+    outputs = []
+    for question in ("What does it return?", "What is the cache's size?"):
+        req = request(LONG + question, temperature=temperature, seed=7, max_new_tokens=24, mode=mode,
+                      draft_length=4, draft_model="close")
+        req.cache_salt = salt
+        cold = cold_stack.stub.Generate(req)
+        warm = [stack.stub.Generate(req) for _ in range(2)]
+        assert cold.stats.cached_tokens == 0
+        outputs.append([list(r.token_ids) for r in (cold, *warm)])
+        assert warm[1].stats.cached_tokens >= 64  # the whole long prefix, in blocks of 16
+    for cold, *warm in outputs:
+        assert all(tokens == cold for tokens in warm)
+
+
+def test_another_salt_never_hits(stack):
+    req = request(LONG + "Once more.", max_new_tokens=4, mode="OFF")
+    req.cache_salt = "alpha"
+    stack.stub.Generate(req)
+    assert stack.stub.Generate(req).stats.cached_tokens > 0
+    req.cache_salt = "beta"
+    assert stack.stub.Generate(req).stats.cached_tokens == 0
+
+
+def test_cached_prefixes_are_counted_for_prometheus(model_dirs):
+    import urllib.request
+
+    from test_cli import free_port
+
+    port = free_port()
+    running = start_stack(model_dirs, verifier_metrics_port=port)
+    try:
+        for _ in range(2):
+            running.stub.Generate(request(LONG, max_new_tokens=2, mode="OFF"))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        hits = [line for line in text.splitlines() if line.startswith("specd_worker_prefix_cache_hits_total")]
+        assert hits and float(hits[0].split()[-1]) > 0 and 'role="verifier"' in hits[0]
+        assert "specd_worker_prefix_cache_queries_total" in text and "specd_worker_prefix_cache_blocks" in text
+    finally:
+        running.close()
