@@ -151,6 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "under load (specd.cli.loadbench) instead of one request at a time")
     parser.add_argument("--requests-per-level", type=int, default=32,
                         help="with --concurrency: requests per configuration and level")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="measure prefix caching instead (specd.cli.prefixbench): a long system prompt before "
+                             "many questions, and a multi-turn conversation, each request with the cache and "
+                             "without it")
     add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
 
 
@@ -469,6 +473,16 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shared_prefix:
+        import grpc
+
+        from specd.cli import prefixbench
+        from specd.cli.clientauth import with_api_key
+        from specd.v1 import gateway_pb2_grpc
+
+        with client_channel(args.gateway, client_tls_from_args(args)) as channel:
+            grpc.channel_ready_future(channel).result(timeout=300)
+            return prefixbench.run(args, gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env)))
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
     if args.concurrency:
