@@ -30,6 +30,7 @@ from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.paircosts import PairCosts, model_pair_label
 from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, build_policy
+from gateway.priors import ForwardTable, Overheads, prior_caps
 from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
 from gateway.request import GenerationRequest, Mode, ParsedRequest
@@ -343,6 +344,9 @@ class GatewayCore:
         self._load_caps: dict[str, LoadCap] = {}
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
         self.serving = True  # a verifier answers its health checks (gateway.liveness says)
+        # Per-session step costs beyond the forwards, timed at start-up (`gateway.priors`):
+        # with the workers' forward costs, where each pair's load cap starts.
+        self.overheads: Overheads | None = None
 
     def set_serving(self, serving: bool) -> None:
         self.serving = serving
@@ -350,6 +354,17 @@ class GatewayCore:
     def close(self) -> None:
         """Stop the tokenizing thread (the gateway is stopping)."""
         self._parser.shutdown(wait=False, cancel_futures=True)
+
+    def prior(self, draft_model: str) -> dict[int, int] | None:
+        """Where a pair's load cap starts at each load (`gateway.priors`), once the start-up
+        probes measured the overheads; None before, or without the workers' forward costs."""
+        if self.overheads is None or not self.backend.target.forward_costs:
+            return None
+        draft = self.backend.drafts.get(draft_model)
+        general = self.settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
+        return prior_caps(ForwardTable(self.backend.target.forward_costs),
+                          ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None,
+                          general.prior_alpha, self.settings.max_draft_length, self.overheads)
 
     def _choose(self, task_type: str, user_segment: str) -> str:
         """The draft of a request that names none, under --draft-selection goodput."""
@@ -464,7 +479,8 @@ class GatewayCore:
             probes = self._probes.setdefault(shared, ProbeSchedule())
             load_cap = self._load_caps.get(model_pair)
             if load_cap is None:  # one per pair: every task's sessions share the target's forwards
-                load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length)
+                load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length,
+                                                                 prior=self.prior(generation.draft_model))
         policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, probes, load_cap)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,

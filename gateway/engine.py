@@ -443,7 +443,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     while True:
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
-        hop = speculation.propose_model_free(gamma, max_model_free) or await speculation.propose(gamma, carrier)
+        longest = min(max_model_free, policy.longest_proposal())
+        hop = speculation.propose_model_free(gamma, longest) or await speculation.propose(gamma, carrier)
         hop = speculation.within_grammar(hop)
         verdict = await speculation.decide(hop, carrier)
         record, output = speculation.commit(hop, verdict)

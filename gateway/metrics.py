@@ -129,13 +129,24 @@ class AcceptanceCollector(Collector):
                                     "a trial's from its turns beside the cap in force, the cap in force's from those "
                                     "turns and its epochs since.",
                                     labels=labels + ["cap"])
+        prior = GaugeMetricFamily(PREFIX + "load_cap_prior",
+                                  "The cap the workers' measured forward costs favour at this load "
+                                  "(gateway/priors.py): where the load cap starts; trials move it from there.",
+                                  labels=labels)
+        origin = GaugeMetricFamily(PREFIX + "load_cap_learned",
+                                   "1 when a trial decided the cap in force at this load, 0 while it is the prior's.",
+                                   labels=labels)
         for pair, load_cap in sorted(self.load_caps().items()):
             for load, best in load_cap.caps().items():
                 cap.add_metric([pair, str(load)], best)
+            for load, gamma in sorted((load_cap.prior or {}).items()):
+                prior.add_metric([pair, str(load)], gamma)
+            for load, how in load_cap.origins().items():
+                origin.add_metric([pair, str(load)], float(how == "learned"))
             for load, rates in load_cap.rates().items():
                 for arm, rate in sorted(rates.items()):
                     goodput.add_metric([pair, str(load), str(arm)], rate)
-        return [cap, goodput]
+        return [cap, goodput, prior, origin]
 
     def _suffix_cache(self):
         """How full the suffix proposer's cache of previous responses is."""

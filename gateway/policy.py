@@ -41,6 +41,10 @@ VERDICT_WEIGHT = 0.25
 VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
 
 
+# What a policy without a load cap allows any proposal (no bound).
+UNCAPPED = 2 ** 31 - 1
+
+
 class FixedPolicy:
     """Propose the same γ every step (γ = 0: plain decoding by the target)."""
 
@@ -48,6 +52,9 @@ class FixedPolicy:
 
     def __init__(self, draft_length: int) -> None:
         self.draft_length = draft_length
+
+    def longest_proposal(self) -> int:
+        return UNCAPPED
 
     def next_draft_length(self) -> int:
         return self.draft_length
@@ -71,6 +78,9 @@ class EmaPolicy:
         self.target_rate = target_rate
         self.weight = 1.0 / steps
         self.rate = target_rate  # start neutral: no change until evidence accumulates
+
+    def longest_proposal(self) -> int:
+        return UNCAPPED
 
     def next_draft_length(self) -> int:
         return self.draft_length
@@ -271,11 +281,16 @@ class LoadCap:
     prefilled (`_Goodput`); a trial whose caps lack them runs more turns
     (`TRIAL_EXTENSIONS`), and is decided on all its steps if they still lack them.
     With one session there is no one else to slow down: no cap.
+
+    Where a level starts: `prior` (load bucket → γ, `gateway.priors`: the γ the workers'
+    measured forward costs favour), so a fresh gateway does not learn by losing; without
+    one, a measured neighbouring level's cap, else the longest draft a request chose alone.
     """
 
     def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
-                 margin: float = 0.05) -> None:
+                 margin: float = 0.05, prior: dict[int, int] | None = None) -> None:
         self.highest = highest
+        self.prior = prior
         self.margin = margin  # how much better than the cap in force a trial must do to replace it
         self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
         self.explore_every = explore_every
@@ -339,11 +354,20 @@ class LoadCap:
                 level.best, level.running, level.drafted, level.settle = borrowed, _Goodput(), 0, load
         return level
 
+    def origins(self) -> dict[int, str]:
+        """How each load level's cap in force came to be: "prior" (from the measured costs,
+        no trial has moved it) or "learned" (a trial decided it, or it was borrowed)."""
+        return {load: "prior" if self.prior is not None and not level.verdicts else "learned"
+                for load, level in sorted(self._levels.items())}
+
     def _borrowed(self, load: int) -> int:
-        """The cap an unmeasured level at `load` takes: the nearest measured lower level's
-        (load only makes a long draft dearer, so it is an upper bound here), else the nearest
-        measured higher level's (the cap best at a heavier load, which a level's own trials
-        may then raise), else the longest draft a request chose alone."""
+        """The cap an unmeasured level at `load` takes: the prior's for that load (past the
+        loads it priced, the heaviest's), if there is one; else the nearest measured lower
+        level's (load only makes a long draft dearer, so it is an upper bound here), else the
+        nearest measured higher level's (the cap best at a heavier load, which a level's own
+        trials may then raise), else the longest draft a request chose alone."""
+        if self.prior:
+            return min(self.prior.get(load, self.prior[max(self.prior)]), self.highest)
         measured = [bucket for bucket, level in self._levels.items() if level.all_rates]
         lower = [bucket for bucket in measured if bucket < load]
         higher = [bucket for bucket in measured if bucket > load]
@@ -552,6 +576,10 @@ class CostPolicy:
         scale = self.alpha / level if level > 0 else 1.0
         return [min(rate * scale, 0.999) for rate in curve] + [min(self.alpha, 0.999)] * 32
 
+    def longest_proposal(self) -> int:
+        """The load cap at the current load: under a cap of 0, no model-free match either."""
+        return UNCAPPED if self.load_cap is None else self.load_cap.cap()
+
     def next_draft_length(self) -> int:
         if self.load_cap is None:
             return self._own_draft_length()
@@ -607,6 +635,9 @@ class ConfidencePolicy:
 
     def __init__(self, highest: int) -> None:
         self.highest = highest
+
+    def longest_proposal(self) -> int:
+        return UNCAPPED
 
     def next_draft_length(self) -> int:
         return self.highest

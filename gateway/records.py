@@ -78,6 +78,12 @@ class DraftLengthPolicy(StepObserver, Protocol):
 
     def next_draft_length(self) -> int: ...
 
+    def longest_proposal(self) -> int:
+        """The most tokens any proposal of this step may carry, a model-free one's too: the
+        load cap in force where the policy shares one (`gateway.policy.LoadCap`), since a
+        verified token costs the other sessions' forward alike whoever proposed it."""
+        ...
+
     def plain_steps_ahead(self, limit: int) -> int:
         """How many of the (at most `limit`) steps after the one just chosen will surely
         propose nothing, whatever they commit: the verifier may score them ahead

@@ -34,6 +34,8 @@ class ModelInfo:
     parameter_bytes: int = 0  # weights held, in bytes, packed copies included (the draft's memory next to the target's)
     card_json: str = ""  # the directory's card.json, verbatim, when it has one
     model_path: str = ""  # the directory the model was loaded from
+    # (batch, width) → ms of one batched forward, timed at load (`ModelRunner.measure_forwards`)
+    forward_costs: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -247,14 +247,16 @@ def model_info_to_pb(info: ModelInfo, tokenizer_files: dict[str, bytes] | None =
         name=info.name, vocab_size=info.vocab_size, max_context=info.max_context,
         tokenizer_fingerprint=info.tokenizer_fingerprint, eos_token_ids=info.eos_token_ids,
         weights_digest=info.weights_digest, parameter_bytes=info.parameter_bytes, card_json=info.card_json,
-        model_path=info.model_path, tokenizer_files=tokenizer_files or {})
+        model_path=info.model_path, tokenizer_files=tokenizer_files or {},
+        forward_costs=[worker_pb2.ForwardCost(batch=b, width=w, ms=ms) for b, w, ms in info.forward_costs])
 
 
 def model_info_from_pb(message: worker_pb2.ModelInfo) -> ModelInfo:
     """A hosted model's facts as the gateway keeps them (the tokenizer files aside)."""
     return ModelInfo(message.name, message.vocab_size, message.max_context, message.tokenizer_fingerprint,
                      tuple(message.eos_token_ids), message.weights_digest, message.parameter_bytes,
-                     message.card_json, message.model_path)
+                     message.card_json, message.model_path,
+                     tuple((c.batch, c.width, c.ms) for c in message.forward_costs))
 
 
 def identity_to_pb(info: ModelInfo) -> worker_pb2.ModelIdentity:

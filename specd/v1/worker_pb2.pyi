@@ -67,6 +67,16 @@ class SequenceDelta(_message.Message):
     cache_salt: bytes
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expires_in_ms: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
+class ForwardCost(_message.Message):
+    __slots__ = ("batch", "width", "ms")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    width: int
+    ms: float
+    def __init__(self, batch: _Optional[int] = ..., width: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
 class TraceContext(_message.Message):
     __slots__ = ("carrier",)
     class CarrierEntry(_message.Message):
@@ -301,7 +311,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids", "weights_digest", "parameter_bytes", "card_json", "model_path")
+    __slots__ = ("name", "vocab_size", "max_context", "tokenizer_fingerprint", "tokenizer_files", "eos_token_ids", "weights_digest", "parameter_bytes", "card_json", "model_path", "forward_costs")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +329,7 @@ class ModelInfo(_message.Message):
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     CARD_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COSTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
@@ -329,7 +340,8 @@ class ModelInfo(_message.Message):
     parameter_bytes: int
     card_json: str
     model_path: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    forward_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weights_digest: _Optional[str] = ..., parameter_bytes: _Optional[int] = ..., card_json: _Optional[str] = ..., model_path: _Optional[str] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
     __slots__ = ("models", "protocol")

@@ -15,6 +15,8 @@ import hashlib
 import json
 import logging
 import os
+import statistics
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,10 @@ from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The forwards a worker times at load (`ModelRunner.measure_forwards`): sessions sharing the
+# forward (the gateway's load buckets) by tokens each feeds (a plain step, γ = 1, 2, 4, 8).
+FORWARD_COST_BATCHES = (1, 2, 4, 8, 16, 32)
+FORWARD_COST_WIDTHS = (1, 2, 3, 5, 9)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -268,6 +274,10 @@ class ModelRunner:
             self.lean_forward = unmirrored is None
             if unmirrored is not None:
                 log.info("%s keeps transformers' forward: %s", self.info.name, unmirrored)
+        # What a forward costs at each load, for the gateways' priors: timed once, here, with
+        # the forward the requests will get.
+        costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
+        self.info = replace(self.info, forward_costs=tuple((b, w, ms) for (b, w), ms in sorted(costs.items())))
 
     def _evicted(self, session_id: str) -> None:
         """What else an evicted session held goes with it: its pre-drafted branches and its
@@ -294,6 +304,42 @@ class ModelRunner:
         names = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"}
         return {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.name in names}
+
+    def _measure_forwards(self, batches: Sequence[int], widths: Sequence[int], context: int,
+                          repeats: int) -> dict[tuple[int, int], float]:
+        """Milliseconds of one batched forward of `batch` sessions feeding `width` tokens each
+        (a plain step is width 1, a verification of γ tokens width γ+1), each session holding
+        `context` cached positions: the median of `repeats`, by (batch, width). On the
+        model's thread, at load; what a gateway prices γ with at every load from its first
+        request (`gateway.priors`). Batches the pool cannot hold are left out."""
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, self.info.vocab_size, (max(batches), context + max(widths)), generator=generator)
+        sessions: list[SessionKV] = []
+        for row in ids.tolist():
+            session = SessionKV(self.pool)
+            if not session.reserve(context + max(widths)):
+                break
+            session.tokens = row
+            sessions.append(session)
+        for start in range(0, len(sessions), 8):  # prefill the contexts, a few sessions per forward
+            kvstore.forward(self.model, [BatchRow(s, s.tokens[:context], 1) for s in sessions[start:start + 8]],
+                            self.device)
+        costs = {}
+        for batch in (b for b in batches if b <= len(sessions)):
+            for width in widths:
+                times = []
+                for _ in range(repeats + 1):  # the first, a warm-up for this shape, is not counted
+                    rows = [BatchRow(s, s.tokens[context:context + width], width) for s in sessions[:batch]]
+                    began = time.perf_counter()
+                    logits, _ = kvstore.forward(self.model, rows, self.device)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    times.append((time.perf_counter() - began) * 1e3)
+                    del logits
+                    for session in sessions[:batch]:
+                        session.crop(context)
+                costs[(batch, width)] = statistics.median(times[1:])
+        return costs
 
     def kv_bytes_per_token(self) -> int:
         """The arithmetic: layers × KV heads × (key dim + value dim) × bytes per element."""

@@ -1,0 +1,133 @@
+"""Where AUTO's load cap starts: γ priced from measured costs before the first request.
+
+A fresh gateway used to learn its load cap (`gateway.policy.LoadCap`) by losing: at each
+load level the cap started at the longest draft, and trials brought it down. Under load
+on a CPU that cost 10–20% of throughput for the first minutes of every new replica. The
+information needed is not secret, so it is measured up front:
+
+- each worker times its batched forward at load, for the batch sizes and widths it will
+  serve (`ModelInfo.forward_costs`): T(B, w), B sessions feeding w tokens each;
+- the gateway times, at start-up, one plain and one speculative request alone
+  (`measure_overheads`, excluded from every statistic): what a step costs beyond the
+  forwards (hops, serialization, the gateway's own work), per session.
+
+At load B, γ's goodput per session is then priced as
+
+    E[tokens per step](α, γ) / (T_target(B, γ+1) + γ·T_draft(B, 1) + B·overhead_spec)
+
+against plain decoding's 1 / (T_target(B, 1) + B·overhead_plain), with α the general
+task's prior acceptance. The overheads are counted per session, since each session's hop
+costs the shared CPUs its own work. A level's cap starts at the best of those
+(`prior_caps`), and the load cap's trials move it from there as before. The prior is
+the same for every gateway that reads the same workers, so a new replica starts where the
+others did, not from the longest draft. Pure Python; no gRPC.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.costmodel import LOAD_BUCKETS, expected_tokens
+
+log = logging.getLogger(__name__)
+
+
+class ForwardTable:
+    """A worker's measured forward times, T(batch, width), read piecewise linearly in both
+    (and extended linearly past the largest measured)."""
+
+    def __init__(self, costs: Sequence[tuple[int, int, float]]) -> None:
+        self._ms = {(b, w): ms for b, w, ms in costs}
+        self.batches = sorted({b for b, _, _ in costs})
+        self.widths = sorted({w for _, w, _ in costs})
+
+    def __bool__(self) -> bool:
+        return bool(self._ms)
+
+    @staticmethod
+    def _between(points: list[int], x: float) -> tuple[int, int, float]:
+        """The two measured points x lies between (or the last two, past the end), and x's
+        place between them (0 at the first)."""
+        if len(points) == 1:
+            return points[0], points[0], 0.0
+        i = min(max(bisect.bisect_left(points, x), 1), len(points) - 1)
+        low, high = points[i - 1], points[i]
+        return low, high, (x - low) / (high - low)
+
+    def _at_width(self, batch: int, width: float) -> float:
+        low, high, t = self._between(self.widths, width)
+        return self._ms[(batch, low)] + t * (self._ms[(batch, high)] - self._ms[(batch, low)])
+
+    def ms(self, batch: float, width: float) -> float:
+        low, high, t = self._between(self.batches, batch)
+        return max(0.0, self._at_width(low, width) + t * (self._at_width(high, width) - self._at_width(low, width)))
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What one session's step costs beyond the forwards, in ms: a plain step (the verifier
+    may run ahead), and a speculative one (a draft hop and a verify hop)."""
+
+    plain_ms: float
+    spec_ms: float
+
+
+def prior_caps(target: ForwardTable, draft: ForwardTable | None, alpha: float, highest: int,
+               overheads: Overheads, loads: Sequence[int] = LOAD_BUCKETS) -> dict[int, int]:
+    """The γ that the measured costs favour at each load level (0: plain decoding)."""
+    caps = {}
+    for load in loads:
+        best_gamma, best = 0, 1.0 / (target.ms(load, 1) + load * overheads.plain_ms)
+        for gamma in range(1, highest + 1):
+            drafting = gamma * draft.ms(load, 1) if draft else 0.0
+            rate = expected_tokens(alpha, gamma) / (target.ms(load, gamma + 1) + drafting + load * overheads.spec_ms)
+            if rate > best:
+                best_gamma, best = gamma, rate
+        caps[load] = best_gamma
+    return caps
+
+
+# The start-up probes: a short prompt, and enough tokens for several steps.
+PROBE_PROMPT = "def fibonacci(n):"
+PROBE_TOKENS = 24
+PROBE_GAMMA = 4
+
+
+async def measure_overheads(core) -> Overheads | None:
+    """Time one plain and one speculative request alone through `core` (a
+    `gateway.core.GatewayCore`, as the doctor's requests are: left out of every statistic)
+    and take from each step's time what the workers' forwards cost; None when there is no
+    draft, no forward costs, or a probe fails."""
+    from gateway.acceptance import DIAGNOSTIC_SEGMENT
+    from gateway.core import GenerateParams
+
+    backend = core.backend
+    target = ForwardTable(backend.target.forward_costs)
+    draft_info = backend.drafts.get(backend.default_draft)
+    if not target or draft_info is None or not draft_info.forward_costs:
+        return None
+    draft = ForwardTable(draft_info.forward_costs)
+    per_step = {}
+    try:
+        # The first request through a fresh gateway also pays for first-time set-up: a
+        # warm-up, not counted.
+        for mode, gamma in (("off", 0), ("off", 0), ("fixed", PROBE_GAMMA)):
+            params = GenerateParams(prompt=PROBE_PROMPT, max_new_tokens=PROBE_TOKENS, mode=mode, draft_length=gamma,
+                                    draft_model=backend.default_draft if gamma else "",
+                                    user_segment=DIAGNOSTIC_SEGMENT, seed=1)
+            began = time.perf_counter()
+            stats = None
+            async for chunk in core.generate(params):
+                stats = chunk.stats or stats
+            total_ms = (time.perf_counter() - began) * 1e3
+            if stats is None or not stats.steps:
+                return None
+            forwards = target.ms(1, gamma + 1) + gamma * draft.ms(1, 1)
+            per_step[mode] = max(0.0, total_ms / stats.steps - forwards)
+    except Exception as exc:  # noqa: BLE001 - a prior is a help, never a reason not to serve
+        log.warning("the start-up probes failed (%s); AUTO's load cap learns from the longest draft", exc)
+        return None
+    return Overheads(per_step["off"], per_step["fixed"])

@@ -1,0 +1,59 @@
+"""AUTO's load cap starts where measured costs say: the workers time their forwards at
+load, the gateway times its overheads at start-up, and each load level's first cap is the
+γ those costs favour (gateway/priors.py), not the longest draft."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import request
+from gateway.policy import LoadCap
+from gateway.priors import ForwardTable, Overheads, prior_caps
+
+# A target whose forward grows with the tokens it carries, as on a CPU; a cheap draft.
+TARGET = ForwardTable([(b, w, 8.0 + 0.9 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9)])
+DRAFT = ForwardTable([(b, w, 1.0 + 0.05 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9)])
+
+
+def test_the_table_reads_between_and_past_what_was_measured():
+    assert TARGET.ms(1, 1) == pytest.approx(8.9)
+    assert TARGET.ms(8, 3) == pytest.approx(8.0 + 0.9 * 8 * 3)  # between widths
+    assert TARGET.ms(4, 1) == pytest.approx((TARGET.ms(1, 1) * 4 + TARGET.ms(8, 1) * 3) / 7)  # between batches
+    assert TARGET.ms(64, 17) > TARGET.ms(32, 9)  # extended past the largest
+
+
+def test_speculation_is_priced_out_as_the_load_grows():
+    caps = prior_caps(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    assert caps[1] >= 3  # alone, verifying more positions is nearly free: speculate
+    assert caps[32] == 0  # 32 sessions × γ+1 tokens each: plain decoding serves more
+    assert all(caps[a] >= caps[b] for a, b in zip(sorted(caps), sorted(caps)[1:]))  # never more under more load
+    # A poor acceptance prices speculation out sooner; a large overhead per hop, too.
+    assert prior_caps(TARGET, DRAFT, 0.3, 8, Overheads(0.2, 1.0))[8] <= caps[8]
+    assert prior_caps(TARGET, DRAFT, 0.7, 8, Overheads(0.2, 20.0))[1] == 0
+
+
+def test_a_level_starts_at_the_prior_and_says_so():
+    cap = LoadCap(8, prior={1: 8, 2: 5, 4: 2, 8: 0})
+    cap.requests = 8  # eight requests in flight: the load floor
+    assert cap.cap() == 0 and cap.origins() == {8: "prior"}
+    cap.requests = 100  # past the loads priced: the heaviest's
+    assert cap.cap() == 0
+    assert LoadCap(8).cap() == 8  # no prior: alone
+
+
+def test_a_fresh_gateway_measures_its_overheads_and_prices_its_caps(stack):
+    core = stack.gateway.servicer.core
+    assert core.overheads is not None and core.overheads.spec_ms >= 0 and core.overheads.plain_ms >= 0
+    assert core.backend.target.forward_costs  # the verifier timed its forwards at load
+    prior = core.prior("close")
+    assert prior is not None and set(prior) >= {1, 8, 32}
+    # The probes were the doctor's kind of request: they count in no statistic.
+    assert not stack.stub.GetAcceptanceStats(request_stats()).rows or all(
+        row.labels.get("user_segment") != "specd-doctor" for row in stack.stub.GetAcceptanceStats(
+            request_stats()).rows)
+    assert stack.stub.Generate(request("def fibonacci(n):", max_new_tokens=4, mode="AUTO")).stats.generated_tokens == 4
+
+
+def request_stats():
+    from specd.v1 import gateway_pb2
+
+    return gateway_pb2.AcceptanceStatsRequest(group_by=["user_segment"])
