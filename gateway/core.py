@@ -30,7 +30,7 @@ from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.paircosts import PairCosts, model_pair_label
 from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, build_policy
-from gateway.priors import ForwardTable, Overheads, prior_caps
+from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
 from gateway.request import GenerationRequest, Mode, ParsedRequest
@@ -355,14 +355,15 @@ class GatewayCore:
         """Stop the tokenizing thread (the gateway is stopping)."""
         self._parser.shutdown(wait=False, cancel_futures=True)
 
-    def prior(self, draft_model: str) -> dict[int, int] | None:
-        """Where a pair's load cap starts at each load (`gateway.priors`), once the start-up
-        probes measured the overheads; None before, or without the workers' forward costs."""
+    def prior(self, draft_model: str) -> dict[int, list[float]] | None:
+        """A pair's predicted goodput of each γ at each load (`gateway.priors`): where its
+        load cap starts. None before the start-up probes measured the overheads, or without
+        the workers' forward costs."""
         if self.overheads is None or not self.backend.target.forward_costs:
             return None
         draft = self.backend.drafts.get(draft_model)
         general = self.settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-        return prior_caps(ForwardTable(self.backend.target.forward_costs),
+        return prior_rates(ForwardTable(self.backend.target.forward_costs),
                           ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None,
                           general.prior_alpha, self.settings.max_draft_length, self.overheads)
 

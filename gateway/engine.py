@@ -187,6 +187,7 @@ class _Speculation:
         # Plain steps left of a run asked while the model-free matches were quiet: they
         # look for no match, which would stop the run (the forward in flight wasted).
         self.blind = 0
+        self.longest = 0  # the most tokens this step's proposals may carry (the policy's load cap)
 
     def draft_length(self) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
@@ -357,7 +358,7 @@ class _Speculation:
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)
         limit = RUN_AHEAD_STEPS
-        if self.hybrid is not None:
+        if self.hybrid is not None and self.longest > 0:  # under a cap of 0 no match may be verified
             if self.blind or not self.hybrid.quiet:
                 return 0
             limit = QUIET_RUN_STEPS
@@ -443,8 +444,9 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     while True:
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
-        longest = min(max_model_free, policy.longest_proposal())
-        hop = speculation.propose_model_free(gamma, longest) or await speculation.propose(gamma, carrier)
+        speculation.longest = min(max_model_free, policy.longest_proposal())
+        hop = (speculation.propose_model_free(gamma, speculation.longest)
+               or await speculation.propose(gamma, carrier))
         hop = speculation.within_grammar(hop)
         verdict = await speculation.decide(hop, carrier)
         record, output = speculation.commit(hop, verdict)

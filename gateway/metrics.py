@@ -139,7 +139,7 @@ class AcceptanceCollector(Collector):
         for pair, load_cap in sorted(self.load_caps().items()):
             for load, best in load_cap.caps().items():
                 cap.add_metric([pair, str(load)], best)
-            for load, gamma in sorted((load_cap.prior or {}).items()):
+            for load, gamma in sorted(load_cap.prior_caps.items()):
                 prior.add_metric([pair, str(load)], gamma)
             for load, how in load_cap.origins().items():
                 origin.add_metric([pair, str(load)], float(how == "learned"))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import StepCosts, best_draft_length, load_bucket
+from gateway.priors import best_caps
 from gateway.records import DraftLengthPolicy, StepRecord
 from gateway.request import Mode, ParsedRequest
 from gateway.tasks import TaskProfile
@@ -39,6 +40,7 @@ TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks qui
 # the first few, then an average in which each new trial weighs this much.
 VERDICT_WEIGHT = 0.25
 VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
+PRIOR_TRIALS = 2  # the trials' worth of evidence a prior's predicted goodput ratios count for
 
 
 # What a policy without a load cap allows any proposal (no bound).
@@ -282,15 +284,19 @@ class LoadCap:
     (`TRIAL_EXTENSIONS`), and is decided on all its steps if they still lack them.
     With one session there is no one else to slow down: no cap.
 
-    Where a level starts: `prior` (load bucket → γ, `gateway.priors`: the γ the workers'
-    measured forward costs favour), so a fresh gateway does not learn by losing; without
-    one, a measured neighbouring level's cap, else the longest draft a request chose alone.
+    Where a level starts: the γ `prior` favours (load bucket → the goodput of each γ from 0
+    as the workers' measured forward costs predict it, `gateway.priors`), so a fresh
+    gateway does not learn by losing; the predicted ratio of every two caps is weighed in
+    as `PRIOR_TRIALS` trials of them (`_Verdicts`), so a noisy trial or two does not
+    overturn it. Without a prior: a measured neighbouring level's cap, else the longest
+    draft a request chose alone.
     """
 
     def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
-                 margin: float = 0.05, prior: dict[int, int] | None = None) -> None:
+                 margin: float = 0.05, prior: dict[int, list[float]] | None = None) -> None:
         self.highest = highest
         self.prior = prior
+        self.prior_caps = best_caps(prior) if prior else {}
         self.margin = margin  # how much better than the cap in force a trial must do to replace it
         self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
         self.explore_every = explore_every
@@ -345,6 +351,18 @@ class LoadCap:
         if level is None:
             level = self._levels[load] = _LevelArms(self._borrowed(load), settle=load,
                                                     explore_every=self.explore_every)
+            if self.prior:
+                rates = self.prior.get(load, self.prior[max(self.prior)])[:self.highest + 1]
+                for low in range(len(rates)):
+                    for high in range(low + 1, len(rates)):
+                        level.verdicts[(low, high)] = _Verdicts(
+                            min(max(math.log(rates[high] / rates[low]), -VERDICT_CLIP), VERDICT_CLIP), PRIOR_TRIALS)
+                # A trial costs goodput: where the costs say both neighbours lose clearly, try
+                # them four times as rarely (as if three trials had lost already).
+                best = level.best
+                neighbours = [rates[g] for g in (best - 1, best + 1) if 0 <= g < len(rates)]
+                if all(math.log(rate / rates[best]) < -math.log1p(2 * self.margin) for rate in neighbours):
+                    level.explore_every = min(4 * self.explore_every, MAX_EXPLORE_INTERVAL)
         elif not level.all_rates and not level.turns:
             # Not measured yet: follow the levels that are, until an epoch of its own is
             # averaged in. Why: a level reached only as the load drains (the last requests of
@@ -357,8 +375,13 @@ class LoadCap:
     def origins(self) -> dict[int, str]:
         """How each load level's cap in force came to be: "prior" (from the measured costs,
         no trial has moved it) or "learned" (a trial decided it, or it was borrowed)."""
-        return {load: "prior" if self.prior is not None and not level.verdicts else "learned"
+        return {load: "prior" if self.prior_caps and level.best == self._prior_cap(load) and level.trial is None
+                and not any(v.trials > PRIOR_TRIALS for v in level.verdicts.values()) else "learned"
                 for load, level in sorted(self._levels.items())}
+
+    def _prior_cap(self, load: int) -> int:
+        """The prior's cap at `load` (past the loads it priced, the heaviest's)."""
+        return min(self.prior_caps.get(load, self.prior_caps[max(self.prior_caps)]), self.highest)
 
     def _borrowed(self, load: int) -> int:
         """The cap an unmeasured level at `load` takes: the prior's for that load (past the
@@ -366,8 +389,8 @@ class LoadCap:
         level's (load only makes a long draft dearer, so it is an upper bound here), else the
         nearest measured higher level's (the cap best at a heavier load, which a level's own
         trials may then raise), else the longest draft a request chose alone."""
-        if self.prior:
-            return min(self.prior.get(load, self.prior[max(self.prior)]), self.highest)
+        if self.prior_caps:
+            return self._prior_cap(load)
         measured = [bucket for bucket, level in self._levels.items() if level.all_rates]
         lower = [bucket for bucket in measured if bucket < load]
         higher = [bucket for bucket in measured if bucket > load]

@@ -18,7 +18,9 @@ At load B, γ's goodput per session is then priced as
 against plain decoding's 1 / (T_target(B, 1) + B·overhead_plain), with α the general
 task's prior acceptance. The overheads are counted per session, since each session's hop
 costs the shared CPUs its own work. A level's cap starts at the best of those
-(`prior_caps`), and the load cap's trials move it from there as before. The prior is
+(`prior_caps`), and the load cap's trials move it from there as before, with the
+predicted goodput ratios weighed in as two trials' worth of evidence (`LoadCap`): one
+noisy trial does not overturn what the costs say, a few agreeing ones do. The prior is
 the same for every gateway that reads the same workers, so a new replica starts where the
 others did, not from the longest draft. Pure Python; no gRPC.
 """
@@ -75,19 +77,30 @@ class Overheads:
     spec_ms: float
 
 
+def prior_rates(target: ForwardTable, draft: ForwardTable | None, alpha: float, highest: int,
+                overheads: Overheads, loads: Sequence[int] = LOAD_BUCKETS) -> dict[int, list[float]]:
+    """The goodput the measured costs predict at each load level for each γ from 0 (plain
+    decoding) to `highest`, in tokens per ms per forward."""
+    rates = {}
+    for load in loads:
+        at_load = [1.0 / (target.ms(load, 1) + load * overheads.plain_ms)]
+        for gamma in range(1, highest + 1):
+            drafting = gamma * draft.ms(load, 1) if draft else 0.0
+            at_load.append(expected_tokens(alpha, gamma)
+                           / (target.ms(load, gamma + 1) + drafting + load * overheads.spec_ms))
+        rates[load] = at_load
+    return rates
+
+
+def best_caps(rates: dict[int, list[float]]) -> dict[int, int]:
+    """The γ each load level's predicted goodput favours (0: plain decoding)."""
+    return {load: max(range(len(at_load)), key=at_load.__getitem__) for load, at_load in rates.items()}
+
+
 def prior_caps(target: ForwardTable, draft: ForwardTable | None, alpha: float, highest: int,
                overheads: Overheads, loads: Sequence[int] = LOAD_BUCKETS) -> dict[int, int]:
     """The γ that the measured costs favour at each load level (0: plain decoding)."""
-    caps = {}
-    for load in loads:
-        best_gamma, best = 0, 1.0 / (target.ms(load, 1) + load * overheads.plain_ms)
-        for gamma in range(1, highest + 1):
-            drafting = gamma * draft.ms(load, 1) if draft else 0.0
-            rate = expected_tokens(alpha, gamma) / (target.ms(load, gamma + 1) + drafting + load * overheads.spec_ms)
-            if rate > best:
-                best_gamma, best = gamma, rate
-        caps[load] = best_gamma
-    return caps
+    return best_caps(prior_rates(target, draft, alpha, highest, overheads, loads))
 
 
 # The start-up probes: a short prompt, and enough tokens for several steps.

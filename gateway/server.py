@@ -30,7 +30,7 @@ from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label
-from gateway.priors import measure_overheads
+from gateway.priors import best_caps, measure_overheads
 from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
 from gateway.records import Finish
 from gateway.request import Mode
@@ -245,7 +245,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     if core.overheads is not None:
         log.info("step overheads beyond the forwards: %.2f ms plain, %.2f ms speculative; AUTO's load cap starts "
                  "at %s (load → γ)", core.overheads.plain_ms, core.overheads.spec_ms,
-                 core.prior(backend.default_draft))
+                 best_caps(core.prior(backend.default_draft) or {}))
     servicer = GatewayServicer(core)
     metrics = None
     if settings.metrics_port:

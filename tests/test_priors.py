@@ -7,7 +7,7 @@ import pytest
 
 from conftest import request
 from gateway.policy import LoadCap
-from gateway.priors import ForwardTable, Overheads, prior_caps
+from gateway.priors import ForwardTable, Overheads, prior_caps, prior_rates
 
 # A target whose forward grows with the tokens it carries, as on a CPU; a cheap draft.
 TARGET = ForwardTable([(b, w, 8.0 + 0.9 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9)])
@@ -32,12 +32,19 @@ def test_speculation_is_priced_out_as_the_load_grows():
 
 
 def test_a_level_starts_at_the_prior_and_says_so():
-    cap = LoadCap(8, prior={1: 8, 2: 5, 4: 2, 8: 0})
-    cap.requests = 8  # eight requests in flight: the load floor
-    assert cap.cap() == 0 and cap.origins() == {8: "prior"}
-    cap.requests = 100  # past the loads priced: the heaviest's
+    rates = prior_rates(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    cap = LoadCap(8, prior=rates)
+    cap.requests = 32  # 32 requests in flight: the load floor
+    assert cap.cap() == 0 and cap.origins() == {32: "prior"}
+    cap.requests = 1000  # past the loads priced: the heaviest's
     assert cap.cap() == 0
     assert LoadCap(8).cap() == 8  # no prior: alone
+    # The predicted ratios are evidence already: one trial of cap 1 that measured 8% more
+    # goodput than plain decoding does not overturn a prior that predicts much less.
+    level = cap._level(32)
+    verdict = level.verdicts[(0, 1)]
+    assert verdict.trials == 2 and verdict.mean < 0
+    assert verdict.add(0.08) < 0.05
 
 
 def test_a_fresh_gateway_measures_its_overheads_and_prices_its_caps(stack):
