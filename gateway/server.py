@@ -30,6 +30,7 @@ from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label
+from gateway.policy import LoadCap
 from gateway.priors import best_caps, measure_overheads
 from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
 from gateway.records import Finish
@@ -159,7 +160,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             auto_policy=settings.auto_policy, task_drafts=settings.task_drafts,
             draft_selection="goodput" if core.selector is not None else "task-map",
             diagnostic_segment=DIAGNOSTIC_SEGMENT, drift_min_drop=settings.drift.min_drop,
-            drift_baseline_pinned=bool(core.stats.baseline))
+            drift_baseline_pinned=bool(core.stats.baseline), load_caps=_load_cap_rows(core))
 
     async def GenerateStream(self, request, context):
         # aclosing: a cancelled call ends the request's worker sessions now, not at garbage collection.
@@ -186,6 +187,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.GenerateResponse(text=first.text, token_ids=first.token_ids,
                                             finish_reason=first.finish_reason, stats=first.stats, trace_id=trace_id,
                                             logprobs=first.logprobs, choices=others)
+
+
+def _load_cap_rows(core: GatewayCore) -> list[gateway_pb2.LoadCapRow]:
+    """Each pair's load caps: the prior's at every load it priced, the cap in force where a
+    level has run (a pair with no request yet: the default draft's prior alone)."""
+    caps = core.load_caps()
+    if not caps and core.backend.default_draft:
+        prior = core.prior(core.backend.default_draft)
+        caps = {model_pair_label(core.backend.default_draft, core.backend.target.name):
+                LoadCap(core.settings.max_draft_length, prior=prior)} if prior else {}
+    rows = []
+    for pair, load_cap in sorted(caps.items()):
+        in_force, origins = load_cap.caps(), load_cap.origins()
+        for load, prior_cap in sorted(load_cap.prior_caps.items()):
+            rows.append(gateway_pb2.LoadCapRow(model_pair=pair, load=load, prior=prior_cap,
+                                               cap=in_force.get(load, prior_cap),
+                                               learned=origins.get(load) == "learned"))
+    return rows
 
 
 def _served_model(info: ModelInfo, problem: str, path: bool) -> gateway_pb2.ServedModel:

@@ -64,3 +64,16 @@ def request_stats():
     from specd.v1 import gateway_pb2
 
     return gateway_pb2.AcceptanceStatsRequest(group_by=["user_segment"])
+
+
+def test_the_gateway_says_where_its_caps_start(stack):
+    """GetGatewayInfo (what `specd doctor` prints) carries each load level's prior and cap."""
+    from specd.cli.doctor import check_load_caps
+    from specd.v1 import gateway_pb2
+
+    info = stack.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest())
+    loads = [row.load for row in info.load_caps]
+    assert loads and loads == sorted(loads) and {1, 8} <= set(loads)
+    assert all(row.cap == row.prior for row in info.load_caps if not row.learned)  # until a trial moves it
+    finding = check_load_caps(info)
+    assert finding.check == "load caps" and "8: γ≤" in finding.evidence

@@ -363,6 +363,18 @@ def check_short_outputs(target_only: Run, max_new_tokens: int) -> Finding:
     return Finding("short outputs", "ok", f"median {median:.0f} generated tokens", figures=figures)
 
 
+def check_load_caps(info) -> Finding:
+    """AUTO's γ cap at each load level: what the measured costs favour, what is in force."""
+    if not info.load_caps:
+        return Finding("load caps", "info", "no prior: the workers report no forward costs, or the gateway's "
+                       "start-up probes did not run (no draft?); AUTO learns its caps under load")
+    cells = ", ".join(f"{row.load}: γ≤{row.cap}" + (" (learned)" if row.learned else "") for row in info.load_caps)
+    figures = {"load_caps": [{"model_pair": r.model_pair, "load": r.load, "prior": r.prior, "cap": r.cap,
+                              "learned": r.learned} for r in info.load_caps]}
+    return Finding("load caps", "info", f"AUTO's cap by sessions in the target's forward, from measured costs "
+                   f"unless learned: {cells}", figures=figures)
+
+
 def check_memory(info, draft) -> Finding:
     if draft.model_free:
         return Finding("memory", "ok", f"{draft.name!r} is model-free: it holds tokens already seen, no weights")
@@ -465,6 +477,7 @@ def diagnose(stub, workload: list[tuple[str, str]], *, temperature: float, max_n
     findings.append(check_position(auto, max_new_tokens))
     findings.append(check_short_outputs(target_only, max_new_tokens))
     findings.append(check_memory(info, draft))
+    findings.append(check_load_caps(info))
     return Diagnosis(findings, draft.name, info.target.name, tasks, alpha(auto), reached(auto))
 
 

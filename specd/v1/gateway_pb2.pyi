@@ -90,6 +90,20 @@ class ChoiceList(_message.Message):
     choices: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class LoadCapRow(_message.Message):
+    __slots__ = ("model_pair", "load", "prior", "cap", "learned")
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_FIELD_NUMBER: _ClassVar[int]
+    CAP_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
+    model_pair: str
+    load: int
+    prior: int
+    cap: int
+    learned: bool
+    def __init__(self, model_pair: _Optional[str] = ..., load: _Optional[int] = ..., prior: _Optional[int] = ..., cap: _Optional[int] = ..., learned: _Optional[bool] = ...) -> None: ...
+
 class SpeculationParams(_message.Message):
     __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy", "min_draft_confidence", "overlap")
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -369,7 +383,7 @@ class GatewayInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GatewayInfoResponse(_message.Message):
-    __slots__ = ("target", "drafts", "max_draft_length", "default_draft_length", "auto_policy", "task_drafts", "draft_selection", "diagnostic_segment", "drift_min_drop", "drift_baseline_pinned")
+    __slots__ = ("target", "drafts", "max_draft_length", "default_draft_length", "auto_policy", "task_drafts", "draft_selection", "diagnostic_segment", "drift_min_drop", "drift_baseline_pinned", "load_caps")
     class TaskDraftsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +401,7 @@ class GatewayInfoResponse(_message.Message):
     DIAGNOSTIC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DRIFT_MIN_DROP_FIELD_NUMBER: _ClassVar[int]
     DRIFT_BASELINE_PINNED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CAPS_FIELD_NUMBER: _ClassVar[int]
     target: ServedModel
     drafts: _containers.RepeatedCompositeFieldContainer[ServedModel]
     max_draft_length: int
@@ -397,4 +412,5 @@ class GatewayInfoResponse(_message.Message):
     diagnostic_segment: str
     drift_min_drop: float
     drift_baseline_pinned: bool
-    def __init__(self, target: _Optional[_Union[ServedModel, _Mapping]] = ..., drafts: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., max_draft_length: _Optional[int] = ..., default_draft_length: _Optional[int] = ..., auto_policy: _Optional[str] = ..., task_drafts: _Optional[_Mapping[str, str]] = ..., draft_selection: _Optional[str] = ..., diagnostic_segment: _Optional[str] = ..., drift_min_drop: _Optional[float] = ..., drift_baseline_pinned: _Optional[bool] = ...) -> None: ...
+    load_caps: _containers.RepeatedCompositeFieldContainer[LoadCapRow]
+    def __init__(self, target: _Optional[_Union[ServedModel, _Mapping]] = ..., drafts: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., max_draft_length: _Optional[int] = ..., default_draft_length: _Optional[int] = ..., auto_policy: _Optional[str] = ..., task_drafts: _Optional[_Mapping[str, str]] = ..., draft_selection: _Optional[str] = ..., diagnostic_segment: _Optional[str] = ..., drift_min_drop: _Optional[float] = ..., drift_baseline_pinned: _Optional[bool] = ..., load_caps: _Optional[_Iterable[_Union[LoadCapRow, _Mapping]]] = ...) -> None: ...
