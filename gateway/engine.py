@@ -188,6 +188,7 @@ class _Speculation:
         # look for no match, which would stop the run (the forward in flight wasted).
         self.blind = 0
         self.longest = 0  # the most tokens this step's proposals may carry (the policy's load cap)
+        self.cap: tuple[int, str] | None = None  # the load cap in force this step, and its origin
 
     def draft_length(self) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
@@ -413,7 +414,7 @@ class _Speculation:
             verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
             draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
             pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead,
-            interval_ms=interval_ms, proposal_in_hand=hop.in_hand, recovery_ms=verdict.recovery_ms)
+            interval_ms=interval_ms, proposal_in_hand=hop.in_hand, recovery_ms=verdict.recovery_ms, load_cap=self.cap)
         self.steps += 1
         self.pre_draft_asked = hop.pre_draft_asked
         return record, StepOutput(emitted, finish, logprobs)
@@ -444,7 +445,8 @@ async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft
     while True:
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
-        speculation.longest = min(max_model_free, policy.longest_proposal())
+        speculation.cap = policy.cap_in_force()
+        speculation.longest = max_model_free if speculation.cap is None else min(max_model_free, speculation.cap[0])
         hop = (speculation.propose_model_free(gamma, speculation.longest)
                or await speculation.propose(gamma, carrier))
         hop = speculation.within_grammar(hop)

@@ -43,10 +43,6 @@ VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
 PRIOR_TRIALS = 2  # the trials' worth of evidence a prior's predicted goodput ratios count for
 
 
-# What a policy without a load cap allows any proposal (no bound).
-UNCAPPED = 2 ** 31 - 1
-
-
 class FixedPolicy:
     """Propose the same γ every step (γ = 0: plain decoding by the target)."""
 
@@ -55,8 +51,8 @@ class FixedPolicy:
     def __init__(self, draft_length: int) -> None:
         self.draft_length = draft_length
 
-    def longest_proposal(self) -> int:
-        return UNCAPPED
+    def cap_in_force(self) -> tuple[int, str] | None:
+        return None
 
     def next_draft_length(self) -> int:
         return self.draft_length
@@ -81,8 +77,8 @@ class EmaPolicy:
         self.weight = 1.0 / steps
         self.rate = target_rate  # start neutral: no change until evidence accumulates
 
-    def longest_proposal(self) -> int:
-        return UNCAPPED
+    def cap_in_force(self) -> tuple[int, str] | None:
+        return None
 
     def next_draft_length(self) -> int:
         return self.draft_length
@@ -372,6 +368,15 @@ class LoadCap:
                 level.best, level.running, level.drafted, level.settle = borrowed, _Goodput(), 0, load
         return level
 
+    def origin(self) -> str:
+        """Where the cap at the current load came from: "alone" (one session: no cap),
+        "prior" or "learned" (`origins`)."""
+        load = self._current_load()
+        if load <= 1:
+            return "alone"
+        self._level(load)
+        return self.origins()[load]
+
     def origins(self) -> dict[int, str]:
         """How each load level's cap in force came to be: "prior" (from the measured costs,
         no trial has moved it) or "learned" (a trial decided it, or it was borrowed)."""
@@ -599,9 +604,9 @@ class CostPolicy:
         scale = self.alpha / level if level > 0 else 1.0
         return [min(rate * scale, 0.999) for rate in curve] + [min(self.alpha, 0.999)] * 32
 
-    def longest_proposal(self) -> int:
-        """The load cap at the current load: under a cap of 0, no model-free match either."""
-        return UNCAPPED if self.load_cap is None else self.load_cap.cap()
+    def cap_in_force(self) -> tuple[int, str] | None:
+        """The shared load cap at the current load, and its origin."""
+        return None if self.load_cap is None else (self.load_cap.cap(), self.load_cap.origin())
 
     def next_draft_length(self) -> int:
         if self.load_cap is None:
@@ -659,8 +664,8 @@ class ConfidencePolicy:
     def __init__(self, highest: int) -> None:
         self.highest = highest
 
-    def longest_proposal(self) -> int:
-        return UNCAPPED
+    def cap_in_force(self) -> tuple[int, str] | None:
+        return None
 
     def next_draft_length(self) -> int:
         return self.highest

@@ -58,6 +58,7 @@ class StepRecord:
     # start): what the step cost the request, its hops, the gateway's own work and the
     # streaming of the last chunk included. 0: not measured (a record made elsewhere).
     interval_ms: float = 0.0
+    load_cap: tuple[int, str] | None = None  # the load cap γ was chosen under, and its origin (traces)
 
     @property
     def first_rejected(self) -> int | None:
@@ -78,10 +79,11 @@ class DraftLengthPolicy(StepObserver, Protocol):
 
     def next_draft_length(self) -> int: ...
 
-    def longest_proposal(self) -> int:
-        """The most tokens any proposal of this step may carry, a model-free one's too: the
-        load cap in force where the policy shares one (`gateway.policy.LoadCap`), since a
-        verified token costs the other sessions' forward alike whoever proposed it."""
+    def cap_in_force(self) -> tuple[int, str] | None:
+        """The load cap in force for this step (`gateway.policy.LoadCap`): the most tokens
+        any proposal may carry, a model-free one's too (a verified token costs the other
+        sessions' forward alike, whoever proposed it), and where it came from ("prior",
+        "learned", "alone"); None when the policy shares no cap."""
         ...
 
     def plain_steps_ahead(self, limit: int) -> int:

@@ -69,6 +69,8 @@ def step_attributes(record: StepRecord) -> dict[str, int | float | str]:
         attributes["specd.draft.recovery_ms"] = record.recovery_ms
     if record.proposal_in_hand:
         attributes["specd.draft.in_hand"] = True
+    if record.load_cap is not None:  # why γ was no longer: the load cap, from the costs or learned
+        attributes["specd.gamma.cap"], attributes["specd.gamma.cap_origin"] = record.load_cap
     return attributes
 
 

@@ -224,3 +224,22 @@ def request(prompt: str, *, temperature: float = 0.0, top_k: int = 0, top_p: flo
                                             max_new_tokens=max_new_tokens, stop=stop or []),
         speculation=gateway_pb2.SpeculationParams(mode=getattr(gateway_pb2, f"SPECULATION_MODE_{mode}"),
                                                   draft_length=draft_length, draft_model=draft_model))
+
+
+def assert_follows(counts: dict, joint: dict, trials: int) -> None:
+    """A chi-square test that sampled outcomes (`counts` over `trials`) follow the law
+    `joint` (outcome → probability), with every outcome inside its support. Cells expected
+    under 5 times are pooled into one, as the test needs."""
+    from scipy.stats import chisquare
+
+    assert set(counts) <= set(joint), set(counts) - set(joint)
+    cells = sorted(joint)
+    expected = [joint[c] * trials for c in cells]
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    observed = [counts.get(cells[i], 0) for i in big] + [sum(counts.get(cells[i], 0) for i in range(len(cells))
+                                                            if i not in big)]
+    wanted = [expected[i] for i in big] + [sum(e for i, e in enumerate(expected) if i not in big)]
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    wanted = [w * trials / sum(wanted) for w in wanted]  # the law sums to 1 up to float rounding
+    assert chisquare(observed, wanted).pvalue > 1e-3, list(zip(observed, wanted))

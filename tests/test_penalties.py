@@ -14,10 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from conftest import request, start_stack
+from conftest import assert_follows, request, start_stack
 from specd.sampling import Transform, penalized, probs_from_logits
 
 PROMPTS = ["def fibonacci(n):", "The acceptance rate is"]
@@ -157,18 +156,7 @@ def test_sampled_with_penalties_follows_the_penalized_target(stack, target_model
     trials = 1500
     with ThreadPoolExecutor(4) as pool:
         counts = Counter(pool.map(sample, range(1, trials + 1)))
-    assert set(counts) <= set(joint), set(counts) - set(joint)
-    cells = sorted(joint)
-    expected = [joint[c] * trials for c in cells]
-    # Cells expected under 5 times pooled into one, as a chi-square test needs.
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    observed = [counts.get(cells[i], 0) for i in big] + [sum(counts.get(cells[i], 0) for i in range(len(cells))
-                                                            if i not in big)]
-    wanted = [expected[i] for i in big] + [sum(e for i, e in enumerate(expected) if i not in big)]
-    if wanted[-1] == 0:
-        observed, wanted = observed[:-1], wanted[:-1]
-    wanted = [w * trials / sum(wanted) for w in wanted]  # the joint sums to 1 up to float rounding
-    assert chisquare(observed, wanted).pvalue > 1e-3, list(zip(observed, wanted))
+    assert_follows(counts, joint, trials)
 
 
 def manual_greedy(target_model, ids: list[int], processor: LogitsProcessor, new_tokens: int,

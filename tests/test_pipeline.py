@@ -156,8 +156,8 @@ class ScriptedPolicy:
         zeros = next((i for i, gamma in enumerate(self.script) if gamma), len(self.script))
         return min(zeros, limit)  # the script's end proposes 3
 
-    def longest_proposal(self):
-        return 64  # no load cap
+    def cap_in_force(self):
+        return None  # no load cap
 
     def observe(self, record):
         pass

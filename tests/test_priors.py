@@ -77,3 +77,20 @@ def test_the_gateway_says_where_its_caps_start(stack):
     assert all(row.cap == row.prior for row in info.load_caps if not row.learned)  # until a trial moves it
     finding = check_load_caps(info)
     assert finding.check == "load caps" and "8: γ≤" in finding.evidence
+
+
+def test_a_step_says_which_cap_it_ran_under():
+    """The cost policy reports the cap in force and its origin; the trace carries them."""
+    from gateway.records import StepRecord
+    from gateway.tracing import step_attributes
+
+    rates = prior_rates(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    cap = LoadCap(8, prior=rates)
+    assert cap.origin() == "alone"
+    cap.requests = 32
+    assert (cap.cap(), cap.origin()) == (0, "prior")
+    record = StepRecord(index=1, position=10, generated=1, draft_length=0, accepted=0, bonus=False, token=5,
+                        emitted=(5,), draft_ms=0.0, verify_ms=1.0, draft_forward_ms=0.0, verify_forward_ms=1.0,
+                        draft_bytes=0, verify_bytes=10, load_cap=(0, "prior"))
+    attributes = step_attributes(record)
+    assert attributes["specd.gamma.cap"] == 0 and attributes["specd.gamma.cap_origin"] == "prior"
