@@ -9,11 +9,13 @@ segment, and chunks become OpenAI's objects, streamed as server-sent events endi
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
 unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
 verifier reachable, 500 only for a fault of specd's own (an error object too). A
-parameter specd does not support (`logprobs`, `tools`, ...) is refused by name, never
+parameter specd does not support (`tools`, `echo`, ...) is refused by name, never
 ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
 `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos` (vLLM's) are
-applied exactly under speculation (`specd.sampling`). `n` > 1 runs that many generations,
-choice i seeded with the seed plus i. A client that disconnects stops its request at the
+applied exactly under speculation (`specd.sampling`), as are `logprobs` (and chat's
+`top_logprobs`), `response_format` and vLLM's `structured_outputs` (docs/sampling.md).
+`n` > 1 runs that many generations, choice i seeded with the seed plus i
+(`gateway.choices`); `cache_salt` (vLLM's) narrows who shares the prefix cache. A client that disconnects stops its request at the
 next step, and the workers' sessions are freed.
 
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
