@@ -15,8 +15,8 @@ ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
 applied exactly under speculation (`specd.sampling`), as are `logprobs` (and chat's
 `top_logprobs`), `response_format` and vLLM's `structured_outputs` (docs/sampling.md).
 `n` > 1 runs that many generations, choice i seeded with the seed plus i
-(`gateway.choices`); `cache_salt` (vLLM's) narrows who shares the prefix cache. A client that disconnects stops its request at the
-next step, and the workers' sessions are freed.
+(`gateway.choices`); `cache_salt` (vLLM's) narrows who shares the prefix cache. A client
+that disconnects stops its request at the next step, and the workers' sessions are freed.
 
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
