@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opentelemetry import context, trace
+
 from gateway.costmodel import LOAD_BUCKETS, expected_tokens
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,10 @@ async def measure_overheads(core) -> Overheads | None:
         return None
     draft = ForwardTable(draft_info.forward_costs)
     per_step = {}
+    # Under a parent span that is not sampled, so the probes leave no trace in the
+    # collector (the workers read the flag from the step's carrier too).
+    unsampled = trace.NonRecordingSpan(trace.SpanContext(1, 1, is_remote=False, trace_flags=trace.TraceFlags(0)))
+    token = context.attach(trace.set_span_in_context(unsampled))
     try:
         # The first request through a fresh gateway also pays for first-time set-up: a
         # warm-up, not counted.
@@ -143,4 +149,6 @@ async def measure_overheads(core) -> Overheads | None:
     except Exception as exc:  # noqa: BLE001 - a prior is a help, never a reason not to serve
         log.warning("the start-up probes failed (%s); AUTO's load cap learns from the longest draft", exc)
         return None
+    finally:
+        context.detach(token)
     return Overheads(per_step["off"], per_step["fixed"])

@@ -40,7 +40,7 @@ def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dir
         asyncio.run(runner.close())
     assert model_thread != threading.current_thread().name
     assert loaded_on == [model_thread]  # packing's trial forward passed: one load
-    assert forwards_on == [model_thread]
+    assert set(forwards_on) == {model_thread}  # the load-time timing forwards and the step's
 
 
 def test_a_worker_leaves_torch_threads_to_its_models_once_loaded(model_dirs):
