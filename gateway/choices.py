@@ -4,6 +4,13 @@ Each completion is a request of its own through `gateway.core.GatewayCore`, seed
 the request's seed plus its index, so the same request reproduces every one of them, and
 any one can be asked for alone with its seed. Their chunks are merged as they come, each
 with its index. The HTTP front end and the gRPC servicer share this.
+
+The first completion runs alone until its first step is done; the others start then. By
+that time both workers have cached the prompt's full blocks (specd.worker.kvstore's
+prefix caching), so the others prefill only the prompt's last partial block, where
+starting all at once would prefill the whole prompt n times in one batch. The others'
+first tokens come one step later, as in an engine that forks n sequences after one
+prefill.
 """
 from __future__ import annotations
 
@@ -41,15 +48,20 @@ async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[t
                 yield 0, chunk
         return
     queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+    prefilled = asyncio.Event()  # the first completion's first step is done, or it ended
 
     async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
         try:
             async with contextlib.aclosing(stream):
+                if index:
+                    await prefilled.wait()
                 async for chunk in stream:
+                    prefilled.set()
                     queue.put_nowait((index, chunk))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait((index, exc))
         finally:
+            prefilled.set()
             queue.put_nowait((index, None))
 
     pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]

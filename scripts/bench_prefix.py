@@ -12,6 +12,9 @@ the last measure. With the first it measures, each figure the median over --roun
 - a 6-turn chat over HTTP, about 600 tokens of code in the first turn and a short
   question in each next one: each turn's time to first token ÷ turn 1's, and
   usage.prompt_tokens_details.cached_tokens;
+- n = 4 completions of a 600-token prompt, sampled, 8 tokens each, ÷ one completion of
+  another such prompt, on this server and on the one without caching (the first
+  completion prefills; the others start after its first step, gateway.choices);
 - a soak of 1,000 requests with distinct prefixes, more than the KV pool holds: how many
   failed (a full pool must evict cached blocks, not refuse), and how many hit.
 
@@ -73,9 +76,11 @@ class Server:
             except grpc.RpcError:
                 time.sleep(1)
 
-    def generate(self, prompt: str, tokens: int, key: str = "") -> tuple[float, gateway_pb2.GenerateResponse]:
-        request = gateway_pb2.GenerateRequest(prompt=prompt, sampling=gateway_pb2.SamplingParams(
-            max_new_tokens=tokens))
+    def generate(self, prompt: str, tokens: int, key: str = "",
+                 n: int = 0) -> tuple[float, gateway_pb2.GenerateResponse]:
+        """(seconds, response): greedy, or n completions sampled with seed 5."""
+        sampling = gateway_pb2.SamplingParams(max_new_tokens=tokens, temperature=1.0 if n else 0.0, seed=5 if n else 0)
+        request = gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, n=n)
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
         began = time.perf_counter()
         response = self.stub.Generate(request, metadata=metadata, timeout=600)
@@ -154,6 +159,16 @@ def main() -> None:
         print("6-turn chat, time to first token ÷ turn 1: "
               + ", ".join(f"{ttft / first:.2f}" for ttft, _ in turns[1:])
               + "; cached tokens per turn: " + ", ".join(str(c) for _, c in turns))
+
+        n_ratios = {}
+        for name, target, key in (("with caching", server, "alpha-key"), ("without", cold, "")):
+            ones, fours = [], []
+            for i in range(4):  # prompts from the end of the chunks, which nothing else sends
+                ones.append(target.generate(chunks[-2 - 2 * i] + "\n# Q", 8, key, n=1)[0])
+                fours.append(target.generate(chunks[-3 - 2 * i] + "\n# Q", 8, key, n=4)[0])
+            n_ratios[name] = statistics.median(fours) / statistics.median(ones)
+        print("n = 4 ÷ n = 1, 600-token prompts, median of 4: "
+              + ", ".join(f"{name} {ratio:.2f}" for name, ratio in n_ratios.items()))
 
         failures, soak_tokens, soak_hits = 0, 0, 0
         for i in range(args.soak):

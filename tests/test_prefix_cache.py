@@ -128,6 +128,22 @@ def test_a_hit_gives_a_cold_servers_output(stack, cold_stack, mode, temperature)
         assert all(tokens == cold for tokens in warm)
 
 
+def test_n_completions_prefill_the_prompt_once(stack, cold_stack):
+    """n=3: the first completion prefills the long prompt; the other two start after its
+    first step and take its blocks, and every completion is the one its seed gives alone."""
+    req = request(LONG + "Which one is faster?", temperature=1.0, seed=21, max_new_tokens=8, mode="FIXED",
+                  draft_length=4, draft_model="close")
+    req.cache_salt = "n-completions"
+    req.n = 3
+    response = stack.stub.Generate(req)
+    first, others = response, list(response.choices)
+    assert first.stats.cached_tokens == 0
+    assert all(choice.stats.cached_tokens >= 64 for choice in others)  # the whole long prefix, in blocks of 16
+    cold = cold_stack.stub.Generate(req)
+    assert [list(first.token_ids)] + [list(c.token_ids) for c in others] == \
+        [list(cold.token_ids)] + [list(c.token_ids) for c in cold.choices]
+
+
 def test_another_salt_never_hits(stack):
     req = request(LONG + "Once more.", max_new_tokens=4, mode="OFF")
     req.cache_salt = "alpha"
