@@ -23,6 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from specd.cli.bench import machine
 from specd.config import DEMO_TARGET
 from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
@@ -66,7 +67,7 @@ def main() -> None:
     # and 4 for the lean forward's trial at install.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
                   41 * ((args.prefix + 1) // 16 + 2) + 5)
-    print(f"{args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
+    print(f"{machine()}; {args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
           f"paged forward's linear layers: {args.cpu_linear}")
     own = functools.partial(kvstore.own_forward, model)
     unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)

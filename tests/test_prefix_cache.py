@@ -98,6 +98,23 @@ def test_the_tenant_salts_the_cache_only_with_keys():
     assert cache_salt(keyed, "ab", "c") != cache_salt(keyed, "a", "bc")  # the tenant's end is marked
 
 
+
+def test_a_session_growing_alone_gets_consecutive_blocks_read_without_a_gather():
+    """After sessions of different lengths let go in any order, the next session alone gets
+    the lowest free blocks in order, which attention reads as one view of the pool."""
+    from specd.worker.kvstore import BatchRow, prepare
+
+    kv = pool(caching=False)
+    first, second = SessionKV(kv), SessionKV(kv)
+    assert first.reserve(8) and second.reserve(4)  # blocks 1, 2 and 3
+    for gone in (first, second):
+        kv.release(gone.blocks)
+        gone.blocks.clear()
+    alone = SessionKV(kv)
+    assert alone.reserve(12) and alone.blocks == [1, 2, 3]
+    alone.length = 11
+    assert prepare([BatchRow(alone, [5], 1)], torch.device("cpu")).cache.run == (4, 16)
+
 LONG = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
         "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n")
 

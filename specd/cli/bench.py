@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -269,6 +271,21 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     return results, costs
 
 
+def machine() -> str:
+    """This machine's CPU and cores: the ratio to transformers depends on them (torch's own
+    products for one row, which transformers uses, run at very different speeds on
+    different CPUs; specd's workers use oneDNN's packed ones, specd.worker.packing)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:  # not Linux: the platform's own name
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -> dict[str, float]:
     """tokens/s of transformers' own greedy generate, target-only, assisted by the draft and
     with prompt lookup, measured as its users would: in a process of its own (spawned, so
@@ -513,6 +530,7 @@ def run(args: argparse.Namespace) -> int:
     text = table(results, extra, costs)
     if args.repeat > 1:
         text = "\n\n".join(f"pass {n}:\n{table(r, extra, costs)}" for n, r in enumerate(passes, 1))
+    text = f"machine: {machine()}\n{text}"
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

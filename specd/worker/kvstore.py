@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import heapq
 import inspect
 import threading
 import weakref
@@ -86,7 +87,10 @@ class KVPool:
         self.values = torch.empty((layers, blocks * block_tokens, kv_heads, value_dim), dtype=dtype, device=device)
         self.keys[:, :block_tokens].zero_()
         self.values[:, :block_tokens].zero_()
-        self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # pop() hands out low blocks first
+        # A heap: the lowest free block is handed out first, so a session that grows alone
+        # gets consecutive blocks, which attention reads as one view of the pool, with no
+        # gather (`prepare`'s run).
+        self._free = list(range(NULL_BLOCK + 1, blocks))
         self._lock = threading.Lock()
         self._refs = [0] * blocks  # sessions holding each block
         self._key_of: dict[int, bytes] = {}  # a registered block's prefix key
@@ -113,7 +117,7 @@ class KVPool:
         go longest ago, unregistered (None: the pool is full)."""
         with self._lock:
             if self._free:
-                block = self._free.pop()
+                block = heapq.heappop(self._free)
             elif self._cached:
                 block, _ = self._cached.popitem(last=False)
                 del self._block_of[self._key_of.pop(block)]
@@ -146,8 +150,8 @@ class KVPool:
 
     def release(self, blocks: list[int]) -> None:
         """A session lets go of its blocks. One no session holds any more goes back to the free
-        list (last first, so the next session that takes them gets them in ascending order
-        again: one run, read without a gather), or, when registered, to the cached ones."""
+        ones, or, when registered, to the cached ones: last block first, so a chain's tail is
+        evicted before its head (a tail hits only after its head)."""
         with self._lock:
             for block in reversed(blocks):
                 self._refs[block] -= 1
@@ -156,7 +160,7 @@ class KVPool:
                 if block in self._key_of:
                     self._cached[block] = None
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run of `keys` (a prompt's chain of full blocks) the index
