@@ -193,7 +193,7 @@ def test_batched_forward_equals_each_session_alone(model_dirs):
             torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e + [9]])).logits[0, -1:])
 
 
-def test_a_session_gives_its_blocks_back_and_a_fork_copies_its_cache(model_dirs):
+def test_a_session_gives_its_blocks_back_and_a_fork_shares_its_cache_copy_on_write(model_dirs):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
     use_paged_attention(model)
     cpu = torch.device("cpu")
@@ -205,10 +205,22 @@ def test_a_session_gives_its_blocks_back_and_a_fork_copies_its_cache(model_dirs)
     session.tokens = list(prompt)
     with torch.inference_mode():
         forward(model, [BatchRow(session, prompt, 1)], cpu)
+        free = pool.free_blocks
         fork = session.fork(6, 8)
         assert fork is not None and fork.tokens == prompt[:6] and fork.length == 6
+        # Copy on write: the full block is shared, the partial one copied into the fork's own.
+        assert fork.blocks[0] == session.blocks[0] and fork.blocks[1] != session.blocks[1]
+        assert pool.free_blocks == free - 1
+        expected = model(input_ids=torch.tensor([prompt[:6] + [3]])).logits[0, -1:]
         got = _per_row(forward(model, [BatchRow(fork, [3], 1)], cpu))[0]
-        torch.testing.assert_close(got, model(input_ids=torch.tensor([prompt[:6] + [3]])).logits[0, -1:])
+        torch.testing.assert_close(got, expected)
+        # The source rolls back into the shared block and writes there: it takes a copy
+        # first, and the fork still reads what it shared.
+        session.crop(2)
+        forward(model, [BatchRow(session, [4, 4], 1)], cpu)
+        assert session.blocks[0] != fork.blocks[0]
+        fork.crop(6)
+        torch.testing.assert_close(_per_row(forward(model, [BatchRow(fork, [3], 1)], cpu))[0], expected)
     del session, fork
     assert pool.free_blocks == 5
 

@@ -72,8 +72,9 @@ class KVPool:
     its prompt shares with the index by reference (`SessionKV.take_prefix`), and computes
     only the rest. Blocks are counted by reference; a registered block no session holds
     stays cached, and the pool evicts those least recently let go first when it needs a
-    block. A block that is shared or registered is never written: a session about to write
-    into one copies it first (`SessionKV.own_from`).
+    block. A fork (`SessionKV.fork`) shares the same way: it takes the kept full blocks by
+    reference. A block that is shared or registered is never written: a session about to
+    write into one copies it first (`SessionKV.own_from`).
     """
 
     def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
@@ -175,6 +176,13 @@ class KVPool:
                 self._cached.pop(block, None)
                 found.append(block)
         return found
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """`blocks`, each now held once more by the caller (a fork's by reference)."""
+        with self._lock:
+            for block in blocks:
+                self._refs[block] += 1
+        return blocks
 
     def register(self, block: int, key: bytes) -> None:
         """Index a full block under its prefix key (a key already held keeps its block)."""
@@ -292,16 +300,22 @@ class SessionKV:
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
     def fork(self, keep: int, needed: int) -> SessionKV | None:
-        """A new session holding a copy of this one's first `keep` cached positions and
-        tokens, with room for `needed` positions (None: the pool is full)."""
+        """A new session holding this one's first `keep` cached positions and tokens, with
+        room for `needed` positions (None: the pool is full). Copy on write: the full blocks
+        of those positions are shared by reference, and only the last, partial one is
+        copied; whichever session later writes into a shared block copies it first
+        (`own_from`)."""
+        size = self.pool.block_tokens
+        full = keep // size
         fork = SessionKV(self.pool)
+        fork.blocks.extend(self.pool.share(self.blocks[:full]))
         if not fork.reserve(max(needed, keep)):
             return None
-        if keep:
-            device = self.pool.keys.device
-            source, target = (torch.tensor(s.slots(0, keep), device=device) for s in (self, fork))
-            self.pool.keys[:, target] = self.pool.keys[:, source]
-            self.pool.values[:, target] = self.pool.values[:, source]
+        if keep > full * size:
+            source, target = self.blocks[full] * size, fork.blocks[full] * size
+            count = keep - full * size
+            self.pool.keys[:, target:target + count] = self.pool.keys[:, source:source + count]
+            self.pool.values[:, target:target + count] = self.pool.values[:, source:source + count]
         fork.length = keep
         fork.tokens = self.tokens[:keep]
         return fork
@@ -645,9 +659,8 @@ def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
              device: torch.device) -> tuple[torch.Tensor, list[slice], bool]:
     """`forward`, and whether the model's attention read through `paged_attention`."""
     caching = rows[0].session.pool.prefix_caching
-    if caching:  # no session writes into a block another holds, or the index does
-        for row in rows:
-            row.session.own_from(row.session.length)
+    for row in rows:  # no session writes into a block another holds (a fork, a prefix hit), or the index does
+        row.session.own_from(row.session.length)
     inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
     stand_in = _FORWARDS.get(model)
     logits = own_forward(model, inputs) if stand_in is None else stand_in(inputs)
