@@ -154,7 +154,7 @@ def test_a_session_of_the_other_regime_is_not_kept_waiting_by_a_stream_of_steps(
         ends.append([row.session.length + len(row.tokens) for row in rows])
         for row in rows:
             row.session.length += len(row.tokens)
-        return [torch.zeros(1, 4) for _ in rows]
+        return torch.zeros(len(rows), 4), [slice(i, i + 1) for i in range(len(rows))]
 
     async def scenario() -> int:
         scheduler = Scheduler(forward, ThreadPoolExecutor(1), BatchSettings(max_wait_ms=0), lambda: 3,

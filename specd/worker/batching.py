@@ -85,6 +85,13 @@ class Job:
             self.pending = self.pending[take:]
         return row
 
+    @staticmethod
+    def post_process(logits: torch.Tensor, members: Sequence[tuple[Job, slice]]) -> None:
+        """Before each job consumes its rows: what jobs of this kind compute over all their
+        rows of one forward at once (`logits` [Σ keep, V], every row of the forward; each
+        member's slice of it), so that a forward costs one launch and one copy to the host,
+        not one per session. Nothing by default."""
+
     def consume(self, logits: torch.Tensor) -> bool:
         """Use the logits [keep, V] of a forward (empty mid-prefill); True when the step is done."""
         raise NotImplementedError
@@ -96,7 +103,8 @@ class Job:
 class Scheduler:
     """One model's queue of jobs and the loop that batches them; lives on the event loop.
 
-    `forward(rows) -> [logits per row]` runs on `executor` (the model's one thread).
+    `forward(rows) -> (logits [Σ keep, V], each row's slice of them)` runs on `executor`
+    (the model's one thread).
     `open_sessions()` says how many sessions could send a step; while fewer steps are
     queued, a forward waits a moment (`max_wait_ms`) for the others to arrive, and a little
     longer for those it has just answered (`_gather`). With
@@ -105,7 +113,7 @@ class Scheduler:
     last position); the others wait in the queue, in their order, for a forward of their own.
     """
 
-    def __init__(self, forward: Callable[[Sequence[BatchRow]], list[torch.Tensor]], executor: Executor,
+    def __init__(self, forward: Callable[[Sequence[BatchRow]], tuple[torch.Tensor, list[slice]]], executor: Executor,
                  settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0,
                  regime: Callable[[int], Hashable] | None = None) -> None:
         self._forward = forward
@@ -255,21 +263,31 @@ class Scheduler:
         """One forward and each job's use of its logits."""
         began = time.perf_counter()
         try:
-            logits = self._forward(rows)
+            logits, kept = self._forward(rows)
         except Exception as exc:  # the whole forward failed: every job in it fails
             self.failed_forwards += 1
             return [exc] * len(jobs)
         self.failed_forwards = 0
         elapsed = (time.perf_counter() - began) * 1e3
+        failed: dict[int, BaseException] = {}
+        for kind in {type(job) for job in jobs}:
+            members = [(job, rows_kept) for job, rows_kept in zip(jobs, kept) if type(job) is kind]
+            try:
+                kind.post_process(logits, members)
+            except Exception as exc:  # the jobs of this kind fail; the others go on
+                failed.update((id(job), exc) for job, _ in members)
         outcomes: list[BaseException | bool] = []
         published = []
         shared = (len(rows), sum(len(r.tokens) for r in rows))
-        for job, row_logits in zip(jobs, logits):
+        for job, rows_kept in zip(jobs, kept):
             job.forward_ms += elapsed
             job.forwards += 1
             job.largest = max(job.largest, shared)
+            if id(job) in failed:
+                outcomes.append(failed[id(job)])
+                continue
             try:
-                outcomes.append(job.consume(row_logits))
+                outcomes.append(job.consume(logits[rows_kept]))
             except Exception as exc:
                 outcomes.append(exc)
             if job.published is not None:

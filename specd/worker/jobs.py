@@ -47,11 +47,45 @@ class ProposeJob(Job):
         self.alternatives: list[int] = []
         self.probs: list[torch.Tensor] = []
         self.token_probs: list[float] = []
+        # A plain greedy step's (best, second best, q of the best) at this forward, when
+        # `post_process` computed it with the forward's other plain greedy steps.
+        self.decided: tuple[int, int, float] | None = None
+
+    def _plain_greedy(self) -> bool:
+        """Whether this forward's token is the argmax of the draft's own logits, with
+        nothing of the session's applied first (no penalties, grammar, guess or recovery)."""
+        transform = self.request.transform
+        return (transform.greedy and not transform.penalized and self.grammar is None and not self.guessing
+                and self.recovery is None)
+
+    @staticmethod
+    def post_process(logits: torch.Tensor, members: Sequence[tuple[Job, slice]]) -> None:
+        """Every plain greedy step of the forward at once: one top-2 and one softmax over
+        their rows, and one copy to the host (for each vocabulary limit among them)."""
+        by_limit: dict[int, list[tuple[ProposeJob, int]]] = {}
+        for job, rows in members:
+            assert isinstance(job, ProposeJob)
+            if rows.stop - rows.start == 1 and job._plain_greedy():
+                by_limit.setdefault(job.request.vocab_limit or logits.shape[-1], []).append((job, rows.start))
+        for limit, jobs in by_limit.items():
+            index = torch.tensor([row for _, row in jobs], device=logits.device)
+            chosen = logits.index_select(0, index)[:, :limit]
+            top = chosen.topk(2, dim=-1).indices
+            best_q = torch.softmax(chosen, -1).gather(1, top[:, :1])
+            # One copy back: ids are exact in float64.
+            for (job, _), (best, second, q) in zip(jobs, torch.cat((top.double(), best_q.double()), 1).tolist()):
+                job.decided = (int(best), int(second), q)
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
             return False
         request = self.request
+        if self.decided is not None:
+            best, second, best_q = self.decided
+            self.decided = None
+            if self.drafted and best_q < request.min_confidence:
+                return True
+            return self._propose(best, second, best, best_q)
         embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
@@ -77,7 +111,7 @@ class ProposeJob(Job):
                 return True
             self.pending = [self.recovered]
             return False
-        if self.drafted and float(q.max()) < request.min_confidence:
+        if self.drafted and request.min_confidence and float(q.max()) < request.min_confidence:
             return True
         best, second = logits[0].topk(2).indices.tolist()
         # Sampled by inverse CDF with a uniform from the step's seeded generator (on the
@@ -85,10 +119,14 @@ class ProposeJob(Job):
         token = best if greedy else sample(q, float(torch.rand((), generator=self.generator, dtype=torch.float64)))
         if not greedy:
             self.probs.append(q)
+        return self._propose(token, second, best, float(q[token]))
+
+    def _propose(self, token: int, second: int, best: int, token_q: float) -> bool:
+        """Take `token` (q `token_q`) into the proposal; True when the step is done."""
         self.drafted.append(token)
         self.alternatives.append(second if token == best else best)
-        self.token_probs.append(float(q[token]))
-        if len(self.drafted) == request.draft_length:
+        self.token_probs.append(token_q)
+        if len(self.drafted) == self.request.draft_length:
             return True
         # The last proposal is not fed: nothing needs its logits yet; it stays known, so
         # the next step feeds it if it was accepted.
@@ -173,10 +211,31 @@ class ScoreJob(Job):
         self.logprobs = logprobs
         self.allowed = allowed
         self.scores: Scores | None = None
+        self.decided: list[int] | None = None  # a plain greedy step's argmax rows, from `post_process`
+
+    def _plain_greedy(self) -> bool:
+        """Whether the step's scores are the argmax of the target's own logits."""
+        return (self.transform.greedy and not self.transform.penalized and self.allowed is None
+                and self.logprobs is None)
+
+    @staticmethod
+    def post_process(logits: torch.Tensor, members: Sequence[tuple[Job, slice]]) -> None:
+        """Every plain greedy step of the forward at once: one argmax over all the forward's
+        rows and one copy to the host."""
+        plain = [(job, rows) for job, rows in members
+                 if isinstance(job, ScoreJob) and rows.stop > rows.start and job._plain_greedy()]
+        if not plain:
+            return
+        argmax = logits.argmax(dim=-1).tolist()
+        for job, rows in plain:
+            job.decided = argmax[rows]
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:
             return False
+        if self.decided is not None:
+            self.scores, self.decided = Scores(self.decided, None, 0.0), None
+            return self.run is None or not self._go_on(self.run)
         raw = logits
         # Each row over the tokens before it, then the grammar's cut.
         logits = restricted(penalized(logits, self.transform, self.session.tokens), self.allowed)

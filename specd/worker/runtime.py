@@ -421,10 +421,10 @@ class ModelRunner:
         self.sessions.put(session_id, session)
         return result
 
-    def _forward_batch(self, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
-        """One forward over every row (on the model's thread); logits [keep, V] per row."""
-        logits, kept = kvstore.forward(self.model, rows, self.device)
-        return [logits[rows_kept] for rows_kept in kept]
+    def _forward_batch(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, list[slice]]:
+        """One forward over every row (on the model's thread): the kept logits [Σ keep, V]
+        and each row's slice of them."""
+        return kvstore.forward(self.model, rows, self.device)
 
     # -- the two operations the services expose -----------------------------------------
 
