@@ -33,9 +33,12 @@ WORKER_PROTOCOL = 7
 # -- distributions ------------------------------------------------------------------------
 
 def pack_distributions(probs: torch.Tensor, sparse: bool) -> worker_pb2.Distributions:
-    """Pack probabilities [n, V] as dense float32 bytes, or their non-zero support when sparse
-    (the rows leave the model's device here)."""
-    probs = probs.float().cpu().contiguous()
+    """Pack probabilities [n, V] as dense float32 bytes, or their non-zero support when sparse.
+    The rows are on the host already: they leave a model's device on its thread, so the
+    event loop, which packs them, never waits on a device."""
+    if probs.device.type != "cpu":
+        raise ValueError(f"rows to pack must be on the host, not {probs.device}: copy them on the model's thread")
+    probs = probs.float().contiguous()
     n, vocab = probs.shape
     if not sparse:
         return worker_pb2.Distributions(positions=n, vocab_size=vocab, probs=probs.numpy().tobytes())
@@ -189,7 +192,7 @@ def logprobs_to_pb(positions: tuple[PositionLogprobs, ...]) -> list[worker_pb2.P
             message.token = position.token
         else:
             assert position.row is not None  # a rejected position carries its row
-            message.row = position.row.float().cpu().contiguous().numpy().astype("<f4").tobytes()
+            message.row = position.row.float().contiguous().numpy().astype("<f4").tobytes()  # on the host (jobs.py)
         messages.append(message)
     return messages
 

@@ -494,3 +494,36 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
 
     alone, together = per_forward(1), per_forward(8)
     assert together <= alone + 0.5, f"{alone:.1f} copies a forward for 1 session, {together:.1f} for 8"
+
+
+def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop(model_dirs, monkeypatch):
+    """A sampled verification that rejects: p's row at the rejection reaches the host on the
+    model's thread (`ScoreJob.consume`), so packing it for the gateway on the event loop
+    copies nothing from a device; on a GPU, a copy there would stall every session's gRPC
+    traffic behind the forward in flight. Recorded at every `Tensor.cpu` call."""
+    import threading
+
+    from specd import wire
+    from specd.rejection import Draws
+
+    runner = ModelRunner(model_dirs["target"], max_sessions=4)
+    threads: list[str] = []
+    original = torch.Tensor.cpu
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", recording)
+
+    async def step():
+        # q = 1 for each proposed token, and uniforms near 1: the first test fails unless p is 1 there.
+        scores = await runner.score("s", 0, [5, 6, 7, 8], [9, 10, 11], Transform(temperature=1.0),
+                                    draft_token_probs=[1.0, 1.0, 1.0], draws=Draws((0.999,) * 3, 0.5))
+        event_loop = threading.current_thread().name
+        assert scores.verdict is not None and scores.verdict.rejected_row is not None
+        wire.pack_distributions(scores.verdict.rejected_row[None], False)
+        return event_loop
+
+    event_loop = asyncio.run(step())
+    assert threads and event_loop not in threads, threads

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -244,7 +245,10 @@ class ScoreJob(Job):
         else:
             assert self.draws is not None  # a sampled step carries the gateway's draws (checked on arrival)
             p = probs_from_logits(logits, self.transform)
-            self.scores = Scores(None, target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws), 0.0)
+            verdict = target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws)
+            if verdict.rejected_row is not None:  # to the host here: the event loop never waits on the device
+                verdict = replace(verdict, rejected_row=verdict.rejected_row.float().cpu())
+            self.scores = Scores(None, verdict, 0.0)
         if self.logprobs is not None:
             self.scores = self._with_logprobs(self.scores, raw, self.logprobs)
         return self.run is None or not self._go_on(self.run)
