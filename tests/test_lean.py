@@ -302,6 +302,23 @@ def test_a_trial_that_differs_by_one_ulp_keeps_transformers_forward(model_dirs, 
     assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])  # not one ulp off
 
 
+def test_a_family_the_lean_forward_mirrors_that_fails_its_trial_is_a_warning(model_dirs, monkeypatch, caplog):
+    """A Llama whose lean trial differs (a device's kernels rounding apart) keeps
+    transformers' forward, and the worker warns: it is unexpected, and slower."""
+    mirrored = lean.LeanDecoder.__call__
+
+    def one_ulp_off(self, inputs):
+        logits = mirrored(self, inputs)
+        return torch.nextafter(logits, torch.full_like(logits, float("inf")))
+
+    monkeypatch.setattr(lean.LeanDecoder, "__call__", one_ulp_off)
+    with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
+        runner = ModelRunner(model_dirs["target"], max_sessions=2)
+    assert not runner.lean_forward
+    warned = [r for r in caplog.records if "keeps transformers' forward" in r.getMessage()]
+    assert warned and warned[0].levelno == logging.WARNING and "differ" in warned[0].getMessage()
+
+
 def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(model_dirs):
     runner = ModelRunner(model_dirs["target"], max_sessions=2)
     assert runner.lean_forward and isinstance(kvstore._FORWARDS[runner.model], lean.LeanDecoder)
@@ -321,3 +338,4 @@ def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_di
         runner = ModelRunner(tmp_path, max_sessions=2)
     assert not runner.lean_forward
     assert "keeps transformers' forward: GPTNeoXForCausalLM is not one of" in caplog.text
+    assert all(r.levelno == logging.INFO for r in caplog.records if "keeps transformers' forward" in r.getMessage())

@@ -22,7 +22,7 @@ def reference_logprobs(target_model, tokenizer, prompt: str, output: list[int]) 
     """log_softmax of the target's logits at each output position [len(output), V]."""
     ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():
-        logits = target_model(torch.tensor([ids + output])).logits[0].float()
+        logits = target_model(torch.tensor([ids + output], device=target_model.device)).logits[0].float()
     return torch.log_softmax(logits[len(ids) - 1:-1], dim=-1)
 
 

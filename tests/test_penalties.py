@@ -52,7 +52,7 @@ class Reference(LogitsProcessor):
 
 
 def reference(target_model, tokenizer, prompt: str, rule: dict, new_tokens: int) -> list[int]:
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=target_model.device)
     out = target_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=new_tokens,
                                 logits_processor=LogitsProcessorList([Reference(ids.shape[1], **rule)]))
@@ -125,7 +125,7 @@ def penalized_joint(target_model, tokenizer, prompt: str) -> dict[tuple[int, int
     transform = Transform(**{**TRANSFORM.__dict__, "output_start": len(ids)})
     with torch.no_grad():
         def probs(tokens: list[int]) -> torch.Tensor:
-            logits = target_model(torch.tensor([tokens])).logits[:, -1]
+            logits = target_model(torch.tensor([tokens], device=target_model.device)).logits[:, -1]
             return probs_from_logits(penalized(logits, transform, tokens), transform)[0]
 
         first, joint = probs(ids), {}
@@ -165,7 +165,7 @@ def manual_greedy(target_model, ids: list[int], processor: LogitsProcessor, new_
     tokens = list(ids)
     with torch.no_grad():
         for _ in range(new_tokens):
-            logits = target_model(torch.tensor([tokens])).logits[:, -1]
+            logits = target_model(torch.tensor([tokens], device=target_model.device)).logits[:, -1]
             token = int(processor(torch.tensor([tokens]), logits).argmax())
             tokens.append(token)
             if token in ends:

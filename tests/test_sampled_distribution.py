@@ -26,11 +26,16 @@ TRANSFORM = Transform(temperature=1.5, top_k=4)
 def target_joint(target_model, tokenizer, prompt: str = PROMPT) -> dict[tuple[int, int], float]:
     """P(t1, t2) = p(t1 | prompt) · p(t2 | prompt, t1), computed directly from the target."""
     ids = tokenizer(prompt)["input_ids"]
+
+    def next_probs(tokens: list[int]) -> torch.Tensor:
+        logits = target_model(torch.tensor([tokens], device=target_model.device)).logits[:, -1]
+        return probs_from_logits(logits, TRANSFORM)[0]
+
     with torch.no_grad():
-        first = probs_from_logits(target_model(torch.tensor([ids])).logits[:, -1], TRANSFORM)[0]
+        first = next_probs(ids)
         joint = {}
         for t1 in first.nonzero().flatten().tolist():
-            second = probs_from_logits(target_model(torch.tensor([ids + [t1]])).logits[:, -1], TRANSFORM)[0]
+            second = next_probs(ids + [t1])
             for t2 in second.nonzero().flatten().tolist():
                 joint[(t1, t2)] = float(first[t1]) * float(second[t2])
     return joint

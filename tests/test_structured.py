@@ -63,11 +63,11 @@ class GrammarProcessor(LogitsProcessor):
             assert self.matcher.consume_token(int(input_ids[0, -1]))
         words = llguidance.torch.allocate_token_bitmask(1, self.vocab)
         llguidance.torch.fill_next_token_bitmask(self.matcher, words, 0)
-        return scores.masked_fill(~allowed_from_words(words, self.vocab), float("-inf"))
+        return scores.masked_fill(~allowed_from_words(words, self.vocab).to(scores.device), float("-inf"))
 
 
 def reference(target_model, tokenizer, prompt: str, spec: StructureSpec, new_tokens: int) -> list[int]:
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=target_model.device)
     processor = GrammarProcessor(tokenizer, spec.grammar(), target_model.config.vocab_size, ids.shape[1])
     out = target_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([processor]))
@@ -173,7 +173,7 @@ def restricted_joint(target_model, tokenizer, prompt: str, grammar: str) -> dict
         words = llguidance.torch.allocate_token_bitmask(1, vocab)
         llguidance.torch.fill_next_token_bitmask(matcher, words, 0)
         with torch.no_grad():
-            logits = target_model(torch.tensor([tokens])).logits[:, -1]
+            logits = target_model(torch.tensor([tokens], device=target_model.device)).logits[:, -1]
         return probs_from_logits(logits.masked_fill(~allowed_from_words(words, vocab), float("-inf")), TRANSFORM)[0]
 
     first, joint = probs(ids), {}

@@ -402,6 +402,11 @@ class LeanDecoder:
         return logits
 
 
+def of_a_family(model: nn.Module) -> bool:
+    """Whether `model`'s class is one whose forward `LeanDecoder` mirrors."""
+    return type(model) in _FAMILIES
+
+
 def _unmirrored(model: nn.Module) -> str | None:
     """Why `LeanDecoder` does not mirror `model`'s own forward (None: it does)."""
     family = _FAMILIES.get(type(model))

@@ -273,7 +273,10 @@ class ModelRunner:
             unmirrored = lean.install(self.model, self.pool, self.info.vocab_size, self.device)
             self.lean_forward = unmirrored is None
             if unmirrored is not None:
-                log.info("%s keeps transformers' forward: %s", self.info.name, unmirrored)
+                # A family the lean forward mirrors that still keeps transformers' (a trial that
+                # differs on this device or dtype) is a surprise, and a slower forward: said loudly.
+                level = logging.WARNING if lean.of_a_family(self.model) else logging.INFO
+                log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
         # What a forward costs at each load, for the gateways' priors: timed once, here, with
         # the forward the requests will get.
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
