@@ -29,7 +29,7 @@ from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.paircosts import PairCosts, model_pair_label
-from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, build_policy
+from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, SharedLevel, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
@@ -342,6 +342,9 @@ class GatewayCore:
         # type), the load cap per model pair.
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
         self._load_caps: dict[str, LoadCap] = {}
+        # What the other gateways of the target learned (the verifiers' table, `gateway.loadshare`):
+        # model pair → load → level; a pair's load cap starts from it.
+        self._shared_caps: dict[str, dict[int, SharedLevel]] = {}
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
         self.serving = True  # a verifier answers its health checks (gateway.liveness says)
         # Per-session step costs beyond the forwards, timed at start-up (`gateway.priors`):
@@ -481,7 +484,8 @@ class GatewayCore:
             load_cap = self._load_caps.get(model_pair)
             if load_cap is None:  # one per pair: every task's sessions share the target's forwards
                 load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length,
-                                                                 prior=self.prior(generation.draft_model))
+                                                                 prior=self.prior(generation.draft_model),
+                                                                 shared=self.shared_caps(model_pair))
         policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, probes, load_cap)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -550,6 +554,21 @@ class GatewayCore:
     def load_caps(self) -> dict[str, LoadCap]:
         """Each model pair's load cap (a copy of the table: the metrics thread reads it)."""
         return dict(self._load_caps)
+
+    def learned_caps(self) -> dict[str, dict[int, SharedLevel]]:
+        """What this gateway's trials learned, by model pair and load, to share."""
+        return {pair: learned for pair, load_cap in self._load_caps.items() if (learned := load_cap.learned())}
+
+    def shared_caps(self, model_pair: str) -> dict[int, SharedLevel]:
+        """What the other gateways learned for a pair, by load."""
+        return self._shared_caps.get(model_pair, {})
+
+    def adopt_caps(self, shared: dict[str, dict[int, SharedLevel]]) -> None:
+        """The other gateways' levels: the load caps made since start from them, and each
+        pair's load cap takes a level where it holds more evidence (`LoadCap.adopt`)."""
+        self._shared_caps = shared
+        for pair, load_cap in self._load_caps.items():
+            load_cap.adopt(shared.get(pair, {}))
 
     def _summary(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,

@@ -134,7 +134,12 @@ class AcceptanceCollector(Collector):
                                   "(gateway/priors.py): where the load cap starts; trials move it from there.",
                                   labels=labels)
         origin = GaugeMetricFamily(PREFIX + "load_cap_learned",
-                                   "1 when a trial decided the cap in force at this load, 0 while it is the prior's.",
+                                   "1 when a trial on this gateway decided the cap in force at this load, 0 while it "
+                                   "is the prior's or the one other gateways learned (load_cap_shared).",
+                                   labels=labels)
+        shared = GaugeMetricFamily(PREFIX + "load_cap_shared",
+                                   "1 when the cap in force at this load is the one other gateways of the target "
+                                   "learned (kept by the verifiers), and no trial here has moved it since.",
                                    labels=labels)
         for pair, load_cap in sorted(self.load_caps().items()):
             for load, best in load_cap.caps().items():
@@ -143,10 +148,11 @@ class AcceptanceCollector(Collector):
                 prior.add_metric([pair, str(load)], gamma)
             for load, how in load_cap.origins().items():
                 origin.add_metric([pair, str(load)], float(how == "learned"))
+                shared.add_metric([pair, str(load)], float(how == "shared"))
             for load, rates in load_cap.rates().items():
                 for arm, rate in sorted(rates.items()):
                     goodput.add_metric([pair, str(load), str(arm)], rate)
-        return [cap, goodput, prior, origin]
+        return [cap, goodput, prior, origin, shared]
 
     def _suffix_cache(self):
         """How full the suffix proposer's cache of previous responses is."""

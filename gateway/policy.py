@@ -123,7 +123,8 @@ class _Goodput:
     a trial's turn, one prefill landing in one cap's turns and not the other's decides the
     trial: on the demo pair at 8 in flight, plain decoding lost its first trial to
     speculating at 0.019 against 0.029 tokens per ms, while its turns without a prompt in
-    their forwards ran at 0.033 against speculating's 0.029 (docs/proposers.md). So caps are
+    their forwards ran at 0.033 against speculating's 0.029 (docs/decisions.md, "Trials
+    compared on their quiet steps"). So caps are
     compared on their quiet steps where both have enough of them, and on all their steps
     where prompts keep arriving; each cap's goodput is kept on both footings, so that a
     comparison never sets one against the other.
@@ -168,7 +169,8 @@ class _Verdicts:
 
     Why together: on the demo pair at 8 in flight, one trial's log ratio between plain
     decoding and a cap of 1 varied with a standard deviation of 0.28 around a mean gap of
-    0.10 (docs/proposers.md, 2026-12-04). Decided trial by trial, a cap of 1 won a
+    0.10 (docs/decisions.md, "The trials between two caps weighed together"). Decided trial
+    by trial, a cap of 1 won a
     third of its trials and plain decoding won it back, and the level spent a third of its
     steps speculating. Weighed together the flapping fades as trials accumulate, while
     a gap as wide as the first trial usually shows (plain decoding against 16: 0.46)
@@ -183,6 +185,18 @@ class _Verdicts:
         clipped = min(max(log_ratio, -VERDICT_CLIP), VERDICT_CLIP)
         self.mean += max(1.0 / self.trials, VERDICT_WEIGHT) * (clipped - self.mean)
         return self.mean
+
+
+@dataclass(frozen=True)
+class SharedLevel:
+    """One load level as gateways share it through the verifier (`gateway.loadshare`): the
+    cap in force and its verdicts, (lower cap, higher cap) → (mean log ratio, trials)."""
+
+    cap: int
+    verdicts: dict[tuple[int, int], tuple[float, int]]
+
+    def evidence(self) -> int:
+        return sum(trials for _, trials in self.verdicts.values())
 
 
 @dataclass
@@ -212,6 +226,12 @@ class _LevelArms:
     verdicts: dict[tuple[int, int], _Verdicts] = field(default_factory=dict)  # (lower cap, higher) -> trials'
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
+    source: str = "prior"  # where the cap started: "prior", "shared" (other gateways', `SharedLevel`)
+    decided: int = 0  # trials decided here since it started or took a shared level
+
+    def evidence(self) -> int:
+        """The trials behind the level's verdicts, a prior's and a shared level's included."""
+        return sum(verdict.trials for verdict in self.verdicts.values())
 
     @property
     def arm(self) -> int:
@@ -285,13 +305,19 @@ class LoadCap:
     gateway does not learn by losing; the predicted ratio of every two caps is weighed in
     as `PRIOR_TRIALS` trials of them (`_Verdicts`), so a noisy trial or two does not
     overturn it. Without a prior: a measured neighbouring level's cap, else the longest
-    draft a request chose alone.
+    draft a request chose alone. Where other gateways of the target have learned more
+    (`shared`, kept by the verifier: `gateway.loadshare`), a level starts from their cap
+    and verdicts instead, so a new replica does not pay their trials again.
     """
 
     def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
-                 margin: float = 0.05, prior: dict[int, list[float]] | None = None) -> None:
+                 margin: float = 0.05, prior: dict[int, list[float]] | None = None,
+                 shared: dict[int, SharedLevel] | None = None) -> None:
         self.highest = highest
         self.prior = prior
+        # What the other gateways of the target learned, by load (`adopt`): where a level
+        # starts when it holds more evidence than the prior.
+        self.shared = dict(shared or {})
         self.prior_caps = best_caps(prior) if prior else {}
         self.margin = margin  # how much better than the cap in force a trial must do to replace it
         self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
@@ -334,8 +360,12 @@ class LoadCap:
 
     def caps(self) -> dict[int, int]:
         """The cap in force at each load bucket measured (what `cap()` gives there between
-        trials). Copies: the metrics thread reads them while the event loop writes."""
-        return {load: level.best for load, level in sorted(self._levels.items()) if level.all_rates}
+        trials), and where a level not reached yet will start from other gateways' cap.
+        Copies: the metrics thread reads them while the event loop writes."""
+        caps = {load: min(level.cap, self.highest) for load, level in self.shared.items()}
+        caps.update({load: level.best for load, level in self._levels.items()
+                     if level.all_rates or level.source == "shared"})
+        return dict(sorted(caps.items()))
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket, on
@@ -359,10 +389,16 @@ class LoadCap:
                 neighbours = [rates[g] for g in (best - 1, best + 1) if 0 <= g < len(rates)]
                 if all(math.log(rate / rates[best]) < -math.log1p(2 * self.margin) for rate in neighbours):
                     level.explore_every = min(4 * self.explore_every, MAX_EXPLORE_INTERVAL)
-        elif not level.all_rates and not level.turns:
+            else:
+                level.source = "learned"  # no prior: borrowed from a measured level, or the widest draft
+            shared = self.shared.get(load)
+            if shared is not None and shared.evidence() > level.evidence():
+                self._take(level, shared, load)
+        elif not level.all_rates and not level.turns and level.source != "shared":
             # Not measured yet: follow the levels that are, until an epoch of its own is
-            # averaged in. Why: a level reached only as the load drains (the last requests of
-            # a wave) may never gather an epoch, and would keep for good the cap it started at.
+            # averaged in (a shared level was measured, on other gateways). Why: a level
+            # reached only as the load drains (the last requests of a wave) may never gather
+            # an epoch, and would keep for good the cap it started at.
             borrowed = self._borrowed(load)
             if borrowed != level.best:
                 level.best, level.running, level.drafted, level.settle = borrowed, _Goodput(), 0, load
@@ -370,7 +406,7 @@ class LoadCap:
 
     def origin(self) -> str:
         """Where the cap at the current load came from: "alone" (one session: no cap),
-        "prior" or "learned" (`origins`)."""
+        "prior", "shared" or "learned" (`origins`)."""
         load = self._current_load()
         if load <= 1:
             return "alone"
@@ -378,11 +414,39 @@ class LoadCap:
         return self.origins()[load]
 
     def origins(self) -> dict[int, str]:
-        """How each load level's cap in force came to be: "prior" (from the measured costs,
-        no trial has moved it) or "learned" (a trial decided it, or it was borrowed)."""
-        return {load: "prior" if self.prior_caps and level.best == self._prior_cap(load) and level.trial is None
-                and not any(v.trials > PRIOR_TRIALS for v in level.verdicts.values()) else "learned"
-                for load, level in sorted(self._levels.items())}
+        """How each load level's cap in force came to be: "prior" (from the measured costs),
+        "shared" (other gateways' trials, `adopt`), or "learned" (a trial here decided it or
+        is running, or, without a prior, it was borrowed)."""
+        origins = {load: "shared" for load in self.shared}
+        origins.update({load: "learned" if level.decided or level.trial is not None else level.source
+                        for load, level in self._levels.items()})
+        return dict(sorted(origins.items()))
+
+    def adopt(self, shared: dict[int, SharedLevel]) -> None:
+        """What the other gateways of the target learned (the verifier's table): each level
+        takes it where it holds more evidence than the level here, between trials. Levels
+        not reached yet start from it."""
+        self.shared = dict(shared)
+        for load, level in self._levels.items():
+            entry = shared.get(load)
+            if entry is not None and level.trial is None and entry.evidence() > level.evidence():
+                self._take(level, entry, load)
+
+    def _take(self, level: _LevelArms, shared: SharedLevel, load: int) -> None:
+        """Start `level` over from a shared level: its cap and the verdicts behind it."""
+        cap = min(shared.cap, self.highest)
+        level.verdicts = {pair: _Verdicts(mean, trials) for pair, (mean, trials) in shared.verdicts.items()
+                          if pair[1] <= self.highest}
+        level.source, level.decided = "shared", 0
+        if cap != level.best:
+            level.best, level.used, level.drafted, level.running = cap, None, 0, _Goodput()
+            level.settle = load  # the steps in flight were chosen under the old cap
+
+    def learned(self) -> dict[int, SharedLevel]:
+        """The levels worth sharing: those trials moved beyond the prior (here, or on another
+        gateway before it was taken here)."""
+        return {load: SharedLevel(level.best, {pair: (v.mean, v.trials) for pair, v in level.verdicts.items()})
+                for load, level in sorted(self._levels.items()) if level.decided or level.source == "shared"}
 
     def _prior_cap(self, load: int) -> int:
         """The prior's cap at `load` (past the loads it priced, the heaviest's)."""
@@ -530,6 +594,7 @@ class LoadCap:
         verdict = level.verdicts.setdefault(pair, _Verdicts()).add(higher_over_lower)
         won = (verdict if trial > best else -verdict) > math.log1p(self.margin)
         level.trial, level.window, level.since_trial = None, {}, 0
+        level.decided += 1
         if won:
             level.best, level.explore_every, level.rival_after = trial, self.explore_every, 1
             level.used = None  # what the requests chose under the old cap says nothing of the new one

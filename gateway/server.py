@@ -28,6 +28,7 @@ from gateway.grammar import StructureSpec
 from gateway.http import HttpServer, OpenAIApp
 from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
+from gateway.loadshare import keep_sharing, share_once
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label
 from gateway.policy import LoadCap
@@ -195,15 +196,17 @@ def _load_cap_rows(core: GatewayCore) -> list[gateway_pb2.LoadCapRow]:
     caps = core.load_caps()
     if not caps and core.backend.default_draft:
         prior = core.prior(core.backend.default_draft)
-        caps = {model_pair_label(core.backend.default_draft, core.backend.target.name):
-                LoadCap(core.settings.max_draft_length, prior=prior)} if prior else {}
+        pair = model_pair_label(core.backend.default_draft, core.backend.target.name)
+        caps = {pair: LoadCap(core.settings.max_draft_length, prior=prior,
+                              shared=core.shared_caps(pair))} if prior else {}
     rows = []
     for pair, load_cap in sorted(caps.items()):
         in_force, origins = load_cap.caps(), load_cap.origins()
         for load, prior_cap in sorted(load_cap.prior_caps.items()):
+            origin = origins.get(load, "prior")
             rows.append(gateway_pb2.LoadCapRow(model_pair=pair, load=load, prior=prior_cap,
                                                cap=in_force.get(load, prior_cap),
-                                               learned=origins.get(load) == "learned"))
+                                               learned=origin == "learned", origin=origin))
     return rows
 
 
@@ -265,6 +268,8 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         log.info("step overheads beyond the forwards: %.2f ms plain, %.2f ms speculative; AUTO's load cap starts "
                  "at %s (load → γ)", core.overheads.plain_ms, core.overheads.spec_ms,
                  best_caps(core.prior(backend.default_draft) or {}))
+    if settings.share_load_caps_s > 0:  # start from what the other gateways of the target learned
+        await share_once(core)
     servicer = GatewayServicer(core)
     metrics = None
     if settings.metrics_port:
@@ -272,10 +277,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
                                           selector, suffix_cache, core.load_caps)
 
     watch: asyncio.Task | None = None  # the verifiers' liveness, once the server runs
+    sharing: asyncio.Task | None = None  # the load caps' sharing rounds (`gateway.loadshare`)
 
     async def stop() -> None:
-        if watch is not None:
-            watch.cancel()
+        for task in (watch, sharing):
+            if task is not None:
+                task.cancel()
         if servicer.http is not None:
             await servicer.http.stop()
         core.close()
@@ -312,6 +319,8 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     running.draining = drain
     watch = asyncio.get_running_loop().create_task(
         watch_verifiers(backend.verifier, running.health, [service], on_change=core.set_serving))
+    if settings.share_load_caps_s > 0:
+        sharing = asyncio.get_running_loop().create_task(keep_sharing(core, settings.share_load_caps_s))
     return running
 
 

@@ -66,6 +66,10 @@ class GatewaySettings:
     overlap: bool = setting(False, flag="--overlap",
                             help="overlapped speculation by default: the draft pre-drafts the next step while the "
                                  "target verifies (requests may still set speculation.overlap)")
+    share_load_caps_s: float = setting(10.0, flag="--share-load-caps", metavar="SECONDS",
+                                       help="every this many seconds, send AUTO's learned load caps to the "
+                                            "verifiers and start from what the other gateways learned (0: off; "
+                                            "docs/loadcap.md)")
     default_min_confidence: float = 0.5  # for the confidence policy
     # task type → prior acceptance and γ bounds (gateway.tasks.DEFAULT_PROFILES by default)
     task_profiles: dict[str, TaskProfile] = field(default_factory=lambda: dict(DEFAULT_PROFILES))

@@ -22,6 +22,7 @@ from specd.worker import service
 from specd.worker.metrics import start_worker_metrics
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import VerifierSettings
+from verifier_service.loadcaps import LoadCapBoard
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -35,11 +36,15 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
     def __init__(self, target: ModelRunner) -> None:
         self.target = target
+        self.load_caps = LoadCapBoard()
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         target = self.target
         return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())],
                                             protocol=wire.WORKER_PROTOCOL)
+
+    async def ShareLoadCaps(self, request: worker_pb2.LoadCapTable, context) -> worker_pb2.LoadCapTable:
+        return self.load_caps.share(request)  # a bad level raises InvalidArgument (`specd.interceptors`)
 
     async def Verify(self, request_iterator: AsyncIterator[worker_pb2.VerifySteps],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.VerifyResults]:

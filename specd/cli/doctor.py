@@ -368,11 +368,12 @@ def check_load_caps(info) -> Finding:
     if not info.load_caps:
         return Finding("load caps", "info", "no prior: the workers report no forward costs, or the gateway's "
                        "start-up probes did not run (no draft?); AUTO learns its caps under load")
-    cells = ", ".join(f"{row.load}: γ≤{row.cap}" + (" (learned)" if row.learned else "") for row in info.load_caps)
+    cells = ", ".join(f"{row.load}: γ≤{row.cap}" + (f" ({row.origin})" if row.origin not in ("", "prior") else "")
+                      for row in info.load_caps)
     figures = {"load_caps": [{"model_pair": r.model_pair, "load": r.load, "prior": r.prior, "cap": r.cap,
-                              "learned": r.learned} for r in info.load_caps]}
+                              "learned": r.learned, "origin": r.origin or "prior"} for r in info.load_caps]}
     return Finding("load caps", "info", f"AUTO's cap by sessions in the target's forward, from measured costs "
-                   f"unless learned: {cells}", figures=figures)
+                   f"unless learned here or shared by other gateways: {cells}", figures=figures)
 
 
 def check_memory(info, draft) -> Finding:

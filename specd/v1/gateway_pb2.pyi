@@ -91,18 +91,20 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadCapRow(_message.Message):
-    __slots__ = ("model_pair", "load", "prior", "cap", "learned")
+    __slots__ = ("model_pair", "load", "prior", "cap", "learned", "origin")
     MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     PRIOR_FIELD_NUMBER: _ClassVar[int]
     CAP_FIELD_NUMBER: _ClassVar[int]
     LEARNED_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     model_pair: str
     load: int
     prior: int
     cap: int
     learned: bool
-    def __init__(self, model_pair: _Optional[str] = ..., load: _Optional[int] = ..., prior: _Optional[int] = ..., cap: _Optional[int] = ..., learned: _Optional[bool] = ...) -> None: ...
+    origin: str
+    def __init__(self, model_pair: _Optional[str] = ..., load: _Optional[int] = ..., prior: _Optional[int] = ..., cap: _Optional[int] = ..., learned: _Optional[bool] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
     __slots__ = ("mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy", "min_draft_confidence", "overlap")

@@ -77,6 +77,36 @@ class ForwardCost(_message.Message):
     ms: float
     def __init__(self, batch: _Optional[int] = ..., width: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
+class LoadCapVerdict(_message.Message):
+    __slots__ = ("lower", "higher", "mean_log_ratio", "trials")
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    HIGHER_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOG_RATIO_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    lower: int
+    higher: int
+    mean_log_ratio: float
+    trials: int
+    def __init__(self, lower: _Optional[int] = ..., higher: _Optional[int] = ..., mean_log_ratio: _Optional[float] = ..., trials: _Optional[int] = ...) -> None: ...
+
+class LoadCapLevel(_message.Message):
+    __slots__ = ("model_pair", "load", "cap", "verdicts")
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    CAP_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    model_pair: str
+    load: int
+    cap: int
+    verdicts: _containers.RepeatedCompositeFieldContainer[LoadCapVerdict]
+    def __init__(self, model_pair: _Optional[str] = ..., load: _Optional[int] = ..., cap: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[LoadCapVerdict, _Mapping]]] = ...) -> None: ...
+
+class LoadCapTable(_message.Message):
+    __slots__ = ("levels",)
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
+    levels: _containers.RepeatedCompositeFieldContainer[LoadCapLevel]
+    def __init__(self, levels: _Optional[_Iterable[_Union[LoadCapLevel, _Mapping]]] = ...) -> None: ...
+
 class TraceContext(_message.Message):
     __slots__ = ("carrier",)
     class CarrierEntry(_message.Message):

@@ -164,6 +164,11 @@ class VerifierStub:
                 request_serializer=specd_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_worker__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ShareLoadCaps = channel.unary_unary(
+                '/specd.v1.Verifier/ShareLoadCaps',
+                request_serializer=specd_dot_v1_dot_worker__pb2.LoadCapTable.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_worker__pb2.LoadCapTable.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -183,6 +188,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareLoadCaps(self, request, context):
+        """A gateway sends the load levels it has learned and gets back the table every gateway
+        of this target sent (the most evidence kept per pair and level).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +208,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specd_dot_v1_dot_worker__pb2.ModelInfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_worker__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'ShareLoadCaps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareLoadCaps,
+                    request_deserializer=specd_dot_v1_dot_worker__pb2.LoadCapTable.FromString,
+                    response_serializer=specd_dot_v1_dot_worker__pb2.LoadCapTable.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -252,6 +270,33 @@ class Verifier:
             '/specd.v1.Verifier/GetModelInfo',
             specd_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
             specd_dot_v1_dot_worker__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareLoadCaps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Verifier/ShareLoadCaps',
+            specd_dot_v1_dot_worker__pb2.LoadCapTable.SerializeToString,
+            specd_dot_v1_dot_worker__pb2.LoadCapTable.FromString,
             options,
             channel_credentials,
             insecure,
