@@ -7,7 +7,7 @@ For each weight shape of the model's decoder layers and output layer (and, witho
 --model, a range of shapes), and 1, 2, 5 and 17 rows (a plain step, and verifications of
 γ = 1, 4 and 16), prints the median µs of each product. The weights fit in cache here, so
 a whole forward, which reads them from memory, gains less: `scripts/bench_forward.py`
-measures that. docs/performance.md (item 11) keeps the figures.
+measures that. docs/serving-path.md ("Packed linear layers") keeps the figures.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Model-free drafting on the demo pair (docs/performance.md, "Model-free proposers"):
+# Model-free drafting on the demo pair (docs/proposers.md, "Measured"):
 #   1. held-out prompts (chunks of Python source and pydoc text no model here trained on)
 #      are written to runs/heldout.json;
 #   2. `specd serve` runs with its defaults (the distilled draft, suffix and prompt lookup);

@@ -4,7 +4,7 @@ averaged over the steps up to 100, 1,000, 2,000 and 4,000 tokens of the demo tok
     python scripts/bench_text.py [gateway/text.py]
 
 The argument is the file holding `TextAssembler`, so that another checkout's version can
-be timed beside this one. docs/performance.md keeps the figures.
+be timed beside this one. docs/serving-path.md ("Text by window") keeps the figures.
 """
 import importlib.util
 import sys

@@ -14,7 +14,7 @@ every uniform a step uses (`Draws`); the verifier runs the acceptance tests and 
 bonus token with them, so only a rejected position's row of p ever leaves it. The
 recovered token is sampled where q is: by the draft service, which keeps its q rows and
 is sent p's row with its next proposal request, or by the gateway for a model-free
-proposal, whose q is one-hot (docs/performance.md: what crosses the wire).
+proposal, whose q is one-hot (docs/serving-path.md, "What crosses the wire").
 Pure torch; no gRPC.
 """
 from __future__ import annotations

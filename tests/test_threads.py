@@ -1,6 +1,7 @@
 """Where a worker's torch work runs: every operator of a model on the model's own thread,
 from loading on, and the event loop's thread on one torch thread once the models are
-loaded (specd.worker.runtime.event_loop_single_threaded; why: docs/performance.md, item 12)."""
+loaded (specd.worker.runtime.event_loop_single_threaded; why: docs/serving-path.md, "One
+OpenMP team per worker")."""
 from __future__ import annotations
 
 import asyncio

@@ -292,7 +292,8 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
     nothing of this client's threads or imports rides along), with torch's default threads
     as the workers have them, the services' dtype, and each configuration warmed up on the
     first prompt before its timed pass. An in-process baseline with no warm-up ran at 60
-    tokens/s where transformers alone runs at 134-166 on the demo target (docs/performance.md)."""
+    tokens/s where transformers alone runs at 134-166 on the demo target (docs/performance.md,
+    "The transformers baseline")."""
     import multiprocessing
 
     prompts = [p for ps in workload.values() for p in ps] * args.rounds

@@ -164,14 +164,16 @@ def _set_threads(threads: int, cpus: str = "") -> None:
 
 # Below this much weight, a model's matrices are too small to split across torch threads
 # on a CPU: one thread ran the near-free target (6 MB) 2.3× faster at 1 request in flight,
-# and the demo target (61 MB) was faster with torch's default (docs/performance.md).
+# and the demo target (61 MB) was faster with torch's default (docs/serving-path.md,
+# "Torch threads").
 SMALL_MODEL_BYTES = 32 * 1024 * 1024
 
 
 # How long an idle OpenMP thread of a `specd serve` worker spins before it sleeps
 # (libgomp's GOMP_SPINCOUNT). The demo pair at 1 in flight, target-only: 179-194 tokens/s
-# with 20,000, 168-184 with 100,000, 112-130 with none (docs/performance.md, item 12); the
-# shorter spin holds a core for less time after a forward, while the draft's turn runs.
+# with 20,000, 168-184 with 100,000, 112-130 with none (docs/serving-path.md, "One OpenMP
+# team per worker"); the shorter spin holds a core for less time after a forward, while
+# the draft's turn runs.
 SPIN_TURNS = 20_000
 
 
@@ -356,7 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # verifier): OpenMP threads that spun for long after a forward stole the next
     # process's CPU (the figures: README, Benchmarks), and threads that sleep at once
     # make each parallel region of a forward wait for a wake-up. They spin briefly
-    # (20,000 turns), then sleep (docs/performance.md, item 12).
+    # (20,000 turns), then sleep (docs/serving-path.md, "One OpenMP team per worker").
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", str(SPIN_TURNS))}
     stop = {"now": False}
@@ -512,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads of the verifier (0: one for a target under 32 MiB of weights on a CPU, "
                             "else torch's default)")
     # One thread: a small draft's matrices are too small to split, and with all three
-    # processes on the same cores a second thread only adds wake-ups (docs/performance.md).
+    # processes on the same cores a second thread only adds wake-ups (docs/serving-path.md,
+    # "Torch threads").
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)

@@ -19,7 +19,7 @@ table (one `index_select` of whole blocks, the cheapest gather on a CPU) into a 
 layer costs the same few operator calls whatever the number of sessions; the
 per-session work (slot numbers, block tables, the mask) is done once per forward in
 `prepare`. On a GPU the gather is where a paged or varlen kernel would go. On a CPU
-the gather's copy costs memory bandwidth: docs/performance.md has the measurements
+the gather's copy costs memory bandwidth: docs/serving-path.md has the measurements
 against a loop over sessions on views of their own storage.
 
 Models whose attention goes through `cache.update` and transformers' attention interface

@@ -6,7 +6,7 @@ machinery.
 Why: on a CPU a small model's forward is mostly Python, not arithmetic. transformers'
 Llama forward passes every module call through keyword handling, decorators, output
 capture and a causal mask that paged attention never reads. Measured on this project's
-2-core CPU, one session feeding one token (docs/performance.md, item 13): the near-free
+2-core CPU, one session feeding one token (docs/serving-path.md, "The lean forward"): the near-free
 target's forward fell from about 1.3 to 0.85 ms and the demo draft's from about 2.0 to 1.6.
 On a GPU the same Python is what keeps the device waiting at small batches.
 
@@ -16,8 +16,8 @@ of experts' included; a plain linear layer's operator), the model's own rotary e
 family's decoder layer. Where a norm or an MLP runs Llama's own code (most families copy
 it), its operators are called here instead of its `forward`, some in place, and Llama's
 rotation takes four operators, not seven (`_norm`, `_mlp`, `_Rotation`): each gives the
-same bits, and the demo draft's forward is 6–7% faster for them (docs/performance.md,
-item 16).
+same bits, and the demo draft's forward is 6–7% faster for them (docs/serving-path.md,
+"The lean forward").
 The families differ from Llama's layer in a few named ways (`_Family`): a sliding window,
 norms over the queries and keys, one fused q/k/v projection, a partial rotation, norms
 after each sublayer rather than (or as well as) before, layers without rotation or with

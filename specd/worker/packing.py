@@ -6,7 +6,7 @@ about as many matrix-vector products as there are rows: on the demo target a
 verification of 5 tokens took 1.4–1.9 plain steps, so speculation paid less on a CPU
 than it would on a GPU. oneDNN's product with a weight packed once for this CPU costs
 about the same for 1 row as torch's, and 2–5 rows cost little more than one
-(docs/performance.md, item 11).
+(docs/serving-path.md, "Packed linear layers").
 
 Only matrices of at least `MIN_WEIGHTS` weights are packed: below, oneDNN's fixed cost
 per call is more than a one-row product (a small draft's layers stay as they are).

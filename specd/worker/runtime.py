@@ -189,7 +189,7 @@ def event_loop_single_threaded() -> None:
     (libgomp's GOMP_SPINCOUNT), so each of a forward's small products pays a sleeping
     helper's wake-up. The event loop starts regions of its own (zeroing a KV block is one).
     On this 2-core machine the demo target's forward then took about 7 ms instead of 4.5
-    (docs/performance.md, item 12).
+    (docs/serving-path.md, "One OpenMP team per worker").
     """
     torch.set_num_threads(1)
 
