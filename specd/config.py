@@ -6,14 +6,51 @@ Nothing here reads the environment at import time; `specd.cli` fills these from 
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from specd.flags import comma_list, optional_path, setting
 
+# The source checkout holding this package (in an installed, non-editable specd: the
+# site-packages directory, which has no models/).
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The demo pair of the source checkout, where the scripts and tests read it. A service
+# that defaults to the demo pair finds it with `demo_pair()`, which also looks elsewhere.
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft-distilled"
+# A directory holding the demo pair as models/demo does (target/ and draft-distilled/):
+# for a specd installed without its source checkout (the wheel does not carry the models).
+DEMO_MODELS_ENV = "SPECD_DEMO_MODELS"
+
+
+class DemoPairNotFound(FileNotFoundError):
+    """No demo pair where `demo_pair` looks; the message names the places and how to point at one."""
+
+
+def demo_pair(environ: Mapping[str, str] = os.environ, cwd: Path | None = None) -> tuple[Path, Path]:
+    """The demo pair's (target, draft) directories: in $SPECD_DEMO_MODELS when it is set
+    (only there: a wrong setting is an error, not a fallback), else models/demo of the
+    source checkout holding this package, else models/demo of the current directory.
+    DemoPairNotFound naming the places looked at and how to point at the pair otherwise."""
+    explicit = environ.get(DEMO_MODELS_ENV, "")
+    if explicit:
+        places = [Path(explicit)]
+    else:
+        places = [REPO_ROOT / "models" / "demo", (cwd or Path.cwd()) / "models" / "demo"]
+    for place in places:
+        target, draft = place / "target", place / "draft-distilled"
+        if (target / "config.json").is_file() and (draft / "config.json").is_file():
+            return target, draft
+    looked = (f"{DEMO_MODELS_ENV}={explicit}" if explicit else
+              f"{places[0]} (next to the package), {places[1]} (the current directory)")
+    raise DemoPairNotFound(
+        f"no demo pair (target/ and draft-distilled/, each with config.json) in {looked}. Pass --target and "
+        f"--draft (model directories or hub ids ORG/NAME), or set {DEMO_MODELS_ENV} to the directory holding "
+        f"the pair (models/demo of a specd source checkout; the installed package does not carry it)")
+
+
 # Where each service listens unless told otherwise (`specd gateway|draft|verifier --port`).
 DEFAULT_GATEWAY_PORT, DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT = 50051, 50052, 50053
 

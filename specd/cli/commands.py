@@ -37,10 +37,11 @@ from specd.config import (
     DEFAULT_DRAFT_PORT,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_VERIFIER_PORT,
-    DEMO_DRAFT,
-    DEMO_TARGET,
+    DEMO_MODELS_ENV,
     ClientTLS,
+    DemoPairNotFound,
     ServerSettings,
+    demo_pair,
 )
 from specd.flags import add_flags, forward_flags, from_flags
 from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, check_server_tls, client_tls_from_args
@@ -54,6 +55,8 @@ MODEL = ModelSettings()
 DRAFT = DraftSettings(ServerSettings(port=DEFAULT_DRAFT_PORT))
 VERIFIER = VerifierSettings(ServerSettings(port=DEFAULT_VERIFIER_PORT))
 GATEWAY = GatewaySettings(ServerSettings(port=DEFAULT_GATEWAY_PORT))
+# Where a service without model flags finds the demo pair (specd.config.demo_pair).
+DEMO_HELP = f"${DEMO_MODELS_ENV}, else models/demo of the source checkout, else of the current directory"
 
 
 # -- the three services ---------------------------------------------------------------------
@@ -217,8 +220,8 @@ def cmd_draft(args: argparse.Namespace) -> int:
         return 2
     try:
         drafts = {name: resolve(model, args.revision) for name, model in
-                  _parse_drafts(args.draft or [str(DEMO_DRAFT)]).items()}
-    except ModelNotFound as exc:
+                  _parse_drafts(args.draft or [str(demo_pair()[1])]).items()}
+    except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
@@ -233,12 +236,13 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     setup_tracing("specd-verifier")
 
     try:
-        target = resolve(args.target, args.revision)
-    except ModelNotFound as exc:
+        spec = args.target or str(demo_pair()[0])
+        target = resolve(spec, args.revision)
+    except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd verifier: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads or _default_threads(target, args.device), args.cpus)
-    settings = _settings(VERIFIER, args, target=target, target_name=model_name(args.target))
+    settings = _settings(VERIFIER, args, target=target, target_name=model_name(spec))
     return _serve(_then_single_threaded(create_server), settings, "verifier", args.port_file)
 
 
@@ -322,8 +326,12 @@ def _tls_dir(directory: Path) -> dict[str, Path]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    target = args.target or str(DEMO_TARGET)
-    drafts = _parse_drafts(args.draft or [str(DEMO_DRAFT)])
+    try:  # the demo pair for what is not given
+        target = args.target or str(demo_pair()[0])
+        drafts = _parse_drafts(args.draft or [str(demo_pair()[1])])
+    except DemoPairNotFound as exc:
+        print(f"specd serve: {exc}", file=sys.stderr)
+        return 2
     for role, model in (("target", target), *(("draft", m) for m in drafts.values())):
         try:  # resolved here (fetched into the cache once) so that a wrong name stops serve at once
             resolve(model, args.revision)
@@ -500,11 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run draft, verifier and gateway locally (the demo)")
     serve.add_argument("--target", help=f"target model: a directory or a hub id ORG/NAME[@REVISION] (default: the "
-                                        f"demo target, {DEMO_TARGET})")
+                                        f"demo target: {DEMO_HELP})")
     _revision_arg(serve)
     serve.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
                        help=f"draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several, the "
-                            f"first is the default (default: the demo draft, {DEMO_DRAFT})")
+                            f"first is the default (default: the demo draft: {DEMO_HELP})")
     serve.add_argument("--host", default=GATEWAY.server.host, help="interface the gateway binds")
     serve.add_argument("--port", type=int, default=GATEWAY.server.port, help="gateway port")
     serve.add_argument("--tls", metavar="DIR",
@@ -533,16 +541,16 @@ def build_parser() -> argparse.ArgumentParser:
     _service_args(draft, DRAFT)
     _worker_process_args(draft)
     draft.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
-                       help="a draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several "
-                            "(the first is the default)")
+                       help=f"a draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several "
+                            f"(the first is the default; default: the demo draft: {DEMO_HELP})")
     _revision_arg(draft)
     draft.set_defaults(func=cmd_draft)
 
     verifier = sub.add_parser("verifier", help="run the verifier service")
     _service_args(verifier, VERIFIER)
     _worker_process_args(verifier)
-    verifier.add_argument("--target", default=str(VERIFIER.target),
-                          help="target model: a directory or a hub id ORG/NAME[@REVISION]")
+    verifier.add_argument("--target", help=f"target model: a directory or a hub id ORG/NAME[@REVISION] (default: "
+                                           f"the demo target: {DEMO_HELP})")
     _revision_arg(verifier)
     verifier.set_defaults(func=cmd_verifier)
 
