@@ -12,7 +12,15 @@ from dataclasses import replace
 
 import torch
 
-from specd.rejection import Draws, recovered_token, sample, target_verdict, verify_greedy
+from specd.rejection import (
+    Draws,
+    TargetVerdict,
+    accepted_prefix,
+    recovered_token,
+    sample,
+    target_verdict,
+    verify_greedy,
+)
 from specd.sampling import Transform, penalized, probs_from_logits, raw_logprobs, restricted
 from specd.steps import DraftRequest, PositionLogprobs, Proposal, Recovery, Scores
 from specd.worker.batching import Job
@@ -51,31 +59,57 @@ class ProposeJob(Job):
         # A plain greedy step's (best, second best, q of the best) at this forward, when
         # `post_process` computed it with the forward's other plain greedy steps.
         self.decided: tuple[int, int, float] | None = None
+        # A plain sampled step's (token, second, best, q of the token, q's largest, q's row),
+        # when `post_process` sampled it with the forward's other steps of the same law.
+        self.sampled: tuple[int, int, int, float, float, torch.Tensor] | None = None
 
-    def _plain_greedy(self) -> bool:
-        """Whether this forward's token is the argmax of the draft's own logits, with
-        nothing of the session's applied first (no penalties, grammar, guess or recovery)."""
-        transform = self.request.transform
-        return (transform.greedy and not transform.penalized and self.grammar is None and not self.guessing
+    def _plain(self) -> bool:
+        """Whether this forward's law is the draft's own logits under the request's
+        temperature and truncation alone: no penalties, grammar, guess or recovery."""
+        return (not self.request.transform.penalized and self.grammar is None and not self.guessing
                 and self.recovery is None)
 
     @staticmethod
     def post_process(logits: torch.Tensor, members: Sequence[tuple[Job, slice]]) -> None:
-        """Every plain greedy step of the forward at once: one top-2 and one softmax over
-        their rows, and one copy to the host (for each vocabulary limit among them)."""
-        by_limit: dict[int, list[tuple[ProposeJob, int]]] = {}
+        """Every plain step of the forward at once, so that host waits per forward stay
+        constant however many sessions share it (on a GPU each copy to the host waits for
+        the device). Greedy ones: one top-2 and one softmax over their rows, and one copy to
+        the host. Sampled ones of the same law: one q over their rows, each sampled by inverse
+        CDF with its uniform from its own seeded generator (drawn on the host, uploaded as one
+        tensor: the same draw and the same token as one at a time), and one copy back. For
+        each vocabulary limit (and law) among them."""
+        greedy: dict[int, list[tuple[ProposeJob, int]]] = {}
+        sampled: dict[tuple, list[tuple[ProposeJob, int]]] = {}
         for job, rows in members:
             assert isinstance(job, ProposeJob)
-            if rows.stop - rows.start == 1 and job._plain_greedy():
-                by_limit.setdefault(job.request.vocab_limit or logits.shape[-1], []).append((job, rows.start))
-        for limit, jobs in by_limit.items():
-            index = torch.tensor([row for _, row in jobs], device=logits.device)
-            chosen = logits.index_select(0, index)[:, :limit]
+            if rows.stop - rows.start != 1 or not job._plain():
+                continue
+            limit, transform = job.request.vocab_limit or logits.shape[-1], job.request.transform
+            if transform.greedy:
+                greedy.setdefault(limit, []).append((job, rows.start))
+            else:
+                law = (limit, transform.temperature, transform.top_k, transform.top_p, transform.min_p)
+                sampled.setdefault(law, []).append((job, rows.start))
+        for limit, jobs in greedy.items():
+            chosen = _rows(logits, jobs, limit)
             top = chosen.topk(2, dim=-1).indices
             best_q = torch.softmax(chosen, -1).gather(1, top[:, :1])
             # One copy back: ids are exact in float64.
             for (job, _), (best, second, q) in zip(jobs, torch.cat((top.double(), best_q.double()), 1).tolist()):
                 job.decided = (int(best), int(second), q)
+        for (limit, *_), jobs in sampled.items():
+            chosen = _rows(logits, jobs, limit)
+            q = probs_from_logits(chosen, jobs[0][0].request.transform)
+            uniforms = torch.stack([torch.rand((), generator=job.generator, dtype=torch.float64)
+                                    for job, _ in jobs]).to(logits.device)
+            cumulative = torch.cumsum(q.double(), 1)  # `specd.rejection.sample`, a row each
+            at = cumulative[:, -1:] * uniforms[:, None]
+            token = torch.searchsorted(cumulative, at, right=True).clamp(max=q.shape[1] - 1)
+            top = chosen.topk(2, dim=-1).indices
+            figures = torch.cat((token.double(), top.double(), q.gather(1, token).double(),
+                                 q.max(dim=1, keepdim=True).values.double()), 1)
+            for row, ((job, _), (tok, best, second, token_q, largest)) in enumerate(zip(jobs, figures.tolist())):
+                job.sampled = (int(tok), int(second), int(best), token_q, largest, q[row])
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
@@ -87,6 +121,13 @@ class ProposeJob(Job):
             if self.drafted and best_q < request.min_confidence:
                 return True
             return self._propose(best, second, best, best_q)
+        if self.sampled is not None:
+            token, second, best, token_q, largest, q_row = self.sampled
+            self.sampled = None
+            if self.drafted and largest < request.min_confidence:
+                return True
+            self.probs.append(q_row)
+            return self._propose(token, second, best, token_q)
         embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
@@ -138,6 +179,56 @@ class ProposeJob(Job):
         self.session.tokens.extend(self.drafted)
         return Proposal(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
                         tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
+
+
+def _verdicts(logits: torch.Tensor, jobs: Sequence[tuple[ScoreJob, slice]]) -> None:
+    """The target's verdicts of sampled steps of one law, decided together: two copies to
+    the host for all of them (p of the proposed tokens with the bonus tokens; the rows at
+    the rejections), where one step at a time makes two each. The same figures and the same
+    draws as `target_verdict` makes for each."""
+    device = logits.device
+    forward_rows: list[int] = []  # p's rows: each step's γ+1, one step after another
+    proposed_rows: list[int] = []  # the proposed tokens' rows of p, and the tokens
+    proposed_tokens: list[int] = []
+    last_rows: list[int] = []  # each step's last row: its bonus token's law
+    finals: list[float] = []  # ...and each step's uniform for it
+    for job, rows in jobs:
+        assert job.draws is not None  # grouped for its draws
+        start, gamma = len(forward_rows), len(job.draft_tokens)
+        forward_rows += range(rows.start, rows.stop)
+        proposed_rows += range(start, start + gamma)
+        proposed_tokens += job.draft_tokens
+        last_rows.append(start + gamma)
+        finals.append(job.draws.final)
+    p = probs_from_logits(logits.index_select(0, torch.tensor(forward_rows, device=device)), jobs[0][0].transform)
+    picks = torch.tensor([proposed_rows, proposed_tokens], dtype=torch.long).to(device)
+    uniforms = torch.tensor(finals, dtype=torch.float64).to(device)
+    last = p.index_select(0, torch.tensor(last_rows, device=device))
+    cumulative = torch.cumsum(last.double(), 1)  # `specd.rejection.sample`, a row each
+    bonus = torch.searchsorted(cumulative, cumulative[:, -1:] * uniforms[:, None], right=True)
+    bonus = bonus.clamp(max=p.shape[1] - 1)
+    figures = torch.cat((p[picks[0], picks[1]].double(), bonus[:, 0].double())).tolist()
+    target_probs, bonus_tokens = figures[:len(proposed_rows)], figures[len(proposed_rows):]
+    rejected: list[tuple[ScoreJob, int, int]] = []
+    for (job, _), row, bonus_token in zip(jobs, last_rows, bonus_tokens):
+        assert job.draws is not None
+        gamma = len(job.draft_tokens)
+        taken, target_probs = target_probs[:gamma], target_probs[gamma:]
+        accepted = accepted_prefix(job.draft_token_probs, taken, job.draws.accept)
+        if accepted == gamma:
+            job.verdict = TargetVerdict(gamma, int(bonus_token), None)
+        else:
+            rejected.append((job, accepted, row - gamma + accepted))
+    if rejected:  # to the host here: the event loop never waits on the device
+        rows_at = p.index_select(0, torch.tensor([row for _, _, row in rejected], device=device)).float().cpu()
+        for (job, accepted, _), row_p in zip(rejected, rows_at):
+            job.verdict = TargetVerdict(accepted, None, row_p)
+
+
+def _rows(logits: torch.Tensor, jobs: Sequence[tuple[Job, int]], limit: int) -> torch.Tensor:
+    """The jobs' rows of a forward's logits, cut at the vocabulary limit (one index upload)."""
+    index = torch.tensor([row for _, row in jobs], device=logits.device)
+    return logits.index_select(0, index)[:, :limit]
 
 
 # How a run of plain steps scored ahead answers each: (its index, 1 first; its scores, or
@@ -213,29 +304,45 @@ class ScoreJob(Job):
         self.allowed = allowed
         self.scores: Scores | None = None
         self.decided: list[int] | None = None  # a plain greedy step's argmax rows, from `post_process`
+        self.verdict: TargetVerdict | None = None  # ...and a plain sampled step's verdict
 
-    def _plain_greedy(self) -> bool:
-        """Whether the step's scores are the argmax of the target's own logits."""
-        return (self.transform.greedy and not self.transform.penalized and self.allowed is None
-                and self.logprobs is None)
+    def _plain(self) -> bool:
+        """Whether the step's law is the target's own logits under the request's temperature
+        and truncation alone (no penalties, grammar or logprobs)."""
+        return not self.transform.penalized and self.allowed is None and self.logprobs is None
 
     @staticmethod
     def post_process(logits: torch.Tensor, members: Sequence[tuple[Job, slice]]) -> None:
-        """Every plain greedy step of the forward at once: one argmax over all the forward's
-        rows and one copy to the host."""
+        """Every plain step of the forward at once, so that host waits per forward stay
+        constant however many sessions share it. Greedy ones: one argmax over all the
+        forward's rows and one copy to the host. Sampled ones of the same law: one p over
+        their rows, their proposed tokens' p and their bonus tokens (each drawn with its
+        step's last uniform, uploaded as one tensor) in one copy back, then the rows at their
+        rejections in one more (`specd.rejection.target_verdict`, for many steps)."""
         plain = [(job, rows) for job, rows in members
-                 if isinstance(job, ScoreJob) and rows.stop > rows.start and job._plain_greedy()]
-        if not plain:
-            return
-        argmax = logits.argmax(dim=-1).tolist()
+                 if isinstance(job, ScoreJob) and rows.stop > rows.start and job._plain()]
+        greedy = [(job, rows) for job, rows in plain if job.transform.greedy]
+        if greedy:
+            argmax = logits.argmax(dim=-1).tolist()
+            for job, rows in greedy:
+                job.decided = argmax[rows]
+        laws: dict[tuple, list[tuple[ScoreJob, slice]]] = {}
         for job, rows in plain:
-            job.decided = argmax[rows]
+            if not job.transform.greedy and job.draws is not None:
+                transform = job.transform
+                laws.setdefault((transform.temperature, transform.top_k, transform.top_p, transform.min_p),
+                                []).append((job, rows))
+        for jobs in laws.values():
+            _verdicts(logits, jobs)
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:
             return False
         if self.decided is not None:
             self.scores, self.decided = Scores(self.decided, None, 0.0), None
+            return self.run is None or not self._go_on(self.run)
+        if self.verdict is not None:
+            self.scores, self.verdict = Scores(None, self.verdict, 0.0), None
             return self.run is None or not self._go_on(self.run)
         raw = logits
         # Each row over the tokens before it, then the grammar's cut.

@@ -1,0 +1,112 @@
+"""A forward's post-processing runs once for all the sessions in it (`Job.post_process`):
+host waits per forward stay constant as sessions grow, greedy or sampled, and a seeded step
+samples the same tokens whatever else shares its forward."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specd.rejection import Draws
+from specd.sampling import Transform
+from specd.steps import DraftRequest
+from specd.worker.runtime import ModelRunner
+
+SAMPLED = Transform(temperature=0.8, top_p=0.95)
+
+
+def prompts(sessions: int) -> list[list[int]]:
+    return [[5 + i, 6, 7, 8] for i in range(sessions)]
+
+
+async def draft_steps(runner: ModelRunner, sessions: int, transform: Transform, seed: int = 0) -> list[list[int]]:
+    proposals = await asyncio.gather(*(runner.propose(f"s{i}", 0, p, DraftRequest(4, transform, seed=seed + i))
+                                       for i, p in enumerate(prompts(sessions))))
+    return [proposal.tokens for proposal in proposals]
+
+
+def draws_of(sessions: int, seed: int = 0) -> list[Draws]:
+    """Each session's uniforms, as the gateway draws them (made before anything is counted)."""
+    return [Draws.draw(4, torch.Generator().manual_seed(seed + i)) for i in range(sessions)]
+
+
+async def verify_steps(runner: ModelRunner, sessions: int, transform: Transform, draws: list[Draws]) -> list:
+    return await asyncio.gather(*(
+        runner.score(f"s{i}", 0, p, [9, 10, 11, 12], transform, [0.3, 0.3, 0.3, 0.3],
+                     None if transform.greedy else draws[i]) for i, p in enumerate(prompts(sessions))))
+
+
+async def discarded(steps) -> None:
+    """Run the steps and drop what they return: asyncio may print a finished task's result
+    (tensors, converted to text), which is no copy the worker makes."""
+    await steps
+
+
+def verdict(scores) -> tuple:
+    """A sampled verification's outcome, comparable: accepted, bonus token, p's rejected row."""
+    found = scores.verdict
+    return found.accepted, found.bonus_token, None if found.rejected_row is None else found.rejected_row.tolist()
+
+
+@pytest.mark.parametrize("transform", [Transform(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("role", ["draft", "verifier"])
+def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs, device, monkeypatch, role,
+                                                                     transform):
+    """Steps of 1 and of 8 sessions: every forward's tokens reach the host in the same
+    number of copies (one or two for all its sessions), not one or more per session. On a
+    GPU each such copy is a wait for the device. Counted at torch's tensor-to-host
+    conversions."""
+    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
+    forwards = []
+    inner = runner.scheduler._forward
+
+    def counted_forward(rows):
+        forwards.append(len(rows))
+        return inner(rows)
+
+    runner.scheduler._forward = counted_forward
+    copies = [0]
+    for name in ("tolist", "item", "cpu", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            copies[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def per_forward(sessions: int) -> float:
+        draws = draws_of(sessions)
+        forwards.clear()
+        copies[0] = 0
+        steps = draft_steps(runner, sessions, transform) if role == "draft" else verify_steps(
+            runner, sessions, transform, draws)
+        asyncio.run(discarded(steps))
+        return copies[0] / len(forwards)
+
+    alone, together = per_forward(1), per_forward(8)
+    assert together <= alone + 0.5, f"{alone:.1f} copies a forward for 1 session, {together:.1f} for 8"
+
+
+@pytest.mark.parametrize("role", ["draft", "verifier"])
+def test_a_seeded_sampled_step_is_the_same_alone_or_batched(model_dirs, device, role):
+    """Session 0's seeded step gives the same tokens (and verdict) alone in its forward as
+    beside seven others: sampling them together changes no draw."""
+    def run(sessions: int) -> list:
+        runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
+        if role == "draft":
+            return asyncio.run(draft_steps(runner, sessions, SAMPLED, seed=11))
+        scored = asyncio.run(verify_steps(runner, sessions, SAMPLED, draws_of(sessions, seed=11)))
+        return [verdict(scores) for scores in scored]
+
+    alone, together = run(1), run(8)
+    if role == "draft":
+        assert together[0] == alone[0]
+    else:  # p's row may round apart: the forward's products differ with the batch's shape
+        (accepted, bonus, row), (accepted_alone, bonus_alone, row_alone) = together[0], alone[0]
+        assert (accepted, bonus) == (accepted_alone, bonus_alone)
+        assert (row is None) == (row_alone is None)
+        if row is not None:
+            torch.testing.assert_close(torch.tensor(row), torch.tensor(row_alone))
+    assert len({str(result) for result in together}) > 1  # the seeds differ, and so do the draws
