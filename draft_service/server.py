@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -119,11 +120,15 @@ def _trace_pre_draft(request: worker_pb2.ProposeRequest, settled: asyncio.Future
 
 
 async def create_server(settings: DraftSettings) -> RunningServer:
-    """Load the drafts and start serving them on settings.server (port 0: any free port)."""
+    """Load the drafts and start serving them on settings.server (port 0: any free port).
+    Several drafts share the worker's --gpu-memory-fraction equally (`specd.worker.memory`)."""
+    batching = settings.model.batching
+    if batching.gpu_memory_fraction and settings.drafts:
+        batching = replace(batching, gpu_memory_fraction=batching.gpu_memory_fraction / len(settings.drafts))
     runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
                                  max_sessions=settings.model.max_sessions, device=settings.model.device,
                                  cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
-                                 batching=settings.model.batching,
+                                 batching=batching,
                                  pre_draft_branches=settings.pre_draft_branches,
                                  kept_rows_bytes=settings.kept_rows_mib << 20)
                for name, path in settings.drafts.items()}

@@ -83,7 +83,7 @@ def _settings(defaults, args: argparse.Namespace, **given):
     """The settings object of a service from its flags; exits with the reason on a bad value."""
     settings = from_flags(defaults, args, **given)
     check_server_tls(settings.server.tls)
-    problems = settings.model.batching.problems() if hasattr(settings, "model") else []
+    problems = settings.model.problems() if hasattr(settings, "model") else []
     if problems:
         raise SystemExit(f"specd: {'; '.join(problems)}")
     return settings
@@ -325,6 +325,28 @@ def _tls_dir(directory: Path) -> dict[str, Path]:
     return paths
 
 
+def start_groups(device: str) -> list[tuple[str, ...]]:
+    """The workers `specd serve` starts together, group after group, each group serving before
+    the next starts. On a CUDA device both workers share its memory, and each sizes its KV pool
+    from what it finds when it loads (`specd.worker.memory`): the verifier first, then the draft.
+    Elsewhere (a CPU's memory is the host's, and the pools take untouched pages) both load at
+    once, which is faster."""
+    if device.split(":")[0] == "cuda":
+        return [("verifier",), ("draft",)]
+    return [("verifier", "draft")]
+
+
+def worker_fractions(fraction: float, target: Path, drafts: list[Path], dtype: str) -> dict[str, float]:
+    """`specd serve --gpu-memory-fraction`: the share of the one device each worker takes, split
+    in proportion to the models' KV bytes per token (`specd.worker.memory.split_fraction`)."""
+    from specd.worker.memory import config_kv_bytes_per_token, split_fraction
+
+    width = 4 if dtype == "float32" else 2
+    costs = {"verifier": config_kv_bytes_per_token(target, width),
+             "draft": sum(config_kv_bytes_per_token(draft, width) for draft in drafts) if drafts else 0}
+    return split_fraction(fraction, costs)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:  # the demo pair for what is not given
         target = args.target or str(demo_pair()[0])
@@ -340,6 +362,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"or hub ids ORG/NAME sharing one tokenizer, or make the demo pair with "
                   f"`python scripts/make_demo_pair.py`.", file=sys.stderr)
             return 2
+    model_settings: ModelSettings = from_flags(MODEL, args)
+    problems = model_settings.problems()  # before anything starts: a device this machine lacks, a bad fraction
+    if problems:
+        print(f"specd serve: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    fractions: dict[str, list[str]] = {"verifier": [], "draft": []}
+    if model_settings.batching.gpu_memory_fraction:  # both workers on the one device: split between them
+        split = worker_fractions(model_settings.batching.gpu_memory_fraction, resolve(target, args.revision),
+                                 [resolve(model, args.revision) for model in drafts.values()], model_settings.dtype)
+        fractions = {name: [f"--gpu-memory-fraction={share:.4f}"] for name, share in split.items()}
     # Every listener is checked before anything loads; the servers' exclusive binds make it certain.
     for host, port, flag in ((args.host, args.port, "--port"), (args.host, args.http_port, "--http-port"),
                              (args.metrics_host, args.metrics_port, "--metrics-port")):
@@ -389,20 +421,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "verifier": me + ["verifier", "--socket", str(sockets["verifier"]),
                               "--target", target, "--revision", args.revision,
                               "--threads", str(args.threads), *worker_tls, *forward_flags(MODEL, args),
-                              *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
+                              *fractions["verifier"], *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
             "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
                            "--threads", str(draft_threads), *worker_tls, *forward_flags(MODEL, args),
-                           *forward_flags(DRAFT, args, nested=False),
+                           *forward_flags(DRAFT, args, nested=False), *fractions["draft"],
                            *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         }
         try:
-            for name, argv in workers.items():
-                supervisor.start(name, argv)
-            for name, path in sockets.items():
-                if not wait_healthy(f"unix:{path}", supervisor.processes, args.startup_timeout, link_tls):
-                    print(f"specd serve: the {name} worker did not start; see the messages above", file=sys.stderr)
-                    return 1
+            for group in start_groups(model_settings.device):  # on one GPU, one after the other
+                for name in group:
+                    supervisor.start(name, workers[name])
+                for name in group:
+                    if not wait_healthy(f"unix:{sockets[name]}", supervisor.processes, args.startup_timeout,
+                                        link_tls):
+                        print(f"specd serve: the {name} worker did not start; see the messages above",
+                              file=sys.stderr)
+                        return 1
             supervisor.start("gateway", restart=False, argv=me + [
                 "gateway", "--host", args.host, "--port", str(args.port),
                 "--verifier-address", f"unix:{sockets['verifier']}",

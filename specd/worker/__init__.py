@@ -7,6 +7,7 @@ sessions, and the multiplexed step stream both servicers serve. `draft_service` 
 
     runtime   model loading and the per-session runtime: `ModelRunner.propose` and `verify`
     kvstore   the paged KV pool, one batched forward, and the trial at load of what it can serve
+    memory    how much of a CUDA device a KV pool takes (--gpu-memory-fraction), and device checks
     lean      the batched forward of Llama-architecture models (fourteen families) without transformers' per-call Python
     packing   on a CPU, large linear layers with their weights packed for oneDNN at load
     rope      rotary scalings that rotate by the forward (longrope, dynamic): which rows share a forward

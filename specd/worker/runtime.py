@@ -30,7 +30,7 @@ from specd.errors import InvalidArgument, Overloaded, SessionNotFound, Unsupport
 from specd.rejection import Draws, recovered_token
 from specd.sampling import Transform
 from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
-from specd.worker import kvstore, lean, packing, rope
+from specd.worker import kvstore, lean, memory, packing, rope
 from specd.worker.batching import Job, Scheduler
 from specd.worker.grammar import GrammarCursors
 from specd.worker.identity import weights_digest
@@ -204,6 +204,9 @@ class ModelRunner:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        problem = memory.device_problem(device, batching.gpu_memory_fraction)
+        if problem is not None:  # before anything loads: a CUDA device this machine lacks is said plainly
+            raise ValueError(problem)
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(device)
@@ -217,7 +220,8 @@ class ModelRunner:
         # `event_loop_single_threaded`).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name or path.name}")
         try:
-            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear, forward).result()
+            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear, forward,
+                                  kept_rows_bytes).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -235,12 +239,16 @@ class ModelRunner:
         self.grammars = GrammarCursors(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, max_sessions)
 
     def _load(self, path: Path, name: str | None, max_sessions: int, batching: BatchSettings,
-              cpu_linear: str, forward: str) -> None:
+              cpu_linear: str, forward: str, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
-        give it the lean forward where that is exact."""
+        give it the lean forward where that is exact. With --gpu-memory-fraction the trials
+        run on a small pool first, then a profiling forward, and the pool is sized after
+        (`specd.worker.memory`)."""
         def load() -> PreTrainedModel:
             return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
 
+        fraction = batching.gpu_memory_fraction  # only on a CUDA device (checked in __init__)
+        allocated_before = torch.cuda.memory_allocated(self.device) if fraction else 0
         # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is).
         self.model = packing.packed_model(load) if cpu_linear == "onednn" else load()
         config = self.model.config
@@ -259,8 +267,19 @@ class ModelRunner:
         # trying the model at load: a model refused here never fails at a request.
         self._kv_shape = kvstore.kv_shape(self.model, self.device)
         kvstore.use_paged_attention(self.model)
-        self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
-                           self._pool_blocks(batching, max_sessions), prefix_caching=not batching.no_prefix_caching)
+        self.memory_plan: memory.MemoryPlan | None = None
+        profile, loaded = None, 0
+        if fraction:  # a pool for the trials and the profiling forward; the real one is sized after
+            loaded = torch.cuda.memory_allocated(self.device) - allocated_before
+            profile = memory.profile_shape(max_sessions=max_sessions, max_batch_tokens=batching.max_batch_tokens,
+                                           prefill_chunk=batching.prefill_chunk, max_context=self.info.max_context,
+                                           block_tokens=batching.block_tokens)
+            self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
+                               memory.profile_blocks(profile, batching.block_tokens) + 64)
+        else:
+            self.pool = KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens,
+                               self._pool_blocks(batching, max_sessions),
+                               prefix_caching=not batching.no_prefix_caching)
         try:
             problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool,
                                                                            self.info.vocab_size, self.device)
@@ -277,6 +296,8 @@ class ModelRunner:
                 # differs on this device or dtype) is a surprise, and a slower forward: said loudly.
                 level = logging.WARNING if lean.of_a_family(self.model) else logging.INFO
                 log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
+        if profile is not None:
+            self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes)
         # What a forward costs at each load, for the gateways' priors: timed once, here, with
         # the forward the requests will get.
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
@@ -355,7 +376,8 @@ class ModelRunner:
         counted against max_sessions), within half of the memory free when the model
         loads (the GPU's, or the host's): the other half is for activations, the gather
         buffers and the models loaded after this one. On a CPU, pages nobody writes cost
-        no memory, but the allocation must still fit."""
+        no memory, but the allocation must still fit. (With --gpu-memory-fraction,
+        `_sized_pool` sizes it instead.)"""
         block_bytes = self.kv_bytes_per_token() * batching.block_tokens
         tokens = batching.kv_cache_tokens or (max_sessions + 64) * self.info.max_context
         blocks = -(-tokens // batching.block_tokens) + 1  # + the null block
@@ -366,6 +388,37 @@ class ModelRunner:
                 free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             blocks = min(blocks, free // 2 // block_bytes)
         return max(blocks, 2)
+
+    def _sized_pool(self, batching: BatchSettings, max_sessions: int, profile: memory.ProfileShape,
+                    loaded: int, kept_rows_bytes: int) -> KVPool:
+        """The KV pool --gpu-memory-fraction leaves room for, after the profiling forward on the
+        trials' pool (`self.pool`, let go here): `memory.kv_pool_bytes`, in whole blocks, at most
+        what `_pool_blocks` would want at full context. ValueError when it leaves no room."""
+        activation = memory.profile_activation(lambda rows: kvstore.forward(self.model, rows, self.device),
+                                               self.pool, profile, self.info.vocab_size, self.device)
+        del self.pool
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = batching.gpu_memory_fraction
+        pool_bytes = memory.kv_pool_bytes(total=total, fraction=fraction, loaded=loaded, activation=activation,
+                                          kept_rows=kept_rows_bytes, free=free)
+        block_bytes = self.kv_bytes_per_token() * batching.block_tokens
+        wanted = -(-(max_sessions + 64) * self.info.max_context // batching.block_tokens) + 1
+        blocks = min(wanted, pool_bytes // block_bytes)
+        self.memory_plan = memory.MemoryPlan(total, fraction, loaded, activation, kept_rows_bytes, free,
+                                             blocks * block_bytes, profile)
+        if blocks < 2:
+            raise ValueError(f"{self.info.name}: --gpu-memory-fraction {fraction} leaves no room for a KV pool: "
+                             f"{self.memory_plan.describe()}; raise the fraction, or lower --max-sessions or "
+                             f"--max-batch-tokens (the profiling forward's batch)")
+        log.info("%s: KV pool of %d blocks (%d positions): %s", self.info.name, blocks,
+                 blocks * batching.block_tokens, self.memory_plan.describe())
+        if blocks * batching.block_tokens < self.info.max_context:
+            log.warning("%s: the KV pool holds %d positions, under one session at the model's full context (%d)",
+                        self.info.name, blocks * batching.block_tokens, self.info.max_context)
+        return KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens, blocks,
+                      prefix_caching=not batching.no_prefix_caching)
 
     def _reserve(self, session: SessionKV, needed: int) -> None:
         """Room in the pool for `needed` positions of a taken session, evicting idle

@@ -30,6 +30,12 @@ class BatchSettings:
     kv_cache_tokens: int = setting(0, flag="--kv-cache-tokens",
                                    help="positions the KV pool holds, all sessions together (0: every session at "
                                         "full context, within half the memory free at load, the GPU's or the host's)")
+    gpu_memory_fraction: float = setting(0.0, flag="--gpu-memory-fraction", metavar="F",
+                                         help="on a CUDA device, the share of its total memory this worker may use "
+                                              "(0 < F <= 1, as vLLM's --gpu-memory-utilization): the KV pool takes "
+                                              "what the weights and a profiling forward at the largest batch leave "
+                                              "of it (specd.worker.memory). 0: half of the memory free at load. "
+                                              "specd serve splits its F between its two workers")
     no_prefix_caching: bool = setting(False, flag="--no-prefix-caching",
                                       help="do not keep the KV of prompts' shared prefixes for later sessions "
                                            "(specd.worker.kvstore: prefix caching, on by default)")
@@ -45,6 +51,10 @@ class BatchSettings:
                 found.append(f"{name} must be >= 1")
         if self.kv_cache_tokens < 0:
             found.append(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens}")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            found.append(f"gpu_memory_fraction must be in (0, 1] (0: unset), got {self.gpu_memory_fraction}")
+        elif self.gpu_memory_fraction and self.kv_cache_tokens:
+            found.append("--kv-cache-tokens and --gpu-memory-fraction both size the KV pool: pass one")
         if not self.max_wait_ms >= 0:
             found.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         return found
@@ -66,6 +76,18 @@ class ModelSettings:
                                 "without transformers' per-call Python (used only where a trial at load gives "
                                 "the same logits to the bit), or transformers' own")
     batching: BatchSettings = BatchSettings()
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, in words a person can act on: the batching's, and a
+        device this machine lacks or a memory fraction for a device it does not size
+        (`specd.worker.memory.device_problem`, which imports torch)."""
+        found = self.batching.problems()
+        if found:
+            return found
+        from specd.worker.memory import device_problem
+
+        problem = device_problem(self.device, self.batching.gpu_memory_fraction)
+        return [problem] if problem else []
 
 
 # A worker's Prometheus endpoint: each worker of `specd serve` would need a port of its own.
