@@ -35,6 +35,10 @@ from verifier_service.server import create_server as create_verifier
 # runs the exactness tests with SPECD_TEST_DEVICE=cuda SPECD_TEST_DTYPE=bfloat16.
 TEST_DEVICE = os.environ.get("SPECD_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("SPECD_TEST_DTYPE", "float32")
+# The devices of a test that takes the `device` fixture: this CPU always, and CUDA where torch
+# sees a device (skipped, with the reason, where it does not).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False"))]
 
 CORPUS = """\
 Speculative decoding lets a small draft model propose several tokens that a large
@@ -173,13 +177,14 @@ class Stack:
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
                 drafts: tuple[str, ...] = ("close", "unrelated", "padded"), front=None,
-                **gateway_options) -> Stack:
-    """The three services on loopback; `drafts` names the model_dirs the draft service hosts
-    (the first is the default draft). front(loop, role, port) -> port: what the gateway
-    dials for a worker ("draft", "verifier") instead of its port (a proxy, in fault tests)."""
+                device: str = TEST_DEVICE, dtype: str = TEST_DTYPE, **gateway_options) -> Stack:
+    """The three services on loopback, their models on `device` in `dtype`; `drafts` names the
+    model_dirs the draft service hosts (the first is the default draft). front(loop, role,
+    port) -> port: what the gateway dials for a worker ("draft", "verifier") instead of its
+    port (a proxy, in fault tests)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
-    model = ModelSettings(dtype=TEST_DTYPE, max_sessions=max_sessions, device=TEST_DEVICE, batching=batching)
+    model = ModelSettings(dtype=dtype, max_sessions=max_sessions, device=device, batching=batching)
     draft_settings = DraftSettings(server, {name: model_dirs[name] for name in drafts}, model,
                                    metrics_port=draft_metrics_port, pre_draft_branches=pre_draft_branches)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
@@ -207,6 +212,32 @@ def target_model(model_dirs):
     """The target for transformers' reference decoding, on the services' device and dtype."""
     return AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=getattr(torch, TEST_DTYPE)).to(
         TEST_DEVICE).eval()
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> str:
+    """The device a test runs its models on: "cpu", then "cuda" where there is one. Such a test
+    runs in float32 on either: its exactness bars compare with the reference to the bit, or
+    nearly, which half precision's rounding does not keep (SPECD_TEST_DTYPE is for the others)."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def device_stack(request, model_dirs, device) -> Iterator[Stack]:
+    """The three services with their models on `device` in float32: the session's `stack`
+    where that is what it runs, else a stack of their own."""
+    if device == TEST_DEVICE and TEST_DTYPE == "float32":
+        yield request.getfixturevalue("stack")
+        return
+    running = start_stack(model_dirs, device=device, dtype="float32")
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def device_target(model_dirs, device):
+    """The target for transformers' reference decoding on `device`, in float32."""
+    return AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=torch.float32).to(device).eval()
 
 
 @pytest.fixture(scope="session")

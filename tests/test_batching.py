@@ -2,7 +2,8 @@
 
 Real servers on loopback, tiny real models (tests/conftest.py). Requests run from
 several client threads at once, so the workers' forwards are shared; each test checks
-from the responses' stats that they were.
+from the responses' stats that they were. Every test that runs a model runs on each device
+of the `device` fixture: this CPU, and CUDA where there is one, in float32.
 """
 from __future__ import annotations
 
@@ -41,49 +42,50 @@ def in_flight(stub, requests: list[gateway_pb2.GenerateRequest]) -> list[gateway
 
 @pytest.mark.parametrize("mode,draft_model", [("FIXED", "close"), ("FIXED", "unrelated"), ("OFF", ""),
                                               ("AUTO", "close")])
-def test_greedy_with_eight_in_flight_equals_generate(stack, target_model, tokenizer, mode, draft_model):
+def test_greedy_with_eight_in_flight_equals_generate(device_stack, device_target, tokenizer, mode, draft_model):
     reqs = [request(p, max_new_tokens=32, mode=mode, draft_model=draft_model) for p in PROMPTS]
-    responses = in_flight(stack.stub, reqs)
+    responses = in_flight(device_stack.stub, reqs)
     for prompt, response in zip(PROMPTS, responses):
-        assert list(response.token_ids) == reference_greedy(target_model, tokenizer, prompt, 32), prompt
+        assert list(response.token_ids) == reference_greedy(device_target, tokenizer, prompt, 32), prompt
     # The point of the test: the verifier's forwards were shared.
     assert max(r.stats.mean_verify_batch_size for r in responses) > 1.5
 
 
-def test_greedy_in_flight_equals_each_request_alone(stack):
+def test_greedy_in_flight_equals_each_request_alone(device_stack):
     reqs = [request(p, max_new_tokens=24, draft_model="close", draft_length=3) for p in PROMPTS]
-    alone = [list(stack.stub.Generate(r).token_ids) for r in reqs]
-    together = in_flight(stack.stub, reqs)
+    alone = [list(device_stack.stub.Generate(r).token_ids) for r in reqs]
+    together = in_flight(device_stack.stub, reqs)
     assert [list(r.token_ids) for r in together] == alone
 
 
 @pytest.mark.parametrize("mode", ["FIXED", "OFF"])
-def test_seed_reproduces_whatever_shares_the_batch(stack, mode):
+def test_seed_reproduces_whatever_shares_the_batch(device_stack, mode):
     # The unrelated draft: nearly every proposal is rejected, so the seeded request takes
     # about one step per token and is still running while the others join its batches.
     seeded = request(PROMPTS[0], temperature=1.0, top_k=40, seed=1234, max_new_tokens=24, mode=mode,
                      draft_model="unrelated" if mode == "FIXED" else "")
-    alone = list(stack.stub.Generate(seeded).token_ids)
+    alone = list(device_stack.stub.Generate(seeded).token_ids)
     # The same request among seven others with other seeds and prompts, twice.
     others = [request(p, temperature=0.8, seed=i + 1, max_new_tokens=24, draft_model="unrelated")
               for i, p in enumerate(PROMPTS[1:])]
     shared = []
     for _ in range(2):
-        responses = in_flight(stack.stub, [seeded, *others])
+        responses = in_flight(device_stack.stub, [seeded, *others])
         assert list(responses[0].token_ids) == alone
         shared.append(responses[0].stats.mean_verify_batch_size)
     assert max(shared) > 1.0, "the seeded request never shared a forward: the test proved nothing"
 
 
-def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(model_dirs, target_model, tokenizer):
-    running = start_stack(model_dirs, batching=BatchSettings(prefill_chunk=8, max_batch_tokens=24))
+def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(model_dirs, device, device_target, tokenizer):
+    running = start_stack(model_dirs, batching=BatchSettings(prefill_chunk=8, max_batch_tokens=24), device=device,
+                          dtype="float32")
     try:
         long_prompt = " ".join(PROMPTS) * 2
         reqs = [request(long_prompt, max_new_tokens=16, draft_model="close")] + [
             request(p, max_new_tokens=16, draft_model="close") for p in PROMPTS[:3]]
         responses = in_flight(running.stub, reqs)
         for prompt, response in zip([long_prompt, *PROMPTS[:3]], responses):
-            assert list(response.token_ids) == reference_greedy(target_model, tokenizer, prompt, 16)
+            assert list(response.token_ids) == reference_greedy(device_target, tokenizer, prompt, 16)
         # No forward held more than max_batch_tokens, however long the prompt.
         assert max(r.stats.mean_verify_batch_tokens for r in responses) <= 24
     finally:
@@ -107,9 +109,10 @@ def sessions_left(port: int, timeout_s: float = 5.0) -> float:
     return worker_sessions(port)
 
 
-def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_dirs):
+def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_dirs, device):
     metrics_port = free_port()
-    running = start_stack(model_dirs, batching=BatchSettings(max_queue=1), verifier_metrics_port=metrics_port)
+    running = start_stack(model_dirs, batching=BatchSettings(max_queue=1), verifier_metrics_port=metrics_port,
+                          device=device, dtype="float32")
     try:
         reqs = [request(p, max_new_tokens=24, mode="OFF") for p in PROMPTS * 2]
 
@@ -133,9 +136,9 @@ def test_full_verifier_queue_is_resource_exhausted_and_frees_everything(model_di
         running.close()
 
 
-def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
+def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs, device):
     metrics_port = free_port()
-    running = start_stack(model_dirs, verifier_metrics_port=metrics_port)
+    running = start_stack(model_dirs, verifier_metrics_port=metrics_port, device=device, dtype="float32")
     try:
         streams = [running.stub.GenerateStream(request(p, max_new_tokens=200, draft_model="close"))
                    for p in PROMPTS]
@@ -153,10 +156,22 @@ def test_cancelled_requests_leave_the_batch_and_free_their_sessions(model_dirs):
 # -- the KV store --------------------------------------------------------------------------
 
 def _pool(model, blocks: int = 64, block_tokens: int = 8) -> KVPool:
+    """A pool for `model`, on its device."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     return KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32,
-                  torch.device("cpu"), block_tokens, blocks)
+                  model.device, block_tokens, blocks)
+
+
+def _model(path, device: str):
+    """The model at `path` on `device`, in float32, set up for the paged KV store."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    use_paged_attention(model)
+    return model
+
+
+def _ids(tokens: list[int], device) -> torch.Tensor:
+    return torch.tensor([tokens], device=device)
 
 
 def _per_row(result: tuple[torch.Tensor, list[slice]]) -> list[torch.Tensor]:
@@ -164,13 +179,12 @@ def _per_row(result: tuple[torch.Tensor, list[slice]]) -> list[torch.Tensor]:
     return [logits[rows_kept] for rows_kept in kept]
 
 
-def test_batched_forward_equals_each_session_alone(model_dirs):
+def test_batched_forward_equals_each_session_alone(model_dirs, device):
     """Rows of different lengths and histories, rolled back and fed again, each get the
     logits the model gives their whole sequence alone."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    use_paged_attention(model)
-    cfg, cpu = model.config, torch.device("cpu")
+    model = _model(model_dirs["target"], device)
+    cfg, on = model.config, model.device
     pool = _pool(model)
     sessions = [SessionKV(pool) for _ in range(3)]
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 21, 9)]
@@ -178,25 +192,24 @@ def test_batched_forward_equals_each_session_alone(model_dirs):
     with torch.inference_mode():
         for s, p, e in zip(sessions, prompts, steps):
             assert s.reserve(len(p) + len(e))
-        logits = _per_row(forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], cpu))
+        logits = _per_row(forward(model, [BatchRow(s, p, 2) for s, p in zip(sessions, prompts)], on))
         for got, p in zip(logits, prompts):
-            torch.testing.assert_close(got, model(input_ids=torch.tensor([p])).logits[0, -2:])
+            torch.testing.assert_close(got, model(input_ids=_ids(p, on)).logits[0, -2:])
         # Roll back the last prompt token of each session (a rejected draft token), go on.
         for s, p in zip(sessions, prompts):
             s.crop(len(p) - 1)
-        logits = _per_row(forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], cpu))
+        logits = _per_row(forward(model, [BatchRow(s, e, len(e)) for s, e in zip(sessions, steps)], on))
         for got, p, e in zip(logits, prompts, steps):
-            torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e])).logits[0, -len(e):])
+            torch.testing.assert_close(got, model(input_ids=_ids(p[:-1] + e, on)).logits[0, -len(e):])
         # Every row feeding one token (the decoding step's layout, with no query padding).
-        logits = _per_row(forward(model, [BatchRow(s, [9], 1) for s in sessions], cpu))
+        logits = _per_row(forward(model, [BatchRow(s, [9], 1) for s in sessions], on))
         for got, p, e in zip(logits, prompts, steps):
-            torch.testing.assert_close(got, model(input_ids=torch.tensor([p[:-1] + e + [9]])).logits[0, -1:])
+            torch.testing.assert_close(got, model(input_ids=_ids(p[:-1] + e + [9], on)).logits[0, -1:])
 
 
-def test_a_session_gives_its_blocks_back_and_a_fork_shares_its_cache_copy_on_write(model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    use_paged_attention(model)
-    cpu = torch.device("cpu")
+def test_a_session_gives_its_blocks_back_and_a_fork_shares_its_cache_copy_on_write(model_dirs, device):
+    model = _model(model_dirs["target"], device)
+    on = model.device
     pool = _pool(model, blocks=6, block_tokens=4)  # 5 usable blocks: 20 positions
     session = SessionKV(pool)
     assert session.reserve(9) and pool.free_blocks == 2
@@ -204,32 +217,31 @@ def test_a_session_gives_its_blocks_back_and_a_fork_shares_its_cache_copy_on_wri
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     session.tokens = list(prompt)
     with torch.inference_mode():
-        forward(model, [BatchRow(session, prompt, 1)], cpu)
+        forward(model, [BatchRow(session, prompt, 1)], on)
         free = pool.free_blocks
         fork = session.fork(6, 8)
         assert fork is not None and fork.tokens == prompt[:6] and fork.length == 6
         # Copy on write: the full block is shared, the partial one copied into the fork's own.
         assert fork.blocks[0] == session.blocks[0] and fork.blocks[1] != session.blocks[1]
         assert pool.free_blocks == free - 1
-        expected = model(input_ids=torch.tensor([prompt[:6] + [3]])).logits[0, -1:]
-        got = _per_row(forward(model, [BatchRow(fork, [3], 1)], cpu))[0]
+        expected = model(input_ids=_ids(prompt[:6] + [3], on)).logits[0, -1:]
+        got = _per_row(forward(model, [BatchRow(fork, [3], 1)], on))[0]
         torch.testing.assert_close(got, expected)
         # The source rolls back into the shared block and writes there: it takes a copy
         # first, and the fork still reads what it shared.
         session.crop(2)
-        forward(model, [BatchRow(session, [4, 4], 1)], cpu)
+        forward(model, [BatchRow(session, [4, 4], 1)], on)
         assert session.blocks[0] != fork.blocks[0]
         fork.crop(6)
-        torch.testing.assert_close(_per_row(forward(model, [BatchRow(fork, [3], 1)], cpu))[0], expected)
+        torch.testing.assert_close(_per_row(forward(model, [BatchRow(fork, [3], 1)], on))[0], expected)
     del session, fork
     assert pool.free_blocks == 5
 
 
-def test_a_lone_session_reads_the_same_whether_its_blocks_are_consecutive_or_not(model_dirs):
+def test_a_lone_session_reads_the_same_whether_its_blocks_are_consecutive_or_not(model_dirs, device):
     """One row reads consecutive blocks as a view of the pool, scattered ones by a gather."""
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    use_paged_attention(model)
-    cpu = torch.device("cpu")
+    model = _model(model_dirs["target"], device)
+    on = model.device
     pool = _pool(model, blocks=12, block_tokens=4)
     consecutive, first, second = SessionKV(pool), SessionKV(pool), SessionKV(pool)
     assert consecutive.reserve(12)
@@ -237,26 +249,25 @@ def test_a_lone_session_reads_the_same_whether_its_blocks_are_consecutive_or_not
         assert first.reserve(needed) and second.reserve(needed)
     assert consecutive.blocks == [1, 2, 3] and first.blocks == [4, 6, 8]
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    alone = model(input_ids=torch.tensor([prompt])).logits[0]
+    alone = model(input_ids=_ids(prompt, on)).logits[0]
     with torch.inference_mode():
         for session in (consecutive, first):
-            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[:7], 1)], cpu))[0],
+            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[:7], 1)], on))[0],
                                        alone[6:7])
-            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[7:], 3)], cpu))[0],
+            torch.testing.assert_close(_per_row(forward(model, [BatchRow(session, prompt[7:], 3)], on))[0],
                                        alone[7:])
 
 
 @pytest.mark.parametrize("lean_forward", [False, True])
-def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, lean_forward):
+def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, device, lean_forward):
     """A forward of 32 sessions runs as many operators as one of a single session: no
     Python loop over sessions inside a layer (counted with the torch profiler), in
     transformers' forward and in the lean one (specd.worker.lean)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    use_paged_attention(model)
-    cpu = torch.device("cpu")
+    model = _model(model_dirs["target"], device)
+    on = model.device
     pool = _pool(model, blocks=400)
     if lean_forward:
-        assert lean.install(model, pool, model.config.vocab_size, cpu) is None
+        assert lean.install(model, pool, model.config.vocab_size, on) is None
 
     def operators(sessions: int, feed: int) -> int:
         rows = []
@@ -264,13 +275,13 @@ def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, lean_f
             session = SessionKV(pool)
             assert session.reserve(40)
             with torch.inference_mode():
-                forward(model, [BatchRow(session, list(range(1, 12 + i % 5)), 1)], cpu)
+                forward(model, [BatchRow(session, list(range(1, 12 + i % 5)), 1)], on)
             rows.append(BatchRow(session, [7] * feed, feed))
-        forward(model, rows, cpu)  # once first: the pool's gather buffers grow to this batch
+        forward(model, rows, on)  # once first: the pool's gather buffers grow to this batch
         for row in rows:
             row.session.crop(row.session.length - feed)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            forward(model, rows, cpu)
+            forward(model, rows, on)
         return sum(event.count for event in prof.key_averages())
 
     for feed in (1, 3):
@@ -278,9 +289,10 @@ def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, lean_f
         assert operators(2, feed) == operators(32, feed), feed
 
 
-def test_kv_memory_is_the_arithmetic(model_dirs):
+def test_kv_memory_is_the_arithmetic(model_dirs, device):
     """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
-    runner = ModelRunner(model_dirs["target"], max_sessions=64, batching=BatchSettings(kv_cache_tokens=64 * 544))
+    runner = ModelRunner(model_dirs["target"], max_sessions=64, batching=BatchSettings(kv_cache_tokens=64 * 544),
+                         device=device)
 
     async def fill() -> None:
         for i in range(64):
@@ -293,9 +305,9 @@ def test_kv_memory_is_the_arithmetic(model_dirs):
     assert arithmetic <= runner.sessions.kv_bytes() <= 1.1 * arithmetic
 
 
-def test_a_step_reports_the_sessions_its_worker_holds(model_dirs):
+def test_a_step_reports_the_sessions_its_worker_holds(model_dirs, device):
     """The load the gateway's cap is chosen for: sessions held, not just those in the forward."""
-    runner = ModelRunner(model_dirs["target"], max_sessions=8)
+    runner = ModelRunner(model_dirs["target"], max_sessions=8, device=device)
 
     async def steps() -> list[int]:
         held = []
@@ -321,10 +333,10 @@ class CountingExecutor(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def test_a_proposal_runs_its_forwards_in_one_hand_off_and_a_step_arriving_meanwhile_joins(model_dirs):
+def test_a_proposal_runs_its_forwards_in_one_hand_off_and_a_step_arriving_meanwhile_joins(model_dirs, device):
     """A lone γ = 8 proposal takes 8 forwards and one trip to the model's thread; a step
     that arrives while a long proposal is under way still shares its next forward."""
-    runner = ModelRunner(model_dirs["close"])
+    runner = ModelRunner(model_dirs["close"], device=device)
     counting = CountingExecutor()
     runner.scheduler._executor = counting
 
@@ -350,10 +362,10 @@ def test_bad_batch_settings_are_named():
     assert "prefill_chunk must be >= 1" in BatchSettings(prefill_chunk=0).problems()
 
 
-def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs):
+def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs, device):
     """Pre-drafted branches hold KV blocks: a session evicted from the store must not leave
     them pending for good."""
-    runner = ModelRunner(model_dirs["close"], max_sessions=1)
+    runner = ModelRunner(model_dirs["close"], max_sessions=1, device=device)
 
     async def scenario() -> tuple[int, int]:
         await runner.propose("a", 0, [5, 6, 7], DraftRequest(3, Transform()), pre_draft=PreDraftRequest(3, 0))
@@ -453,12 +465,12 @@ def test_a_session_just_answered_is_waited_for_beside_a_run_ahead(max_wait_ms, f
 
 
 @pytest.mark.parametrize("role", ["draft", "verifier"])
-def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs, monkeypatch, role):
+def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs, device, monkeypatch, role):
     """Greedy steps of 1 and of 8 sessions: every forward's tokens reach the host in the
     same number of copies (one for all its sessions, `Job.post_process`), not one or more
     per session. On a GPU each such copy is a wait for the device. Counted at torch's
     tensor-to-host conversions."""
-    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16)
+    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
     forwards = []
     inner = runner.scheduler._forward
 
@@ -496,7 +508,7 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
     assert together <= alone + 0.5, f"{alone:.1f} copies a forward for 1 session, {together:.1f} for 8"
 
 
-def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop(model_dirs, monkeypatch):
+def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop(model_dirs, device, monkeypatch):
     """A sampled verification that rejects: p's row at the rejection reaches the host on the
     model's thread (`ScoreJob.consume`), so packing it for the gateway on the event loop
     copies nothing from a device; on a GPU, a copy there would stall every session's gRPC
@@ -506,7 +518,7 @@ def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop
     from specd import wire
     from specd.rejection import Draws
 
-    runner = ModelRunner(model_dirs["target"], max_sessions=4)
+    runner = ModelRunner(model_dirs["target"], max_sessions=4, device=device)
     threads: list[str] = []
     original = torch.Tensor.cpu
 
