@@ -464,50 +464,6 @@ def test_a_session_just_answered_is_waited_for_beside_a_run_ahead(max_wait_ms, f
     assert taken[1:] == [forwards_a_step] * 5, f"forwards each asked step waited through: {taken}"
 
 
-@pytest.mark.parametrize("role", ["draft", "verifier"])
-def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs, device, monkeypatch, role):
-    """Greedy steps of 1 and of 8 sessions: every forward's tokens reach the host in the
-    same number of copies (one for all its sessions, `Job.post_process`), not one or more
-    per session. On a GPU each such copy is a wait for the device. Counted at torch's
-    tensor-to-host conversions."""
-    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
-    forwards = []
-    inner = runner.scheduler._forward
-
-    def counted_forward(rows):
-        forwards.append(len(rows))
-        return inner(rows)
-
-    runner.scheduler._forward = counted_forward
-    copies = [0]
-    for name in ("tolist", "item", "cpu", "__float__", "__int__", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _original=original, **kwargs):
-            copies[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-
-    async def steps(sessions: int) -> None:
-        prompts = [[5 + i, 6, 7, 8] for i in range(sessions)]
-        if role == "draft":
-            await asyncio.gather(*(runner.propose(f"s{i}", 0, p, DraftRequest(4, Transform()))
-                                   for i, p in enumerate(prompts)))
-        else:
-            await asyncio.gather(*(runner.score(f"s{i}", 0, p, [9, 10, 11, 12], Transform())
-                                   for i, p in enumerate(prompts)))
-
-    def per_forward(sessions: int) -> float:
-        forwards.clear()
-        copies[0] = 0
-        asyncio.run(steps(sessions))
-        return copies[0] / len(forwards)
-
-    alone, together = per_forward(1), per_forward(8)
-    assert together <= alone + 0.5, f"{alone:.1f} copies a forward for 1 session, {together:.1f} for 8"
-
-
 def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop(model_dirs, device, monkeypatch):
     """A sampled verification that rejects: p's row at the rejection reaches the host on the
     model's thread (`ScoreJob.consume`), so packing it for the gateway on the event loop
