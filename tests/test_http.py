@@ -6,10 +6,12 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from dataclasses import dataclass
 
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LoopThread, request, start_stack
@@ -272,23 +274,73 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
           "speculation", "stream_options", "logprobs", "echo", "user", "messages", "extra", "top_logprobs",
           "response_format", "structured_outputs"]
+# Fields a served request takes, with values of the right kinds (a chat's logprobs is made
+# a flag): added to a valid request, they make bodies that reach the workers in many
+# shapes, each opening sessions there.
+SERVED = {"max_tokens": st.integers(1, 8), "temperature": st.sampled_from([0, 0.7, 1.5]),
+          "top_p": st.floats(0.1, 1), "top_k": st.integers(0, 20), "seed": st.integers(0, 2**31 - 1),
+          "stop": st.sampled_from(["\n", ["(", ":"], []]), "stream": st.booleans(), "n": st.integers(1, 3),
+          "logprobs": st.integers(0, 2), "min_tokens": st.integers(0, 4),
+          "presence_penalty": st.floats(-1, 1), "ignore_eos": st.booleans(),
+          "speculation": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(["auto", "fixed", "off"]),
+                                                             "draft_length": st.integers(1, 4)}),
+          "structured_outputs": st.just({"choice": ["yes", "no"]})}
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans(),
-       model=st.booleans())
-def test_fuzzed_bodies_never_get_a_500(http_stack, body, chat, model):
-    if model:
-        body["model"] = http_stack.gateway.servicer.core.backend.target.name
-    if isinstance(body.get("max_tokens"), int):
-        body["max_tokens"] = min(body["max_tokens"], 8)
-    url = base_url(http_stack) + ("/chat/completions" if chat else "/completions")
-    status, reply = post(url, json.dumps(body).encode())
-    assert status < 500, reply
-    assert status == 200 or reply["error"]["message"]
+@dataclass
+class Fuzzed:
+    statuses: Counter[int]  # how many bodies got each status
+    generated: int  # of them served with tokens generated: requests that opened sessions on the workers
+    failure: BaseException | None  # Hypothesis' error with the smallest failing body, if any
 
 
-def test_fuzzing_left_no_sessions(http_stack):
+@pytest.fixture(scope="module")
+def fuzzed(http_stack) -> Fuzzed:
+    """Fuzzed bodies sent to both routes, once per module: any JSON in the known fields, or a
+    valid request with served fields added. The tests below check what the search found
+    and what it left behind, run together or alone."""
+    statuses: Counter[int] = Counter()
+    generated = 0
+    name = http_stack.gateway.servicer.core.backend.target.name
+
+    @settings(max_examples=80, deadline=None)
+    @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans(),
+           model=st.booleans(), valid=st.booleans(), served=st.fixed_dictionaries({}, optional=SERVED))
+    def send(body, chat, model, valid, served):
+        nonlocal generated
+        if valid:  # a served request instead of `body`
+            prompt = {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+            body = {"model": name, "max_tokens": 4, **prompt, **served}
+            if chat and "logprobs" in body:
+                body["logprobs"] = body["logprobs"] > 0
+        elif model:
+            body["model"] = name
+        if isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = min(body["max_tokens"], 8)
+        url = base_url(http_stack) + ("/chat/completions" if chat else "/completions")
+        status, reply = post(url, json.dumps(body).encode())
+        statuses[status] += 1
+        generated += status == 200 and (not reply or reply["usage"]["completion_tokens"] > 0)  # {}: streamed
+        assert status < 500, reply
+        assert status == 200 or reply["error"]["message"]
+
+    try:
+        send()
+    except Exception as failure:  # raised by the test it concerns
+        return Fuzzed(statuses, generated, failure)
+    return Fuzzed(statuses, generated, None)
+
+
+def test_fuzzed_bodies_never_get_a_500(fuzzed):
+    if fuzzed.failure is not None:
+        raise fuzzed.failure
+    # Both kinds were sent: bodies refused, and bodies served.
+    assert fuzzed.generated > 0 and any(400 <= status < 500 for status in fuzzed.statuses), fuzzed.statuses
+
+
+def test_fuzzing_left_no_sessions(http_stack, fuzzed):
+    # The fuzzing opened sessions, run alone too: the fixture fuzzes.
+    assert fuzzed.generated > 0, fuzzed.statuses
     assert http_stack.wait_no_sessions(within_s=10) == 0
 
 
