@@ -32,7 +32,8 @@ from verifier_service.server import VerifierServicer
 from verifier_service.server import create_server as create_verifier
 
 # Where the services' models run in the stack fixtures: CPU float32 here; scripts/gpu_check.sh
-# runs the exactness tests with SPECD_TEST_DEVICE=cuda SPECD_TEST_DTYPE=bfloat16.
+# runs the exactness tests with SPECD_TEST_DEVICE=cuda SPECD_TEST_DTYPE=float32 (bfloat16 works
+# too, for the tests that allow half precision's rounding).
 TEST_DEVICE = os.environ.get("SPECD_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("SPECD_TEST_DTYPE", "float32")
 # The devices of a test that takes the `device` fixture: this CPU always, and CUDA where torch
