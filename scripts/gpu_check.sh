@@ -15,7 +15,7 @@
 #   5. served     specd serve on the device (--gpu-memory-fraction 0.85: the workers split it,
 #                 the draft starts once the verifier serves), then specd bench --configs
 #                 fixed:4 --concurrency 1,32: target-only and fixed γ=4 ÷ target-only   120 s
-#   6. exactness  the batching, memory, pipeline and rejection tests on the device, float32
+#   6. exactness  the batching, memory, post-processing, pipeline and rejection tests, float32
 #                 (their CUDA cases; SPECD_TEST_DEVICE=cuda for the stack tests)        100 s
 #
 #   scripts/gpu_check.sh             # on a CUDA machine
@@ -56,7 +56,8 @@ else
   device=cuda dtype=bfloat16 shape=8b fraction=0.85 forwards=()
   bench=(--concurrency 1,32 --requests 32 --max-new-tokens 32)
   ceiling=(--max-new-tokens 48 --rounds 3)
-  exactness=(tests/test_memory.py tests/test_batching.py tests/test_pipeline.py tests/test_rejection.py -k "not cpu")
+  exactness=(tests/test_memory.py tests/test_batching.py tests/test_post_process.py tests/test_pipeline.py
+    tests/test_rejection.py -k "not cpu")
 fi
 pair=runs/gpu-pair-$shape
 port=50161
