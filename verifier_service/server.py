@@ -113,7 +113,8 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
     target = ModelRunner(settings.target, name=settings.target_name or None, dtype=settings.model.dtype,
                          max_sessions=settings.model.max_sessions, device=settings.model.device,
                          cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
-                         batching=settings.model.batching)
+                         batching=settings.model.batching,
+                         kept_rows_bytes=0)  # the kept q rows are the draft's; the target keeps none
     servicer = VerifierServicer(target)
     stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
                                         settings.metrics_port)
