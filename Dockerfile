@@ -40,7 +40,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 # The code and the demo pair, models/demo (k8s/overlays/cpu-demo serves it from there);
 # .dockerignore keeps the rest of the checkout out.
 COPY . /app
-RUN pip install --no-deps . && python -c "import specd, gateway, draft_service, verifier_service"
+RUN pip install --no-deps . && python -c "import specd, specd_cli, gateway, draft_service, verifier_service"
 
 # Files stay root-owned: the service user reads, never writes (the root filesystem is
 # read-only in the pods; /tmp is an emptyDir).

@@ -1,4 +1,4 @@
-"""The gateway's settings, one object, built once in the entrypoint (`specd.cli`) and passed in."""
+"""The gateway's settings, one object, built once in the entrypoint (`specd_cli`) and passed in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.cli.bench import DEMO_WORKLOAD
 from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.rejection import verify_greedy
 from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.runtime import eos_ids
+from specd_cli.bench import DEMO_WORKLOAD
 
 BLOCK_TOKENS = 16
 

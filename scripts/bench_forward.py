@@ -23,11 +23,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specd.cli.bench import machine
 from specd.config import DEMO_TARGET
 from specd.worker import kvstore, lean, packing
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.settings import CPU_LINEARS
+from specd_cli.bench import machine
 
 
 def median_ms(*runs, repeats: int) -> list[float]:

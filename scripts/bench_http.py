@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 
-from specd.cli.bench import DEMO_WORKLOAD
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd_cli.bench import DEMO_WORKLOAD
 
 
 def over_grpc(stub, prompt: str, max_tokens: int) -> int:

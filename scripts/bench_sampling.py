@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specd.cli.bench import DEMO_WORKLOAD
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd_cli.bench import DEMO_WORKLOAD
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "language", "lines"],
           "properties": {"name": {"type": "string", "maxLength": 24},

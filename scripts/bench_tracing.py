@@ -29,11 +29,11 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from specd.cli.commands import wait_healthy  # noqa: E402
-from specd.cli.supervisor import stop_all  # noqa: E402
-from specd.cli.trace import load_spans, start_collector  # noqa: E402
 from specd.config import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
 from specd.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from specd_cli.commands import wait_healthy  # noqa: E402
+from specd_cli.supervisor import stop_all  # noqa: E402
+from specd_cli.trace import load_spans, start_collector  # noqa: E402
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -89,7 +89,7 @@ def _free_port() -> int:
 
 def start_stack(target: Path, draft: Path, env: dict[str, str], threads: int) -> tuple[str, list[subprocess.Popen]]:
     """Draft, verifier and gateway processes; returns the gateway's address and the processes."""
-    me = [sys.executable, "-m", "specd.cli"]
+    me = [sys.executable, "-m", "specd_cli"]
     draft_port, verifier_port, gateway_port = _free_port(), _free_port(), _free_port()
     common = ["--threads", str(threads), "--grace", "5"]
     procs = [

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from specd.cli.bench import DEMO_WORKLOAD
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd_cli.bench import DEMO_WORKLOAD
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT, METRICS = 50081, 9481

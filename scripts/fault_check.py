@@ -188,7 +188,7 @@ def main() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        serve = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", "--target", str(TINY),
+        serve = subprocess.Popen([sys.executable, "-m", "specd_cli", "serve", "--target", str(TINY),
                                   "--draft", f"tiny={TINY}", "--port", str(port), "--api-keys", str(keys)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []

@@ -80,9 +80,9 @@ def cmd_env(args: argparse.Namespace) -> int:
             missing.append(f"{name} ({type(exc).__name__})")
     if not missing:
         try:
-            importlib.import_module("specd.cli.commands")
+            importlib.import_module("specd_cli.commands")
         except Exception as exc:
-            missing.append(f"specd.cli.commands ({type(exc).__name__}: {exc})")
+            missing.append(f"specd_cli.commands ({type(exc).__name__}: {exc})")
     print("serving: ok" if not missing else f"serving: missing {', '.join(missing)}")
     return 0
 
@@ -323,7 +323,7 @@ def cmd_served(args: argparse.Namespace) -> int:
     import subprocess
 
     log_path = Path(args.log)
-    command = [sys.executable, "-m", "specd.cli", "serve", "--target", f"{args.dir}/target", "--draft",
+    command = [sys.executable, "-m", "specd_cli", "serve", "--target", f"{args.dir}/target", "--draft",
                f"{args.dir}/draft", "--device", args.device, "--dtype", args.dtype, "--port", str(args.port),
                "--startup-timeout", str(args.startup_timeout)]
     if args.fraction:
@@ -360,7 +360,7 @@ def cmd_served(args: argparse.Namespace) -> int:
             print(f"specd serve did not become ready in {time.monotonic() - began:.0f} s:\n" + text[-3000:])
             return 1
         print(f"specd serve ready in {time.monotonic() - began:.0f} s", flush=True)
-        bench = [sys.executable, "-m", "specd.cli", "bench", "--gateway", f"127.0.0.1:{args.port}", "--configs",
+        bench = [sys.executable, "-m", "specd_cli", "bench", "--gateway", f"127.0.0.1:{args.port}", "--configs",
                  "fixed:4", "--concurrency", args.concurrency, "--requests-per-level", str(args.requests),
                  "--max-new-tokens", str(args.max_new_tokens), "--out", args.bench_out]
         return subprocess.run(bench).returncode

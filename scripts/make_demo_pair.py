@@ -9,7 +9,7 @@ Steps (each resumable, run all with no argument or one with ``--step``):
   tokenizer  byte-level BPE (vocab 4096) wrapped as a PreTrainedTokenizerFast.
   target     LlamaForCausalLM, 4 layers x 768, trained for a wall-clock budget.
   draft      the "generic" draft, 2 layers x 256, trained on the corpus only.
-  distill    the "distilled" draft: the generic draft trained by ``specd.cli.distill``
+  distill    the "distilled" draft: the generic draft trained by ``specd_cli.distill``
              to match the target's token distributions.
   cards      measure losses, per-token cost and acceptance; write model cards.
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from specd.cli.training import resume, train_for_budget  # noqa: E402
+from specd_cli.training import resume, train_for_budget  # noqa: E402
 
 RUNS = REPO / "runs" / "demo"
 MODELS = REPO / "models" / "demo"
@@ -299,8 +299,8 @@ DISTILL_SAMPLES = 4096
 
 
 def step_distill(args: argparse.Namespace) -> None:
-    """Distill the generic draft toward the target with ``specd.cli.distill`` (resumable)."""
-    from specd.cli import distill
+    """Distill the generic draft toward the target with ``specd_cli.distill`` (resumable)."""
+    from specd_cli import distill
 
     corpus = RUNS / "corpus"
     parser = argparse.ArgumentParser()
@@ -466,7 +466,7 @@ def _card_markdown(name: str, cards: dict) -> str:
                          [f"{cards[n]['val_loss'][t]:.3f}" for t in TYPES] for n in cards]) + "\n")
     parts.append(f"## Acceptance against the target\n\nOn {EVAL_PROMPTS} held-out prompts of each "
                  f"type ({PROMPT_TOKENS} tokens, {EVAL_NEW_TOKENS} generated), measured by "
-                 "`specd.cli.distill.measure_acceptance` in fp32: greedy match per token, tokens per "
+                 "`specd_cli.distill.measure_acceptance` in fp32: greedy match per token, tokens per "
                  "target step in greedy speculative decoding at γ=4 (exact simulation), and sampled "
                  "α = E[Σ min(p, q)] at temperature 1.\n")
     rows = [["draft", "task", "greedy match", "tokens/step (γ=4)", "α (T=1)"]]

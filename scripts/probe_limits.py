@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from specd.cli.clientauth import with_api_key
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
+from specd_cli.clientauth import with_api_key
 
 SIZES = [8 * 1024 * 1024, 1000 * 1024, 256 * 1024 + 1, 256 * 1024]
 

@@ -8,7 +8,7 @@ gateway's own time between the hops.
     python scripts/step_budget.py spans.jsonl
 
 Each `specd.step` span (the gateway's) is joined with its children, the workers' step spans,
-as `specd trace show` joins them (`specd.cli.trace.step_rows`). Only the steps whose draft
+as `specd trace show` joins them (`specd_cli.trace.step_rows`). Only the steps whose draft
 model proposed in their own hop count: a model-free proposal has no draft hop, and a
 proposal drafted in the last step's recovery hop (`specd.draft.in_hand`) has its hop in
 that step. For each hop: `hop` is the gateway's wait for the worker (`specd.draft.hop_ms`,
@@ -25,7 +25,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from specd.cli.trace import StepRow, load_spans, step_rows
+from specd_cli.trace import StepRow, load_spans, step_rows
 
 ROWS = ("step", "draft hop", "  draft forward", "  draft handler", "  draft transport", "verify hop",
         "  verify forward", "  verify handler", "  verify transport", "gateway's own")

@@ -3,14 +3,14 @@
 This package is the shared core: what both sides of the step protocol use. Layering,
 enforced by tests/test_layering.py:
 
-    core         specd (this package, but not specd.worker or specd.cli)
+    core         specd (this package, but not specd.worker)
       ↑ imported by
     worker       specd.worker: the model runtime of the two worker services (its own map)
       ↑ imported by
     services     draft_service, verifier_service (core + worker); gateway (core only): none
                  imports another
       ↑ imported by
-    application  specd.cli (the `specd` command and its tools; the only importer of services)
+    application  specd_cli (the `specd` command and its tools; the only importer of services)
 
 The core's modules:
 

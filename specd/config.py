@@ -2,7 +2,7 @@
 demo models. Each service's own settings build on these (`specd.worker.settings`,
 `gateway.settings`).
 
-Nothing here reads the environment at import time; `specd.cli` fills these from flags.
+Nothing here reads the environment at import time; `specd_cli` fills these from flags.
 """
 from __future__ import annotations
 

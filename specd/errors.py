@@ -35,7 +35,7 @@ hit them prints the message and exits.
         ├── KeyFileError (ValueError)       gateway/auth.py   start-up: a malformed API key file
         ├── TLSConfigError (ValueError)     specd/tls.py      start-up: a TLS flag names a bad file
         ├── PortInUse (OSError)             specd/grpcserver.py  start-up: the port is taken
-        └── MissingApiKey (RuntimeError)    specd/cli/clientauth.py  a client's key variable is unset
+        └── MissingApiKey (RuntimeError)    specd_cli/clientauth.py  a client's key variable is unset
 
 Messages may repeat a caller's value only through `clip`.
 """

@@ -124,7 +124,7 @@ def test_classified_task_type_is_reported(stack):
 def test_bench_runs_against_a_gateway(stack, tmp_path):
     import argparse
 
-    from specd.cli import bench
+    from specd_cli import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -153,7 +153,7 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
     import argparse
     import json
 
-    from specd.cli import bench
+    from specd_cli import bench
 
     segments = set()
     build = bench.build_request

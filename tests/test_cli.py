@@ -18,7 +18,7 @@ def free_port() -> int:
 
 
 def specd(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specd_cli", *args], capture_output=True, text=True,
                           timeout=180, **kwargs)
 
 
@@ -50,7 +50,7 @@ def test_serve_without_models_says_what_to_pass(tmp_path):
 def test_serve_generate_and_stop_together(model_dirs):
     ports = [free_port()]
     serve = subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
+        [sys.executable, "-m", "specd_cli", "serve", "--target", str(model_dirs["target"]),
          "--draft", f"close={model_dirs['close']}", "--draft", f"unrelated={model_dirs['unrelated']}",
          "--port", str(ports[0])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -64,7 +64,7 @@ def test_serve_generate_and_stop_together(model_dirs):
         assert "draft close" in result.stderr
         bad = specd("generate", "x", "--gateway", f"127.0.0.1:{ports[0]}", "--temperature", "-1")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
-        # Its processes' OpenMP threads spin briefly, then sleep (specd.cli.commands.SPIN_TURNS).
+        # Its processes' OpenMP threads spin briefly, then sleep (specd_cli.commands.SPIN_TURNS).
         environments = [process_environment(child) for child in children(serve.pid)]
         assert len(environments) == 3
         for environment in environments:
@@ -97,7 +97,7 @@ def test_two_serves_side_by_side_answer_with_their_own_models(model_dirs, tmp_pa
     pairs = {"a": ("target", "close", ["--tls", str(certs)]), "b": ("unrelated", "padded", [])}
     ports = {name: free_port() for name in pairs}
     serves = {name: subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs[target]),
+        [sys.executable, "-m", "specd_cli", "serve", "--target", str(model_dirs[target]),
          "--draft", f"{draft}={model_dirs[draft]}", "--port", str(ports[name]), "--startup-timeout", "300", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, (target, draft, extra) in pairs.items()}
     prompt = "def fibonacci(n):"
@@ -140,7 +140,7 @@ def test_a_missing_api_key_variable_is_named(command):
 def test_threads_default_to_one_for_a_small_model_on_a_cpu(model_dirs, tmp_path):
     """A model under 32 MiB of weights runs on one torch thread unless --threads says
     otherwise; a larger one, or one on a GPU, keeps torch's default (0)."""
-    from specd.cli.commands import SMALL_MODEL_BYTES, _default_threads
+    from specd_cli.commands import SMALL_MODEL_BYTES, _default_threads
 
     assert _default_threads(model_dirs["target"], "cpu") == 1
     assert _default_threads(model_dirs["target"], "cuda") == 0
@@ -162,8 +162,8 @@ def test_serve_takes_every_setting_a_service_takes():
     """A setting is declared once (`specd.flags`): `specd serve` has every flag of the three
     services but those declared serve=False (where a process listens, how the gateway finds
     its workers) and a few it puts otherwise (its own TLS, --draft-cpus for --cpus)."""
-    from specd.cli.commands import DRAFT, GATEWAY, VERIFIER, build_parser
     from specd.flags import _flagged
+    from specd_cli.commands import DRAFT, GATEWAY, VERIFIER, build_parser
 
     parser = build_parser()
     serve = _options(parser, "serve")
@@ -182,9 +182,9 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     from pathlib import Path
 
     from gateway.proposers import MODEL_FREE
-    from specd.cli.commands import DRAFT, GATEWAY, MODEL, build_parser
     from specd.config import ServerSettings
     from specd.flags import forward_flags, from_flags
+    from specd_cli.commands import DRAFT, GATEWAY, MODEL, build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7", "--batch-wait-ms", "0",

@@ -50,7 +50,7 @@ def fake_pair(directory: Path) -> Path:
 
 
 def test_serve_from_an_installed_copy_without_the_pair_says_how_to_point_at_it(installed, tmp_path):
-    result = run(installed, tmp_path, ["-m", "specd.cli", "serve", "--port", "0"])
+    result = run(installed, tmp_path, ["-m", "specd_cli", "serve", "--port", "0"])
     assert result.returncode == 2, result.stderr
     # Every place looked at, and both ways to point at a pair.
     for text in (str(installed / "models" / "demo"), str(tmp_path / "models" / "demo"), DEMO_MODELS_ENV,
@@ -65,7 +65,7 @@ def test_the_env_var_points_an_installed_copy_at_the_pair(installed, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        served = run(installed, tmp_path, ["-m", "specd.cli", "serve", "--port", str(port)],
+        served = run(installed, tmp_path, ["-m", "specd_cli", "serve", "--port", str(port)],
                      **{DEMO_MODELS_ENV: str(pair)})
     assert served.returncode == 2 and f"port {port} on 127.0.0.1 is taken" in served.stderr, served.stderr
     result = lookup(installed, tmp_path, **{DEMO_MODELS_ENV: str(pair)})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specd.cli import distill
+from specd_cli import distill
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo"

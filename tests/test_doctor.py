@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from conftest import make_model, request, start_stack
 from gateway.acceptance import DIAGNOSTIC_SEGMENT
 from gateway.drift import load_baseline
-from specd.cli import main
-from specd.cli.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma
 from specd.v1 import gateway_pb2
+from specd_cli import main
+from specd_cli.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma
 
 PROMPTS = ["def fibonacci(n):", "The acceptance rate is"]
 

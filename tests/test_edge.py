@@ -59,7 +59,7 @@ def test_gateway_refuses_to_start_with_a_malformed_key_file(tmp_path):
 
     bad = tmp_path / "keys.txt"
     bad.write_text("alpha k1\noops\n")
-    result = subprocess.run([sys.executable, "-m", "specd.cli", "gateway", "--api-keys", str(bad), "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "specd_cli", "gateway", "--api-keys", str(bad), "--port", "0",
                              "--verifier-address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "line 2" in result.stderr and "k1" not in result.stderr
 

@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from conftest import request, start_stack
-from specd.cli.supervisor import Backoff, Supervisor
 from specd.v1 import gateway_pb2_grpc
+from specd_cli.supervisor import Backoff, Supervisor
 from tcpproxy import proxy_front
 from test_cli import free_port
 from test_pipeline import reference_greedy
@@ -111,7 +111,7 @@ class Serve:
     def __init__(self, model_dirs, *flags: str) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
+            [sys.executable, "-m", "specd_cli", "serve", "--target", str(model_dirs["target"]),
              "--draft", f"close={model_dirs['close']}", "--port", str(self.port), "--threads", "1", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -361,7 +361,7 @@ def test_specd_serve_with_http_keys_and_a_chat_template(model_dirs, tmp_path):
     keys.write_text("team team-key\n")
     grpc_port, http_port = free_port(), free_port()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]), "--draft",
+        [sys.executable, "-m", "specd_cli", "serve", "--target", str(model_dirs["target"]), "--draft",
          f"close={model_dirs['close']}", "--port", str(grpc_port), "--http-port", str(http_port),
          "--chat-template", str(template), "--api-keys", str(keys)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

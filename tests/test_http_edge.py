@@ -237,7 +237,7 @@ def test_silent_sockets_do_not_take_the_gateway_down(stack, tmp_path):
 
     with open(log_path, "wb") as log:
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "specd.cli", "gateway", "--port", "0", "--port-file", str(port_file),
+            [sys.executable, "-m", "specd_cli", "gateway", "--port", "0", "--port-file", str(port_file),
              "--http-port", str(http_port), "--http-header-timeout", "2",
              "--verifier-address", f"127.0.0.1:{stack.verifier.port}",
              "--draft-address", f"127.0.0.1:{stack.draft.port}"],
@@ -308,6 +308,6 @@ def test_a_child_of_serve_exits_when_serve_is_already_gone():
     """The race the parent-death signal leaves: a child whose serve died before it asked
     exits at once instead of running on."""
     env = {**os.environ, "SPECD_SUPERVISOR_PID": "1"}  # not this child's parent
-    done = subprocess.run([sys.executable, "-m", "specd.cli", "--help"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "specd_cli", "--help"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 1 and "already exited" in done.stderr

@@ -63,7 +63,7 @@ def test_hub_ids_resolve_from_the_offline_cache(offline_cache, model_dirs):
 def test_serve_by_hub_id_equals_serving_the_directory(offline_cache, model_dirs, target_model, tokenizer):
     port = free_port()
     env = {**os.environ, "HF_HOME": str(offline_cache), "HF_HUB_OFFLINE": "1"}
-    serve = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", "--target", "specd-test/target",
+    serve = subprocess.Popen([sys.executable, "-m", "specd_cli", "serve", "--target", "specd-test/target",
                               "--draft", "specd-test/close", "--port", str(port), "--threads", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -84,7 +84,7 @@ def test_serve_by_hub_id_equals_serving_the_directory(offline_cache, model_dirs,
 
 def test_an_unknown_hub_id_stops_serve_at_once(offline_cache):
     env = {**os.environ, "HF_HOME": str(offline_cache), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "specd.cli", "serve", "--target", "specd-test/absent",
+    result = subprocess.run([sys.executable, "-m", "specd_cli", "serve", "--target", "specd-test/absent",
                              "--port", str(free_port())], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2 and "specd-test/absent" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
 

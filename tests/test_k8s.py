@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specd.cli import build_parser
-from specd.cli.certs import K8S_NAMESPACE, K8S_SERVICES, service_dns_names
+from specd_cli import build_parser
+from specd_cli.certs import K8S_NAMESPACE, K8S_SERVICES, service_dns_names
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"

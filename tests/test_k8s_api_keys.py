@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specd.cli import build_parser
+from specd_cli import build_parser
 from test_k8s import OVERLAYS, pytestmark, with_component  # noqa: F401 - pytestmark skips without kubectl
 
 

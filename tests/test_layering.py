@@ -1,12 +1,12 @@
 """The layering rule: shared core → worker runtime → services → application, never upward
 or sideways.
 
-    core         specd (but not specd.worker or specd.cli): what both sides share, the wire
+    core         specd (but not specd.worker): what both sides share, the wire
                  types, sampling, rejection, settings, telemetry, errors, the gRPC plumbing
     worker       specd.worker: the model runtime both worker services run; imports the core only
     services     draft_service and verifier_service import the core and the worker runtime;
                  gateway imports the core only (it runs no model)
-    application  specd.cli: the `specd` command and its tools, the only importer of services
+    application  specd_cli: the `specd` command and its tools, the only importer of services
 
 Checked twice: statically, every import statement of every module (those inside
 functions too, which an import at run time would only reach when called); and by
@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("draft_service", "verifier_service", "gateway")
 WORKERS = ("draft_service", "verifier_service")  # the services that run a model
-APPLICATION = "specd.cli"
+APPLICATION = "specd_cli"
 WORKER = "specd.worker"
 # The pure math imports no gRPC (docs/design.md §1).
 MATH = ("specd.sampling", "specd.rejection", "gateway.costmodel")
@@ -64,7 +64,7 @@ def module_name(path: Path) -> str:
 
 
 def our_modules() -> list[str]:
-    paths = [p for root in ("specd", *SERVICES) for p in sorted((REPO / root).rglob("*.py"))]
+    paths = [p for root in ("specd", *SERVICES, APPLICATION) for p in sorted((REPO / root).rglob("*.py"))]
     return [module_name(p) for p in paths]
 
 
@@ -94,7 +94,7 @@ def imports_of(module: str) -> list[tuple[int, str]]:
 
 
 def test_the_scan_sees_imports_inside_functions():
-    hidden = [name for _, name in imports_of("specd.cli.commands") if layer(name) in SERVICES]
+    hidden = [name for _, name in imports_of("specd_cli.commands") if layer(name) in SERVICES]
     assert "draft_service.server" in hidden and "gateway.server" in hidden  # both inside functions
 
 
@@ -104,6 +104,19 @@ def test_no_module_imports_upward_or_sideways(module):
     wrong = [f"line {line}: {name} ({layer(name)})" for line, name in imports_of(module)
              if not allowed(mine, layer(name))]
     assert not wrong, f"{module} ({mine}) imports what its layer may not: {wrong}"
+
+
+def test_the_top_level_folders_import_one_another_without_a_cycle():
+    """A folder's place in the tree is its layer: the application (specd_cli) sits beside the
+    services, not inside the core's folder, so no folder imports one that imports it back."""
+    folders: dict[str, set[str]] = {}
+    for module in our_modules():
+        folder = module.split(".")[0]
+        folders.setdefault(folder, set()).update(
+            name.split(".")[0] for _, name in imports_of(module) if layer(name) is not None)
+    for folder, imported in folders.items():
+        for other in imported - {folder}:
+            assert folder not in folders.get(other, set()), f"{folder} imports {other}, which imports {folder}"
 
 
 @pytest.mark.parametrize("module", MATH)
@@ -172,7 +185,7 @@ def test_the_maps_name_every_module():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     layout = readme[readme.index("## Layout"):]
     layout = layout[:layout.index("\n## ")] if "\n## " in layout else layout
-    folders = ("specd", "specd/worker", "specd/cli", "gateway")
+    folders = ("specd", "specd/worker", "specd_cli", "gateway")
     files = {path.name for folder in folders for path in (REPO / folder).glob("*.py")
              if path.name not in ("__init__.py", "__main__.py")}
     missing = sorted(f for f in files if f not in layout)

@@ -1,6 +1,6 @@
 """--gpu-memory-fraction: the KV pool's arithmetic, the profiling forward's shape, the device
 checks, and `specd serve` starting workers that share a GPU one after the other
-(specd.worker.memory, specd.cli.commands).
+(specd.worker.memory, specd_cli.commands).
 
 The arithmetic is tested with numbers here; the measurement itself (torch's CUDA allocator)
 only where a CUDA device is (the last test).
@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from specd.cli import commands
 from specd.worker import memory
 from specd.worker.memory import ProfileShape, kv_pool_bytes, profile_blocks, profile_shape, split_fraction
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
+from specd_cli import commands
 
 GiB = 1 << 30
 
@@ -136,7 +136,7 @@ def test_serve_starts_the_draft_once_the_verifier_serves_on_a_gpu(model_dirs, mo
         log.append(f"healthy {address.rsplit('/', 1)[-1]}")
         return not address.startswith("127.0.0.1")  # the gateway is not: serve stops there
 
-    monkeypatch.setattr("specd.cli.supervisor.Supervisor", Supervisor)
+    monkeypatch.setattr("specd_cli.supervisor.Supervisor", Supervisor)
     monkeypatch.setattr(commands, "wait_healthy", healthy)
     monkeypatch.setattr(ModelSettings, "problems", lambda self: [])  # a GPU, as far as serve can tell
 

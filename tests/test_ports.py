@@ -17,7 +17,7 @@ from specd.grpcserver import PortInUse, start_server
 
 
 def specd(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "specd_cli", *args], capture_output=True, text=True, timeout=180)
 
 
 def test_a_second_grpc_server_on_a_taken_port_fails_naming_it():
@@ -112,7 +112,7 @@ def test_serve_killed_leaves_no_process_and_frees_its_ports(model_dirs, signum):
     from test_cli import free_port
 
     grpc_port, http_port = free_port(), free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "specd.cli", "serve", "--target", str(model_dirs["target"]),
+    serve = subprocess.Popen([sys.executable, "-m", "specd_cli", "serve", "--target", str(model_dirs["target"]),
                               "--draft", str(model_dirs["close"]), "--port", str(grpc_port),
                               "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)

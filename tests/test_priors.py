@@ -68,8 +68,8 @@ def request_stats():
 
 def test_the_gateway_says_where_its_caps_start(stack):
     """GetGatewayInfo (what `specd doctor` prints) carries each load level's prior and cap."""
-    from specd.cli.doctor import check_load_caps
     from specd.v1 import gateway_pb2
+    from specd_cli.doctor import check_load_caps
 
     info = stack.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest())
     pairs = {row.model_pair for row in info.load_caps}

@@ -25,7 +25,7 @@ PROMPTS = ["def fibonacci(n):", "The acceptance rate is", "class Cache:", "Specu
 
 def start_worker(kind: str, model_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", kind, "--port", str(port), *model_args],
+    proc = subprocess.Popen([sys.executable, "-m", "specd_cli", kind, "--port", str(port), *model_args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"127.0.0.1:{port}"
 

@@ -18,13 +18,13 @@ from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
-from specd.cli import main as specd_main
-from specd.cli.certs import service_dns_names, write_dev_certs
 from specd.config import ClientTLS, ServerSettings, ServerTLS
 from specd.grpcserver import start_server
 from specd.tls import TLSConfigError, check_server_tls, client_channel
 from specd.v1 import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from specd.worker.settings import DraftSettings, VerifierSettings
+from specd_cli import main as specd_main
+from specd_cli.certs import service_dns_names, write_dev_certs
 from test_pipeline import reference_greedy
 from verifier_service.server import create_server as create_verifier
 

@@ -9,7 +9,7 @@ import sys
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from specd.cli import trace as trace_cli
+from specd_cli import trace as trace_cli
 
 TRACE = "ab" * 16
 
@@ -21,7 +21,7 @@ def span(name: str, span_id: str, parent: str = "", **attributes) -> dict:
 
 
 def show(path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd.cli", "trace", "show", "--file", str(path)],
+    return subprocess.run([sys.executable, "-m", "specd_cli", "trace", "show", "--file", str(path)],
                           capture_output=True, timeout=60)
 
 

@@ -27,11 +27,11 @@ from gateway.proposers import MODEL_FREE
 from gateway.records import NoTracer
 from gateway.request import GenerationRequest
 from gateway.tracing import RequestTrace
-from specd.cli.commands import wait_healthy
-from specd.cli.supervisor import stop_all
-from specd.cli.trace import load_spans, pick_trace, render, step_rows
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
+from specd_cli.commands import wait_healthy
+from specd_cli.supervisor import stop_all
+from specd_cli.trace import load_spans, pick_trace, render, step_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -273,7 +273,7 @@ def test_drift_is_an_event_on_the_step_span_that_raised_it(model_dirs, memory_sp
 
 def test_three_processes_export_one_trace_to_the_collector(model_dirs, tmp_path):
     out = tmp_path / "spans.jsonl"
-    me = [sys.executable, "-m", "specd.cli"]
+    me = [sys.executable, "-m", "specd_cli"]
     collector = subprocess.Popen(me + ["trace", "collect", "--port", "0", "--out", str(out)],
                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
     procs: list[subprocess.Popen] = []

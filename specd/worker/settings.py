@@ -1,6 +1,6 @@
 """The workers' settings: how a worker runs and batches its model(s), one object per service.
 
-Built once in the entrypoint (`specd.cli`) from the flags and passed in.
+Built once in the entrypoint (`specd_cli`) from the flags and passed in.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from gateway.costmodel import expected_tokens
-from specd.cli.training import resume, save_atomic, train_for_budget
+from specd_cli.training import resume, save_atomic, train_for_budget
 
 __all__ = ["add_arguments", "run", "measure_acceptance", "check_same_tokenizer",
            "sample_prompts", "speculative_steps"]
@@ -479,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m specd.cli.distill`` (the same options as ``specd distill``)."""
+    """Run as ``python -m specd_cli.distill`` (the same options as ``specd distill``)."""
     parser = argparse.ArgumentParser(prog="specd distill", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

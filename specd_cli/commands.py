@@ -7,8 +7,8 @@
     specd generate   send a prompt to a gateway; print the text and acceptance figures
     specd bench      compare γ policies and target-only decoding against a running gateway
     specd distill    train a draft to agree with its target (KL to the target's outputs)
-    specd trace      collect spans over OTLP into a file; show a request's steps (specd.cli.trace)
-    specd certs      write a development CA and server/client certificates (specd.cli.certs)
+    specd trace      collect spans over OTLP into a file; show a request's steps (specd_cli.trace)
+    specd certs      write a development CA and server/client certificates (specd_cli.certs)
 
 Settings objects (`specd.config`, `specd.worker.settings`, `gateway.settings`) are built
 here from the flags, once, and passed in.
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 from gateway.settings import GatewaySettings
-from specd.cli.clientauth import MissingApiKey, add_api_key_argument
 from specd.config import (
     DEFAULT_DRAFT_PORT,
     DEFAULT_GATEWAY_PORT,
@@ -48,6 +47,7 @@ from specd.tls import TLSConfigError, add_client_arguments, check_client_tls, ch
 from specd.worker.hub import ModelNotFound, model_name, resolve
 from specd.worker.identity import weight_files
 from specd.worker.settings import DraftSettings, ModelSettings, VerifierSettings
+from specd_cli.clientauth import MissingApiKey, add_api_key_argument
 
 # Every settings flag is declared once, on its settings field (`specd.flags`); the
 # defaults below are the objects the flags are read from (each service its own port).
@@ -315,7 +315,7 @@ def specd_command() -> str:
 
 def _tls_dir(directory: Path) -> dict[str, Path]:
     """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
-    from specd.cli.certs import FILES
+    from specd_cli.certs import FILES
 
     paths = {name: directory / name for name in FILES}
     missing = [name for name, path in paths.items() if not path.is_file()]
@@ -392,7 +392,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "--worker-key", files["client-key.pem"]]
         client_tls = ClientTLS(ca=Path(files["ca.pem"]))
         link_tls = ClientTLS(Path(files["ca.pem"]), Path(files["client.pem"]), Path(files["client-key.pem"]))
-    me = [sys.executable, "-m", "specd.cli"]
+    me = [sys.executable, "-m", "specd_cli"]
     draft_threads = args.threads if args.draft_threads < 0 else args.draft_threads
     # The three processes share this machine's cores and take turns (draft, then
     # verifier): OpenMP threads that spun for long after a forward stole the next
@@ -409,7 +409,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGHUP too (a closed terminal, or `kill -HUP`): serve stops its children, never leaves them.
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
-    from specd.cli.supervisor import Supervisor
+    from specd_cli.supervisor import Supervisor
 
     supervisor = Supervisor(env)
     # The workers listen on Unix domain sockets in a directory only this user may enter
@@ -490,7 +490,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculation=gateway_pb2.SpeculationParams(mode=mode, draft_length=args.draft_length,
                                                   draft_model=args.draft_model, policy=args.policy),
         task_type=args.task_type, user_segment=args.user_segment)
-    from specd.cli.clientauth import with_api_key
+    from specd_cli.clientauth import with_api_key
 
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
@@ -634,18 +634,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(generate)
     generate.set_defaults(func=cmd_generate)
 
-    from specd.cli.trace import add_parser as add_trace_parser
+    from specd_cli.trace import add_parser as add_trace_parser
 
     add_trace_parser(sub)
 
-    from specd.cli import bench as bench_module
-    from specd.cli import distill as distill_module
+    from specd_cli import bench as bench_module
+    from specd_cli import distill as distill_module
 
     bench = sub.add_parser("bench", help="compare γ policies and target-only against a running gateway")
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run)
 
-    from specd.cli import doctor as doctor_module
+    from specd_cli import doctor as doctor_module
 
     doctor = sub.add_parser("doctor", help="run the acceptance checklist against a running gateway "
                                            "(exit 0 healthy, 1 warnings, 2 speculation hurting)")
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill_module.add_arguments(distill)
     distill.set_defaults(func=distill_module.run)
 
-    from specd.cli import certs as certs_module
+    from specd_cli import certs as certs_module
 
     certs = sub.add_parser("certs", help="write a development CA and server/client certificates")
     certs_module.add_arguments(certs)
@@ -665,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specd.cli.supervisor import die_with_supervisor
+    from specd_cli.supervisor import die_with_supervisor
 
     die_with_supervisor()  # a child of `specd serve` ends when serve does, however serve ends
     args = build_parser().parse_args(argv)

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.cli.clientauth import add_api_key_argument
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
+from specd_cli.clientauth import add_api_key_argument
 
 # Built-in workload for the shipped demo pair (Python source and English prose). These
 # prompts were written for the benchmark, not cut from the training corpus.
@@ -150,11 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype for transformers' generate; match the services' --dtype")
     parser.add_argument("--concurrency", default="",
                         help="comma list of requests in flight, e.g. 1,4,8,16: measure throughput and latency "
-                             "under load (specd.cli.loadbench) instead of one request at a time")
+                             "under load (specd_cli.loadbench) instead of one request at a time")
     parser.add_argument("--requests-per-level", type=int, default=32,
                         help="with --concurrency: requests per configuration and level")
     parser.add_argument("--shared-prefix", action="store_true",
-                        help="measure prefix caching instead (specd.cli.prefixbench): a long system prompt before "
+                        help="measure prefix caching instead (specd_cli.prefixbench): a long system prompt before "
                              "many questions, and a multi-turn conversation, each request with the cache and "
                              "without it")
     add_client_arguments(parser)  # --ca etc.: a gateway serving TLS
@@ -243,8 +243,8 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
     """Run every configuration on every prompt, interleaved, timing each request end to end."""
     import grpc
 
-    from specd.cli.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
+    from specd_cli.clientauth import with_api_key
 
     results = [Result(c) for c in configs]
     with client_channel(args.gateway, client_tls_from_args(args)) as channel:
@@ -445,9 +445,9 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
     """Every configuration at every concurrency level, and transformers' batched generate beside."""
     import grpc
 
-    from specd.cli import loadbench
-    from specd.cli.clientauth import with_api_key
     from specd.v1 import gateway_pb2_grpc
+    from specd_cli import loadbench
+    from specd_cli.clientauth import with_api_key
 
     levels = [int(n) for n in args.concurrency.split(",")]
     tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
@@ -510,9 +510,9 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_prefix:
         import grpc
 
-        from specd.cli import prefixbench
-        from specd.cli.clientauth import with_api_key
         from specd.v1 import gateway_pb2_grpc
+        from specd_cli import prefixbench
+        from specd_cli.clientauth import with_api_key
 
         with client_channel(args.gateway, client_tls_from_args(args)) as channel:
             grpc.channel_ready_future(channel).result(timeout=300)

@@ -28,9 +28,9 @@ from pathlib import Path
 from gateway.acceptance import DIAGNOSTIC_SEGMENT, Counts
 from gateway.drift import baseline_document
 from gateway.paircosts import model_pair_label
-from specd.cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
-from specd.cli.clientauth import add_api_key_argument, with_api_key
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
+from specd_cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
+from specd_cli.clientauth import add_api_key_argument, with_api_key
 
 SEVERITY_EXIT = {"ok": 0, "info": 0, "warn": 1, "hurting": 2}
 DISTILL_BELOW = 0.6  # α below which a draft should be distilled on the target's outputs

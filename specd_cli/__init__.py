@@ -13,8 +13,8 @@
 
 This package is the only one that may import the services (`draft_service`,
 `verifier_service`, `gateway`); nothing in the core `specd` package or in a service
-imports it (tests/test_layering.py). `python -m specd.cli` is the `specd` command.
+imports it (tests/test_layering.py). `python -m specd_cli` is the `specd` command.
 """
-from specd.cli.commands import build_parser, main
+from specd_cli.commands import build_parser, main
 
 __all__ = ["build_parser", "main"]
