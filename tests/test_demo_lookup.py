@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,16 @@ import pytest
 from specd.config import DEMO_MODELS_ENV
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-PACKAGES = ["specd", "gateway", "draft_service", "verifier_service"]
+# The top-level packages the wheel installs (pyproject.toml's packages.find).
+PACKAGES = sorted({pattern.split(".")[0].rstrip("*") for pattern in
+                   tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+                   ["include"]})
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The packages copied outside the checkout: a stand-in for site-packages."""
+    assert {"specd", "specd_cli", "gateway"} <= set(PACKAGES), PACKAGES
     site = tmp_path_factory.mktemp("site-packages")
     for package in PACKAGES:
         shutil.copytree(CHECKOUT / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -37,8 +42,9 @@ def run(site: Path, cwd: Path, args: list[str], **env: str) -> subprocess.Comple
 
 
 def lookup(site: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return run(site, cwd, ["-c", "import specd, specd.config as c; print(specd.__file__); print(*c.demo_pair())"],
-               **env)
+    code = ("import specd, specd_cli, specd.config as c; print(specd.__file__, specd_cli.__file__); "
+            "print(*c.demo_pair())")
+    return run(site, cwd, ["-c", code], **env)
 
 
 def fake_pair(directory: Path) -> Path:
@@ -71,7 +77,7 @@ def test_the_env_var_points_an_installed_copy_at_the_pair(installed, tmp_path):
     result = lookup(installed, tmp_path, **{DEMO_MODELS_ENV: str(pair)})
     assert result.returncode == 0, result.stderr
     imported, found = result.stdout.splitlines()
-    assert Path(imported) == installed / "specd" / "__init__.py"  # the copy, not the checkout
+    assert [Path(path).parent.parent for path in imported.split()] == [installed] * 2  # the copy, not the checkout
     assert found.split() == [str(pair / "target"), str(pair / "draft-distilled")]
 
 
