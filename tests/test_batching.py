@@ -289,6 +289,43 @@ def test_operator_calls_per_forward_do_not_grow_with_sessions(model_dirs, device
         assert operators(2, feed) == operators(32, feed), feed
 
 
+def test_a_forward_sends_its_indices_to_the_device_in_one_copy(model_dirs, device, monkeypatch):
+    """Token ids, positions, write slots, block tables, kept rows, the rows' starts and ends:
+    one host-to-device copy for all of them, however many sessions share the forward, and
+    the mask built on the device from them. On a GPU each copy from pageable memory waits
+    for the device; counted here at every tensor made with a device or moved to one."""
+    from specd.worker import kvstore
+
+    model = _model(model_dirs["target"], device)
+    pool = _pool(model, blocks=400)
+    copies = [0]
+    make, move = torch.tensor, torch.Tensor.to
+
+    def counted_make(*args, **kwargs):
+        copies[0] += kwargs.get("device") is not None
+        return make(*args, **kwargs)
+
+    def counted_move(self, *args, **kwargs):
+        copies[0] += 1
+        return move(self, *args, **kwargs)
+
+    def uploads(sessions: int, feed: int) -> int:
+        rows = []
+        for i in range(sessions):
+            session = SessionKV(pool)
+            assert session.reserve(40)
+            session.length = 12 + i % 5  # as if its prompt were cached
+            rows.append(BatchRow(session, [7] * (feed + i % 2), feed))
+        copies[0] = 0
+        with monkeypatch.context() as patch:
+            patch.setattr(kvstore.torch, "tensor", counted_make)
+            patch.setattr(torch.Tensor, "to", counted_move)
+            kvstore.prepare(rows, model.device)
+        return copies[0]
+
+    assert uploads(1, 1) == uploads(8, 1) == uploads(8, 4) == 1
+
+
 def test_kv_memory_is_the_arithmetic(model_dirs, device):
     """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
     runner = ModelRunner(model_dirs["target"], max_sessions=64, batching=BatchSettings(kv_cache_tokens=64 * 544),

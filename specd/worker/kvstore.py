@@ -465,20 +465,33 @@ def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False)
     first = read_blocks[0]
     if batch == 1 and read_blocks == list(range(first, first + width)):
         run = (first * size, first * size + keys)
-    allowed = None
-    query_pos = torch.tensor(starts)[:, None] + torch.arange(longest)  # [B, T]
-    if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
-        key_pos = torch.arange(keys)
-        end_t = torch.tensor(ends)[:, None, None]  # [B, 1, 1]: keys each row holds after this forward
-        allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1).to(device)
     uniform = all(len(row.tokens) == longest for row in rows)
-    cache = BatchCache(rows[0].session.pool, torch.tensor(write_slots, device=device),
-                       torch.tensor(read_blocks, device=device), batch, keys, run, allowed, query_pos.to(device),
-                       None if uniform else torch.tensor(query_rows, device=device), longest)
+    # Every index the forward needs crosses to the device in one copy, each a view of it
+    # after (on a GPU, from pinned memory without a wait: the caching host allocator keeps
+    # the buffer until the copy is done). The mask is built there, from the rows' ends.
+    parts = [ids, positions, write_slots, read_blocks, kept, starts, ends, [] if uniform else query_rows]
+    flat = upload([value for part in parts for value in part], device)
+    (ids_t, positions_t, write_t, read_t, kept_t, starts_t, ends_t, rows_t) = flat.split([len(p) for p in parts])
+    query_pos = starts_t[:, None] + torch.arange(longest, device=device)  # [B, T]
+    allowed = None
+    if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
+        key_pos = torch.arange(keys, device=device)
+        end_t = ends_t[:, None, None]  # [B, 1, 1]: keys each row holds after this forward
+        allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1)
+    cache = BatchCache(rows[0].session.pool, write_t, read_t, batch, keys, run, allowed, query_pos,
+                       None if uniform else rows_t, longest)
     if dense:
         cache.dense_slots, cache.dense_mask = _dense_read(rows, starts, ends, cache.pool.keys.dtype, device)
-    return BatchInputs(torch.tensor([ids], device=device), torch.tensor([positions], device=device), cache,
-                       torch.tensor(kept, device=device), reads)
+    return BatchInputs(ids_t[None], positions_t[None], cache, kept_t, reads)
+
+
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """Python ints as one int64 tensor on `device`: one copy to it, from pinned memory on
+    a GPU (`non_blocking`: the host goes on preparing while it runs)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _dense_read(rows: Sequence[BatchRow], starts: list[int], ends: list[int], dtype: torch.dtype,
