@@ -28,8 +28,9 @@ from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
+from gateway.loadcap import LoadCap, SharedLevel
 from gateway.paircosts import PairCosts, model_pair_label
-from gateway.policy import POLICIES, CostPolicy, LoadCap, ProbeSchedule, SharedLevel, build_policy
+from gateway.policy import POLICIES, CostPolicy, ProbeSchedule, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord

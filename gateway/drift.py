@@ -9,7 +9,7 @@ Acceptance here is the conditional acceptance α = accepted / draft positions re
 position after a rejection is never judged, so it is not counted), what the model cards
 and the geometric model mean. Unlike accepted / proposed it does not move when the policy
 changes γ: a longer draft lowers accepted / proposed at the same α, and γ follows the load
-(`gateway.policy.LoadCap`), so counting proposals raised drift flags when traffic fell.
+(`gateway.loadcap.LoadCap`), so counting proposals raised drift flags when traffic fell.
 
 A flag needs both a drop of at least `min_drop` (acceptance points, 0..1) and
 significance: a one-sided two-proportion z-test (one-sample against a pinned baseline)

@@ -1,6 +1,6 @@
 """Load caps shared between the gateways of one target, through its verifiers.
 
-A gateway's load cap (`gateway.policy.LoadCap`) learns by trials, and trials cost goodput.
+A gateway's load cap (`gateway.loadcap.LoadCap`) learns by trials, and trials cost goodput.
 Every few seconds each gateway sends the levels its trials moved beyond the prior to every
 verifier endpoint (`Verifier.ShareLoadCaps`) and takes back the table all gateways sent
 (`verifier_service.loadcaps`): a new replica starts, from its first request under load,
@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from gateway.policy import SharedLevel
+from gateway.loadcap import SharedLevel
 from specd.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

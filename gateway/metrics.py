@@ -29,7 +29,7 @@ requests, so each draft's share is
 Metric names stay as released; their help says which of the two quantities each is.
 
 Under load, `specd_spec_decode_load_cap{model_pair,load}` is the γ cap AUTO requests share
-at each load level (`gateway.policy.LoadCap`; 0: plain decoding there), and
+at each load level (`gateway.loadcap.LoadCap`; 0: plain decoding there), and
 `specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured.
 
 The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
@@ -45,8 +45,8 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.registry import Collector
 
 from gateway.acceptance import LABEL_NAMES, AcceptanceStats
+from gateway.loadcap import LoadCap
 from gateway.paircosts import PairCosts
-from gateway.policy import LoadCap
 from gateway.proposers import SuffixCache
 from gateway.selection import DraftSelector
 

@@ -1,6 +1,6 @@
 """Where AUTO's load cap starts: γ priced from measured costs before the first request.
 
-A fresh gateway used to learn its load cap (`gateway.policy.LoadCap`) by losing: at each
+A fresh gateway used to learn its load cap (`gateway.loadcap.LoadCap`) by losing: at each
 load level the cap started at the longest draft, and trials brought it down. Under load
 on a CPU that cost 10–20% of throughput for the first minutes of every new replica. The
 information needed is not secret, so it is measured up front:

@@ -80,7 +80,7 @@ class DraftLengthPolicy(StepObserver, Protocol):
     def next_draft_length(self) -> int: ...
 
     def cap_in_force(self) -> tuple[int, str] | None:
-        """The load cap in force for this step (`gateway.policy.LoadCap`): the most tokens
+        """The load cap in force for this step (`gateway.loadcap.LoadCap`): the most tokens
         any proposal may carry, a model-free one's too (a verified token costs the other
         sessions' forward alike, whoever proposed it), and where it came from ("prior",
         "learned", "alone"); None when the policy shares no cap."""

@@ -28,10 +28,10 @@ from gateway.grammar import StructureSpec
 from gateway.http import HttpServer, OpenAIApp
 from gateway.httpedge import EdgeLimits, default_max_connections
 from gateway.liveness import watch_verifiers
+from gateway.loadcap import LoadCap
 from gateway.loadshare import keep_sharing, share_once
 from gateway.metrics import start_metrics_server
 from gateway.paircosts import PairCosts, model_pair_label
-from gateway.policy import LoadCap
 from gateway.priors import best_caps, measure_overheads
 from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
 from gateway.records import Finish

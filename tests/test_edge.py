@@ -297,7 +297,7 @@ def test_deadline_travels_to_the_workers_and_frees_their_sessions(stalled):
 
 def test_requests_that_end_anyhow_leave_the_load_cap_as_they_found_it(stalled):
     """Every request of a pair counts at the pair's load cap while it runs, and its prompt
-    as prefilling until its first step (`LoadCap` in gateway/policy.py). Requests of each
+    as prefilling until its first step (`LoadCap` in gateway/loadcap.py). Requests of each
     mode, and one whose first step never came back, leave nothing counted: a prompt left
     counted would keep every later step from being measured as quiet."""
     for mode in ("FIXED", "AUTO", "OFF"):

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from conftest import start_stack
+from gateway.loadcap import LoadCap, SharedLevel
 from gateway.loadshare import from_tables, share_once, to_table
-from gateway.policy import LoadCap, SharedLevel
 from gateway.priors import best_caps
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings

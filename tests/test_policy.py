@@ -10,8 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import STALE_AFTER_STEPS, StepCosts
+from gateway.loadcap import LoadCap
 from gateway.metrics import AcceptanceCollector
-from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy, LoadCap
+from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy
 from gateway.records import StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats

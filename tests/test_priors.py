@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import request
-from gateway.policy import LoadCap
+from gateway.loadcap import LoadCap
 from gateway.priors import ForwardTable, Overheads, prior_caps, prior_rates
 
 # A target whose forward grows with the tokens it carries, as on a CPU; a cheap draft.
