@@ -46,6 +46,20 @@ def rounds_of_prompts(rounds: int) -> list[list[str]]:
     return [demo] + [code[8 * i:8 * i + 8] for i in range(rounds - 1)]
 
 
+def run_round(stub: gateway_pb2_grpc.GatewayStub, mode: str, prompts: list[str]) -> tuple[float, list[list[int]]]:
+    """All of `prompts` in flight at once, 64 greedy tokens each: tokens/s over the round,
+    and each output."""
+    def send(prompt: str) -> gateway_pb2.GenerateResponse:
+        return stub.Generate(gateway_pb2.GenerateRequest(
+            prompt=prompt, sampling=gateway_pb2.SamplingParams(max_new_tokens=64),
+            speculation=gateway_pb2.SpeculationParams(mode=mode)), timeout=600)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(send, prompts))
+    return (sum(r.stats.generated_tokens for r in replies) / (time.perf_counter() - began),
+            [list(r.token_ids) for r in replies])
+
+
 class Server:
     """A fresh `specd serve` on the demo pair, its gateway on `port`, its metrics on `metrics`."""
 
@@ -60,16 +74,7 @@ class Server:
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def round(self, mode: str, prompts: list[str]) -> tuple[float, list[list[int]]]:
-        """All of `prompts` in flight at once: tokens/s over the round, and each output."""
-        def send(prompt: str) -> gateway_pb2.GenerateResponse:
-            return self.stub.Generate(gateway_pb2.GenerateRequest(
-                prompt=prompt, sampling=gateway_pb2.SamplingParams(max_new_tokens=64),
-                speculation=gateway_pb2.SpeculationParams(mode=mode)), timeout=600)
-        began = time.perf_counter()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            replies = list(pool.map(send, prompts))
-        return (sum(r.stats.generated_tokens for r in replies) / (time.perf_counter() - began),
-                [list(r.token_ids) for r in replies])
+        return run_round(self.stub, mode, prompts)
 
     def caps(self) -> str:
         """The load cap lines of the gateway's metrics."""

@@ -26,7 +26,7 @@ import grpc
 from specd.config import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from coldstart_check import rounds_of_prompts  # noqa: E402
+from coldstart_check import rounds_of_prompts, run_round  # noqa: E402
 
 from specd.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
@@ -51,17 +51,7 @@ class Gateway:
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def round(self, prompts: list[str]) -> tuple[float, list[list[int]]]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        def send(prompt: str) -> gateway_pb2.GenerateResponse:
-            return self.stub.Generate(gateway_pb2.GenerateRequest(
-                prompt=prompt, sampling=gateway_pb2.SamplingParams(max_new_tokens=64),
-                speculation=gateway_pb2.SpeculationParams(mode="SPECULATION_MODE_AUTO")), timeout=600)
-        began = time.perf_counter()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            replies = list(pool.map(send, prompts))
-        return (sum(r.stats.generated_tokens for r in replies) / (time.perf_counter() - began),
-                [list(r.token_ids) for r in replies])
+        return run_round(self.stub, "SPECULATION_MODE_AUTO", prompts)
 
     def caps(self) -> str:
         """load: cap (origin) at each level, from GetGatewayInfo (what `specd doctor` prints)."""
