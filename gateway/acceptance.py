@@ -21,9 +21,6 @@ from specd.errors import InvalidArgument
 PROMPT_BUCKETS = (32, 128, 512, 2048)
 GENERATION_BUCKETS = (32, 64, 128, 256, 512)
 LABEL_NAMES = ("model_pair", "task_type", "user_segment", "prompt_bucket")
-# The user segment of diagnostic requests (`specd doctor`): served like any other, never
-# counted here, so a diagnosis does not skew production statistics, costs or drift.
-DIAGNOSTIC_SEGMENT = "specd-doctor"
 
 
 def bucket(value: int, edges: tuple[int, ...]) -> str:

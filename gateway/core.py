@@ -22,17 +22,17 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats, Labels
+from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
 from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.grammar import Grammar, StructureSpec, compile_structure
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.loadcap import LoadCap, SharedLevel
-from gateway.paircosts import PairCosts, model_pair_label
+from gateway.paircosts import PairCosts
 from gateway.policy import POLICIES, CostPolicy, ProbeSchedule, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
-from gateway.proposers import MAX_PATTERN, SUFFIX, PromptLookup, SuffixCache, SuffixProposer
+from gateway.proposers import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
 from gateway.request import GenerationRequest, Mode, ParsedRequest
 from gateway.selection import DraftSelector
@@ -41,6 +41,7 @@ from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
 from gateway.workers import DraftLink, LinkSettings, VerifierLink
+from specd.contract import DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
 from specd.errors import clip
 from specd.sampling import MAX_LOGPROBS, Transform
 from specd.v1 import gateway_pb2

@@ -122,7 +122,3 @@ def load_baseline(path: Path) -> dict[tuple[str, str], float]:
     return table
 
 
-def baseline_document(rows: list[tuple[str, str, float, int]]) -> dict:
-    """The JSON document of a baseline file from (model pair, task type, α, positions reached)."""
-    return {"baselines": [{"model_pair": pair, "task_type": task, "alpha": round(alpha, 4),
-                           "reached": reached} for pair, task, alpha, reached in rows]}

@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gateway.costmodel import CostEstimate, StepCosts, expected_tokens
-from gateway.proposers import PROMPT_LOOKUP, Match
+from gateway.proposers import Match
+from specd.contract import PROMPT_LOOKUP
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
 PRIORS = {PROMPT_LOOKUP: 0.5}

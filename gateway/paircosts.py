@@ -14,11 +14,6 @@ from dataclasses import asdict, dataclass
 from gateway.costmodel import StepCosts, predicted_speedup
 
 
-def model_pair_label(draft_model: str, target_model: str) -> str:
-    """The label of a model pair: "draft->target" ("none->target" when decoding plainly)."""
-    return f"{draft_model or 'none'}->{target_model}"
-
-
 @dataclass(frozen=True)
 class CostSummary:
     """Measured costs of one model pair: ms, and ratios to one plain target step."""

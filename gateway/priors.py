@@ -116,8 +116,8 @@ async def measure_overheads(core) -> Overheads | None:
     `gateway.core.GatewayCore`, as the doctor's requests are: left out of every statistic)
     and take from each step's time what the workers' forwards cost; None when there is no
     draft, no forward costs, or a probe fails."""
-    from gateway.acceptance import DIAGNOSTIC_SEGMENT
     from gateway.core import GenerateParams
+    from specd.contract import DIAGNOSTIC_SEGMENT
 
     backend = core.backend
     target = ForwardTable(backend.target.forward_costs)

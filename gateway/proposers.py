@@ -32,9 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PROMPT_LOOKUP = "prompt-lookup"
-SUFFIX = "suffix"
-MODEL_FREE = (PROMPT_LOOKUP, SUFFIX)  # the model-free proposers, in the order a tie goes
+from specd.contract import PROMPT_LOOKUP, SUFFIX
 
 ANCHOR = 3  # tokens of the n-gram an occurrence is indexed by: the shortest suffix match
 MAX_PATTERN = 32  # how far back a match is measured

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.acceptance import DIAGNOSTIC_SEGMENT, AcceptanceStats
+from gateway.acceptance import AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.choices import choice_params, merged
@@ -31,13 +31,14 @@ from gateway.liveness import watch_verifiers
 from gateway.loadcap import LoadCap
 from gateway.loadshare import keep_sharing, share_once
 from gateway.metrics import start_metrics_server
-from gateway.paircosts import PairCosts, model_pair_label
+from gateway.paircosts import PairCosts
 from gateway.priors import best_caps, measure_overheads
-from gateway.proposers import MODEL_FREE, SUFFIX, SuffixCache
+from gateway.proposers import SuffixCache
 from gateway.records import Finish
 from gateway.request import Mode
 from gateway.selection import DraftSelector
 from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
+from specd.contract import DIAGNOSTIC_SEGMENT, MODEL_FREE, SUFFIX, model_pair_label
 from specd.grpcserver import RunningServer, start_health, start_server
 from specd.steps import ModelInfo
 from specd.v1 import gateway_pb2, gateway_pb2_grpc

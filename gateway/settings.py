@@ -6,9 +6,9 @@ from pathlib import Path
 
 from gateway.drift import DriftSettings
 from gateway.policy import POLICIES
-from gateway.proposers import MODEL_FREE
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
+from specd.contract import MODEL_FREE
 from specd.flags import comma_list, name_pairs, optional_path, setting
 
 DRAFT_SELECTIONS = ("task-map", "goodput")

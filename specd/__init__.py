@@ -18,6 +18,8 @@ The core's modules:
     rejection     speculative sampling: accept or reject draft tokens, keeping the target's law
     steps         the plain types gateway and workers exchange: ModelInfo, BatchStats, Proposal, Scores
     wire          the worker protocol's conversions, both ways: steps, distributions, model facts
+    contract      what the gateway and its clients agree on beyond the proto: the doctor's segment,
+                  model pair labels, model-free proposer names, the acceptance baseline file
     grpcserver    the gRPC server plumbing every service shares: health, reflection, TLS, graceful stop
     errors        the exception tree, and the gRPC status each exception leaves a server with
     interceptors  server interceptors: every failure leaves with a real status (the one place errors map)

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.contract import decodes_plainly
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 from specd_cli.clientauth import add_api_key_argument
 
@@ -229,7 +230,7 @@ def fetch_costs(stub, draft_model: str) -> Costs | None:
     from specd.v1 import gateway_pb2
 
     rows = stub.GetAcceptanceStats(gateway_pb2.AcceptanceStatsRequest()).costs
-    rows = [r for r in rows if not r.model_pair.startswith("none->")]
+    rows = [r for r in rows if not decodes_plainly(r.model_pair)]
     if draft_model:
         rows = [r for r in rows if r.model_pair.startswith(f"{draft_model}->")]
     if not rows:

@@ -25,9 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gateway.acceptance import DIAGNOSTIC_SEGMENT, Counts
-from gateway.drift import baseline_document
-from gateway.paircosts import model_pair_label
+from gateway.acceptance import Counts
+from specd.contract import DIAGNOSTIC_SEGMENT, baseline_document, model_pair_label
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 from specd_cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd_cli.clientauth import add_api_key_argument, with_api_key

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.proposers import MODEL_FREE
+from specd.contract import MODEL_FREE
 
 DEFAULT_FILE = "specd-traces.jsonl"
 # The longest span line: `collect` drops longer ones, `show` skips them unread.

@@ -181,8 +181,8 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     and their settings objects read the same values back."""
     from pathlib import Path
 
-    from gateway.proposers import MODEL_FREE
     from specd.config import ServerSettings
+    from specd.contract import MODEL_FREE
     from specd.flags import forward_flags, from_flags
     from specd_cli.commands import DRAFT, GATEWAY, MODEL, build_parser
 

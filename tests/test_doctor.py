@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import make_model, request, start_stack
-from gateway.acceptance import DIAGNOSTIC_SEGMENT
 from gateway.drift import load_baseline
+from specd.contract import DIAGNOSTIC_SEGMENT
 from specd.v1 import gateway_pb2
 from specd_cli import main
 from specd_cli.doctor import Prober, best_gamma, check_tokenizers, diagnose, sweep_gamma

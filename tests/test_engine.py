@@ -14,9 +14,10 @@ from gateway.engine import QUIET_RUN_STEPS, ModelBounds, speculate
 from gateway.errors import WorkerError
 from gateway.hybrid import QUIET_STEPS, HybridChoice
 from gateway.policy import FixedPolicy
-from gateway.proposers import SUFFIX, Match
+from gateway.proposers import Match
 from gateway.records import Finish, RequestStats, StepRecord
 from gateway.request import GenerationRequest
+from specd.contract import SUFFIX
 from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
 from specd.steps import DraftRequest, Proposal, Scores

@@ -12,7 +12,8 @@ from conftest import request, start_stack
 from gateway.costmodel import StepCosts
 from gateway.hybrid import HybridChoice
 from gateway.metrics import AcceptanceCollector
-from gateway.proposers import PROMPT_LOOKUP, SUFFIX, PromptLookup, SuffixCache, SuffixProposer, follow
+from gateway.proposers import PromptLookup, SuffixCache, SuffixProposer, follow
+from specd.contract import PROMPT_LOOKUP, SUFFIX
 from specd.v1 import gateway_pb2
 from test_sampled_distribution import TRANSFORM, assert_follows_joint, target_joint
 
