@@ -1,9 +1,9 @@
 """Where AUTO's load cap starts: γ priced from measured costs before the first request.
 
-A fresh gateway used to learn its load cap (`gateway.loadcap.LoadCap`) by losing: at each
-load level the cap started at the longest draft, and trials brought it down. Under load
-on a CPU that cost 10–20% of throughput for the first minutes of every new replica. The
-information needed is not secret, so it is measured up front:
+A load cap (`gateway.loadcap.LoadCap`) learned by trials alone is learned by losing: a
+level starting at the longest draft costs a CPU 10–20% of throughput under load until its
+trials bring it down, in every new replica. The information needed is not secret, so it
+is measured up front:
 
 - each worker times its batched forward at load, for the batch sizes and widths it will
   serve (`ModelInfo.forward_costs`): T(B, w), B sessions feeding w tokens each;

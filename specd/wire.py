@@ -4,8 +4,7 @@ One module for both ends of the gateway ↔ worker streams, so what one side pac
 other unpacks by the same hand: the workers (draft_service, verifier_service) turn
 requests into a `Transform` and their results into responses; the gateway's links
 (`gateway.workers`) build requests and turn responses back into `specd.steps` types.
-It used to be two modules (this one for distributions, `workerproto` for the rest),
-which split one contract in two. Light: protobuf and torch, no transformers.
+One contract, one module. Light: protobuf and torch, no transformers.
 
 Distributions travel as raw little-endian bytes read with torch.frombuffer, not as a
 `repeated float` of vocabulary size, which is slow to build and parse in Python
