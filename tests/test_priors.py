@@ -77,7 +77,7 @@ def test_the_gateway_says_where_its_caps_start(stack):
         loads = [row.load for row in info.load_caps if row.model_pair == pair]
         assert loads == sorted(loads) and {1, 8} <= set(loads)
     assert pairs
-    assert all(row.cap == row.prior for row in info.load_caps if not row.learned)  # until a trial moves it
+    assert all(row.cap == row.prior for row in info.load_caps if row.origin == "prior")  # until a trial moves it
     finding = check_load_caps(info)
     assert finding.check == "load caps" and "8: γ≤" in finding.evidence
 
