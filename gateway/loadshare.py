@@ -46,19 +46,22 @@ def from_tables(tables: list[worker_pb2.LoadCapTable]) -> dict[str, dict[int, Sh
 
 
 async def share_once(core) -> None:
-    """Send this gateway's learned levels to every ready verifier; adopt what they keep."""
+    """Send this gateway's learned levels to every ready verifier at once (a slow one
+    delays the round by `SHARE_TIMEOUT_S` at most); adopt what they keep."""
     pool = core.backend.verifier
     sent = to_table(core.learned_caps())
-    tables = []
-    for endpoint in pool.router.snapshot():
-        if not endpoint.ready:
-            continue
+
+    async def share(address: str) -> worker_pb2.LoadCapTable | None:
         try:
-            tables.append(await pool.stub(endpoint.address).ShareLoadCaps(sent, timeout=SHARE_TIMEOUT_S))
+            return await pool.stub(address).ShareLoadCaps(sent, timeout=SHARE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # UNIMPLEMENTED: a verifier older than this RPC. Anything else: it is restarting
             # or busy; the next round tries again. Either way sharing only saves time.
-            log.debug("no load caps shared with %s: %s", endpoint.address, exc.code().name)
+            log.debug("no load caps shared with %s: %s", address, exc.code().name)
+            return None
+
+    answers = await asyncio.gather(*(share(e.address) for e in pool.router.snapshot() if e.ready))
+    tables = [table for table in answers if table is not None]
     if tables:
         core.adopt_caps(from_tables(tables))
 
