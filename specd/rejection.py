@@ -92,6 +92,14 @@ def sample(weights: torch.Tensor, uniform: float) -> int:
     return min(int(torch.searchsorted(cumulative, at, right=True)), weights.shape[0] - 1)
 
 
+def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`sample` for each row of weights [n, V] with its uniform (float64 [n], on their
+    device): the tokens [n, 1], on the device, with no copy to the host."""
+    cumulative = torch.cumsum(weights.double(), 1)
+    return torch.searchsorted(cumulative, cumulative[:, -1:] * uniforms[:, None], right=True).clamp(
+        max=weights.shape[1] - 1)
+
+
 @dataclass(frozen=True)
 class TargetVerdict:
     """The verifier's part of a sampled step: how many draft tokens passed their test, and
@@ -107,17 +115,55 @@ def target_verdict(draft_tokens: Sequence[int], draft_token_probs: Sequence[floa
                    draws: Draws) -> TargetVerdict:
     """Run the acceptance tests where p is; sample the bonus token if every test passed.
 
-    draft_token_probs: qᵢ(xᵢ) as the draft drew them; target_probs: [γ+1, V] (p).
+    draft_token_probs: qᵢ(xᵢ) as the draft drew them; target_probs: [γ+1, V] (p). A
+    rejected row comes back on the host (it is sent to the gateway).
     """
-    gamma = len(draft_tokens)
-    assert target_probs.shape[0] == gamma + 1 and len(draft_token_probs) == gamma == len(draws.accept)
+    assert target_probs.shape[0] == len(draft_tokens) + 1
+    return target_verdicts(target_probs, [(draft_tokens, draft_token_probs, draws)])[0]
+
+
+def target_verdicts(target_probs: torch.Tensor,
+                    steps: Sequence[tuple[Sequence[int], Sequence[float], Draws]]) -> list[TargetVerdict]:
+    """`target_verdict` for several steps at once, with two copies to the host for all of
+    them: p of every proposed token with every step's bonus token (drawn whether or not it
+    is needed: one row each), then the rows at the rejections.
+
+    target_probs: the steps' p rows one after another, γᵢ+1 for step i; steps: (draft
+    tokens, qᵢ(xᵢ), draws) of each.
+    """
     device = target_probs.device
-    proposed = target_probs[torch.arange(gamma, device=device),
-                            torch.tensor(draft_tokens, dtype=torch.long, device=device)].tolist()
-    accepted = accepted_prefix(draft_token_probs, proposed, draws.accept)
-    if accepted == gamma:
-        return TargetVerdict(gamma, sample(target_probs[gamma], draws.final), None)
-    return TargetVerdict(accepted, None, target_probs[accepted])
+    proposed_rows: list[int] = []
+    proposed_tokens: list[int] = []
+    last_rows: list[int] = []  # each step's last row: its bonus token's law
+    for draft_tokens, draft_token_probs, draws in steps:
+        gamma = len(draft_tokens)
+        assert len(draft_token_probs) == gamma == len(draws.accept)
+        start = last_rows[-1] + 1 if last_rows else 0
+        proposed_rows += range(start, start + gamma)
+        proposed_tokens += draft_tokens
+        last_rows.append(start + gamma)
+    picks = torch.tensor([proposed_rows, proposed_tokens], dtype=torch.long).to(device)
+    uniforms = torch.tensor([draws.final for _, _, draws in steps], dtype=torch.float64).to(device)
+    bonus = sample_rows(target_probs.index_select(0, torch.tensor(last_rows, device=device)), uniforms)
+    figures = torch.cat((target_probs[picks[0], picks[1]].double(), bonus[:, 0].double())).tolist()
+    proposed, bonus_tokens = figures[:len(proposed_rows)], figures[len(proposed_rows):]
+    verdicts: list[TargetVerdict | None] = []
+    rejected: list[tuple[int, int, int]] = []  # (step, accepted, p's row)
+    for i, ((draft_tokens, draft_token_probs, draws), last, bonus_token) in enumerate(
+            zip(steps, last_rows, bonus_tokens)):
+        gamma = len(draft_tokens)
+        taken, proposed = proposed[:gamma], proposed[gamma:]
+        accepted = accepted_prefix(draft_token_probs, taken, draws.accept)
+        verdicts.append(TargetVerdict(gamma, int(bonus_token), None) if accepted == gamma else None)
+        if accepted < gamma:
+            rejected.append((i, accepted, last - gamma + accepted))
+    if rejected:
+        rows = target_probs.index_select(0, torch.tensor([row for _, _, row in rejected], device=device))
+        for (i, accepted, _), row in zip(rejected, rows.float().cpu()):
+            verdicts[i] = TargetVerdict(accepted, None, row)
+    done = [verdict for verdict in verdicts if verdict is not None]
+    assert len(done) == len(steps)  # each step accepted all, or was rejected at a row
+    return done
 
 
 def recovered_token(target_row: torch.Tensor, draft_row: torch.Tensor, uniform: float) -> int:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
 from specd.rejection import (
     Draws,
     TargetVerdict,
-    accepted_prefix,
     recovered_token,
     sample,
+    sample_rows,
     target_verdict,
+    target_verdicts,
     verify_greedy,
 )
 from specd.sampling import Transform, penalized, probs_from_logits, raw_logprobs, restricted
@@ -102,9 +102,7 @@ class ProposeJob(Job):
             q = probs_from_logits(chosen, jobs[0][0].request.transform)
             uniforms = torch.stack([torch.rand((), generator=job.generator, dtype=torch.float64)
                                     for job, _ in jobs]).to(logits.device)
-            cumulative = torch.cumsum(q.double(), 1)  # `specd.rejection.sample`, a row each
-            at = cumulative[:, -1:] * uniforms[:, None]
-            token = torch.searchsorted(cumulative, at, right=True).clamp(max=q.shape[1] - 1)
+            token = sample_rows(q, uniforms)
             top = chosen.topk(2, dim=-1).indices
             figures = torch.cat((token.double(), top.double(), q.gather(1, token).double(),
                                  q.max(dim=1, keepdim=True).values.double()), 1)
@@ -182,47 +180,16 @@ class ProposeJob(Job):
 
 
 def _verdicts(logits: torch.Tensor, jobs: Sequence[tuple[ScoreJob, slice]]) -> None:
-    """The target's verdicts of sampled steps of one law, decided together: two copies to
-    the host for all of them (p of the proposed tokens with the bonus tokens; the rows at
-    the rejections), where one step at a time makes two each. The same figures and the same
-    draws as `target_verdict` makes for each."""
-    device = logits.device
-    forward_rows: list[int] = []  # p's rows: each step's γ+1, one step after another
-    proposed_rows: list[int] = []  # the proposed tokens' rows of p, and the tokens
-    proposed_tokens: list[int] = []
-    last_rows: list[int] = []  # each step's last row: its bonus token's law
-    finals: list[float] = []  # ...and each step's uniform for it
-    for job, rows in jobs:
+    """The target's verdicts of sampled steps of one law, decided together
+    (`specd.rejection.target_verdicts`: two copies to the host for all of them)."""
+    index = torch.tensor([row for _, rows in jobs for row in range(rows.start, rows.stop)], device=logits.device)
+    p = probs_from_logits(logits.index_select(0, index), jobs[0][0].transform)
+    steps = []
+    for job, _ in jobs:
         assert job.draws is not None  # grouped for its draws
-        start, gamma = len(forward_rows), len(job.draft_tokens)
-        forward_rows += range(rows.start, rows.stop)
-        proposed_rows += range(start, start + gamma)
-        proposed_tokens += job.draft_tokens
-        last_rows.append(start + gamma)
-        finals.append(job.draws.final)
-    p = probs_from_logits(logits.index_select(0, torch.tensor(forward_rows, device=device)), jobs[0][0].transform)
-    picks = torch.tensor([proposed_rows, proposed_tokens], dtype=torch.long).to(device)
-    uniforms = torch.tensor(finals, dtype=torch.float64).to(device)
-    last = p.index_select(0, torch.tensor(last_rows, device=device))
-    cumulative = torch.cumsum(last.double(), 1)  # `specd.rejection.sample`, a row each
-    bonus = torch.searchsorted(cumulative, cumulative[:, -1:] * uniforms[:, None], right=True)
-    bonus = bonus.clamp(max=p.shape[1] - 1)
-    figures = torch.cat((p[picks[0], picks[1]].double(), bonus[:, 0].double())).tolist()
-    target_probs, bonus_tokens = figures[:len(proposed_rows)], figures[len(proposed_rows):]
-    rejected: list[tuple[ScoreJob, int, int]] = []
-    for (job, _), row, bonus_token in zip(jobs, last_rows, bonus_tokens):
-        assert job.draws is not None
-        gamma = len(job.draft_tokens)
-        taken, target_probs = target_probs[:gamma], target_probs[gamma:]
-        accepted = accepted_prefix(job.draft_token_probs, taken, job.draws.accept)
-        if accepted == gamma:
-            job.verdict = TargetVerdict(gamma, int(bonus_token), None)
-        else:
-            rejected.append((job, accepted, row - gamma + accepted))
-    if rejected:  # to the host here: the event loop never waits on the device
-        rows_at = p.index_select(0, torch.tensor([row for _, _, row in rejected], device=device)).float().cpu()
-        for (job, accepted, _), row_p in zip(rejected, rows_at):
-            job.verdict = TargetVerdict(accepted, None, row_p)
+        steps.append((job.draft_tokens, job.draft_token_probs, job.draws))
+    for (job, _), verdict in zip(jobs, target_verdicts(p, steps)):
+        job.verdict = verdict
 
 
 def _rows(logits: torch.Tensor, jobs: Sequence[tuple[Job, int]], limit: int) -> torch.Tensor:
@@ -352,10 +319,8 @@ class ScoreJob(Job):
         else:
             assert self.draws is not None  # a sampled step carries the gateway's draws (checked on arrival)
             p = probs_from_logits(logits, self.transform)
-            verdict = target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws)
-            if verdict.rejected_row is not None:  # to the host here: the event loop never waits on the device
-                verdict = replace(verdict, rejected_row=verdict.rejected_row.float().cpu())
-            self.scores = Scores(None, verdict, 0.0)
+            # A rejected row comes back on the host: the event loop never waits on the device.
+            self.scores = Scores(None, target_verdict(self.draft_tokens, self.draft_token_probs, p, self.draws), 0.0)
         if self.logprobs is not None:
             self.scores = self._with_logprobs(self.scores, raw, self.logprobs)
         return self.run is None or not self._go_on(self.run)
