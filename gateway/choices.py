@@ -20,8 +20,9 @@ import secrets
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
-from gateway.core import Chunk, GenerateParams
+from gateway.core import Chunk
 from gateway.errors import InvalidRequest
+from gateway.request import GenerateParams
 
 # The most completions one request may ask for (OpenAI allows 128; each is a request in flight).
 MAX_CHOICES = 16

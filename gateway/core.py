@@ -5,8 +5,8 @@ The gRPC servicer (`gateway.server`) and the OpenAI-compatible HTTP app (`gatewa
 are thin adapters over `GatewayCore`: each turns its wire format into `GenerateParams`,
 passes the caller's principal (the API key's segment) as `user_segment`, and turns
 `Chunk`s and the typed errors (`InvalidRequest`, `Busy`, `WorkerError`) back into its own.
-Per request: validate (every problem named), open one session on each worker, run
-`gateway.engine.speculate`, turn tokens into text. The statistics of a finished request
+Per request: validate (`gateway.validation`, every problem named), open one session on
+each worker, run `gateway.engine.speculate`, turn tokens into text. The statistics of a finished request
 travel as the public API's `GenerationStats` message, used here as a plain record (no
 gRPC is involved in building or reading it).
 """
@@ -15,75 +15,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
 from gateway.engine import ModelBounds, TokenLogprob, speculate
-from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
-from gateway.grammar import Grammar, StructureSpec, compile_structure
+from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
+from gateway.grammar import Grammar
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.loadcap import LoadCap, SharedLevel
 from gateway.paircosts import PairCosts
-from gateway.policy import POLICIES, CostPolicy, ProbeSchedule, build_policy
+from gateway.policy import CostPolicy, ProbeSchedule, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
-from gateway.request import GenerationRequest, Mode, ParsedRequest
+from gateway.request import GenerateParams, GenerationRequest, Mode, ParsedRequest
 from gateway.selection import DraftSelector
 from gateway.settings import GatewaySettings
-from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
+from gateway.tasks import DEFAULT_PROFILES, GENERAL
 from gateway.text import TextAssembler
 from gateway.tracing import RequestTrace
+from gateway.validation import parse_request
 from gateway.workers import DraftLink, LinkSettings, VerifierLink
 from specd.contract import DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
-from specd.errors import clip
-from specd.sampling import MAX_LOGPROBS, Transform
 from specd.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """One generation request as every transport gives it (the fields of the public API's
-    GenerateRequest, with None for "not given")."""
-
-    prompt: str = ""
-    prompt_ids: list[int] | None = None  # token ids instead of text (no tokenizing)
-    add_special_tokens: bool = True  # how `prompt` is tokenized (False: already templated)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int = 0  # 0: the gateway picks one (reported in the statistics)
-    max_new_tokens: int | None = None  # None: the gateway's default
-    stop: list[str] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 0.0  # 0: unset (1.0, off), as proto3 reads it
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; else how many alternatives beside each token's own
-    structure: StructureSpec | None = None  # what the output must match
-    cache_salt: str = ""  # vLLM's: prefix cache hits only among requests with the same salt
-    mode: str = Mode.AUTO.value  # a `Mode` value
-    draft_length: int = 0
-    min_draft_length: int = 0
-    max_draft_length: int = 0
-    draft_model: str = ""
-    policy: str = ""
-    min_draft_confidence: float = 0.0
-    overlap: bool | None = None  # None: the gateway's --overlap
-    task_type: str = ""
-    user_segment: str = ""  # the caller's principal when the gateway has API keys
 
 
 @dataclass(frozen=True)
@@ -99,185 +60,13 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asks
 
 
-def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySettings,
-                  choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
-    """Validate a public request against the models and settings; collect every problem.
-
-    Sizes are checked before any costly work: a prompt over `max_prompt_bytes` is not
-    tokenized at all. Values echoed back are clipped (`specd.errors.clip`).
-    choose(task type, user segment): picks the draft of a request that names none
-    (`gateway.selection`); None: the task map, else the default draft.
-    """
-    transform = Transform.from_fields(request.temperature, request.top_k, request.top_p, request.presence_penalty,
-                                      request.frequency_penalty, request.repetition_penalty, request.logit_bias,
-                                      min_p=request.min_p, min_tokens=request.min_tokens)
-    problems = transform.problems() + _size_problems(request, settings)
-    vocab = backend.target.vocab_size
-    for name, ids in (("logit_bias", request.logit_bias), ("stop_token_ids", request.stop_token_ids)):
-        outside = sorted(t for t in ids if not 0 <= t < vocab)
-        if outside:
-            problems.append(f"{name} names token ids {outside[:5]} outside the target's vocabulary of {vocab}")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {request.logprobs}")
-    grammar = ""
-    if request.structure is not None:
-        try:
-            grammar = compile_structure(request.structure, backend.grammar_tokenizer)
-        except ValueError as exc:
-            problems.append(f"structured output: {str(exc)[:600]}")
-        # The structure decides where the output ends: it allows nothing but EOS then.
-        if request.ignore_eos or request.min_tokens:
-            problems.append("ignore_eos and min_tokens cannot be combined with structured output: the structure "
-                            "decides where the output ends")
-    if len(request.stop_token_ids) > settings.max_stop_strings * 4:
-        problems.append(f"stop_token_ids may list at most {settings.max_stop_strings * 4} ids, got "
-                        f"{len(request.stop_token_ids)}")
-
-    prompt_bytes = len(request.prompt.encode("utf-8"))
-    prompt_text = request.prompt
-    if request.prompt_ids is not None:
-        prompt_ids = list(request.prompt_ids)
-        vocab = backend.target.vocab_size
-        outside = [t for t in prompt_ids if not 0 <= t < vocab]
-        if outside:
-            problems.append(f"prompt token ids {outside[:5]} are outside the target's vocabulary of {vocab}")
-            prompt_ids = []
-        elif not prompt_ids:
-            problems.append("prompt is an empty list of token ids; send at least one")
-        # Decoded (for stop strings and task classification) only when it can be served:
-        # a list of ids past the context window costs no decoding on the one parse thread.
-        fits = len(prompt_ids) < backend.target.max_context
-        prompt_text = backend.tokenizer.decode(prompt_ids) if prompt_ids and fits else ""
-    elif prompt_bytes > settings.max_prompt_bytes:
-        problems.append(f"prompt is {prompt_bytes} bytes, over this gateway's limit of {settings.max_prompt_bytes}; "
-                        f"shorten it")
-        prompt_ids = []
-    else:
-        prompt_ids = backend.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)["input_ids"]
-        if not prompt_ids:
-            problems.append("prompt is empty after tokenization; send some text")
-    context = backend.target.max_context
-    if len(prompt_ids) >= context:
-        problems.append(f"prompt is {len(prompt_ids)} tokens but the target's context window is "
-                        f"{context}; shorten the prompt to at most {context - 1} tokens")
-    room = max(context - len(prompt_ids), 0)
-    asked = request.max_new_tokens is not None
-    if asked and request.max_new_tokens == 0:
-        problems.append("max_new_tokens=0 asks for nothing; ask for at least 1, or leave it unset for this "
-                        f"gateway's default of {settings.default_max_new_tokens}")
-    max_new = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap, room)
-    if (request.max_new_tokens or 0) > settings.max_new_tokens_cap:
-        problems.append(f"max_new_tokens={request.max_new_tokens} exceeds this gateway's cap of "
-                        f"{settings.max_new_tokens_cap}")
-    if prompt_ids and request.max_new_tokens and len(prompt_ids) + max_new > context:
-        problems.append(f"max_new_tokens={max_new} with a {len(prompt_ids)}-token prompt exceeds the "
-                        f"target's context window of {context}; ask for at most {room}")
-
-    mode = next((m for m in Mode if m.value == request.mode), None)
-    if mode is None:
-        problems.append(f"unknown speculation mode {clip(request.mode)}; use one of {[m.value for m in Mode]}")
-    for name in ("draft_length", "min_draft_length", "max_draft_length"):
-        if getattr(request, name) > settings.max_draft_length:
-            problems.append(f"{name}={getattr(request, name)} exceeds this gateway's maximum of "
-                            f"{settings.max_draft_length}")
-    if request.min_draft_length > (request.max_draft_length or settings.max_draft_length):
-        problems.append("min_draft_length must not exceed max_draft_length")
-    policy = request.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
-    if mode is Mode.FIXED and policy != "fixed":
-        problems.append(f"policy {clip(policy)} chooses γ itself: use it with mode AUTO; mode FIXED proposes "
-                        f"draft_length tokens every step")
-    elif policy not in POLICIES:
-        problems.append(f"unknown policy {clip(request.policy)}; use one of {list(POLICIES)}")
-    if not 0.0 <= request.min_draft_confidence < 1.0:
-        problems.append(f"min_draft_confidence must be in [0, 1), got {request.min_draft_confidence}")
-
-    task_type = request.task_type or classify(prompt_text)
-    forced = request.draft_model if request.draft_model in settings.model_free else ""
-    draft_model = (request.draft_model or settings.task_drafts.get(task_type, "")
-                   or backend.default_draft)
-    if request.draft_model in backend.unusable:
-        problems.append(f"{backend.unusable[request.draft_model][1]} Use one of {sorted(backend.drafts)}")
-    elif request.draft_model and not forced and request.draft_model not in backend.drafts:
-        available = sorted(backend.drafts) + list(settings.model_free)
-        problems.append(f"unknown draft model {clip(request.draft_model)}; available: "
-                        f"{available or 'none (no draft service configured)'}")
-    if mode is Mode.FIXED and not backend.drafts and not forced:
-        problems.append("speculation mode FIXED needs a draft service or a model-free proposer, and this "
-                        "gateway has neither; use AUTO or OFF")
-    if problems:
-        raise InvalidRequest("; ".join(problems))
-    assert mode is not None  # an unknown mode is one of the problems
-
-    if mode is Mode.OFF or not backend.drafts or forced:
-        draft_model = ""
-    selected = False
-    if mode is not Mode.OFF and backend.drafts and not request.draft_model and choose is not None:
-        draft_model, selected = choose(task_type, request.user_segment), True
-    # Model-free proposers beside the draft model under AUTO; a named proposer (model-free
-    # or not) alone; none when OFF, nor under FIXED with a draft model (which proposes
-    # draft_length tokens every step).
-    if mode is Mode.OFF or (request.draft_model and not forced):
-        model_free: tuple[str, ...] = ()
-    else:
-        model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
-    prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-    highest = min(request.max_draft_length or prior.max_draft_length, settings.max_draft_length)
-    lowest = min(request.min_draft_length or prior.min_draft_length, highest)
-    profile = TaskProfile(prior.prior_alpha, max(lowest, 1), max(highest, 1))
-    seed = request.seed or secrets.randbits(63)
-    overlap = settings.overlap if request.overlap is None else request.overlap
-    # The confidence policy's threshold is carried out by the draft, inside each step.
-    min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)
-                      if policy == "confidence" and draft_model else 0.0)
-    if request.min_tokens > max_new:
-        problems.append(f"min_tokens={request.min_tokens} asks for more than the {max_new} tokens this request "
-                        f"may generate")
-    # Penalties count output tokens from where the prompt ends; until min_tokens, no token
-    # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
-    eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
-    transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
-                                   stops, request.ignore_eos, request.logprobs, grammar)
-    return ParsedRequest(
-        generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
-        request.user_segment, list(request.stop), selected, model_free, forced,
-        min(request.max_draft_length or settings.max_draft_length, settings.max_draft_length)
-        if mode is Mode.AUTO else request.draft_length or settings.default_draft_length, request.cache_salt)
-
-
-def cache_salt(settings: GatewaySettings, user_segment: str, own: str) -> bytes:
-    """The salt of a request's prefix cache keys on the workers. With API keys, the tenant
-    (the key's segment): one tenant never hits another's prefixes, so a hit's speed tells
-    nothing of what others sent. Without keys, every caller shares the cache. The caller's
-    own `cache_salt` (vLLM's) narrows it further."""
-    tenant = user_segment if settings.api_keys_file is not None else ""
-    return f"{len(tenant)}:{tenant}{own}".encode()
-
-
-def _size_problems(request: GenerateParams, settings: GatewaySettings) -> list[str]:
-    """What is too large in a request, apart from its prompt (labels, stop strings)."""
-    problems = []
-    for name, value in (("task_type", request.task_type), ("user_segment", request.user_segment),
-                        ("cache_salt", request.cache_salt),
-                        ("draft_model", request.draft_model), ("policy", request.policy)):
-        if len(value.encode("utf-8")) > settings.max_label_bytes:
-            problems.append(f"{name} is {len(value.encode('utf-8'))} bytes; at most {settings.max_label_bytes}")
-    stop = request.stop
-    if len(stop) > settings.max_stop_strings:
-        problems.append(f"{len(stop)} stop strings; at most {settings.max_stop_strings}")
-    longest = max((len(s.encode("utf-8")) for s in stop), default=0)
-    if longest > settings.max_stop_bytes:
-        problems.append(f"a stop string is {longest} bytes; at most {settings.max_stop_bytes} each")
-    return problems
-
-
 def open_links(backend: Backend, settings: GatewaySettings, draft_model: str,
                deadline: float | None = None, cache_salt: bytes = b"") -> tuple[DraftLink | None, VerifierLink]:
     """One request's links to its workers (no draft link when it decodes plainly).
 
     `deadline` (time.monotonic()) is the client's: no step waits past it, and the links
     then end their sessions on the workers. `cache_salt`: the workers' prefix caches
-    hit only what was cached under the same salt (`cache_salt`).
+    hit only what was cached under the same salt (`gateway.validation.cache_salt`).
     """
     session_id = uuid.uuid4().hex
     link = LinkSettings(session_id, settings.max_session_reopens, settings.worker_connect_timeout_s, deadline,
@@ -494,7 +283,7 @@ class GatewayCore:
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,
                                            policy=parsed.policy)
         draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline,
-                                     cache_salt(self.settings, parsed.user_segment, parsed.cache_salt))
+                                     parsed.cache_salt)
         text = TextAssembler(self.backend.tokenizer, parsed.stop)
         stats = RequestStats()
         observers: list[StepObserver] = [stats]

@@ -58,13 +58,13 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
 from gateway.choices import choice_params, merged
-from gateway.core import Chunk, GatewayCore, GenerateParams
+from gateway.core import Chunk, GatewayCore
 from gateway.engine import TokenLogprob
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.grammar import StructureSpec
 from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
-from gateway.request import Mode
+from gateway.request import GenerateParams, Mode
 from specd.grpcserver import PortInUse
 from specd.tls import files_stamp
 

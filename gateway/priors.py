@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from opentelemetry import context, trace
 
 from gateway.costmodel import LOAD_BUCKETS, expected_tokens
+from gateway.request import GenerateParams
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,6 @@ async def measure_overheads(core) -> Overheads | None:
     `gateway.core.GatewayCore`, as the doctor's requests are: left out of every statistic)
     and take from each step's time what the workers' forwards cost; None when there is no
     draft, no forward costs, or a probe fails."""
-    from gateway.core import GenerateParams
     from specd.contract import DIAGNOSTIC_SEGMENT
 
     backend = core.backend

@@ -1,17 +1,19 @@
-"""One public request once validated: its speculation mode, what the engine generates
-(`GenerationRequest`), and what the γ policy reads (`ParsedRequest`). `gateway.core`
-builds them, `gateway.engine.speculate` and `gateway.policy.build_policy` read them.
+"""One public request as a client gives it (`GenerateParams`, from any transport) and once
+validated: its speculation mode, what the engine generates (`GenerationRequest`), and what
+the γ policy reads (`ParsedRequest`). `gateway.validation` builds the validated ones,
+`gateway.engine.speculate` and `gateway.policy.build_policy` read them.
 Plain records: importing this loads neither grpc nor torch.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.tasks import TaskProfile
 
 if TYPE_CHECKING:
+    from gateway.grammar import StructureSpec
     from specd.sampling import Transform
 
 
@@ -21,6 +23,43 @@ class Mode(enum.Enum):
     AUTO = "auto"
     FIXED = "fixed"
     OFF = "off"
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """One generation request as every transport gives it (the fields of the public API's
+    GenerateRequest, with None for "not given")."""
+
+    prompt: str = ""
+    prompt_ids: list[int] | None = None  # token ids instead of text (no tokenizing)
+    add_special_tokens: bool = True  # how `prompt` is tokenized (False: already templated)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0  # 0: the gateway picks one (reported in the statistics)
+    max_new_tokens: int | None = None  # None: the gateway's default
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0: unset (1.0, off), as proto3 reads it
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else how many alternatives beside each token's own
+    structure: StructureSpec | None = None  # what the output must match
+    cache_salt: str = ""  # vLLM's: prefix cache hits only among requests with the same salt
+    mode: str = Mode.AUTO.value  # a `Mode` value
+    draft_length: int = 0
+    min_draft_length: int = 0
+    max_draft_length: int = 0
+    draft_model: str = ""
+    policy: str = ""
+    min_draft_confidence: float = 0.0
+    overlap: bool | None = None  # None: the gateway's --overlap
+    task_type: str = ""
+    user_segment: str = ""  # the caller's principal when the gateway has API keys
 
 
 @dataclass(frozen=True)
@@ -63,4 +102,4 @@ class ParsedRequest:
     # else the gateway's (not the task's, which prices a model draft's tokens: a confident
     # match costs nothing to draft, only to verify, and the hybrid cuts it where that pays).
     model_free_max: int = 0
-    cache_salt: str = ""  # the caller's own prefix cache salt (`gateway.core.cache_salt`)
+    cache_salt: bytes = b""  # the salt of its prefix cache keys on the workers (`gateway.validation.cache_salt`)

@@ -21,7 +21,7 @@ from gateway.acceptance import AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.choices import choice_params, merged
-from gateway.core import Chunk, GatewayCore, GenerateParams
+from gateway.core import Chunk, GatewayCore
 from gateway.drift import load_baseline
 from gateway.engine import TokenLogprob
 from gateway.grammar import StructureSpec
@@ -35,7 +35,7 @@ from gateway.paircosts import PairCosts
 from gateway.priors import best_caps, measure_overheads
 from gateway.proposers import SuffixCache
 from gateway.records import Finish
-from gateway.request import Mode
+from gateway.request import GenerateParams, Mode
 from gateway.selection import DraftSelector
 from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
 from specd.contract import DIAGNOSTIC_SEGMENT, MODEL_FREE, SUFFIX, model_pair_label

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import request, start_stack
-from gateway.core import cache_salt
 from gateway.settings import GatewaySettings
+from gateway.validation import cache_salt
 from specd.config import ServerSettings
 from specd.worker.kvstore import KVPool, SessionKV
 
