@@ -122,14 +122,11 @@ def _trace_pre_draft(request: worker_pb2.ProposeRequest, settled: asyncio.Future
 async def create_server(settings: DraftSettings) -> RunningServer:
     """Load the drafts and start serving them on settings.server (port 0: any free port).
     Several drafts share the worker's --gpu-memory-fraction equally (`specd.worker.memory`)."""
-    batching = settings.model.batching
-    if batching.gpu_memory_fraction and settings.drafts:
-        batching = replace(batching, gpu_memory_fraction=batching.gpu_memory_fraction / len(settings.drafts))
-    runners = {name: ModelRunner(path, name=name, dtype=settings.model.dtype,
-                                 max_sessions=settings.model.max_sessions, device=settings.model.device,
-                                 cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
-                                 batching=batching,
-                                 pre_draft_branches=settings.pre_draft_branches,
+    model = settings.model
+    if model.batching.gpu_memory_fraction and settings.drafts:
+        model = replace(model, batching=replace(
+            model.batching, gpu_memory_fraction=model.batching.gpu_memory_fraction / len(settings.drafts)))
+    runners = {name: ModelRunner(path, model, name=name, pre_draft_branches=settings.pre_draft_branches,
                                  kept_rows_bytes=settings.kept_rows_mib << 20)
                for name, path in settings.drafts.items()}
     servicer = DraftServicer(runners)

@@ -15,6 +15,7 @@ import resource
 from specd.config import DEMO_TARGET
 from specd.sampling import Transform
 from specd.worker.runtime import ModelRunner
+from specd.worker.settings import ModelSettings
 
 
 def rss_mb() -> float:
@@ -28,7 +29,7 @@ async def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
-    runner = ModelRunner(args.model, max_sessions=args.sessions)
+    runner = ModelRunner(args.model, ModelSettings(max_sessions=args.sessions))
     await runner.score("warm-up", 0, [5] * 16, [], Transform())
     runner.end_session("warm-up")
     before = rss_mb()

@@ -26,7 +26,7 @@ from specd.worker import lean
 from specd.worker.batching import Job, Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
 from specd.worker.runtime import ModelRunner
-from specd.worker.settings import BatchSettings
+from specd.worker.settings import BatchSettings, ModelSettings
 from test_cli import free_port
 from test_pipeline import reference_greedy
 
@@ -328,8 +328,8 @@ def test_a_forward_sends_its_indices_to_the_device_in_one_copy(model_dirs, devic
 
 def test_kv_memory_is_the_arithmetic(model_dirs, device):
     """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
-    runner = ModelRunner(model_dirs["target"], max_sessions=64, batching=BatchSettings(kv_cache_tokens=64 * 544),
-                         device=device)
+    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=64, device=device,
+                                                             batching=BatchSettings(kv_cache_tokens=64 * 544)))
 
     async def fill() -> None:
         for i in range(64):
@@ -344,7 +344,7 @@ def test_kv_memory_is_the_arithmetic(model_dirs, device):
 
 def test_a_step_reports_the_sessions_its_worker_holds(model_dirs, device):
     """The load the gateway's cap is chosen for: sessions held, not just those in the forward."""
-    runner = ModelRunner(model_dirs["target"], max_sessions=8, device=device)
+    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=8, device=device))
 
     async def steps() -> list[int]:
         held = []
@@ -373,7 +373,7 @@ class CountingExecutor(ThreadPoolExecutor):
 def test_a_proposal_runs_its_forwards_in_one_hand_off_and_a_step_arriving_meanwhile_joins(model_dirs, device):
     """A lone γ = 8 proposal takes 8 forwards and one trip to the model's thread; a step
     that arrives while a long proposal is under way still shares its next forward."""
-    runner = ModelRunner(model_dirs["close"], device=device)
+    runner = ModelRunner(model_dirs["close"], ModelSettings(device=device))
     counting = CountingExecutor()
     runner.scheduler._executor = counting
 
@@ -402,7 +402,7 @@ def test_bad_batch_settings_are_named():
 def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs, device):
     """Pre-drafted branches hold KV blocks: a session evicted from the store must not leave
     them pending for good."""
-    runner = ModelRunner(model_dirs["close"], max_sessions=1, device=device)
+    runner = ModelRunner(model_dirs["close"], ModelSettings(max_sessions=1, device=device))
 
     async def scenario() -> tuple[int, int]:
         await runner.propose("a", 0, [5, 6, 7], DraftRequest(3, Transform()), pre_draft=PreDraftRequest(3, 0))
@@ -511,7 +511,7 @@ def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop
     from specd import wire
     from specd.rejection import Draws
 
-    runner = ModelRunner(model_dirs["target"], max_sessions=4, device=device)
+    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=4, device=device))
     threads: list[str] = []
     original = torch.Tensor.cpu
 

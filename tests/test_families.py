@@ -27,7 +27,7 @@ from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
-from specd.worker.settings import BatchSettings
+from specd.worker.settings import BatchSettings, ModelSettings
 
 # Field names families use for their sizes, and the tiny values they get.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -231,8 +231,8 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
     caplog.set_level(logging.ERROR)
     expected = build(model_type, tmp_path / model_type, tokenizer, dtype)
     try:
-        runner = ModelRunner(tmp_path / model_type, dtype=dtype, max_sessions=4,
-                             batching=BatchSettings(kv_cache_tokens=2048))
+        runner = ModelRunner(tmp_path / model_type, ModelSettings(dtype=dtype, max_sessions=4,
+                                                                          batching=BatchSettings(kv_cache_tokens=2048)))
     except UnsupportedModel as refused:
         assert refusable and model_type in str(refused), refused
         print(f"refused at load: {refused}")
@@ -316,7 +316,7 @@ def test_a_model_whose_own_forward_fails_is_refused_naming_the_family(tokenizer,
 
     monkeypatch.setattr(modeling_llama, "eager_attention_forward", broken)
     with pytest.raises(UnsupportedModel, match=r"\(llama\) cannot be served: its own forward fails: RuntimeError"):
-        ModelRunner(tmp_path / "llama", max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))
+        ModelRunner(tmp_path / "llama", ModelSettings(max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048)))
 
 
 def test_latent_attention_with_fewer_kv_heads_than_query_heads_is_refused(tokenizer, tmp_path):
@@ -328,4 +328,4 @@ def test_latent_attention_with_fewer_kv_heads_than_query_heads_is_refused(tokeni
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ds")
     tokenizer.save_pretrained(tmp_path / "ds")
     with pytest.raises(UnsupportedModel, match="deepseek_v3"):
-        ModelRunner(tmp_path / "ds", max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048))
+        ModelRunner(tmp_path / "ds", ModelSettings(max_sessions=4, batching=BatchSettings(kv_cache_tokens=2048)))

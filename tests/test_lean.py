@@ -21,6 +21,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from specd.worker import kvstore, lean
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, prepare, use_paged_attention
 from specd.worker.runtime import ModelRunner
+from specd.worker.settings import ModelSettings
 
 CPU = torch.device("cpu")
 
@@ -313,19 +314,19 @@ def test_a_family_the_lean_forward_mirrors_that_fails_its_trial_is_a_warning(mod
 
     monkeypatch.setattr(lean.LeanDecoder, "__call__", one_ulp_off)
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
-        runner = ModelRunner(model_dirs["target"], max_sessions=2)
+        runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2))
     assert not runner.lean_forward
     warned = [r for r in caplog.records if "keeps transformers' forward" in r.getMessage()]
     assert warned and warned[0].levelno == logging.WARNING and "differ" in warned[0].getMessage()
 
 
 def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(model_dirs):
-    runner = ModelRunner(model_dirs["target"], max_sessions=2)
+    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2))
     assert runner.lean_forward and isinstance(kvstore._FORWARDS[runner.model], lean.LeanDecoder)
-    plain = ModelRunner(model_dirs["target"], max_sessions=2, forward="transformers")
+    plain = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2, forward="transformers"))
     assert not plain.lean_forward and plain.model not in kvstore._FORWARDS
     with pytest.raises(ValueError, match="forward must be one of"):
-        ModelRunner(model_dirs["target"], max_sessions=2, forward="compiled")
+        ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2, forward="compiled"))
 
 
 def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_dirs, caplog):
@@ -335,7 +336,7 @@ def test_a_worker_says_why_a_model_keeps_transformers_forward(tmp_path, model_di
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((model_dirs["target"] / name).read_bytes())
     with caplog.at_level(logging.INFO, logger="specd.worker.runtime"):
-        runner = ModelRunner(tmp_path, max_sessions=2)
+        runner = ModelRunner(tmp_path, ModelSettings(max_sessions=2))
     assert not runner.lean_forward
     assert "keeps transformers' forward: GPTNeoXForCausalLM is not one of" in caplog.text
     assert all(r.levelno == logging.INFO for r in caplog.records if "keeps transformers' forward" in r.getMessage())

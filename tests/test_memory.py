@@ -107,9 +107,9 @@ def test_a_cuda_device_this_machine_lacks_is_refused_with_what_to_do(monkeypatch
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: nothing to refuse")
 def test_a_worker_asked_for_cuda_on_a_cpu_build_refuses_before_loading(model_dirs):
     with pytest.raises(ValueError, match="--device cuda: this torch .* is built without CUDA"):
-        ModelRunner(model_dirs["target"], device="cuda")
+        ModelRunner(model_dirs["target"], ModelSettings(device="cuda"))
     with pytest.raises(ValueError, match="--gpu-memory-fraction sizes the KV pool"):
-        ModelRunner(model_dirs["target"], batching=BatchSettings(gpu_memory_fraction=0.5))
+        ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)))
     # The CLI says the same and exits before any model loads.
     with pytest.raises(SystemExit, match="--device cuda: this torch .* is built without CUDA"):
         commands.main(["verifier", "--target", str(model_dirs["target"]), "--device", "cuda"])
@@ -168,7 +168,8 @@ def test_a_worker_sizes_its_pool_from_the_fraction_s_arithmetic(model_dirs, monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    runner = ModelRunner(model_dirs["target"], batching=BatchSettings(gpu_memory_fraction=0.5), kept_rows_bytes=0)
+    runner = ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)),
+                         kept_rows_bytes=0)
     plan = runner.memory_plan
     assert plan is not None and (plan.total, plan.loaded, plan.free, plan.activation) == (16 * MiB, MiB, 10 * MiB, 0)
     block_bytes = runner.kv_bytes_per_token() * runner.pool.block_tokens
@@ -205,7 +206,8 @@ def test_the_profiling_forward_runs_on_the_worker_s_rows(model_dirs):
 def test_a_worker_on_a_gpu_sizes_its_pool_from_its_fraction(model_dirs):
     fraction = 0.05
     before = torch.cuda.memory_allocated()
-    runner = ModelRunner(model_dirs["target"], device="cuda", batching=BatchSettings(gpu_memory_fraction=fraction))
+    runner = ModelRunner(model_dirs["target"], ModelSettings(device="cuda",
+                                                               batching=BatchSettings(gpu_memory_fraction=fraction)))
     plan = runner.memory_plan
     assert plan is not None and plan.fraction == fraction and plan.activation > 0 and plan.loaded > 0
     assert plan.pool == runner.pool.blocks * runner.pool.block_bytes

@@ -14,6 +14,7 @@ from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
+from specd.worker.settings import ModelSettings
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -73,7 +74,7 @@ def test_a_model_whose_code_reads_its_layers_weights_is_served_as_loaded(tokeniz
     tokenizer.save_pretrained(tmp_path / "bloom")
     monkeypatch.setattr(packing, "MIN_WEIGHTS", 0)
     with caplog.at_level(logging.WARNING, logger="specd.worker.packing"):
-        runner = ModelRunner(tmp_path / "bloom", max_sessions=2)
+        runner = ModelRunner(tmp_path / "bloom", ModelSettings(max_sessions=2))
     assert not any(isinstance(m, packing.PackedLinear) for m in runner.model.modules())
     assert "--cpu-linear torch" in caplog.text
     scores = asyncio.run(score_once(runner, [5, 17, 23]))
@@ -93,9 +94,9 @@ async def score_once(runner: ModelRunner, prompt: list[int]) -> int:
 
 
 def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_not_to():
-    target = ModelRunner(DEMO_TARGET, max_sessions=2)
-    plain = ModelRunner(DEMO_TARGET, max_sessions=2, cpu_linear="torch")
-    draft = ModelRunner(DEMO_DRAFT, max_sessions=2)
+    target = ModelRunner(DEMO_TARGET, ModelSettings(max_sessions=2))
+    plain = ModelRunner(DEMO_TARGET, ModelSettings(max_sessions=2, cpu_linear="torch"))
+    draft = ModelRunner(DEMO_DRAFT, ModelSettings(max_sessions=2))
 
     def packed(runner: ModelRunner) -> int:
         return sum(isinstance(m, packing.PackedLinear) for m in runner.model.modules())

@@ -12,6 +12,7 @@ from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import DraftRequest
 from specd.worker.runtime import ModelRunner
+from specd.worker.settings import ModelSettings
 
 SAMPLED = Transform(temperature=0.8, top_p=0.95)
 
@@ -57,7 +58,8 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
     number of copies (one or two for all its sessions), not one or more per session. On a
     GPU each such copy is a wait for the device. Counted at torch's tensor-to-host
     conversions."""
-    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
+    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"],
+                         ModelSettings(max_sessions=16, device=device))
     forwards = []
     inner = runner.scheduler._forward
 
@@ -94,7 +96,8 @@ def test_a_seeded_sampled_step_is_the_same_alone_or_batched(model_dirs, device, 
     """Session 0's seeded step gives the same tokens (and verdict) alone in its forward as
     beside seven others: sampling them together changes no draw."""
     def run(sessions: int) -> list:
-        runner = ModelRunner(model_dirs["close" if role == "draft" else "target"], max_sessions=16, device=device)
+        runner = ModelRunner(model_dirs["close" if role == "draft" else "target"],
+                             ModelSettings(max_sessions=16, device=device))
         if role == "draft":
             return asyncio.run(draft_steps(runner, sessions, SAMPLED, seed=11))
         scored = asyncio.run(verify_steps(runner, sessions, SAMPLED, draws_of(sessions, seed=11)))

@@ -22,7 +22,7 @@ from specd.worker import kvstore, rope
 from specd.worker.batching import Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, use_paged_attention
 from specd.worker.runtime import ModelRunner
-from specd.worker.settings import BatchSettings
+from specd.worker.settings import BatchSettings, ModelSettings
 from test_batching import CountedJob
 
 CPU = torch.device("cpu")
@@ -87,7 +87,7 @@ def test_longrope_rotates_a_forward_by_its_last_position_so_only_one_side_shares
 def test_a_worker_shares_forwards_only_between_sessions_on_one_side_of_the_switch(tmp_path, model_dirs):
     """Every forward the scheduler runs, first-come rows or a proposal's forwards that go on
     without the event loop, holds rows of one side only; rows of one side still share."""
-    runner = ModelRunner(_longrope(tmp_path, model_dirs), max_sessions=8)
+    runner = ModelRunner(_longrope(tmp_path, model_dirs), ModelSettings(max_sessions=8))
     ends: list[list[int]] = []
     forward = runner.scheduler._forward
 
@@ -125,7 +125,7 @@ def test_a_dynamic_rotary_scaling_is_refused_at_load(tmp_path, model_dirs):
     directory = _model_dir(tmp_path, model_dirs, "llama",
                            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     with pytest.raises(UnsupportedModel, match="rotary scaling is 'dynamic'.*static scaling"):
-        ModelRunner(directory, max_sessions=2)
+        ModelRunner(directory, ModelSettings(max_sessions=2))
 
 
 def test_rotations_by_position_alone_need_no_regime(model_dirs, tmp_path):

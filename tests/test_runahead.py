@@ -193,9 +193,9 @@ def test_a_run_without_room_evicts_nothing_and_tells_the_gateway(model_dirs):
     """A pool of three blocks of 16 positions, all held: the run, a bet, evicts no other
     session; it answers its next step None (the gateway then asks it), and that step takes
     the room it needs, as any asked step does."""
-    from specd.worker.settings import BatchSettings
+    from specd.worker.settings import BatchSettings, ModelSettings
 
-    runner = ModelRunner(model_dirs["target"], batching=BatchSettings(kv_cache_tokens=48))
+    runner = ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(kv_cache_tokens=48)))
     answers = Answers()
 
     async def scenario() -> tuple[set[str], Scores | None, int, bool]:

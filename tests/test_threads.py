@@ -32,7 +32,7 @@ def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dir
 
     monkeypatch.setattr(runtime.AutoModelForCausalLM, "from_pretrained", loading)
     monkeypatch.setattr(kvstore, "forward", forwarding)
-    runner = runtime.ModelRunner(model_dirs["target"], max_sessions=2)
+    runner = runtime.ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2))
     try:
         model_thread = runner._executor.submit(lambda: threading.current_thread().name).result()
         scores = asyncio.run(runner.score("s", 0, [5, 17, 23], [], Transform()))

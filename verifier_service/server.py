@@ -110,10 +110,7 @@ def _response(scores: Scores, transform: Transform) -> worker_pb2.VerifyResponse
 
 async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
-    target = ModelRunner(settings.target, name=settings.target_name or None, dtype=settings.model.dtype,
-                         max_sessions=settings.model.max_sessions, device=settings.model.device,
-                         cpu_linear=settings.model.cpu_linear, forward=settings.model.forward,
-                         batching=settings.model.batching,
+    target = ModelRunner(settings.target, settings.model, name=settings.target_name or None,
                          kept_rows_bytes=0)  # the kept q rows are the draft's; the target keeps none
     servicer = VerifierServicer(target)
     stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,

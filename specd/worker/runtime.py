@@ -38,7 +38,7 @@ from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
 from specd.worker.predraft import Branch, PreDrafts
 from specd.worker.runahead import RunAhead
-from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings
+from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,38 +197,38 @@ def event_loop_single_threaded() -> None:
 class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
-    def __init__(self, path: str | Path, *, name: str | None = None, dtype: str = "float32",
-                 max_sessions: int = 64, device: str = "cpu", batching: BatchSettings = BatchSettings(),
-                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20,
-                 cpu_linear: str = "onednn", forward: str = "lean") -> None:
+    def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
+                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20) -> None:
+        """path: the model directory; name: the model's name as the worker reports it (None:
+        the directory's). Both say which model; `settings` says how it runs, and is shared by
+        every model of a worker."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-        problem = memory.device_problem(device, batching.gpu_memory_fraction)
+        problem = memory.device_problem(settings.device, settings.batching.gpu_memory_fraction)
         if problem is not None:  # before anything loads: a CUDA device this machine lacks is said plainly
             raise ValueError(problem)
+        if settings.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {settings.cpu_linear!r}")
+        if settings.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {settings.forward!r}")
         self.path = path
+        self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
-        if cpu_linear not in CPU_LINEARS:
-            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {cpu_linear!r}")
-        if forward not in FORWARDS:
-            raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+        self.device = torch.device(settings.device)
+        self.dtype = DTYPES[settings.dtype]
 
         # The model's operators run on its one thread from loading on (see
         # `event_loop_single_threaded`).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name or path.name}")
         try:
-            self._executor.submit(self._load, path, name, max_sessions, batching, cpu_linear, forward,
-                                  kept_rows_bytes).result()
+            self._executor.submit(self._load, path, name, kept_rows_bytes).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
         # An evicted session's pre-drafted branches go with it: they hold pool blocks.
-        self.sessions = SessionStore(max_sessions, on_evict=self._evicted)
-        self.batching = batching
-        self.scheduler = Scheduler(self._forward_batch, self._executor, batching, lambda: len(self.sessions),
+        self.sessions = SessionStore(settings.max_sessions, on_evict=self._evicted)
+        self.scheduler = Scheduler(self._forward_batch, self._executor, settings.batching, lambda: len(self.sessions),
                                    rope.regime(self.model))
         self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
         self.run_ahead = RunAhead()
@@ -236,10 +236,10 @@ class ModelRunner:
         # recovered token (they never cross the wire).
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
         # Draft side: each structured session's grammar cursor (`specd.worker.grammar`).
-        self.grammars = GrammarCursors(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, max_sessions)
+        self.grammars = GrammarCursors(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+                                       settings.max_sessions)
 
-    def _load(self, path: Path, name: str | None, max_sessions: int, batching: BatchSettings,
-              cpu_linear: str, forward: str, kept_rows_bytes: int) -> None:
+    def _load(self, path: Path, name: str | None, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
         give it the lean forward where that is exact. With --gpu-memory-fraction the trials
         run on a small pool first, then a profiling forward, and the pool is sized after
@@ -247,10 +247,11 @@ class ModelRunner:
         def load() -> PreTrainedModel:
             return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
 
+        batching, max_sessions = self.settings.batching, self.settings.max_sessions
         fraction = batching.gpu_memory_fraction  # only on a CUDA device (checked in __init__)
         allocated_before = torch.cuda.memory_allocated(self.device) if fraction else 0
         # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is).
-        self.model = packing.packed_model(load) if cpu_linear == "onednn" else load()
+        self.model = packing.packed_model(load) if self.settings.cpu_linear == "onednn" else load()
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,
@@ -288,7 +289,7 @@ class ModelRunner:
         if problem is not None:
             raise UnsupportedModel(f"{path} ({config.model_type}) cannot be served: {problem}")
         self.lean_forward = False
-        if forward == "lean":
+        if self.settings.forward == "lean":
             unmirrored = lean.install(self.model, self.pool, self.info.vocab_size, self.device)
             self.lean_forward = unmirrored is None
             if unmirrored is not None:

@@ -62,7 +62,9 @@ class BatchSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """How a worker runs its model(s)."""
+    """How a worker runs its model(s): what `specd.worker.runtime.ModelRunner` takes, one
+    object for every model of a worker (which model, its directory and name, is the
+    runner's own argument)."""
 
     dtype: str = setting("float32", flag="--dtype", choices=DTYPES, help="the weights' dtype")
     max_sessions: int = setting(64, flag="--max-sessions", help="KV caches kept; the least recently used is "
