@@ -6,9 +6,8 @@ are thin adapters over `GatewayCore`: each turns its wire format into `GenerateP
 passes the caller's principal (the API key's segment) as `user_segment`, and turns
 `Chunk`s and the typed errors (`InvalidRequest`, `Busy`, `WorkerError`) back into its own.
 Per request: validate (`gateway.validation`, every problem named), open one session on
-each worker, run `gateway.engine.speculate`, turn tokens into text. The statistics of a finished request
-travel as the public API's `GenerationStats` message, used here as a plain record (no
-gRPC is involved in building or reading it).
+each worker, run `gateway.engine.speculate`, turn tokens into text. A finished request's figures travel
+as a plain `RequestSummary`, which each adapter renders in its own format.
 """
 from __future__ import annotations
 
@@ -42,20 +41,55 @@ from gateway.tracing import RequestTrace
 from gateway.validation import parse_request
 from gateway.workers import DraftLink, LinkSettings, VerifierLink
 from specd.contract import DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
-from specd.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class RequestSummary:
+    """What speculation did for one request, reported when it ends. Field for field the
+    public API's `GenerationStats` (proto/specd/v1/gateway.proto says what each means):
+    `gateway.server` renders it as that message, `gateway.http` as the JSON `usage`."""
+
+    steps: int
+    proposed_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    draft_lengths: list[int]
+    accepted_lengths: list[int]
+    mean_tokens_per_step: float
+    prompt_tokens: int
+    generated_tokens: int
+    draft_ms: float
+    verify_ms: float
+    total_ms: float
+    seed: int
+    draft_model: str
+    session_reopens: int
+    proposed_per_position: list[int]
+    accepted_per_position: list[int]
+    task_type: str
+    policy: str
+    draft_cost_ratio: float
+    verify_cost_ratio: float
+    mean_verify_batch_size: float
+    mean_verify_batch_tokens: float
+    verify_queue_ms: float
+    pre_draft_hits: int
+    pre_draft_steps: int
+    proposers: list[str]
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Chunk:
     """Text (and its token ids) generated since the last chunk; the last one also says
-    why generation ended and carries the request's statistics and trace id."""
+    why generation ended and carries the request's summary and trace id."""
 
     text: str
     token_ids: list[int]
     finish: Finish | None = None
-    stats: gateway_pb2.GenerationStats | None = None
+    summary: RequestSummary | None = None
     trace_id: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asks
 
@@ -92,20 +126,21 @@ class _GatewayCounts:
 
     def observe(self, record: StepRecord) -> None:
         stats, costs = self.servicer.stats, self.servicer.costs
-        labels = self.labels
-        if record.model_free:
-            labels = replace(labels, model_pair=self.servicer._model_pair(record.proposer))
+        # The pair of the step's proposer and the target: the request's own for its draft
+        # model's proposal and for a plain step, "suffix->target" for a suffix match.
+        pair = self.servicer._model_pair(record.proposer) if record.proposer else self.model_pair
+        own = pair == self.model_pair
+        labels = self.labels if own else replace(self.labels, model_pair=pair)
         stats.record(labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
         batch = record.verify_batch
         if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
-            # A model-free step says nothing of the draft's pre-drafting: neither a hit nor a miss.
-            asked = record.pre_draft_asked and not record.model_free
+            # Another proposer's step says nothing of the draft's pre-drafting: neither a hit nor a miss.
             costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
-                          asked, record.pre_drafted, verify_only=record.model_free)
-            if record.model_free:
-                costs.observe(labels.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
+                          record.pre_draft_asked and own, record.pre_drafted, verify_only=not own)
+            if not own:
+                costs.observe(pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
-        if record.pre_draft_asked and record.draft_length and not record.model_free:
+        if record.pre_draft_asked and record.draft_model_tokens:
             stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
             self.servicer.check_drift(labels, self.request_trace)
@@ -363,15 +398,15 @@ class GatewayCore:
 
     def _summary(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,
-                 began: float) -> gateway_pb2.GenerationStats:
-        """What speculation did for the request, as the public API's statistics record."""
+                 began: float) -> RequestSummary:
+        """What speculation did for the request."""
         generation = parsed.generation
         proposed_per_position, accepted_per_position = stats.per_position()
         costs = next((row for row in self.costs.cost_table() if row.model_pair == model_pair), None)
         c, v = (costs.draft_cost_ratio, costs.verify_cost_ratio) if costs else (0.0, {})
         drafted = [g for g in stats.draft_lengths if g]
         mean_gamma = round(sum(drafted) / len(drafted)) if drafted else 0
-        return gateway_pb2.GenerationStats(
+        return RequestSummary(
             steps=stats.steps,
             proposed_tokens=stats.proposed_tokens,
             accepted_tokens=stats.accepted_tokens,

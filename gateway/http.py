@@ -40,6 +40,7 @@ import math
 import re
 import socket
 import ssl
+import struct
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
@@ -655,26 +656,33 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def _float32(value: float) -> float:
+    """`value` at float32 precision: the gRPC API's `acceptance_rate` is a float32 field,
+    and both APIs report the same figure."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
 def _figures(chunk: Chunk) -> dict[str, Any]:
     """One generation's speculative figures, under vLLM's names."""
-    stats = chunk.stats
-    assert stats is not None  # the last chunk
-    drafts = sum(1 for g in stats.draft_lengths if g)
+    summary = chunk.summary
+    assert summary is not None  # the last chunk
+    drafts = sum(1 for g in summary.draft_lengths if g)
     return {
-        "num_drafts": drafts, "num_draft_tokens": stats.proposed_tokens, "num_accepted_tokens": stats.accepted_tokens,
-        "draft_acceptance_rate": stats.acceptance_rate,
-        "mean_acceptance_length": 1 + stats.accepted_tokens / drafts if drafts else 1.0,
-        "drafted_per_step": list(stats.draft_lengths), "accepted_per_step": list(stats.accepted_lengths),
-        "proposers": list(stats.proposers), "draft_model": stats.draft_model, "policy": stats.policy,
-        "seed": stats.seed, "trace_id": chunk.trace_id,
+        "num_drafts": drafts, "num_draft_tokens": summary.proposed_tokens,
+        "num_accepted_tokens": summary.accepted_tokens,
+        "draft_acceptance_rate": _float32(summary.acceptance_rate),
+        "mean_acceptance_length": 1 + summary.accepted_tokens / drafts if drafts else 1.0,
+        "drafted_per_step": list(summary.draft_lengths), "accepted_per_step": list(summary.accepted_lengths),
+        "proposers": list(summary.proposers), "draft_model": summary.draft_model, "policy": summary.policy,
+        "seed": summary.seed, "trace_id": chunk.trace_id,
     }
 
 
 def _usage(lasts: list[Chunk]) -> dict[str, Any]:
     """OpenAI's usage, with the speculative figures: one generation's, or with n > 1 the
     counts over every choice and each choice's figures under `choices`."""
-    stats = [last.stats for last in lasts if last.stats is not None]  # last chunks: all have them
-    prompt, generated = stats[0].prompt_tokens, sum(s.generated_tokens for s in stats)
+    summaries = [last.summary for last in lasts if last.summary is not None]  # last chunks: all have them
+    prompt, generated = summaries[0].prompt_tokens, sum(s.generated_tokens for s in summaries)
     figures = [_figures(last) for last in lasts]
     if len(figures) == 1:
         speculation = figures[0]
@@ -685,7 +693,7 @@ def _usage(lasts: list[Chunk]) -> dict[str, Any]:
                        "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
                        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "choices": figures}
     # The prompt is counted once, as are its cached tokens (the most any choice found).
-    cached = max(s.cached_tokens for s in stats)
+    cached = max(s.cached_tokens for s in summaries)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": cached}, "speculation": speculation}
 

@@ -138,14 +138,14 @@ async def measure_overheads(core) -> Overheads | None:
                                     draft_model=backend.default_draft if gamma else "",
                                     user_segment=DIAGNOSTIC_SEGMENT, seed=1)
             began = time.perf_counter()
-            stats = None
+            summary = None
             async for chunk in core.generate(params):
-                stats = chunk.stats or stats
+                summary = chunk.summary or summary
             total_ms = (time.perf_counter() - began) * 1e3
-            if stats is None or not stats.steps:
+            if summary is None or not summary.steps:
                 return None
             forwards = target.ms(1, gamma + 1) + gamma * draft.ms(1, 1)
-            per_step[mode] = max(0.0, total_ms / stats.steps - forwards)
+            per_step[mode] = max(0.0, total_ms / summary.steps - forwards)
     except Exception as exc:  # noqa: BLE001 - a prior is a help, never a reason not to serve
         log.warning("the start-up probes failed (%s); AUTO's load cap learns from the longest draft", exc)
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from gateway.acceptance import AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
 from gateway.choices import choice_params, merged
-from gateway.core import Chunk, GatewayCore
+from gateway.core import Chunk, GatewayCore, RequestSummary
 from gateway.drift import load_baseline
 from gateway.engine import TokenLogprob
 from gateway.grammar import StructureSpec
@@ -97,13 +98,18 @@ def _logprobs_pb(logprobs: tuple[TokenLogprob, ...]) -> list[gateway_pb2.TokenLo
                                       top_logprobs=[v for _, v in one.top]) for one in logprobs]
 
 
+def _stats_pb(summary: RequestSummary) -> gateway_pb2.GenerationStats:
+    """A request's summary as the public API's statistics message (the same fields)."""
+    return gateway_pb2.GenerationStats(**dataclasses.asdict(summary))
+
+
 def _chunk_pb(index: int, chunk: Chunk) -> gateway_pb2.GenerateChunk:
     message = gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, index=index,
                                         logprobs=_logprobs_pb(chunk.logprobs))
     if chunk.finish is not None:
-        assert chunk.stats is not None  # the last chunk carries the statistics
+        assert chunk.summary is not None  # the last chunk carries the summary
         message.finish_reason = _FINISH[chunk.finish]
-        message.stats.CopyFrom(chunk.stats)
+        message.stats.CopyFrom(_stats_pb(chunk.summary))
         message.trace_id = chunk.trace_id
     return message
 
