@@ -22,22 +22,22 @@ from dataclasses import replace
 
 from gateway.core import Chunk
 from gateway.errors import InvalidRequest
-from gateway.request import GenerateParams
+from gateway.request import ClientRequest
 
 # The most completions one request may ask for (OpenAI allows 128; each is a request in flight).
 MAX_CHOICES = 16
 
 
-def choice_params(params: GenerateParams, n: int) -> list[GenerateParams]:
-    """The parameters of each of n completions. Choice i is seeded with the request's seed
+def choice_requests(request: ClientRequest, n: int) -> list[ClientRequest]:
+    """The request of each of n completions. Choice i is seeded with the request's seed
     plus i (a random seed when the request gives none), so the same request reproduces
     every choice, and a gRPC caller can ask for any one of them with that seed."""
     if n > MAX_CHOICES:
         raise InvalidRequest(f"n may be at most {MAX_CHOICES}, got {n}")
     if n == 1:
-        return [params]
-    base = params.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
-    return [replace(params, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
+        return [request]
+    base = request.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
+    return [replace(request, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
 
 
 async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:

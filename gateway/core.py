@@ -1,13 +1,13 @@
-"""The gateway's generation core: one request from plain parameters to chunks of text,
+"""The gateway's generation core: one request from the client's fields to chunks of text,
 whatever the transport.
 
 The gRPC servicer (`gateway.server`) and the OpenAI-compatible HTTP app (`gateway.http`)
-are thin adapters over `GatewayCore`: each turns its wire format into `GenerateParams`,
+are thin adapters over `GatewayCore`: each turns its wire format into a `ClientRequest`,
 passes the caller's principal (the API key's segment) as `user_segment`, and turns
 `Chunk`s and the typed errors (`InvalidRequest`, `Busy`, `WorkerError`) back into its own.
 Per request: validate (`gateway.validation`, every problem named), open one session on
-each worker, run `gateway.engine.speculate`, turn tokens into text. A finished request's figures travel
-as a plain `RequestSummary`, which each adapter renders in its own format.
+each worker, run `gateway.engine.speculate`, turn tokens into text. A finished request's
+figures travel as a plain `RequestSummary`, which each adapter renders in its own format.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from gateway.policy import CostPolicy, ProbeSchedule, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
-from gateway.request import GenerateParams, GenerationRequest, Mode, ParsedRequest
+from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
 from gateway.selection import DraftSelector
 from gateway.settings import GatewaySettings
 from gateway.tasks import DEFAULT_PROFILES, GENERAL
@@ -148,7 +148,7 @@ class _GatewayCounts:
 class GatewayCore:
     """Generation over the draft and verifier workers, whatever the transport: the state
     every request shares (statistics, costs, the policies' shared state, the suffix
-    cache, admission) and one request's run from parameters to chunks."""
+    cache, admission) and one request's run from its client's request to chunks."""
 
     def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats, costs: PairCosts,
                  selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
@@ -228,7 +228,7 @@ class GatewayCore:
     def _model_pair(self, draft_model: str) -> str:
         return model_pair_label(draft_model, self.backend.target.name)
 
-    def _bounds(self, generation: GenerationRequest) -> ModelBounds:
+    def _bounds(self, generation: Generation) -> ModelBounds:
         target = self.backend.target
         draft = self.backend.drafts.get(generation.draft_model)
         return ModelBounds(
@@ -265,7 +265,7 @@ class GatewayCore:
         return HybridChoice(proposers, self.costs.costs(model_pair),
                             lambda name: self.costs.costs(self._model_pair(name)), model_alpha, fixed, timed=timed)
 
-    async def generate(self, request: GenerateParams, deadline: float | None = None) -> AsyncGenerator[Chunk, None]:
+    async def generate(self, request: ClientRequest, deadline: float | None = None) -> AsyncGenerator[Chunk, None]:
         """One request's chunks of text, the last with its statistics. `deadline`
         (time.monotonic()) is the client's: no step waits past it.
 

@@ -28,7 +28,7 @@ from gateway.errors import DraftSkipped, WorkerError
 from gateway.grammar import Grammar
 from gateway.hybrid import HybridChoice
 from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
-from gateway.request import GenerationRequest
+from gateway.request import Generation
 from specd.rejection import Draws, finish_verdict, verify_greedy
 from specd.sampling import Transform
 from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
@@ -164,7 +164,7 @@ class _Verdict:
 class _Speculation:
     """One request's state across steps: the committed sequence, the RNG and the links."""
 
-    def __init__(self, request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
+    def __init__(self, request: Generation, policy: DraftLengthPolicy, draft: DraftClient | None,
                  verifier: VerifierClient, bounds: ModelBounds, hybrid: HybridChoice | None = None,
                  grammar: Grammar | None = None) -> None:
         self.request = request
@@ -420,7 +420,7 @@ class _Speculation:
         return record, StepOutput(emitted, finish, logprobs)
 
 
-async def speculate(request: GenerationRequest, policy: DraftLengthPolicy, draft: DraftClient | None,
+async def speculate(request: Generation, policy: DraftLengthPolicy, draft: DraftClient | None,
                     verifier: VerifierClient, bounds: ModelBounds, observers: Sequence[StepObserver] = (),
                     tracer: StepTracer | None = None, hybrid: HybridChoice | None = None,
                     max_model_free: int = 0, grammar: Grammar | None = None) -> AsyncGenerator[StepOutput, None]:

@@ -3,7 +3,7 @@
 and event loop.
 
 A thin adapter over `gateway.core.GatewayCore`, as the gRPC servicer is: the JSON body
-becomes `GenerateParams`, the API key (`Authorization: Bearer KEY`, from the same
+becomes `ClientRequest`, the API key (`Authorization: Bearer KEY`, from the same
 `--api-keys` file and with the same per-tenant share as gRPC) becomes the request's user
 segment, and chunks become OpenAI's objects, streamed as server-sent events ending in
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
@@ -58,14 +58,14 @@ from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
-from gateway.choices import choice_params, merged
+from gateway.choices import choice_requests, merged
 from gateway.core import Chunk, GatewayCore
 from gateway.engine import TokenLogprob
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, InvalidRequest, WorkerError
 from gateway.grammar import StructureSpec
 from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
-from gateway.request import GenerateParams, Mode
+from gateway.request import ClientRequest, Mode
 from specd.grpcserver import PortInUse
 from specd.tls import files_stamp
 
@@ -280,7 +280,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
 
 
 def _speculation(body: dict[str, Any]) -> dict[str, Any]:
-    """The `speculation` extension as GenerateParams fields."""
+    """The `speculation` extension as ClientRequest fields."""
     spec = body.get("speculation")
     if spec is None:
         return {}
@@ -469,9 +469,9 @@ class OpenAIApp:
         else:
             raise HttpError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                             param="prompt")
-        params = GenerateParams(**source, user_segment=segment, logprobs=_logprobs(body, chat=False),
-                                **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)))
-        return await self._respond(request, params, body, "text_completion", "cmpl", segment)
+        asked = ClientRequest(**source, user_segment=segment, logprobs=_logprobs(body, chat=False),
+                              **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)))
+        return await self._respond(request, asked, body, "text_completion", "cmpl", segment)
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -483,9 +483,9 @@ class OpenAIApp:
         max_tokens = _integer(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
-        params = GenerateParams(prompt=prompt, add_special_tokens=False, user_segment=segment,
-                                logprobs=_logprobs(body, chat=True), **_sampling(body, max_tokens))
-        return await self._respond(request, params, body, "chat.completion", "chatcmpl", segment)
+        asked = ClientRequest(prompt=prompt, add_special_tokens=False, user_segment=segment,
+                              logprobs=_logprobs(body, chat=True), **_sampling(body, max_tokens))
+        return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment)
 
     def _render(self, messages: Any) -> str:
         """The conversation as the prompt text, through the chat template (on the body thread)."""
@@ -517,7 +517,7 @@ class OpenAIApp:
             raise HttpError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return str(text)
 
-    async def _respond(self, request: Request, params: GenerateParams, body: dict[str, Any], kind: str,
+    async def _respond(self, request: Request, asked: ClientRequest, body: dict[str, Any], kind: str,
                        prefix: str, segment: str) -> Response:
         stream = _typed(body, "stream", (bool,), False, "true or false")
         options = body.get("stream_options")
@@ -526,7 +526,7 @@ class OpenAIApp:
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
         try:
-            choices = choice_params(params, _integer(body, "n", 1, low=1) or 1)
+            choices = choice_requests(asked, _integer(body, "n", 1, low=1) or 1)
         except InvalidRequest as exc:
             raise HttpError(400, str(exc), param="n") from exc
         leaves: list[Callable[[], None]] = []
@@ -542,7 +542,7 @@ class OpenAIApp:
             leave()
             raise
         chat = kind == "chat.completion"
-        logprobs = None if params.logprobs is None else _Logprobs(self.core.backend.tokenizer, chat)
+        logprobs = None if asked.logprobs is None else _Logprobs(self.core.backend.tokenizer, chat)
         reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices), logprobs)
 
         streaming = False  # once the stream is handed out, it gives the tenant's slots back

@@ -192,7 +192,7 @@ class CostPolicy:
 
 class ConfidencePolicy:
     """Ask for the maximum γ; the draft stops early when its top probability is below the
-    request's threshold (`GenerationRequest.min_confidence`, a draft setting)."""
+    request's threshold (`Generation.min_confidence`, a draft setting)."""
 
     name = "confidence"
 

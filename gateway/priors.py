@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from opentelemetry import context, trace
 
 from gateway.costmodel import LOAD_BUCKETS, expected_tokens
-from gateway.request import GenerateParams
+from gateway.request import ClientRequest
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,12 @@ async def measure_overheads(core) -> Overheads | None:
         # The first request through a fresh gateway also pays for first-time set-up: a
         # warm-up, not counted.
         for mode, gamma in (("off", 0), ("off", 0), ("fixed", PROBE_GAMMA)):
-            params = GenerateParams(prompt=PROBE_PROMPT, max_new_tokens=PROBE_TOKENS, mode=mode, draft_length=gamma,
-                                    draft_model=backend.default_draft if gamma else "",
-                                    user_segment=DIAGNOSTIC_SEGMENT, seed=1)
+            probe = ClientRequest(prompt=PROBE_PROMPT, max_new_tokens=PROBE_TOKENS, mode=mode, draft_length=gamma,
+                                  draft_model=backend.default_draft if gamma else "",
+                                  user_segment=DIAGNOSTIC_SEGMENT, seed=1)
             began = time.perf_counter()
             summary = None
-            async for chunk in core.generate(params):
+            async for chunk in core.generate(probe):
                 summary = chunk.summary or summary
             total_ms = (time.perf_counter() - began) * 1e3
             if summary is None or not summary.steps:

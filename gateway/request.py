@@ -1,7 +1,12 @@
-"""One public request as a client gives it (`GenerateParams`, from any transport) and once
-validated: its speculation mode, what the engine generates (`GenerationRequest`), and what
-the γ policy reads (`ParsedRequest`). `gateway.validation` builds the validated ones,
-`gateway.engine.speculate` and `gateway.policy.build_policy` read them.
+"""The gateway's request types, one per stage (docs/design.md §11):
+
+- `ClientRequest`: a request as its client sent it, out of any transport's wire format
+  (the gRPC `GenerateRequest`, an HTTP body); not yet validated;
+- `ParsedRequest`: the request validated (`gateway.validation.parse_request`): its
+  speculation settings and labels, which the core and the γ policy read;
+- `Generation`: inside it, what the engine generates (`gateway.engine.speculate`): the
+  prompt in token ids and how to sample, stop and speculate.
+
 Plain records: importing this loads neither grpc nor torch.
 """
 from __future__ import annotations
@@ -26,9 +31,9 @@ class Mode(enum.Enum):
 
 
 @dataclass(frozen=True)
-class GenerateParams:
-    """One generation request as every transport gives it (the fields of the public API's
-    GenerateRequest, with None for "not given")."""
+class ClientRequest:
+    """A request as its client sent it, whatever the transport: the fields of the public
+    API's GenerateRequest, with None for "not given"."""
 
     prompt: str = ""
     prompt_ids: list[int] | None = None  # token ids instead of text (no tokenizing)
@@ -63,8 +68,8 @@ class GenerateParams:
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request, in token ids."""
+class Generation:
+    """What the engine generates for a validated request, in token ids."""
 
     prompt_ids: list[int]
     transform: Transform
@@ -85,7 +90,7 @@ class GenerationRequest:
 class ParsedRequest:
     """A validated request: its generation, its speculation settings, its labels."""
 
-    generation: GenerationRequest
+    generation: Generation
     mode: Mode
     policy: str  # one of gateway.policy.POLICIES
     draft_length: int  # γ for "fixed", the starting γ for "ema"

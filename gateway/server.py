@@ -1,8 +1,9 @@
 """The public `specd.v1.Gateway` servicer and the gateway's server factory.
 
 The servicer is a thin adapter over `gateway.core.GatewayCore`: it turns a
-GenerateRequest into `GenerateParams` and the core's chunks and errors into protobuf and
-statuses (the interceptors map the typed errors; Busy gets gRPC's retry pushback here).
+GenerateRequest into a `ClientRequest`, and the core's chunks (the last with its
+`RequestSummary`) and errors into protobuf and statuses (the interceptors map the typed
+errors; Busy gets gRPC's retry pushback here).
 `create_server` builds the core once and serves it over gRPC, and over OpenAI-compatible
 HTTP (`gateway.http`) when --http-port is given.
 """
@@ -21,7 +22,7 @@ import grpc
 from gateway.acceptance import AcceptanceStats
 from gateway.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.backend import connect
-from gateway.choices import choice_params, merged
+from gateway.choices import choice_requests, merged
 from gateway.core import Chunk, GatewayCore, RequestSummary
 from gateway.drift import load_baseline
 from gateway.engine import TokenLogprob
@@ -36,7 +37,7 @@ from gateway.paircosts import PairCosts
 from gateway.priors import best_caps, measure_overheads
 from gateway.proposers import SuffixCache
 from gateway.records import Finish
-from gateway.request import GenerateParams, Mode
+from gateway.request import ClientRequest, Mode
 from gateway.selection import DraftSelector
 from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
 from specd.contract import DIAGNOSTIC_SEGMENT, MODEL_FREE, SUFFIX, model_pair_label
@@ -72,11 +73,11 @@ def structure_from_pb(message: gateway_pb2.StructuredOutput) -> StructureSpec | 
     return StructureSpec(kind, getattr(message, kind))
 
 
-def params_from_pb(request: gateway_pb2.GenerateRequest) -> GenerateParams:
-    """A GenerateRequest as the core's parameters (proto3's unset fields as None)."""
+def client_request_from_pb(request: gateway_pb2.GenerateRequest) -> ClientRequest:
+    """A GenerateRequest as a `ClientRequest` (proto3's unset fields as None)."""
     sampling, speculation = request.sampling, request.speculation
     mode = _MODES.get(speculation.mode)
-    return GenerateParams(
+    return ClientRequest(
         prompt=request.prompt, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         seed=sampling.seed, max_new_tokens=sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None,
         stop=list(sampling.stop), presence_penalty=sampling.presence_penalty,
@@ -127,7 +128,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         # aclosing: a client that goes away closes the links now, not at garbage collection.
         # InvalidRequest, Busy and WorkerError leave as their statuses (specd.interceptors).
-        choices = choice_params(params_from_pb(request), request.n or 1)
+        choices = choice_requests(client_request_from_pb(request), request.n or 1)
         async with contextlib.aclosing(merged([self.core.generate(one, deadline) for one in choices])) as chunks:
             async for index, chunk in chunks:
                 yield _chunk_pb(index, chunk)

@@ -20,7 +20,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.records import NoTracer, RequestStats, StepRecord, StepTracer
-from gateway.request import GenerationRequest
+from gateway.request import Generation
 
 TRACER_NAME = "specd.gateway"
 
@@ -137,7 +137,7 @@ class RequestTrace:
             self.step_tracer.add_event(name, attributes)
 
     @classmethod
-    def start(cls, generation: GenerationRequest, *, target_model: str, model_pair: str, task_type: str,
+    def start(cls, generation: Generation, *, target_model: str, model_pair: str, task_type: str,
               user_segment: str, mode: str, policy: str) -> RequestTrace:
         """Open the request span; set what is known before the first step."""
         tracer = trace.get_tracer(TRACER_NAME)

@@ -1,5 +1,5 @@
 """Validation: a client's request checked against the models and the settings, and turned
-into what the core runs (`gateway.request`: from `GenerateParams` to `ParsedRequest`).
+into what the core runs (`gateway.request`: from `ClientRequest` to `ParsedRequest`).
 
 Every problem is named, all of them in one `InvalidRequest`, so a client fixes its
 request in one round. Sizes are checked before any costly work: a prompt over
@@ -17,14 +17,14 @@ from gateway.backend import Backend
 from gateway.errors import InvalidRequest
 from gateway.grammar import compile_structure
 from gateway.policy import POLICIES
-from gateway.request import GenerateParams, GenerationRequest, Mode, ParsedRequest
+from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
 from gateway.settings import GatewaySettings
 from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from specd.errors import clip
 from specd.sampling import MAX_LOGPROBS, Transform
 
 
-def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySettings,
+def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySettings,
                   choose: Callable[[str, str], str] | None = None) -> ParsedRequest:
     """Validate a public request against the models and settings; collect every problem.
 
@@ -77,7 +77,7 @@ def parse_request(request: GenerateParams, backend: Backend, settings: GatewaySe
     # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
     eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
     transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
-    generation = GenerationRequest(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
+    generation = Generation(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
                                    stops, request.ignore_eos, request.logprobs, grammar)
     return ParsedRequest(
         generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
@@ -96,7 +96,7 @@ def cache_salt(settings: GatewaySettings, user_segment: str, own: str) -> bytes:
     return f"{len(tenant)}:{tenant}{own}".encode()
 
 
-def _size_problems(request: GenerateParams, settings: GatewaySettings) -> list[str]:
+def _size_problems(request: ClientRequest, settings: GatewaySettings) -> list[str]:
     """What is too large in a request, apart from its prompt (labels, stop strings)."""
     problems = []
     for name, value in (("task_type", request.task_type), ("user_segment", request.user_segment),
@@ -113,7 +113,7 @@ def _size_problems(request: GenerateParams, settings: GatewaySettings) -> list[s
     return problems
 
 
-def _output_problems(request: GenerateParams, backend: Backend, settings: GatewaySettings,
+def _output_problems(request: ClientRequest, backend: Backend, settings: GatewaySettings,
                      problems: list[str]) -> str:
     """Check what shapes the output (token ids named, logprobs, the structure), appending
     to `problems`; the compiled structure (`gateway.grammar`), empty when none is asked."""
@@ -140,7 +140,7 @@ def _output_problems(request: GenerateParams, backend: Backend, settings: Gatewa
     return grammar
 
 
-def _prompt(request: GenerateParams, backend: Backend, settings: GatewaySettings,
+def _prompt(request: ClientRequest, backend: Backend, settings: GatewaySettings,
             problems: list[str]) -> tuple[list[int], str]:
     """The prompt's token ids and its text (for stop strings and task classification),
     appending to `problems`; no ids when the prompt cannot be served."""
@@ -170,7 +170,7 @@ def _prompt(request: GenerateParams, backend: Backend, settings: GatewaySettings
     return prompt_ids, prompt_text
 
 
-def _max_new_tokens(request: GenerateParams, settings: GatewaySettings, prompt_tokens: int, context: int,
+def _max_new_tokens(request: ClientRequest, settings: GatewaySettings, prompt_tokens: int, context: int,
                     problems: list[str]) -> int:
     """How many tokens the request may generate (the gateway's default when it names none),
     appending to `problems` what does not fit the context window or the cap."""
@@ -191,7 +191,7 @@ def _max_new_tokens(request: GenerateParams, settings: GatewaySettings, prompt_t
     return max_new
 
 
-def _speculation(request: GenerateParams, settings: GatewaySettings, problems: list[str]) -> tuple[Mode | None, str]:
+def _speculation(request: ClientRequest, settings: GatewaySettings, problems: list[str]) -> tuple[Mode | None, str]:
     """The request's speculation mode (None when unknown) and γ policy, appending to
     `problems` what is out of range or does not go together."""
     mode = next((m for m in Mode if m.value == request.mode), None)
@@ -214,7 +214,7 @@ def _speculation(request: GenerateParams, settings: GatewaySettings, problems: l
     return mode, policy
 
 
-def _draft_problems(request: GenerateParams, backend: Backend, settings: GatewaySettings, mode: Mode | None,
+def _draft_problems(request: ClientRequest, backend: Backend, settings: GatewaySettings, mode: Mode | None,
                     forced: str) -> list[str]:
     """What is wrong with the proposer the request names (`forced`: a model-free one), or
     with asking for FIXED where nothing can propose."""

@@ -16,7 +16,7 @@ from gateway.hybrid import QUIET_STEPS, HybridChoice
 from gateway.policy import FixedPolicy
 from gateway.proposers import Match
 from gateway.records import Finish, RequestStats, StepRecord
-from gateway.request import GenerationRequest
+from gateway.request import Generation
 from specd.contract import SUFFIX
 from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
@@ -96,7 +96,7 @@ BOUNDS = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozense
 
 
 def run(draft, verifier, gamma: int, max_new_tokens: int = 12) -> tuple[list[int], Finish | None, list[StepRecord]]:
-    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
     stats = RequestStats()
     tokens: list[int] = []
     finish = None
@@ -142,7 +142,7 @@ def test_each_verdict_commits_the_target_token_at_the_first_rejection(wrong, ver
 def test_the_requests_confidence_threshold_goes_to_the_draft():
     """A draft setting carried by the request, not by the γ policy."""
     draft = ScriptedDraft()
-    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=4, draft_model="d", min_confidence=0.7)
+    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=4, draft_model="d", min_confidence=0.7)
 
     async def drive() -> None:
         async for _ in speculate(request, FixedPolicy(3), draft, ScriptedVerifier(), BOUNDS):
@@ -204,7 +204,7 @@ class Echo:
 
 
 def run_hybrid(proposer: Echo, verifier: ScriptedVerifier, max_new_tokens: int) -> list[StepRecord]:
-    request = GenerationRequest(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
     hybrid = HybridChoice([proposer], StepCosts(), lambda name: StepCosts(), model_alpha=lambda: 0.0, timed=False)
     bounds = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), target_context=256)
     stats = RequestStats()
@@ -250,7 +250,7 @@ def test_a_sampled_request_sends_the_uniforms_of_the_steps_ahead_early_and_in_or
             p = torch.full((1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict([], [], p, draws), 0.0)
 
-    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=11, max_new_tokens=6, draft_model="")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=11, max_new_tokens=6, draft_model="")
 
     async def drive() -> list[int]:
         return [t async for c in speculate(request, FixedPolicy(0), None, PlainSampledVerifier(), BOUNDS)
@@ -308,7 +308,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
-    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=7, max_new_tokens=12, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=7, max_new_tokens=12, draft_model="d")
     stats = RequestStats()
 
     async def drive() -> list[int]:
@@ -407,7 +407,7 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
     from test_rejection import reference_rejection_sample
 
     draft, verifier = KeepingDraft(), LawVerifier()
-    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=5, max_new_tokens=40, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=5, max_new_tokens=40, draft_model="d")
     stats = RequestStats()
     # γ = 0 between proposing steps, each plain step guessing (wrongly, before a proposing
     # one) that the next is plain too: the uniform it drew early opens the next step's draws.
@@ -456,7 +456,7 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
             p[0, EOS], p[1:, 5] = 1.0, 1.0  # EOS surely accepted, 3 surely rejected
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
-    request = GenerationRequest(PROMPT, Transform(temperature=1.0), seed=3, max_new_tokens=12, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=3, max_new_tokens=12, draft_model="d")
     stats = RequestStats()
 
     async def drive() -> list:

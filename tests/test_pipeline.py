@@ -173,7 +173,7 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     from gateway.backend import connect
     from gateway.core import open_links
     from gateway.engine import ModelBounds, speculate
-    from gateway.request import GenerationRequest
+    from gateway.request import Generation
     from gateway.settings import GatewaySettings
     from specd.config import ServerSettings
     from specd.sampling import Transform
@@ -195,7 +195,7 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
 
         draft.propose = recording_propose
         prompt = backend.tokenizer(PROMPTS[0])["input_ids"]
-        request_ = GenerationRequest(prompt, Transform(), seed=1, max_new_tokens=40, draft_model=draft_name)
+        request_ = Generation(prompt, Transform(), seed=1, max_new_tokens=40, draft_model=draft_name)
         bounds = ModelBounds(draft_context=256, vocab_size=backend.target.vocab_size,
                         eos_token_ids=frozenset(backend.target.eos_token_ids))
         async for _ in speculate(request_, ScriptedPolicy([3, 0, 0, 2, 0, 3, 0, 0, 0, 4]), draft, verifier,
