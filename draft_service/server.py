@@ -1,7 +1,7 @@
 """The `specd.v1.Draft` servicer and its server factory.
 
-Thin by design: look up the draft, call the runtime on the model's thread, convert; the
-stream's skeleton is `specd.worker.service`'s, shared with the verifier.
+Thin by design: look up the draft, call its drafter (`draft_service.drafter`), convert;
+the stream's skeleton is `specd.worker.service`'s, shared with the verifier.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import replace
 import grpc
 from opentelemetry import trace
 
+from draft_service.drafter import Drafter
 from specd import wire
 from specd.errors import InvalidArgument, clip
 from specd.grpcserver import RunningServer, start_server
@@ -21,7 +22,6 @@ from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.worker import service
 from specd.worker.metrics import start_worker_metrics
-from specd.worker.runtime import ModelRunner
 from specd.worker.settings import DraftSettings
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
@@ -48,7 +48,7 @@ def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Pr
 class DraftServicer(worker_pb2_grpc.DraftServicer):
     """Proposes draft tokens; one multiplexed stream per gateway connection."""
 
-    def __init__(self, drafts: dict[str, ModelRunner]) -> None:
+    def __init__(self, drafts: dict[str, Drafter]) -> None:
         if not drafts:
             raise ValueError("the draft service needs at least one draft model")
         self.drafts = drafts
@@ -56,7 +56,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
         return worker_pb2.ModelInfoResponse(
-            models=[wire.model_info_to_pb(r.info) for r in self.drafts.values()], protocol=wire.WORKER_PROTOCOL)
+            models=[wire.model_info_to_pb(d.runner.info) for d in self.drafts.values()],
+            protocol=wire.WORKER_PROTOCOL)
 
     async def Propose(self, request_iterator: AsyncIterator[worker_pb2.ProposeSteps],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.ProposeResults]:
@@ -69,27 +70,27 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
     async def _propose(self, request: worker_pb2.ProposeRequest, stream: service.StepStream,
                        step_id: int) -> worker_pb2.ProposeResponse:
         name = request.draft_model or self.default
-        runner = self.drafts.get(name)
+        drafter = self.drafts.get(name)
         if request.HasField("expected_model"):  # a step that opens a session
-            service.check_model(request.expected_model, runner.info if runner else None, "draft")
-        if runner is None:
+            service.check_model(request.expected_model, drafter.runner.info if drafter else None, "draft")
+        if drafter is None:
             raise InvalidArgument(f"unknown draft model {clip(name)}; this service hosts {sorted(self.drafts)}")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
         recovering = request.HasField("recovery")  # the recovered token takes a position too
-        problems = wire.step_problems(runner.info, delta, transform, request.draft_length + recovering)
+        problems = wire.step_problems(drafter.runner.info, delta, transform, request.draft_length + recovering)
         problems += wire.recovery_problems(request, transform)
         if request.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
             problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
         service.check_problems(problems)
-        session = stream.session(runner, delta.session_id)
+        session = stream.session(drafter.runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
         proposal = await service.traced_step(
             _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", request.trace_context.carrier,
-            runner.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
+            drafter.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
                            pre_draft, wire.recovery_from_pb(request), delta.cache_salt),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
@@ -126,11 +127,11 @@ async def create_server(settings: DraftSettings) -> RunningServer:
     if model.batching.gpu_memory_fraction and settings.drafts:
         model = replace(model, batching=replace(
             model.batching, gpu_memory_fraction=model.batching.gpu_memory_fraction / len(settings.drafts)))
-    runners = {name: ModelRunner(path, model, name=name, pre_draft_branches=settings.pre_draft_branches,
-                                 kept_rows_bytes=settings.kept_rows_mib << 20)
-               for name, path in settings.drafts.items()}
-    servicer = DraftServicer(runners)
-    stop_metrics = start_worker_metrics(runners, "draft", settings.metrics_host, settings.metrics_port)
+    drafters = {name: Drafter(path, model, name=name, pre_draft_branches=settings.pre_draft_branches,
+                              kept_rows_bytes=settings.kept_rows_mib << 20)
+                for name, path in settings.drafts.items()}
+    servicer = DraftServicer(drafters)
+    stop_metrics = start_worker_metrics(drafters, "draft", settings.metrics_host, settings.metrics_port)
 
     watch: asyncio.Task | None = None  # the forwards' health, once serving
 
@@ -138,12 +139,13 @@ async def create_server(settings: DraftSettings) -> RunningServer:
         if watch is not None:
             watch.cancel()
         stop_metrics()
-        for runner in runners.values():
-            await runner.close()
+        for drafter in drafters.values():
+            await drafter.runner.close()
 
     names = [worker_pb2.DESCRIPTOR.services_by_name["Draft"].full_name]
     running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_DraftServicer_to_server(servicer, s), names, on_stop=close)
     running.servicer = servicer
+    runners = {name: drafter.runner for name, drafter in drafters.items()}
     watch = asyncio.get_running_loop().create_task(service.watch_forwards(runners, running.health, names))
     return running

@@ -91,7 +91,7 @@ class VerifierClient(Protocol):
         """The target's view of the γ+1 positions after `committed`: argmax when greedy, else
         its verdict on the proposal (qᵢ(xᵢ) = draft_token_probs) under the gateway's draws.
         run_ahead: up to that many plain steps follow (sampled: each with its uniform in
-        `ahead_uniforms`), so the verifier may score them at once (`specd.worker.runahead`).
+        `ahead_uniforms`), so the verifier may score them at once (`verifier_service.runahead`).
         logprobs: the decided positions' raw log-probabilities too, with that many
         alternatives; allowed: a grammar's bitmask words per position (`gateway.grammar`)."""
         ...
@@ -429,7 +429,7 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
     After each step its record goes to the policy, then to `observers` in order, then to
     the tracer, which ends the step's span: what an observer notices (drift) can still be
     an event on it. With request.overlap, every proposal also asks the draft to pre-draft
-    the next step while the target verifies this one (`specd.worker.predraft`); the draft seeds
+    the next step while the target verifies this one (`draft_service.predraft`); the draft seeds
     depend only on the step index, so the output is the same either way.
 
     With `hybrid`, each step first asks the request's model-free proposers for up to

@@ -16,7 +16,7 @@ keeps it at the committed tokens; each step:
   whatever proposed it;
 - the committed tokens advance the matcher (`commit`).
 
-The draft model proposes under the same grammar (`specd.worker.grammar`: the compiled
+The draft model proposes under the same grammar (`draft_service.grammar`: the compiled
 grammar travels with each proposal request), so its tokens mostly survive the cut; a
 model-free proposal is cut like any other. docs/sampling.md has the design and figures.
 No gRPC here.

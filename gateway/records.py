@@ -48,7 +48,7 @@ class StepRecord:
     pre_drafted: bool = False  # ...and this step's proposal came from a pre-drafted branch (a hit)
     proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
     model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
-    ran_ahead: bool = False  # the verifier scored this plain step before it was asked (specd.worker.runahead)
+    ran_ahead: bool = False  # the verifier scored this plain step before it was asked (verifier_service.runahead)
     # Sampled: this step's proposal came with the last step's recovery hop (the draft drew
     # that step's recovered token and drafted this proposal after it), so the draft hop's
     # figures are that hop's, and the step made none of its own.
@@ -89,7 +89,7 @@ class DraftLengthPolicy(StepObserver, Protocol):
     def plain_steps_ahead(self, limit: int) -> int:
         """How many of the (at most `limit`) steps after the one just chosen will surely
         propose nothing, whatever they commit: the verifier may score them ahead
-        (`specd.worker.runahead`). A wrong count costs time, never output: the step that
+        (`verifier_service.runahead`). A wrong count costs time, never output: the step that
         proposes after all waits for the forward run ahead, and is scored as asked."""
         ...
 

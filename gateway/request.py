@@ -76,7 +76,7 @@ class Generation:
     seed: int
     max_new_tokens: int
     draft_model: str  # empty: no draft (plain decoding)
-    overlap: bool = False  # pre-draft the next step while the target verifies (specd.worker.predraft)
+    overlap: bool = False  # pre-draft the next step while the target verifies (draft_service.predraft)
     # > 0: the draft stops proposing inside a step once its top probability falls below
     # this (the confidence policy's setting, carried out by the draft).
     min_confidence: float = 0.0

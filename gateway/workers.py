@@ -98,7 +98,7 @@ class StepOverBudget(Exception):
 
 class Reserved:
     """The step ids a link reserved after the last step it sent, and the futures of the
-    answers the worker may send to them unasked (`specd.worker.runahead`), first first."""
+    answers the worker may send to them unasked (`verifier_service.runahead`), first first."""
 
     def __init__(self, stream: WorkerStream | None = None, first_id: int = 0,
                  futures: Sequence[asyncio.Future] = ()) -> None:
@@ -343,7 +343,7 @@ class VerifierLink(WorkerLink):
         grammar's bitmask words, int32 [γ+1, ceil(V / 32)]), only those tokens may be chosen.
 
         run_ahead: plain steps follow, up to that many (sampled, each with its uniform in
-        `ahead_uniforms`): the verifier scores them unasked (`specd.worker.runahead`). A
+        `ahead_uniforms`): the verifier scores them unasked (`verifier_service.runahead`). A
         plain step that one of them is for takes that answer and sends nothing."""
         if self.reserved:
             ahead = self.reserved.expects == (len(committed), committed[-1]) and self.position == len(committed) - 1

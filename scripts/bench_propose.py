@@ -3,7 +3,7 @@ proposal, beside the proposal's own forwards.
 
     python scripts/bench_propose.py [--model models/demo/draft-distilled] [--gamma 4] [--threads 1]
 
-One session, greedy. Each round feeds 4 committed tokens and proposes γ (`ModelRunner.propose`,
+One session, greedy. Each round feeds 4 committed tokens and proposes γ (`Drafter.propose`,
 as the draft service does). Each proposal is split in two: its forwards, as the scheduler
 timed them (`Proposal.forward_ms`), and the rest of its time in `propose` (bookkeeping,
 the queue, the hand-offs to the model's thread and back, sampling after each forward).
@@ -23,27 +23,27 @@ import time
 
 import torch
 
+from draft_service.drafter import Drafter
 from specd.config import DEMO_DRAFT
 from specd.sampling import Transform
 from specd.steps import DraftRequest
-from specd.worker.runtime import ModelRunner
 
 PROMPT = list(range(5, 60))
 
 
-async def proposals(runner: ModelRunner, gamma: int, rounds: int) -> list[tuple[float, float]]:
+async def proposals(drafter: Drafter, gamma: int, rounds: int) -> list[tuple[float, float]]:
     """(ms in `propose`, ms of its forwards) per proposal of `gamma` tokens, the session
     growing by 4 committed tokens a round."""
-    proposal = await runner.propose("s", 0, PROMPT, DraftRequest(gamma, Transform()))
+    proposal = await drafter.propose("s", 0, PROMPT, DraftRequest(gamma, Transform()))
     position, times = len(PROMPT), []
     for _ in range(rounds):
         began = time.perf_counter()
-        proposal = await runner.propose("s", position, [*proposal.tokens[:3], 7][:4], DraftRequest(gamma, Transform()))
+        proposal = await drafter.propose("s", position, [*proposal.tokens[:3], 7][:4], DraftRequest(gamma, Transform()))
         times.append(((time.perf_counter() - began) * 1e3, proposal.forward_ms))
         position += 4
         if position > 400:  # start over before the context grows far
             position = len(PROMPT)
-            proposal = await runner.propose("s", 0, PROMPT, DraftRequest(gamma, Transform()))
+            proposal = await drafter.propose("s", 0, PROMPT, DraftRequest(gamma, Transform()))
     return times
 
 
@@ -55,9 +55,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(args.model)
-    times = asyncio.run(proposals(runner, args.gamma, args.rounds))[20:]  # past the first rounds' warm-up
-    asyncio.run(runner.close())
+    drafter = Drafter(args.model)
+    times = asyncio.run(proposals(drafter, args.gamma, args.rounds))[20:]  # past the first rounds' warm-up
+    asyncio.run(drafter.runner.close())
     whole = statistics.median(total for total, _ in times)
     forwards = statistics.median(forward for _, forward in times)
     rest = statistics.median(total - forward for total, forward in times)

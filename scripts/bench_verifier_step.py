@@ -27,7 +27,8 @@ import grpc
 import torch
 
 from specd.v1 import worker_pb2
-from specd.worker.runtime import ModelRunner, event_loop_single_threaded
+from specd.worker.runtime import event_loop_single_threaded
+from verifier_service.scorer import Scorer
 from verifier_service.server import VerifierServicer
 
 WARM_UP_ROUNDS = 5
@@ -44,7 +45,7 @@ async def run(servicer: VerifierServicer, sessions: int, rounds: int) -> tuple[f
 
     # The RPC reads nothing of its context: no gRPC server is needed to call it.
     results = servicer.Verify(messages(), cast(grpc.aio.ServicerContext, None))
-    vocab = servicer.target.info.vocab_size
+    vocab = servicer.scorer.runner.info.vocab_size
     steps = WARM_UP_ROUNDS + rounds
     # One step a session, its prompt, which lets the verifier decode the rest unasked: the
     # answers take the step ids reserved after the step's own (the gateway's stream does this).
@@ -83,11 +84,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a small model in the verifier)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(args.model)
+    scorer = Scorer(args.model)
     event_loop_single_threaded()  # as a worker does once its models are loaded
     # Every session decodes all its rounds: a run ends at EOS, which would leave a round waiting.
-    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
-    servicer = VerifierServicer(runner)
+    scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=())
+    servicer = VerifierServicer(scorer)
     round_ms, step_us = asyncio.run(run(servicer, args.sessions, args.rounds))
     print(f"{args.model}, {args.sessions} sessions, {args.threads} torch thread(s): {round_ms:.2f} ms a round, "
           f"{step_us:.1f} µs of CPU a step")

@@ -14,8 +14,8 @@ import resource
 
 from specd.config import DEMO_TARGET
 from specd.sampling import Transform
-from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
+from verifier_service.scorer import Scorer
 
 
 def rss_mb() -> float:
@@ -29,13 +29,14 @@ async def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
-    runner = ModelRunner(args.model, ModelSettings(max_sessions=args.sessions))
-    await runner.score("warm-up", 0, [5] * 16, [], Transform())
+    scorer = Scorer(args.model, ModelSettings(max_sessions=args.sessions))
+    runner = scorer.runner
+    await scorer.score("warm-up", 0, [5] * 16, [], Transform())
     runner.end_session("warm-up")
     before = rss_mb()
     for i in range(args.sessions):
         # tokens - 1 committed plus one scored position: `tokens` cached positions each.
-        await runner.score(f"s{i}", 0, [(7 * i + j) % runner.info.vocab_size for j in range(args.tokens - 1)], [1],
+        await scorer.score(f"s{i}", 0, [(7 * i + j) % runner.info.vocab_size for j in range(args.tokens - 1)], [1],
                            Transform())
     held = runner.sessions.kv_bytes()
     arithmetic = args.sessions * args.tokens * runner.kv_bytes_per_token()

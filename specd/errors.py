@@ -108,7 +108,7 @@ class StepCancelled(SpecdError):
 class AheadStopped(SpecdError):
     """A run of plain steps scored ahead stopped before a step the gateway reserved for it
     (no room in the pool, a failed forward, the context's end): the gateway asks that step
-    itself (`specd.worker.runahead`)."""
+    itself (`verifier_service.runahead`)."""
 
     status = "ABORTED"
 

@@ -3,8 +3,8 @@
 A model's facts (`ModelInfo`), how to draft one step (`DraftRequest`), the next one
 early (`PreDraftRequest`) and the token after a rejection (`Recovery`), how a step was
 batched (`BatchStats`), and a step's two results: the draft's `Proposal` and the
-target's `Scores`. The workers build them (`specd.worker.jobs`,
-`specd.worker.runtime`), `specd.wire` turns them into worker messages and back, and the
+target's `Scores`. The workers build them (`draft_service.drafter` and its jobs,
+`verifier_service.scorer` and its jobs), `specd.wire` turns them into worker messages and back, and the
 gateway's engine reads them. Light on purpose: nothing that loads torch, transformers or
 grpc, so the gateway's records and policies import them for free.
 """
@@ -56,7 +56,7 @@ class DraftRequest:
     seed: int = 0  # the step's sampler seed (`gateway.engine.draft_seed`; 0 when greedy)
     min_confidence: float = 0.0  # > 0: stop inside the step once the draft's top probability falls below
     vocab_limit: int = 0  # > 0: propose only ids below it (the target's vocabulary)
-    grammar: str = ""  # a structured request's grammar: propose only what it allows (`specd.worker.grammar`)
+    grammar: str = ""  # a structured request's grammar: propose only what it allows (`draft_service.grammar`)
 
     def then(self, pre_draft: PreDraftRequest) -> DraftRequest:
         """The next step's request, as a pre-draft foresees it: its γ and seed, the rest the same."""
@@ -131,7 +131,7 @@ class Scores:
     verdict: TargetVerdict | None
     forward_ms: float
     batch: BatchStats = BatchStats()
-    ran_ahead: bool = False  # scored before it was asked for (`specd.worker.runahead`)
+    ran_ahead: bool = False  # scored before it was asked for (`verifier_service.runahead`)
     # Asked for: positions 1 to accepted + 1, the ones the step decided.
     logprobs: tuple[PositionLogprobs, ...] = ()
 

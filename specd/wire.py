@@ -190,8 +190,8 @@ def logprobs_to_pb(positions: tuple[PositionLogprobs, ...]) -> list[worker_pb2.P
         if position.token is not None:
             message.token = position.token
         else:
-            assert position.row is not None  # a rejected position carries its row
-            message.row = position.row.float().contiguous().numpy().astype("<f4").tobytes()  # on the host (jobs.py)
+            assert position.row is not None  # a rejected position carries its row, on the host (verifier_service.jobs)
+            message.row = position.row.float().contiguous().numpy().astype("<f4").tobytes()
         messages.append(message)
     return messages
 

@@ -158,7 +158,7 @@ class Stack:
         """KV-cache sessions the draft and verifier hold right now."""
         draft, verifier = self.draft.servicer, self.verifier.servicer
         assert isinstance(draft, DraftServicer) and isinstance(verifier, VerifierServicer)
-        runners = [*draft.drafts.values(), verifier.target]
+        runners = [*(drafter.runner for drafter in draft.drafts.values()), verifier.scorer.runner]
         return sum(len(runner.sessions) for runner in runners)
 
     def wait_no_sessions(self, within_s: float = 20.0) -> int:

@@ -19,16 +19,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import request, start_stack
+from draft_service.drafter import Drafter
 from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
 from specd.worker import lean
 from specd.worker.batching import Job, Scheduler
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
-from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
 from test_cli import free_port
 from test_pipeline import reference_greedy
+from verifier_service.scorer import Scorer
 
 PROMPTS = ["def fibonacci(n):", "The acceptance rate is", "class Cache:", "Speculative decoding lets",
            "    a, b = 0, 1", "the target model verifies", "def __init__(self, size):", "When it is high,"]
@@ -328,30 +329,30 @@ def test_a_forward_sends_its_indices_to_the_device_in_one_copy(model_dirs, devic
 
 def test_kv_memory_is_the_arithmetic(model_dirs, device):
     """64 sessions of 512 tokens hold what layers × 2 × KV heads × head dim × tokens × bytes says."""
-    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=64, device=device,
-                                                             batching=BatchSettings(kv_cache_tokens=64 * 544)))
+    scorer = Scorer(model_dirs["target"], ModelSettings(max_sessions=64, device=device,
+                                                        batching=BatchSettings(kv_cache_tokens=64 * 544)))
 
     async def fill() -> None:
         for i in range(64):
-            await runner.score(f"s{i}", 0, [5] * 511, [], Transform())
-        await runner.close()
+            await scorer.score(f"s{i}", 0, [5] * 511, [], Transform())
+        await scorer.runner.close()
 
     asyncio.run(fill())
-    arithmetic = 64 * 512 * runner.kv_bytes_per_token()
-    assert len(runner.sessions) == 64
-    assert arithmetic <= runner.sessions.kv_bytes() <= 1.1 * arithmetic
+    arithmetic = 64 * 512 * scorer.runner.kv_bytes_per_token()
+    assert len(scorer.runner.sessions) == 64
+    assert arithmetic <= scorer.runner.sessions.kv_bytes() <= 1.1 * arithmetic
 
 
 def test_a_step_reports_the_sessions_its_worker_holds(model_dirs, device):
     """The load the gateway's cap is chosen for: sessions held, not just those in the forward."""
-    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=8, device=device))
+    scorer = Scorer(model_dirs["target"], ModelSettings(max_sessions=8, device=device))
 
     async def steps() -> list[int]:
         held = []
         for i in range(3):
-            scores = await runner.score(f"s{i}", 0, [5, 6, 7], [], Transform())
+            scores = await scorer.score(f"s{i}", 0, [5, 6, 7], [], Transform())
             held.append(scores.batch.sessions)
-        await runner.close()
+        await scorer.runner.close()
         return held
 
     # Each step runs alone, and each finds one more session open than the last.
@@ -373,19 +374,19 @@ class CountingExecutor(ThreadPoolExecutor):
 def test_a_proposal_runs_its_forwards_in_one_hand_off_and_a_step_arriving_meanwhile_joins(model_dirs, device):
     """A lone γ = 8 proposal takes 8 forwards and one trip to the model's thread; a step
     that arrives while a long proposal is under way still shares its next forward."""
-    runner = ModelRunner(model_dirs["close"], ModelSettings(device=device))
+    drafter = Drafter(model_dirs["close"], ModelSettings(device=device))
     counting = CountingExecutor()
-    runner.scheduler._executor = counting
+    drafter.runner.scheduler._executor = counting
 
     async def scenario():
-        alone = await runner.propose("a", 0, [5, 6, 7], DraftRequest(8, Transform()))
+        alone = await drafter.propose("a", 0, [5, 6, 7], DraftRequest(8, Transform()))
         handed_alone = counting.handed
-        long = asyncio.ensure_future(runner.propose("b", 0, [5, 6, 7], DraftRequest(32, Transform())))
-        while not runner.scheduler.busy:  # the long proposal's forwards are under way
+        long = asyncio.ensure_future(drafter.propose("b", 0, [5, 6, 7], DraftRequest(32, Transform())))
+        while not drafter.runner.scheduler.busy:  # the long proposal's forwards are under way
             await asyncio.sleep(0)
-        late = await runner.propose("c", 0, [8, 9], DraftRequest(2, Transform()))
+        late = await drafter.propose("c", 0, [8, 9], DraftRequest(2, Transform()))
         await long
-        await runner.close()
+        await drafter.runner.close()
         return alone, handed_alone, late, long.result()
 
     alone, handed_alone, late, long = asyncio.run(scenario())
@@ -402,14 +403,14 @@ def test_bad_batch_settings_are_named():
 def test_an_evicted_session_takes_its_pre_drafted_branches_with_it(model_dirs, device):
     """Pre-drafted branches hold KV blocks: a session evicted from the store must not leave
     them pending for good."""
-    runner = ModelRunner(model_dirs["close"], ModelSettings(max_sessions=1, device=device))
+    drafter = Drafter(model_dirs["close"], ModelSettings(max_sessions=1, device=device))
 
     async def scenario() -> tuple[int, int]:
-        await runner.propose("a", 0, [5, 6, 7], DraftRequest(3, Transform()), pre_draft=PreDraftRequest(3, 0))
-        pending = len(runner.pre_drafts)
-        await runner.propose("b", 0, [5, 6, 8], DraftRequest(3, Transform()))  # the store keeps one: "a" goes
-        left = len(runner.pre_drafts)
-        await runner.close()
+        await drafter.propose("a", 0, [5, 6, 7], DraftRequest(3, Transform()), pre_draft=PreDraftRequest(3, 0))
+        pending = len(drafter.pre_drafts)
+        await drafter.propose("b", 0, [5, 6, 8], DraftRequest(3, Transform()))  # the store keeps one: "a" goes
+        left = len(drafter.pre_drafts)
+        await drafter.runner.close()
         return pending, left
 
     assert asyncio.run(scenario()) == (1, 0)
@@ -511,7 +512,7 @@ def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop
     from specd import wire
     from specd.rejection import Draws
 
-    runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=4, device=device))
+    scorer = Scorer(model_dirs["target"], ModelSettings(max_sessions=4, device=device))
     threads: list[str] = []
     original = torch.Tensor.cpu
 
@@ -523,7 +524,7 @@ def test_a_rejected_row_leaves_the_device_on_the_model_thread_not_the_event_loop
 
     async def step():
         # q = 1 for each proposed token, and uniforms near 1: the first test fails unless p is 1 there.
-        scores = await runner.score("s", 0, [5, 6, 7, 8], [9, 10, 11], Transform(temperature=1.0),
+        scores = await scorer.score("s", 0, [5, 6, 7, 8], [9, 10, 11], Transform(temperature=1.0),
                                     draft_token_probs=[1.0, 1.0, 1.0], draws=Draws((0.999,) * 3, 0.5))
         event_loop = threading.current_thread().name
         assert scores.verdict is not None and scores.verdict.rejected_row is not None

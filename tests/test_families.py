@@ -28,6 +28,7 @@ from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
+from verifier_service.scorer import Scorer
 
 # Field names families use for their sizes, and the tiny values they get.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -190,12 +191,12 @@ def build(model_type: str, directory: Path, tokenizer, dtype: str = "float32") -
     return expected
 
 
-async def decode_together(runner: ModelRunner) -> list[list[int]]:
+async def decode_together(scorer: Scorer) -> list[list[int]]:
     """Greedy decoding of every prompt, one session each, their steps batched together."""
     async def decode(session: str, prompt: list[int]) -> list[int]:
         tokens, start, out = list(prompt), 0, []
         for _ in range(NEW_TOKENS):
-            scores = await runner.score(session, start, tokens[start:], [], Transform())
+            scores = await scorer.score(session, start, tokens[start:], [], Transform())
             assert scores.argmax is not None
             start = len(tokens)
             out.append(scores.argmax[0])
@@ -205,7 +206,7 @@ async def decode_together(runner: ModelRunner) -> list[list[int]]:
     try:
         return list(await asyncio.gather(*(decode(f"s{i}", p) for i, p in enumerate(PROMPTS))))
     finally:
-        await runner.close()
+        await scorer.runner.close()
 
 
 # Every linear layer packed, as a worker packs a real model's (the tiny ones here are below
@@ -231,17 +232,18 @@ def check_family(model_type: str, tokenizer, tmp_path: Path, dtype: str, caplog,
     caplog.set_level(logging.ERROR)
     expected = build(model_type, tmp_path / model_type, tokenizer, dtype)
     try:
-        runner = ModelRunner(tmp_path / model_type, ModelSettings(dtype=dtype, max_sessions=4,
-                                                                          batching=BatchSettings(kv_cache_tokens=2048)))
+        scorer = Scorer(tmp_path / model_type, ModelSettings(dtype=dtype, max_sessions=4,
+                                                             batching=BatchSettings(kv_cache_tokens=2048)))
     except UnsupportedModel as refused:
         assert refusable and model_type in str(refused), refused
         print(f"refused at load: {refused}")
         return
+    runner = scorer.runner
     assert runner.lean_forward == (type(runner.model).__name__ in LEAN_FORWARD), model_type
     if packed:
         assert not any(type(m) is torch.nn.Linear for m in runner.model.modules())
         assert any(isinstance(m, packing.PackedLinear) for m in runner.model.modules()), model_type
-    got = [until_eos(tokens) for tokens in asyncio.run(decode_together(runner))]
+    got = [until_eos(tokens) for tokens in asyncio.run(decode_together(scorer))]
     for prompt, ours, theirs in zip(PROMPTS, got, expected):
         if ours != theirs:  # allowed only where the reference's top two logits tie in float32 rounding
             at = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)

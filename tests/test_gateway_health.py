@@ -177,7 +177,7 @@ def test_a_worker_whose_forwards_keep_failing_reports_not_serving(model_dirs):
 
     stack = start_stack(model_dirs, drafts=("close",))
     try:
-        runner = stack.verifier.servicer.target
+        runner = stack.verifier.servicer.scorer.runner
         scheduler = runner.scheduler
         forward = scheduler._forward
 

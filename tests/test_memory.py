@@ -17,6 +17,7 @@ from specd.worker.memory import ProfileShape, kv_pool_bytes, profile_blocks, pro
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
 from specd_cli import commands
+from verifier_service.scorer import Scorer
 
 GiB = 1 << 30
 
@@ -168,14 +169,14 @@ def test_a_worker_sizes_its_pool_from_the_fraction_s_arithmetic(model_dirs, monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    runner = ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)),
-                         kept_rows_bytes=0)
+    scorer = Scorer(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)))
+    runner = scorer.runner
     plan = runner.memory_plan
     assert plan is not None and (plan.total, plan.loaded, plan.free, plan.activation) == (16 * MiB, MiB, 10 * MiB, 0)
     block_bytes = runner.kv_bytes_per_token() * runner.pool.block_tokens
     assert runner.pool.blocks == 7 * MiB // block_bytes == plan.pool // block_bytes
     async def step() -> None:
-        scores = await runner.score("s", 0, [5, 6, 7], [], Transform())
+        scores = await scorer.score("s", 0, [5, 6, 7], [], Transform())
         assert scores.argmax is not None and len(scores.argmax) == 1
         await runner.close()
 

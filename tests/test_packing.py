@@ -15,6 +15,7 @@ from specd.sampling import Transform
 from specd.worker import packing
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
+from verifier_service.scorer import Scorer
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -74,23 +75,23 @@ def test_a_model_whose_code_reads_its_layers_weights_is_served_as_loaded(tokeniz
     tokenizer.save_pretrained(tmp_path / "bloom")
     monkeypatch.setattr(packing, "MIN_WEIGHTS", 0)
     with caplog.at_level(logging.WARNING, logger="specd.worker.packing"):
-        runner = ModelRunner(tmp_path / "bloom", ModelSettings(max_sessions=2))
-    assert not any(isinstance(m, packing.PackedLinear) for m in runner.model.modules())
+        scorer = Scorer(tmp_path / "bloom", ModelSettings(max_sessions=2))
+    assert not any(isinstance(m, packing.PackedLinear) for m in scorer.runner.model.modules())
     assert "--cpu-linear torch" in caplog.text
-    scores = asyncio.run(score_once(runner, [5, 17, 23]))
+    scores = asyncio.run(score_once(scorer, [5, 17, 23]))
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "bloom").eval()
     with torch.inference_mode():
         assert scores == reference(torch.tensor([[5, 17, 23]])).logits[0, -1].argmax().item()
 
 
-async def score_once(runner: ModelRunner, prompt: list[int]) -> int:
+async def score_once(scorer: Scorer, prompt: list[int]) -> int:
     """The target's greedy next token after `prompt`, through the runner's scheduler."""
     try:
-        scores = await runner.score("s", 0, prompt, [], Transform())
+        scores = await scorer.score("s", 0, prompt, [], Transform())
         assert scores.argmax is not None
         return scores.argmax[0]
     finally:
-        await runner.close()
+        await scorer.runner.close()
 
 
 def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_not_to():

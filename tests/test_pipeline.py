@@ -102,21 +102,21 @@ def test_adaptive_policies_stay_exact(stack, target_model, tokenizer, policy):
 
 
 def test_confidence_threshold_stops_the_draft_early(model_dirs):
+    from draft_service.drafter import Drafter
     from specd.sampling import Transform
     from specd.steps import DraftRequest
-    from specd.worker.runtime import ModelRunner
 
     async def scenario():
-        runner = ModelRunner(model_dirs["close"])
+        drafter = Drafter(model_dirs["close"])
         prompt = [5, 6, 7]
-        full = await runner.propose("a", 0, prompt, DraftRequest(6, Transform()))
+        full = await drafter.propose("a", 0, prompt, DraftRequest(6, Transform()))
         assert len(full.tokens) == 6
-        cautious = await runner.propose("b", 0, prompt, DraftRequest(6, Transform(), min_confidence=1.0))
+        cautious = await drafter.propose("b", 0, prompt, DraftRequest(6, Transform(), min_confidence=1.0))
         assert cautious.tokens == full.tokens[:1]  # at least one token, then stop
         # The session stays consistent after an early stop: continue from it.
-        after = await runner.propose("b", len(prompt) + 1, [9], DraftRequest(2, Transform()))
+        after = await drafter.propose("b", len(prompt) + 1, [9], DraftRequest(2, Transform()))
         assert len(after.tokens) == 2
-        await runner.close()
+        await drafter.runner.close()
 
     asyncio.run(scenario())
 

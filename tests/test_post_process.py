@@ -8,11 +8,12 @@ import asyncio
 import pytest
 import torch
 
+from draft_service.drafter import Drafter
 from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import DraftRequest
-from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
+from verifier_service.scorer import Scorer
 
 SAMPLED = Transform(temperature=0.8, top_p=0.95)
 
@@ -21,8 +22,8 @@ def prompts(sessions: int) -> list[list[int]]:
     return [[5 + i, 6, 7, 8] for i in range(sessions)]
 
 
-async def draft_steps(runner: ModelRunner, sessions: int, transform: Transform, seed: int = 0) -> list[list[int]]:
-    proposals = await asyncio.gather(*(runner.propose(f"s{i}", 0, p, DraftRequest(4, transform, seed=seed + i))
+async def draft_steps(drafter: Drafter, sessions: int, transform: Transform, seed: int = 0) -> list[list[int]]:
+    proposals = await asyncio.gather(*(drafter.propose(f"s{i}", 0, p, DraftRequest(4, transform, seed=seed + i))
                                        for i, p in enumerate(prompts(sessions))))
     return [proposal.tokens for proposal in proposals]
 
@@ -32,9 +33,9 @@ def draws_of(sessions: int, seed: int = 0) -> list[Draws]:
     return [Draws.draw(4, torch.Generator().manual_seed(seed + i)) for i in range(sessions)]
 
 
-async def verify_steps(runner: ModelRunner, sessions: int, transform: Transform, draws: list[Draws]) -> list:
+async def verify_steps(scorer: Scorer, sessions: int, transform: Transform, draws: list[Draws]) -> list:
     return await asyncio.gather(*(
-        runner.score(f"s{i}", 0, p, [9, 10, 11, 12], transform, [0.3, 0.3, 0.3, 0.3],
+        scorer.score(f"s{i}", 0, p, [9, 10, 11, 12], transform, [0.3, 0.3, 0.3, 0.3],
                      None if transform.greedy else draws[i]) for i, p in enumerate(prompts(sessions))))
 
 
@@ -58,8 +59,9 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
     number of copies (one or two for all its sessions), not one or more per session. On a
     GPU each such copy is a wait for the device. Counted at torch's tensor-to-host
     conversions."""
-    runner = ModelRunner(model_dirs["close" if role == "draft" else "target"],
-                         ModelSettings(max_sessions=16, device=device))
+    settings = ModelSettings(max_sessions=16, device=device)
+    served = Drafter(model_dirs["close"], settings) if role == "draft" else Scorer(model_dirs["target"], settings)
+    runner = served.runner
     forwards = []
     inner = runner.scheduler._forward
 
@@ -82,8 +84,10 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
         draws = draws_of(sessions)
         forwards.clear()
         copies[0] = 0
-        steps = draft_steps(runner, sessions, transform) if role == "draft" else verify_steps(
-            runner, sessions, transform, draws)
+        if isinstance(served, Drafter):
+            steps = draft_steps(served, sessions, transform)
+        else:
+            steps = verify_steps(served, sessions, transform, draws)
         asyncio.run(discarded(steps))
         return copies[0] / len(forwards)
 
@@ -96,11 +100,11 @@ def test_a_seeded_sampled_step_is_the_same_alone_or_batched(model_dirs, device, 
     """Session 0's seeded step gives the same tokens (and verdict) alone in its forward as
     beside seven others: sampling them together changes no draw."""
     def run(sessions: int) -> list:
-        runner = ModelRunner(model_dirs["close" if role == "draft" else "target"],
-                             ModelSettings(max_sessions=16, device=device))
+        settings = ModelSettings(max_sessions=16, device=device)
         if role == "draft":
-            return asyncio.run(draft_steps(runner, sessions, SAMPLED, seed=11))
-        scored = asyncio.run(verify_steps(runner, sessions, SAMPLED, draws_of(sessions, seed=11)))
+            return asyncio.run(draft_steps(Drafter(model_dirs["close"], settings), sessions, SAMPLED, seed=11))
+        scored = asyncio.run(verify_steps(Scorer(model_dirs["target"], settings), sessions, SAMPLED,
+                                          draws_of(sessions, seed=11)))
         return [verdict(scores) for scores in scored]
 
     alone, together = run(1), run(8)

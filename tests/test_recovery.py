@@ -1,6 +1,6 @@
 """The recovered token is drawn where q is: the draft service keeps a sampled proposal's q
 rows, and after a rejection it is sent p's row (`specd.steps.Recovery`) with the next
-proposal request. A real ModelRunner on the tiny draft made in the test, then the real
+proposal request. A real Drafter on the tiny draft made in the test, then the real
 services on loopback: bad recoveries, and a draft lost while it held q."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from draft_service.drafter import Drafter
 from specd.rejection import recovered_token
 from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest, Recovery
@@ -28,17 +29,17 @@ def test_kept_rows_draw_the_recovered_token_and_the_next_proposal_follows_it(mod
     """The draft proposes γ = 4 with its q rows kept; the gateway reports x₁ accepted and x₂
     rejected: the recovered token is the residual's draw at x₂'s position from the kept q,
     and a fresh session fed the same committed tokens plus that token proposes the same."""
-    runner = ModelRunner(model_dirs["close"])
-    p = _target_row(runner.info.vocab_size, 1)
+    drafter = Drafter(model_dirs["close"])
+    p = _target_row(drafter.runner.info.vocab_size, 1)
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
         assert first.probs is not None and len(first.tokens) == 4
         expected = recovered_token(p, first.probs[1], 0.37)
-        after = await runner.propose("a", len(PROMPT) + 1, [], DraftRequest(3, SAMPLED, seed=4), None,
-                                     Recovery(p, 0.37))
-        fresh = await runner.propose("b", 0, [*PROMPT, first.tokens[0], expected], DraftRequest(3, SAMPLED, seed=4))
-        await runner.close()
+        after = await drafter.propose("a", len(PROMPT) + 1, [], DraftRequest(3, SAMPLED, seed=4), None,
+                                      Recovery(p, 0.37))
+        fresh = await drafter.propose("b", 0, [*PROMPT, first.tokens[0], expected], DraftRequest(3, SAMPLED, seed=4))
+        await drafter.runner.close()
         return expected, after, fresh
 
     expected, after, fresh = asyncio.run(scenario())
@@ -50,16 +51,16 @@ def test_a_rebuilt_session_draws_the_same_recovered_token(model_dirs):
     """The session was lost (evicted, or the draft restarted) between the proposal and its
     recovery: re-opened from the committed tokens, its forward finds the same q at the
     rejected position, so the recovered token and the next proposal are the same."""
-    runner = ModelRunner(model_dirs["close"])
-    p = _target_row(runner.info.vocab_size, 2)
+    drafter = Drafter(model_dirs["close"])
+    p = _target_row(drafter.runner.info.vocab_size, 2)
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
-        kept = await runner.propose("a", len(PROMPT) + 2, [], DraftRequest(3, SAMPLED, seed=4), None,
-                                    Recovery(p, 0.61))
-        rebuilt = await runner.propose("b", 0, [*PROMPT, *first.tokens[:2]], DraftRequest(3, SAMPLED, seed=4), None,
-                                       Recovery(p, 0.61))
-        await runner.close()
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
+        kept = await drafter.propose("a", len(PROMPT) + 2, [], DraftRequest(3, SAMPLED, seed=4), None,
+                                     Recovery(p, 0.61))
+        rebuilt = await drafter.propose("b", 0, [*PROMPT, *first.tokens[:2]], DraftRequest(3, SAMPLED, seed=4), None,
+                                        Recovery(p, 0.61))
+        await drafter.runner.close()
         return kept, rebuilt
 
     kept, rebuilt = asyncio.run(scenario())
@@ -71,23 +72,23 @@ def test_a_rebuilt_session_draws_the_same_recovered_token(model_dirs):
 def test_a_recovery_alone_commits_the_token_for_the_next_step(model_dirs, rebuilt: bool):
     """γ = 0 (the request's last token, or the policy's plain step next): the draft draws
     the recovered token and holds it, so its next step starts after it."""
-    runner = ModelRunner(model_dirs["close"])
-    p = _target_row(runner.info.vocab_size, 3)
+    drafter = Drafter(model_dirs["close"])
+    p = _target_row(drafter.runner.info.vocab_size, 3)
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
         if rebuilt:
-            runner.end_session("a")
-            alone = await runner.propose("a", 0, [*PROMPT, first.tokens[0]], DraftRequest(0, SAMPLED), None,
-                                         Recovery(p, 0.5))
+            drafter.runner.end_session("a")
+            alone = await drafter.propose("a", 0, [*PROMPT, first.tokens[0]], DraftRequest(0, SAMPLED), None,
+                                          Recovery(p, 0.5))
         else:
-            alone = await runner.propose("a", len(PROMPT) + 1, [], DraftRequest(0, SAMPLED), None, Recovery(p, 0.5))
+            alone = await drafter.propose("a", len(PROMPT) + 1, [], DraftRequest(0, SAMPLED), None, Recovery(p, 0.5))
         assert alone.recovered is not None and alone.tokens == []
         # It holds the recovered token: the next step sends nothing new.
-        then = await runner.propose("a", len(PROMPT) + 2, [], DraftRequest(2, SAMPLED, seed=9))
-        fresh = await runner.propose("b", 0, [*PROMPT, first.tokens[0], alone.recovered],
-                                     DraftRequest(2, SAMPLED, seed=9))
-        await runner.close()
+        then = await drafter.propose("a", len(PROMPT) + 2, [], DraftRequest(2, SAMPLED, seed=9))
+        fresh = await drafter.propose("b", 0, [*PROMPT, first.tokens[0], alone.recovered],
+                                      DraftRequest(2, SAMPLED, seed=9))
+        await drafter.runner.close()
         return then, fresh
 
     then, fresh = asyncio.run(scenario())
@@ -98,19 +99,19 @@ def test_a_pre_drafted_branch_answers_a_recovery_that_draws_its_guess(model_dirs
     """Overlap: the draft pre-drafted the branch where x₁ is rejected and the target commits
     its other guess there. A recovery that draws that guess (p all on it) is answered from
     the branch, with the recovered token."""
-    runner = ModelRunner(model_dirs["close"], pre_draft_branches="all")
+    drafter = Drafter(model_dirs["close"], pre_draft_branches="all")
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(3, SAMPLED, seed=3), PreDraftRequest(3, 4))
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(3, SAMPLED, seed=3), PreDraftRequest(3, 4))
         assert first.pre_draft is not None
         await first.pre_draft
-        guess = runner.pre_drafts._pending["a"].branches
+        guess = drafter.pre_drafts._pending["a"].branches
         alternative = next(b.token for b in guess if b.start == len(PROMPT))
-        p = torch.zeros(runner.info.vocab_size)
+        p = torch.zeros(drafter.runner.info.vocab_size)
         p[alternative] = 1.0
-        answered = await runner.propose("a", len(PROMPT), [], DraftRequest(3, SAMPLED, seed=4), None,
-                                        Recovery(p, 0.5))
-        await runner.close()
+        answered = await drafter.propose("a", len(PROMPT), [], DraftRequest(3, SAMPLED, seed=4), None,
+                                         Recovery(p, 0.5))
+        await drafter.runner.close()
         return alternative, answered
 
     alternative, answered = asyncio.run(scenario())
@@ -123,20 +124,20 @@ def test_a_recovered_token_the_draft_cannot_feed_ends_its_proposal(model_dirs, r
     differ by 128 ids), and the residual drew an id beyond the draft's: the draft returns
     it with no proposal, and neither fails the step nor feeds the id to its embedding (which
     would fail every session in the batched forward)."""
-    runner = ModelRunner(model_dirs["close"])
-    vocab = runner.info.vocab_size
+    drafter = Drafter(model_dirs["close"])
+    vocab = drafter.runner.info.vocab_size
     p = torch.zeros(vocab + 64)
     p[vocab + 30] = 1.0
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(3, SAMPLED, seed=3, vocab_limit=vocab + 64))
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(3, SAMPLED, seed=3, vocab_limit=vocab + 64))
         request = DraftRequest(3, SAMPLED, seed=4, vocab_limit=vocab + 64)
         if rebuilt:
-            answered = await runner.propose("b", 0, [*PROMPT, first.tokens[0]], request, None, Recovery(p, 0.5))
+            answered = await drafter.propose("b", 0, [*PROMPT, first.tokens[0]], request, None, Recovery(p, 0.5))
         else:
-            answered = await runner.propose("a", len(PROMPT) + 1, [], request, None, Recovery(p, 0.5))
-        later = await runner.propose("c", 0, PROMPT, DraftRequest(2, SAMPLED, seed=5))  # it serves on
-        await runner.close()
+            answered = await drafter.propose("a", len(PROMPT) + 1, [], request, None, Recovery(p, 0.5))
+        later = await drafter.propose("c", 0, PROMPT, DraftRequest(2, SAMPLED, seed=5))  # it serves on
+        await drafter.runner.close()
         return answered, later
 
     answered, later = asyncio.run(scenario())
@@ -274,16 +275,16 @@ def test_kept_rows_stay_within_their_budget_and_an_evicted_sessions_recovery_is_
     probe = ModelRunner(model_dirs["close"])
     one_session = 4 * probe.info.vocab_size * 4  # γ = 4 rows of float32
     asyncio.run(probe.close())
-    runner = ModelRunner(model_dirs["close"], kept_rows_bytes=one_session)
-    p = _target_row(runner.info.vocab_size, 4)
+    drafter = Drafter(model_dirs["close"], kept_rows_bytes=one_session)
+    p = _target_row(drafter.runner.info.vocab_size, 4)
 
     async def scenario():
-        first = await runner.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
-        await runner.propose("b", 0, PROMPT[::-1], DraftRequest(4, SAMPLED, seed=5))
-        held = (len(runner.kept_rows), runner.kept_rows.nbytes)
-        after = await runner.propose("a", len(PROMPT) + 2, [], DraftRequest(3, SAMPLED, seed=4), None,
-                                     Recovery(p, 0.61))
-        await runner.close()
+        first = await drafter.propose("a", 0, PROMPT, DraftRequest(4, SAMPLED, seed=3))
+        await drafter.propose("b", 0, PROMPT[::-1], DraftRequest(4, SAMPLED, seed=5))
+        held = (len(drafter.kept_rows), drafter.kept_rows.nbytes)
+        after = await drafter.propose("a", len(PROMPT) + 2, [], DraftRequest(3, SAMPLED, seed=4), None,
+                                      Recovery(p, 0.61))
+        await drafter.runner.close()
         return first, held, after
 
     first, held, after = asyncio.run(scenario())

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import request, start_stack
+from draft_service.drafter import Drafter
 from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.steps import DraftRequest
@@ -24,6 +25,7 @@ from specd.worker.kvstore import BatchRow, KVPool, SessionKV, use_paged_attentio
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
 from test_batching import CountedJob
+from verifier_service.scorer import Scorer
 
 CPU = torch.device("cpu")
 # The tiny Phi-3's original context, longrope's long frequencies past it: longer than the
@@ -87,31 +89,37 @@ def test_longrope_rotates_a_forward_by_its_last_position_so_only_one_side_shares
 def test_a_worker_shares_forwards_only_between_sessions_on_one_side_of_the_switch(tmp_path, model_dirs):
     """Every forward the scheduler runs, first-come rows or a proposal's forwards that go on
     without the event loop, holds rows of one side only; rows of one side still share."""
-    runner = ModelRunner(_longrope(tmp_path, model_dirs), ModelSettings(max_sessions=8))
+    directory, settings = _longrope(tmp_path, model_dirs), ModelSettings(max_sessions=8)
+    scorer, drafter = Scorer(directory, settings), Drafter(directory, settings)
     ends: list[list[int]] = []
-    forward = runner.scheduler._forward
 
-    def recording(rows):
-        ends.append([row.session.length + len(row.tokens) for row in rows])
-        return forward(rows)
+    def record(runner: ModelRunner) -> None:
+        forward = runner.scheduler._forward
 
-    runner.scheduler._forward = recording
+        def recording(rows):
+            ends.append([row.session.length + len(row.tokens) for row in rows])
+            return forward(rows)
+
+        runner.scheduler._forward = recording
+
+    record(scorer.runner)
+    record(drafter.runner)
 
     async def steps() -> None:
         # Plain steps: two sessions short of the switch and one past it, asked together.
         for session, length in (("a", 5), ("b", 7), ("c", 50)):
-            await runner.score(session, 0, list(range(1, length + 1)), [], Transform())
+            await scorer.score(session, 0, list(range(1, length + 1)), [], Transform())
         ends.clear()
-        await asyncio.gather(*(runner.score(session, length, [9], [], Transform())
+        await asyncio.gather(*(scorer.score(session, length, [9], [], Transform())
                                for session, length in (("a", 5), ("b", 7), ("c", 50))))
         assert sorted(ends) == [[6, 8], [51]]
         # Proposals of 4 tokens, one at a time: "d" crosses the switch on its fourth forward,
         # while "e" stays short of it.
         for session, length in (("d", 29), ("e", 3)):
-            await runner.propose(session, 0, list(range(1, length + 1)), DraftRequest(1, Transform()))
+            await drafter.propose(session, 0, list(range(1, length + 1)), DraftRequest(1, Transform()))
         ends.clear()
-        await asyncio.gather(runner.propose("d", 29, [9], DraftRequest(4, Transform())),
-                             runner.propose("e", 3, [9], DraftRequest(4, Transform())))
+        await asyncio.gather(drafter.propose("d", 29, [9], DraftRequest(4, Transform())),
+                             drafter.propose("e", 3, [9], DraftRequest(4, Transform())))
         assert [30, 4] in ends or [4, 30] in ends  # they shared while both were short of it
         assert [33] in ends  # and "d" went on alone past it
         assert all(len({end > SWITCH for end in forward_ends}) == 1 for forward_ends in ends)

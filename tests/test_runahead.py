@@ -1,6 +1,6 @@
 """The verifier goes on decoding plainly after a plain step that asks it to
-(`specd.worker.runahead`), answers those steps unasked, and stops for any other step: a
-real ModelRunner on a tiny model made in the test, with the test as the gateway."""
+(`verifier_service.runahead`), answers those steps unasked, and stops for any other step: a
+real Scorer on a tiny model made in the test, with the test as the gateway."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import gc
 from specd.rejection import Draws
 from specd.sampling import Transform
 from specd.steps import Scores
-from specd.worker.runtime import ModelRunner
+from verifier_service.scorer import Scorer
 
 PROMPT = [5, 6, 7, 8]
 
@@ -33,79 +33,79 @@ class Answers:
             await asyncio.wait_for(self.came.wait(), 10)
 
 
-async def asked_one_by_one(runner: ModelRunner, session_id: str, steps: int) -> list[int]:
+async def asked_one_by_one(scorer: Scorer, session_id: str, steps: int) -> list[int]:
     """Plain greedy decoding with every step asked: the reference."""
     tokens: list[int] = []
     for i in range(steps):
         start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [tokens[-1]])
-        scores = await runner.score(session_id, start, new, [], Transform())
+        scores = await scorer.score(session_id, start, new, [], Transform())
         tokens.append(scores.plain_token())
     return tokens
 
 
 def test_a_run_answers_each_plain_step_as_the_step_asked_would_be(model_dirs):
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
     # The tiny model draws its EOS early; without one the run goes its whole length.
-    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
+    scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=())
     answers = Answers()
 
     async def scenario():
-        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=11, answer_ahead=answers)
+        first = await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=11, answer_ahead=answers)
         await answers.wait_for(11)
         await asyncio.sleep(0.1)  # the run's end has put the session back
-        left = (len(runner.run_ahead), runner.sessions.in_use, runner.sessions.holds("a"))
-        reference = await asked_one_by_one(runner, "b", 12)
-        await runner.close()
+        left = (len(scorer.run_ahead), scorer.runner.sessions.in_use, scorer.runner.sessions.holds("a"))
+        reference = await asked_one_by_one(scorer, "b", 12)
+        await scorer.runner.close()
         return first, reference, left
 
     first, reference, left = asyncio.run(scenario())
     ran = [first.plain_token()] + [answers.by_index[i].plain_token() for i in range(1, 12)]
     assert ran == reference and len(set(reference)) > 2
     assert all(answers.by_index[i].ran_ahead for i in range(1, 12)) and not first.ran_ahead
-    assert runner.run_ahead.answered == 11 and runner.run_ahead.dropped == 0
+    assert scorer.run_ahead.answered == 11 and scorer.run_ahead.dropped == 0
     assert left == (0, 0, True)  # the run ended and put the session back
 
 
 def test_a_run_stops_at_eos(model_dirs):
     """The gateway ends a request at EOS: a run answers the EOS step and scores nothing after it."""
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
     answers = Answers()
 
     async def scenario():
-        runner.info = dataclasses.replace(runner.info, eos_token_ids=())
-        reference = await asked_one_by_one(runner, "b", 6)
-        runner.info = dataclasses.replace(runner.info, eos_token_ids=(reference[3],))
-        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
+        scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=())
+        reference = await asked_one_by_one(scorer, "b", 6)
+        scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=(reference[3],))
+        await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
         await answers.wait_for(1)
         await asyncio.sleep(0.3)  # the run reached EOS, and stopped there
-        await runner.close()
+        await scorer.runner.close()
         return reference
 
     reference = asyncio.run(scenario())
     eos_at = reference.index(reference[3])  # its first appearance
     assert eos_at >= 1 and sorted(answers.by_index) == list(range(1, eos_at + 1))
-    assert answers.by_index[eos_at].plain_token() == reference[3] and runner.run_ahead.dropped == 0
+    assert answers.by_index[eos_at].plain_token() == reference[3] and scorer.run_ahead.dropped == 0
 
 
 def test_a_sampled_run_draws_each_token_with_the_uniform_sent_for_its_step(model_dirs):
     """Sampled: a step carries the uniforms of the steps ahead, one each, and each answer
     scored ahead is the token its uniform draws from p, as when the step is asked with it."""
-    runner = ModelRunner(model_dirs["target"])
-    runner.info = dataclasses.replace(runner.info, eos_token_ids=())
+    scorer = Scorer(model_dirs["target"])
+    scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=())
     transform = Transform(temperature=1.0)
     uniforms = [0.13, 0.92, 0.48, 0.71, 0.05, 0.66, 0.37, 0.84]
     answers = Answers()
 
     async def scenario():
-        first = await runner.score("a", 0, PROMPT, [], transform, (), Draws((), uniforms[0]),
+        first = await scorer.score("a", 0, PROMPT, [], transform, (), Draws((), uniforms[0]),
                                    run_ahead=len(uniforms) - 1, ahead_draws=[Draws((), u) for u in uniforms[1:]],
                                    answer_ahead=answers)
         await answers.wait_for(len(uniforms) - 1)
         asked: list[int] = []
         for i, u in enumerate(uniforms):
             start, new = (0, PROMPT) if i == 0 else (len(PROMPT) + i - 1, [asked[-1]])
-            asked.append((await runner.score("b", start, new, [], transform, (), Draws((), u))).plain_token())
-        await runner.close()
+            asked.append((await scorer.score("b", start, new, [], transform, (), Draws((), u))).plain_token())
+        await scorer.runner.close()
         return first, asked
 
     first, asked = asyncio.run(scenario())
@@ -116,35 +116,35 @@ def test_a_sampled_run_draws_each_token_with_the_uniform_sent_for_its_step(model
 def test_another_step_stops_the_run_and_is_scored_as_asked(model_dirs):
     """The gateway committed something else (a stop string cut, a proposal): the run stops
     after its forward in flight, and the step is scored from the committed tokens."""
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
     answers = Answers()
 
     async def scenario():
-        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=answers)
-        other = (first.plain_token() + 1) % runner.info.vocab_size
-        asked = await runner.score("a", len(PROMPT), [other], [9, 10], Transform())
-        fresh = await runner.score("b", 0, [*PROMPT, other], [9, 10], Transform())
-        await runner.close()
+        first = await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=answers)
+        other = (first.plain_token() + 1) % scorer.runner.info.vocab_size
+        asked = await scorer.score("a", len(PROMPT), [other], [9, 10], Transform())
+        fresh = await scorer.score("b", 0, [*PROMPT, other], [9, 10], Transform())
+        await scorer.runner.close()
         return asked, fresh
 
     asked, fresh = asyncio.run(scenario())
     assert asked.argmax == fresh.argmax and not asked.ran_ahead
-    assert len(answers.by_index) < 200 and runner.run_ahead.dropped == 1
+    assert len(answers.by_index) < 200 and scorer.run_ahead.dropped == 1
     assert None not in answers.by_index.values()  # stopped by the gateway's step: nothing to tell it
 
 
 def test_a_session_ended_during_its_run_leaves_nothing(model_dirs):
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
 
     async def scenario() -> tuple[int, int, int, int]:
-        free = runner.pool.free_blocks
-        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
-        held = len(runner.run_ahead)
-        runner.end_session("a")
+        free = scorer.runner.pool.free_blocks
+        await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
+        held = len(scorer.run_ahead)
+        scorer.runner.end_session("a")
         await asyncio.sleep(0.2)  # the forward in flight finishes and is thrown away
         gc.collect()  # a session's blocks go back when it is dropped
-        left = (len(runner.run_ahead), len(runner.sessions), free - runner.pool.free_blocks)
-        await runner.close()
+        left = (len(scorer.run_ahead), len(scorer.runner.sessions), free - scorer.runner.pool.free_blocks)
+        await scorer.runner.close()
         return held, *left
 
     assert asyncio.run(scenario()) == (1, 0, 0, 0)
@@ -152,15 +152,15 @@ def test_a_session_ended_during_its_run_leaves_nothing(model_dirs):
 
 def test_no_step_is_scored_past_eos(model_dirs):
     """An answer that is EOS ends the request at the gateway: no run starts after it."""
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
     answers = Answers()
 
     async def scenario() -> int:
-        first = await runner.score("probe", 0, PROMPT, [], Transform())
-        runner.info = dataclasses.replace(runner.info, eos_token_ids=(first.plain_token(),))
-        await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
-        held = len(runner.run_ahead)
-        await runner.close()
+        first = await scorer.score("probe", 0, PROMPT, [], Transform())
+        scorer.runner.info = dataclasses.replace(scorer.runner.info, eos_token_ids=(first.plain_token(),))
+        await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=5, answer_ahead=answers)
+        held = len(scorer.run_ahead)
+        await scorer.runner.close()
         return held
 
     assert asyncio.run(scenario()) == 0 and answers.by_index == {}
@@ -169,21 +169,21 @@ def test_no_step_is_scored_past_eos(model_dirs):
 def test_a_session_ended_while_a_step_waits_for_its_run_to_stop_leaves_nothing(model_dirs):
     """The client went away just as its next step arrived: the step waiting for the run to
     stop is cancelled and the session ended. The run must not put it back after."""
-    runner = ModelRunner(model_dirs["target"])
+    scorer = Scorer(model_dirs["target"])
 
     async def scenario() -> tuple[int, int, int]:
-        free = runner.pool.free_blocks
-        first = await runner.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
-        waiting = asyncio.ensure_future(runner.score("a", len(PROMPT), [first.plain_token()], [1, 2], Transform()))
+        free = scorer.runner.pool.free_blocks
+        first = await scorer.score("a", 0, PROMPT, [], Transform(), run_ahead=200, answer_ahead=Answers())
+        waiting = asyncio.ensure_future(scorer.score("a", len(PROMPT), [first.plain_token()], [1, 2], Transform()))
         await asyncio.sleep(0)  # it is waiting for the run to stop now
         waiting.cancel()
-        runner.end_session("a")
+        scorer.runner.end_session("a")
         await asyncio.wait([waiting])
         del waiting  # its traceback holds the frames that held the session
         await asyncio.sleep(0.2)
         gc.collect()
-        left = (len(runner.sessions), free - runner.pool.free_blocks, runner.run_ahead.dropped)
-        await runner.close()
+        left = (len(scorer.runner.sessions), free - scorer.runner.pool.free_blocks, scorer.run_ahead.dropped)
+        await scorer.runner.close()
         return left
 
     assert asyncio.run(scenario()) == (0, 0, 1)  # and the run is counted once
@@ -195,22 +195,22 @@ def test_a_run_without_room_evicts_nothing_and_tells_the_gateway(model_dirs):
     the room it needs, as any asked step does."""
     from specd.worker.settings import BatchSettings, ModelSettings
 
-    runner = ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(kv_cache_tokens=48)))
+    scorer = Scorer(model_dirs["target"], ModelSettings(batching=BatchSettings(kv_cache_tokens=48)))
     answers = Answers()
 
     async def scenario() -> tuple[set[str], Scores | None, int, bool]:
-        await runner.score("b", 0, list(range(5, 36)), [], Transform())  # 31 positions: two blocks
-        first = await runner.score("a", 0, list(range(5, 20)), [], Transform(), run_ahead=5,
+        await scorer.score("b", 0, list(range(5, 36)), [], Transform())  # 31 positions: two blocks
+        first = await scorer.score("a", 0, list(range(5, 20)), [], Transform(), run_ahead=5,
                                    answer_ahead=answers)  # 15 positions, the third block; the run needs a fourth
         await answers.wait_for(2)
-        held = set(runner.sessions._sessions)
-        asked = await runner.score("a", 16, [answers.by_index[1].plain_token()], [], Transform())
-        await runner.close()
+        held = set(scorer.runner.sessions._sessions)
+        asked = await scorer.score("a", 16, [answers.by_index[1].plain_token()], [], Transform())
+        await scorer.runner.close()
         return held, answers.by_index[2], first.plain_token(), asked.ran_ahead
 
     held, second, _, ran_ahead = asyncio.run(scenario())
     assert held == {"a", "b"} and second is None and not ran_ahead
-    assert answers.by_index[1] is not None and runner.run_ahead.dropped == 1  # cut short
+    assert answers.by_index[1] is not None and scorer.run_ahead.dropped == 1  # cut short
 
 
 def test_plain_requests_through_the_services_are_answered_ahead(model_dirs, target_model, tokenizer):
@@ -248,7 +248,7 @@ def test_runs_the_verifier_refuses_leave_the_gateway_asking_each_step(model_dirs
     try:
         response = running.stub.Generate(request("def f(x):", max_new_tokens=24, mode="OFF"))
         assert list(response.token_ids) == reference_greedy(target_model, tokenizer, "def f(x):", 24)
-        runner = running.verifier.servicer.target
-        assert runner.run_ahead.answered == 0 and runner.run_ahead.dropped >= response.stats.steps - 2
+        scorer = running.verifier.servicer.scorer
+        assert scorer.run_ahead.answered == 0 and scorer.run_ahead.dropped >= response.stats.steps - 2
     finally:
         running.close()

@@ -14,6 +14,7 @@ from specd.sampling import Transform
 from specd.worker import kvstore, runtime
 from specd.worker.settings import ModelSettings, VerifierSettings
 from specd_cli.commands import _then_single_threaded
+from verifier_service.scorer import Scorer
 from verifier_service.server import create_server
 
 
@@ -32,10 +33,11 @@ def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dir
 
     monkeypatch.setattr(runtime.AutoModelForCausalLM, "from_pretrained", loading)
     monkeypatch.setattr(kvstore, "forward", forwarding)
-    runner = runtime.ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2))
+    scorer = Scorer(model_dirs["target"], ModelSettings(max_sessions=2))
+    runner = scorer.runner
     try:
         model_thread = runner._executor.submit(lambda: threading.current_thread().name).result()
-        scores = asyncio.run(runner.score("s", 0, [5, 17, 23], [], Transform()))
+        scores = asyncio.run(scorer.score("s", 0, [5, 17, 23], [], Transform()))
         assert scores.argmax is not None and len(scores.argmax) == 1
     finally:
         asyncio.run(runner.close())
@@ -62,7 +64,7 @@ def test_a_worker_leaves_torch_threads_to_its_models_once_loaded(model_dirs):
                 running = await _then_single_threaded(create_server)(settings)
                 try:
                     seen["event loop"] = torch.get_num_threads()
-                    target = running.servicer.target
+                    target = running.servicer.scorer.runner
                     seen["model"] = await asyncio.wrap_future(target._executor.submit(torch.get_num_threads))
                 finally:
                     await running.stop(0)

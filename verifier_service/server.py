@@ -1,7 +1,7 @@
 """The `specd.v1.Verifier` servicer and its server factory.
 
-Thin by design: call the runtime on the target's thread, convert; the stream's skeleton
-is `specd.worker.service`'s, shared with the draft.
+Thin by design: call the target's scorer (`verifier_service.scorer`), convert; the
+stream's skeleton is `specd.worker.service`'s, shared with the draft.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from specd.steps import Scores
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.worker import service
 from specd.worker.metrics import start_worker_metrics
-from specd.worker.runtime import ModelRunner
 from specd.worker.settings import VerifierSettings
 from verifier_service.loadcaps import LoadCapBoard
+from verifier_service.scorer import Scorer
 
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
@@ -34,13 +34,13 @@ MAX_RUN_AHEAD_STEPS = 4096
 class VerifierServicer(worker_pb2_grpc.VerifierServicer):
     """Scores proposals with the target; one multiplexed stream per gateway connection."""
 
-    def __init__(self, target: ModelRunner) -> None:
-        self.target = target
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
         self.load_caps = LoadCapBoard()
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfoResponse:
-        target = self.target
-        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(target.info, target.tokenizer_files())],
+        runner = self.scorer.runner
+        return worker_pb2.ModelInfoResponse(models=[wire.model_info_to_pb(runner.info, runner.tokenizer_files())],
                                             protocol=wire.WORKER_PROTOCOL)
 
     async def ShareLoadCaps(self, request: worker_pb2.LoadCapTable, context) -> worker_pb2.LoadCapTable:
@@ -56,17 +56,17 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
 
     async def _verify(self, request: worker_pb2.VerifyRequest, stream: service.StepStream,
                       step_id: int) -> worker_pb2.VerifyResponse:
-        target = self.target
+        runner = self.scorer.runner
         if request.HasField("expected_model"):  # a step that opens a session
-            service.check_model(request.expected_model, target.info, "verifier")
+            service.check_model(request.expected_model, runner.info, "verifier")
         delta = request.delta
         transform = wire.transform_from_pb(request.transform)
-        service.check_problems(wire.step_problems(target.info, delta, transform, len(request.draft_tokens)))
+        service.check_problems(wire.step_problems(runner.info, delta, transform, len(request.draft_tokens)))
         if request.run_ahead_steps > MAX_RUN_AHEAD_STEPS:
             raise InvalidArgument(f"run_ahead_steps is {request.run_ahead_steps}; at most {MAX_RUN_AHEAD_STEPS}")
         try:
             logprobs = wire.logprobs_from_request(request)
-            allowed = wire.allowed_from_request(request, target.info.vocab_size)
+            allowed = wire.allowed_from_request(request, runner.info.vocab_size)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 
@@ -75,14 +75,14 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
             stream.answer(step_id + index, _response(scores, transform) if scores is not None else AheadStopped(
                 f"the verifier stopped scoring ahead before step {index} after the one asked"))
 
-        session = stream.session(target, delta.session_id)
+        session = stream.session(runner, delta.session_id)
         scores = await service.traced_step(
             _TRACER, "specd.verifier.verify", request.trace_context.carrier,
-            target.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
-                         list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead_steps,
-                         wire.ahead_draws_from_pb(request), answer_ahead, logprobs, allowed, delta.cache_salt),
+            self.scorer.score(session, delta.start, list(delta.tokens), list(request.draft_tokens), transform,
+                              list(request.draft_token_probs), wire.draws_from_pb(request), request.run_ahead_steps,
+                              wire.ahead_draws_from_pb(request), answer_ahead, logprobs, allowed, delta.cache_salt),
             lambda scores: {
-                **service.step_span_attributes(target.info.name, delta, scores.forward_ms, scores.batch),
+                **service.step_span_attributes(runner.info.name, delta, scores.forward_ms, scores.batch),
                 "specd.draft_length": len(request.draft_tokens),
                 "specd.positions_scored": len(request.draft_tokens) + 1,
                 "specd.run_ahead_steps": request.run_ahead_steps})
@@ -110,11 +110,10 @@ def _response(scores: Scores, transform: Transform) -> worker_pb2.VerifyResponse
 
 async def create_server(settings: VerifierSettings) -> RunningServer:
     """Load the target and start serving it on settings.server (port 0: any free port)."""
-    target = ModelRunner(settings.target, settings.model, name=settings.target_name or None,
-                         kept_rows_bytes=0)  # the kept q rows are the draft's; the target keeps none
-    servicer = VerifierServicer(target)
-    stop_metrics = start_worker_metrics({target.info.name: target}, "verifier", settings.metrics_host,
-                                        settings.metrics_port)
+    scorer = Scorer(settings.target, settings.model, name=settings.target_name or None)
+    name = scorer.runner.info.name
+    servicer = VerifierServicer(scorer)
+    stop_metrics = start_worker_metrics({name: scorer}, "verifier", settings.metrics_host, settings.metrics_port)
 
     watch: asyncio.Task | None = None  # the forwards' health, once serving
 
@@ -122,12 +121,12 @@ async def create_server(settings: VerifierSettings) -> RunningServer:
         if watch is not None:
             watch.cancel()
         stop_metrics()
-        await target.close()
+        await scorer.runner.close()
 
     names = [worker_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
     running = await start_server(
         settings.server, lambda s: worker_pb2_grpc.add_VerifierServicer_to_server(servicer, s), names, on_stop=close)
     running.servicer = servicer
     watch = asyncio.get_running_loop().create_task(
-        service.watch_forwards({target.info.name: target}, running.health, names))
+        service.watch_forwards({name: scorer.runner}, running.health, names))
     return running

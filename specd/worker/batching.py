@@ -51,7 +51,7 @@ class Job:
         self.open_sessions = 0  # sessions the worker held at the step's first forward
         self.cached = 0  # positions the step found in the prefix cache (the step that opened the session)
         self.future: asyncio.Future | None = None
-        # An answer the job hands out while it goes on (`specd.worker.jobs.AheadRun`): a
+        # An answer the job hands out while it goes on (`verifier_service.jobs.AheadRun`): a
         # callable for the event loop, and its arguments.
         self.published: tuple[Callable[..., None], tuple] | None = None
 

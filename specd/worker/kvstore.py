@@ -681,8 +681,9 @@ def _forward(model: torch.nn.Module, rows: Sequence[BatchRow],
         row.session.length += len(row.tokens)
         if caching:
             row.session.publish()
-    # The math after the forward runs where the logits are (specd.worker.jobs): only token ids, a
-    # few probabilities and the rows a sampled step needs ever reach the host.
+    # The math after the forward runs where the logits are (the roles' jobs: draft_service.jobs,
+    # verifier_service.jobs): only token ids, a few probabilities and the rows a sampled step
+    # needs ever reach the host.
     return logits[0].float(), inputs.kept, inputs.cache.attended
 
 

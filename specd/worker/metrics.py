@@ -3,12 +3,14 @@ prefix cache (vLLM's names: prompt tokens looked up and found, and the blocks it
 and how many of the steps the verifier scored ahead were asked for.
 
 The gauge of open sessions is how a leak shows: once every request is over, it returns
-to 0 (tests/test_batching.py checks it). Read at scrape time from the runners; the
+to 0 (tests/test_batching.py checks it). Read at scrape time from the models; the
 collector never writes. No gRPC here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
@@ -19,11 +21,30 @@ from specd.worker.runtime import ModelRunner
 PREFIX = "specd_worker_"
 
 
+@dataclass(frozen=True)
+class RoleLoad:
+    """What a model's role holds or has done beside its runner's sessions (each role fills
+    its own figures; the other role's stay 0, as every series is exposed for both)."""
+
+    kept_rows_bytes: int = 0  # the draft's kept q rows (`draft_service.drafter`)
+    pre_drafted_sessions: int = 0  # sessions with branches pre-drafted (`draft_service.predraft`)
+    run_ahead_answered: int = 0  # plain steps the verifier scored ahead (`verifier_service.runahead`)
+    run_ahead_dropped: int = 0  # ...and runs of them cut short
+
+
+class ServedModel(Protocol):
+    """A model as a worker serves it: a role (a drafter, a scorer) over its runner."""
+
+    runner: ModelRunner
+
+    def role_load(self) -> RoleLoad: ...
+
+
 class WorkerCollector(Collector):
     """Gauges of every model a worker hosts, labelled by model name and role (draft, verifier)."""
 
-    def __init__(self, runners: dict[str, ModelRunner], role: str) -> None:
-        self.runners = runners
+    def __init__(self, models: Mapping[str, ServedModel], role: str) -> None:
+        self.models = models
         self.role = role
 
     def collect(self):
@@ -51,26 +72,28 @@ class WorkerCollector(Collector):
                                    labels=labels)
         cached = GaugeMetricFamily(PREFIX + "prefix_cache_blocks",
                                    "KV blocks the prefix cache indexes, held by a session or not.", labels=labels)
-        for name, runner in self.runners.items():
+        for name, model in self.models.items():
+            runner, load = model.runner, model.role_load()
             queries.add_metric([name, self.role], runner.pool.prefix_queries)
             hits.add_metric([name, self.role], runner.pool.prefix_hits)
             cached.add_metric([name, self.role], runner.pool.cached_blocks)
-            run_ahead.add_metric([name, self.role, "answered"], runner.run_ahead.answered)
-            run_ahead.add_metric([name, self.role, "dropped"], runner.run_ahead.dropped)
+            run_ahead.add_metric([name, self.role, "answered"], load.run_ahead_answered)
+            run_ahead.add_metric([name, self.role, "dropped"], load.run_ahead_dropped)
             sessions.add_metric([name, self.role], len(runner.sessions))
-            pre_drafts.add_metric([name, self.role], len(runner.pre_drafts))
+            pre_drafts.add_metric([name, self.role], load.pre_drafted_sessions)
             queued.add_metric([name, self.role], runner.scheduler.queued)
             kv_bytes.add_metric([name, self.role], runner.sessions.kv_bytes())
-            kept_rows.add_metric([name, self.role], runner.kept_rows.nbytes)
+            kept_rows.add_metric([name, self.role], load.kept_rows_bytes)
         return [sessions, queued, kv_bytes, kept_rows, pre_drafts, run_ahead, queries, hits, cached]
 
 
-def start_worker_metrics(runners: dict[str, ModelRunner], role: str, host: str, port: int) -> Callable[[], None]:
+def start_worker_metrics(models: Mapping[str, ServedModel], role: str, host: str,
+                         port: int) -> Callable[[], None]:
     """Serve /metrics on host:port from a background thread (port 0: off); returns its stop."""
     if not port:
         return lambda: None
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(runners, role))
+    registry.register(WorkerCollector(models, role))
     server, _ = start_http_server(port, addr=host, registry=registry)
 
     def stop() -> None:

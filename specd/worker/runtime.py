@@ -7,10 +7,14 @@ runs the steps of all sessions through one batch scheduler per model
 loop. Every session's keys and values live in the model's one `KVPool`, sized when the
 model loads. Session state is touched only on the event loop, or by the forward of a step
 that has taken the session out of the store. No gRPC here.
+
+What a step does with a session is its role's: proposing (`draft_service.drafter`) or
+scoring (`verifier_service.scorer`). A role holds a `ModelRunner`, brings a session up to
+date with `sync`, runs its job with `step`, and keeps its own per-session state, which
+the runner tells it to drop when a session goes (`ModelRunner(on_session_gone=)`).
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -20,24 +24,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
-from specd.rejection import Draws, recovered_token
-from specd.sampling import Transform
-from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
+from specd.steps import ModelInfo
 from specd.worker import kvstore, lean, memory, packing, rope
 from specd.worker.batching import Job, Scheduler
-from specd.worker.grammar import GrammarCursors
 from specd.worker.identity import weights_digest
-from specd.worker.jobs import AheadRun, AnswerAhead, ProposeJob, ScoreJob
 from specd.worker.kvstore import BatchRow, KVPool, SessionKV
-from specd.worker.predraft import Branch, PreDrafts
-from specd.worker.runahead import RunAhead
 from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings, ModelSettings
 
 log = logging.getLogger(__name__)
@@ -66,57 +64,6 @@ def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-@dataclass(frozen=True)
-class KeptRows:
-    """A session's last sampled proposal's q rows [m, V], its first token at `start`."""
-
-    start: int
-    probs: torch.Tensor
-
-    def covers(self, position: int) -> bool:
-        return self.start <= position < self.start + self.probs.shape[0]
-
-    def row(self, position: int) -> torch.Tensor:
-        """q at `position` (which `covers`)."""
-        return self.probs[position - self.start]
-
-
-class KeptRowsStore:
-    """Each draft session's kept q rows, within a byte budget; the only owner of them.
-
-    Past the budget the rows kept longest ago go first. That is safe: a recovery whose
-    rows are gone rebuilds q from the committed tokens (`ProposeJob(recovery=)`), at the
-    cost of one forward over the step's tokens. Why a budget: the rows cost γ × vocabulary
-    × 4 bytes a session (10 MB at γ = 16 and 152,000 tokens), on the model's device,
-    beside a KV pool sized without them.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._rows: OrderedDict[str, KeptRows] = OrderedDict()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def put(self, session_id: str, rows: KeptRows) -> None:
-        self.pop(session_id)
-        self._rows[session_id] = rows
-        self.nbytes += _row_bytes(rows)
-        while self.nbytes > self.max_bytes and self._rows:
-            self.nbytes -= _row_bytes(self._rows.popitem(last=False)[1])
-
-    def pop(self, session_id: str) -> KeptRows | None:
-        rows = self._rows.pop(session_id, None)
-        if rows is not None:
-            self.nbytes -= _row_bytes(rows)
-        return rows
-
-
-def _row_bytes(rows: KeptRows) -> int:
-    return rows.probs.numel() * rows.probs.element_size()
 
 
 class SessionStore:
@@ -198,10 +145,21 @@ class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
     def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
-                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20) -> None:
+                 kept_rows_bytes: int = 0,
+                 on_session_gone: Callable[[str], None] = lambda session_id: None) -> None:
         """path: the model directory; name: the model's name as the worker reports it (None:
         the directory's). Both say which model; `settings` says how it runs, and is shared by
-        every model of a worker."""
+        every model of a worker.
+
+        kept_rows_bytes: device memory its role keeps beside the KV pool (a draft's kept q
+        rows), which a pool sized by --gpu-memory-fraction leaves room for.
+
+        on_session_gone(session_id): the role's hook, called whenever a session goes, evicted
+        under memory pressure or ended (`end_session`). The runner owns the sessions and
+        decides when one goes; the role (`draft_service.drafter`, `verifier_service.scorer`)
+        owns what else it keeps for the session (kept q rows, pre-drafted branches, a run
+        scored ahead), which must go with it. The runtime imports no role
+        (tests/test_layering.py), so the role hands it this one function."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -226,18 +184,10 @@ class ModelRunner:
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
-        # An evicted session's pre-drafted branches go with it: they hold pool blocks.
-        self.sessions = SessionStore(settings.max_sessions, on_evict=self._evicted)
+        self._on_session_gone = on_session_gone
+        self.sessions = SessionStore(settings.max_sessions, on_evict=on_session_gone)
         self.scheduler = Scheduler(self._forward_batch, self._executor, settings.batching, lambda: len(self.sessions),
                                    rope.regime(self.model))
-        self.pre_drafts = PreDrafts(self.scheduler.submit, pre_draft_branches)
-        self.run_ahead = RunAhead()
-        # Draft side: each session's last sampled proposal's q rows, for the next step's
-        # recovered token (they never cross the wire).
-        self.kept_rows = KeptRowsStore(kept_rows_bytes)
-        # Draft side: each structured session's grammar cursor (`specd.worker.grammar`).
-        self.grammars = GrammarCursors(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
-                                       settings.max_sessions)
 
     def _load(self, path: Path, name: str | None, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
@@ -304,25 +254,15 @@ class ModelRunner:
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
         self.info = replace(self.info, forward_costs=tuple((b, w, ms) for (b, w), ms in sorted(costs.items())))
 
-    def _evicted(self, session_id: str) -> None:
-        """What else an evicted session held goes with it: its pre-drafted branches and its
-        kept q rows and grammar cursor. (A session running ahead is taken, so never evicted.)"""
-        self.pre_drafts.cancel(session_id)
-        self.kept_rows.pop(session_id)
-        self.grammars.drop(session_id)
-
     async def close(self) -> None:
         await self.scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def end_session(self, session_id: str) -> None:
-        """Forget a session (and any branches pre-drafted for it): the gateway named it ended,
-        its request's deadline passed, or the stream that opened it ended."""
-        self.run_ahead.cancel(session_id)  # first: a step scored ahead holds the session
-        self.kept_rows.pop(session_id)
-        self.grammars.drop(session_id)
-        if self.sessions.drop(session_id):
-            self.pre_drafts.cancel(session_id)
+        """Forget a session, and what its role keeps for it: the gateway named it ended, its
+        request's deadline passed, or the stream that opened it ended."""
+        self._on_session_gone(session_id)  # first: a run scored ahead holds the session taken
+        self.sessions.drop(session_id)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer files of the model directory by name (what the gateway needs)."""
@@ -432,14 +372,16 @@ class ModelRunner:
 
     # -- session bookkeeping (on the event loop) ----------------------------------------
 
-    def _sync(self, session_id: str, start: int, tokens: list[int], extra: int,
+    def sync(self, session_id: str, start: int, tokens: list[int], extra: int,
               salt: bytes = b"") -> tuple[SessionKV, list[int]]:
         """Take the session, crop it to `start` known tokens, and return what to feed next,
         with room in the pool for the feed and `extra` positions after it.
 
         start == 0 (re)opens the session from `tokens`, taking the blocks of its longest
         cached prefix under `salt` (prefix caching): the feed is the rest. Otherwise it is
-        the known tokens the cache lacks up to `start`, then `tokens`.
+        the known tokens the cache lacks up to `start`, then `tokens`. The session is then
+        taken: the caller runs a job on it with `step`, or gives it back
+        (`sessions.put`, `sessions.release`).
         """
         bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
         if bad:
@@ -468,7 +410,7 @@ class ModelRunner:
             raise
         return session, feed
 
-    async def _step(self, session_id: str, session: SessionKV, job: Job):
+    async def step(self, session_id: str, session: SessionKV, job: Job):
         """Run a job through the scheduler; put the session back only if it succeeded."""
         job.cached, session.hit = session.hit, 0
         try:
@@ -482,199 +424,3 @@ class ModelRunner:
         """One forward over every row (on the model's thread): the kept logits [Σ keep, V]
         and each row's slice of them."""
         return kvstore.forward(self.model, rows, self.device)
-
-    # -- the two operations the services expose -----------------------------------------
-
-    async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
-                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None,
-                      salt: bytes = b"") -> Proposal:
-        """Draft side: bring the session up to date and propose up to `request.draft_length` tokens.
-
-        The draft forwards are shared with every session proposing at the same time.
-        With request.min_confidence, proposing stops early (after at least one token) when
-        the draft's top probability for the next token falls below it. request.vocab_limit
-        > 0 keeps proposals below that id (the target's vocabulary). With pre_draft, the next
-        step's proposal is drafted for the likely verdicts once this one is answered
-        (`specd.worker.predraft`); a request matching one is answered from it.
-
-        A sampled proposal's q rows stay here (`KeptRows`). With `recovery`, the last step
-        rejected this draft's token at position `start`: the recovered token is sampled
-        first, from p's row and the q kept for that position (or, in a session rebuilt from
-        the committed tokens, the q its forward finds there), and the proposal follows it
-        (`Proposal.recovered`). γ may then be 0: the recovered token alone.
-        """
-        draft_length = request.draft_length
-        if draft_length < 1 and recovery is None:
-            raise InvalidArgument("draft_length must be >= 1")
-        kept = self.kept_rows.pop(session_id)
-        recovered = None
-        if recovery is not None and not tokens and kept is not None and kept.covers(start):
-            recovered = await self._draw_recovered(recovery, kept.row(start))
-            if recovered >= self.info.vocab_size:  # a target id this draft has no embedding for
-                self.pre_drafts.cancel(session_id)
-                return Proposal([], None, 0.0, recovered=recovered)  # nothing to draft after it
-            tokens, recovery = [recovered], None
-        if recovery is not None:  # rebuilt: no branch assumed what the forward will draw
-            self.pre_drafts.cancel(session_id)
-            branch = None
-        else:
-            branch = self.pre_drafts.take(session_id, start, tokens, request)
-        proposal = job = None
-        if branch is not None:
-            proposal, job = await self._adopt(session_id, branch, draft_length)
-        if proposal is None:
-            # The guess a pre-drafted branch may feed, then the drafted tokens fed back.
-            session, feed = self._sync(session_id, start, tokens, draft_length + 1, salt)
-            if not feed and recovery is not None and start > 0:  # q at `start` needs its last token fed again
-                session.crop(start - 1)
-                feed = session.tokens[start - 1:start]
-            if not feed:
-                self.sessions.release()
-                raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")
-            if draft_length == 0 and recovery is None:  # the recovered token alone, sampled above
-                self.sessions.put(session_id, session)
-                self.sessions.release()
-                return Proposal([], None, 0.0, recovered=recovered)
-            grammar = (self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
-                       if request.grammar else None)
-            job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar)
-            proposal = await self._step(session_id, session, job)
-        assert job is not None  # it made the proposal
-        committed = len(job.session.tokens) - len(proposal.tokens)
-        if proposal.probs is not None:
-            self.kept_rows.put(session_id, KeptRows(committed, proposal.probs))
-        if recovered is not None:
-            proposal = replace(proposal, recovered=recovered)
-        if pre_draft is not None and proposal.tokens:
-            settled = self.pre_drafts.start(session_id, job.session, committed, job, pre_draft)
-            proposal = replace(proposal, pre_draft=settled)
-        return proposal
-
-    async def _draw_recovered(self, recovery: Recovery, draft_row: torch.Tensor) -> int:
-        """The recovered token from a kept q row. On a CPU at once; on an accelerator on the
-        model's thread, since the draw waits for the device (its work queued before it), and
-        the event loop, which every session's messages go through, must not."""
-        if self.device.type == "cpu":
-            return recovered_token(recovery.target_row, draft_row, recovery.uniform)
-        return await self.scheduler.on_model_thread(recovered_token, recovery.target_row, draft_row, recovery.uniform)
-
-    async def _adopt(self, session_id: str, branch: Branch,
-                     draft_length: int) -> tuple[Proposal | None, ProposeJob | None]:
-        """Answer from a pre-drafted branch: its session becomes the session's (None: it failed)."""
-        try:
-            full = await branch.task
-        except (Exception, asyncio.CancelledError):
-            return None, None
-        session = branch.job.session
-        cut = len(full.tokens) - min(draft_length, len(full.tokens))  # a shorter γ takes a prefix
-        if cut:
-            session.tokens = session.tokens[:-cut]
-            del branch.job.drafted[-cut:], branch.job.alternatives[-cut:]
-        session.crop(len(session.tokens) - 1)  # the last proposal is known, not cached
-        self.sessions.drop(session_id)
-        self.sessions.put(session_id, session)
-        kept = len(full.tokens) - cut
-        probs = None if full.probs is None else full.probs[:kept]
-        return Proposal(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
-                        pre_drafted=True), branch.job
-
-    async def score(self, session_id: str, start: int, tokens: list[int], draft_tokens: list[int],
-                    transform: Transform, draft_token_probs: Sequence[float] = (),
-                    draws: Draws | None = None, run_ahead: int = 0, ahead_draws: Sequence[Draws] = (),
-                    answer_ahead: AnswerAhead | None = None, logprobs: int | None = None,
-                    allowed: torch.Tensor | None = None, salt: bytes = b"") -> Scores:
-        """Target side: bring the session up to date and score γ+1 positions in one forward.
-
-        The forward is shared with every session verifying at the same time. With no
-        draft tokens this is one plain decoding step (one position). A sampled step needs
-        the draft's qᵢ(xᵢ) and the gateway's draws: its result is the verdict.
-
-        With `run_ahead` (a plain step), up to that many plain steps after this one are
-        scored next, unasked, each answered with `answer_ahead(index, scores)` (index 1
-        first; scores None: the run stopped before that step); sampled, each with its draws
-        from `ahead_draws`, one per step (`specd.worker.runahead`).
-
-        `logprobs`: also the raw log-probabilities of the positions decided, with that many
-        alternatives each. `allowed`: a grammar's tokens at each of the γ+1 positions (bool
-        [γ+1, V]); the others are forbidden there.
-        """
-        if not transform.greedy and (draws is None or len(draws.accept) != len(draft_tokens)
-                                     or len(draft_token_probs) != len(draft_tokens)):
-            raise InvalidArgument(f"a sampled step needs {len(draft_tokens) + 1} uniforms and "
-                                  f"{len(draft_tokens)} draft token probabilities (worker protocol 2)")
-        bad = [t for t in draft_tokens if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise InvalidArgument(f"draft token id {bad[0]} is outside {self.info.name}'s vocabulary of "
-                             f"{self.info.vocab_size}")
-        if run_ahead and (draft_tokens or answer_ahead is None):
-            raise InvalidArgument("only a plain step (no draft tokens) may run ahead")
-        if allowed is not None and (allowed.shape[0] != len(draft_tokens) + 1 or run_ahead):
-            raise InvalidArgument(f"allowed_tokens must have one row for each of the {len(draft_tokens) + 1} "
-                                  f"positions scored, got {allowed.shape[0]}, and no run ahead")
-        if run_ahead and not transform.greedy and len(ahead_draws) != run_ahead:
-            raise InvalidArgument(f"a sampled step that runs {run_ahead} steps ahead needs a uniform for each; "
-                                  f"it sent {len(ahead_draws)}")
-        await self.run_ahead.stop(session_id)  # any other step stops the session's run
-        session, feed = self._sync(session_id, start, tokens, len(draft_tokens), salt)
-        if not feed:
-            self.sessions.release()
-            raise InvalidArgument("nothing to score: a step must carry at least one new committed token")
-        session.tokens.extend(draft_tokens)
-        job = ScoreJob(session, feed, list(draft_tokens), transform, list(draft_token_probs), draws,
-                       logprobs=logprobs, allowed=allowed)
-        scores = await self._step(session_id, session, job)
-        if run_ahead:
-            assert answer_ahead is not None  # checked on arrival
-            self._run_ahead(session_id, scores.plain_token(), transform, ahead_draws, run_ahead, answer_ahead,
-                            logprobs)
-        return scores
-
-    def _run_ahead(self, session_id: str, token: int, transform: Transform, draws: Sequence[Draws], steps: int,
-                   answer: AnswerAhead, logprobs: int | None) -> None:
-        """Score up to `steps` plain steps after the one that committed `token`, unasked. Not
-        past EOS or the context, nor while the queue is half full (a bet must not take the
-        room of steps that were asked for), nor without room in the pool (a bet evicts
-        nothing): then the first step is answered None, and the gateway asks it itself."""
-        if token in self.info.eos_token_ids:  # the gateway ends the request here
-            return
-        if not self.sessions.holds(session_id):  # it ended while this step ran: nobody waits
-            return
-        session = self.sessions.take(session_id)
-        start = len(session.tokens)
-        # A run leaves an eighth of the pool to asked steps, which cannot evict a session
-        # running ahead (it is taken).
-        run = AheadRun(steps, answer, self.info.eos_token_ids, self.info.max_context, self.pool.blocks // 8, draws)
-        if (start + 1 >= self.info.max_context or self.scheduler.queued >= self.scheduler.settings.max_queue // 2
-                or not run.room_for(session, start + 1)):
-            self.sessions.put(session_id, session)
-            self.sessions.release()
-            self.run_ahead.dropped += 1
-            answer(1, None)
-            return
-        session.tokens.append(token)
-        job = ScoreJob(session, [token], [], transform, [], draws[0] if draws else None, run, logprobs)
-        future = self.scheduler.enqueue(job)
-        future.add_done_callback(lambda done: self._run_ended(session_id, job, run))
-        self.run_ahead.start(session_id, job, future)
-
-    def _run_ended(self, session_id: str, job: ScoreJob, run: AheadRun) -> None:
-        """A run's end, however it came: the session goes back to the store (cropped to its
-        answered steps if a forward failed), unless the session ended. A run that failed or
-        was cut short answers its next step None, for the gateway to ask it; one that
-        stopped at EOS or for another step of the session need not."""
-        assert job.future is not None
-        self.run_ahead.answered += run.answered
-        failed = job.future.cancelled() or job.future.exception() is not None
-        if job.cancelled or run.stopping or failed or run.cut_short:
-            self.run_ahead.dropped += 1
-        try:
-            if not job.cancelled:
-                if failed:
-                    kept = len(job.session.tokens) - 1  # the failed step's token is not committed
-                    job.session.crop(kept)
-                    job.session.tokens = job.session.tokens[:kept]
-                self.sessions.put(session_id, job.session)
-                if failed or run.cut_short:
-                    run.answer(run.answered + 1, None)
-        finally:
-            self.sessions.release()

@@ -49,7 +49,7 @@ Result = TypeVar("Result")
 class StepStream:
     """One gateway's stream: the owner of the sessions its steps open. `answer(step_id,
     response or exception)` answers a step the gateway reserved but did not send (the
-    verifier's run-ahead, `specd.worker.runahead`), in the stream's next results message."""
+    verifier's run-ahead, `verifier_service.runahead`), in the stream's next results message."""
 
     def __init__(self, answer: Callable[[int, Any], None]) -> None:
         self.id = uuid.uuid4().hex

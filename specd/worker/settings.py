@@ -109,7 +109,7 @@ class DraftSettings:
     metrics_port: int = setting(0, **_METRICS_PORT)
     # Fewer branches: fewer draft forwards competing with the gateway.
     pre_draft_branches: str = setting("3", flag="--pre-draft-branches", metavar="all|bonus|K",
-                                      help="overlapped speculation (specd.worker.predraft): pre-draft for every "
+                                      help="overlapped speculation (draft_service.predraft): pre-draft for every "
                                            "accepted length (all), only for everything accepted (bonus), or for "
                                            "the K verdicts the draft finds most likely")
     kept_rows_mib: int = setting(512, flag="--kept-rows-mib",

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
+from draft_service.grammar import GrammarCursor
+from draft_service.jobs import ProposeJob
 from specd.steps import DraftRequest, PreDraftRequest, Proposal
-from specd.worker.grammar import GrammarCursor
-from specd.worker.jobs import ProposeJob
 from specd.worker.kvstore import SessionKV
 
 

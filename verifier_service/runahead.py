@@ -6,7 +6,7 @@ plain steps follow this one (`VerifyRequest.run_ahead_steps`, with the next step
 uniform when sampled), the verifier goes on decoding the session plainly, up to that many
 steps, as if the gateway had committed each token, and answers each step unasked, under
 the step ids the gateway reserved for them. The forwards of a session then follow each
-other on the model's thread with nothing between them (`specd.worker.jobs.AheadRun`), and
+other on the model's thread with nothing between them (`verifier_service.jobs.AheadRun`), and
 no message goes from the gateway to the verifier for those steps: at one request in
 flight the verifier decodes as a model in one process does, and the gateway's work on each
 step overlaps the next forward.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from specd.worker.jobs import ScoreJob
+from verifier_service.jobs import ScoreJob
 
 
 @dataclass
