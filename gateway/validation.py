@@ -70,9 +70,6 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     # The confidence policy's threshold is carried out by the draft, inside each step.
     min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)
                       if policy == "confidence" and draft_model else 0.0)
-    if request.min_tokens > max_new:
-        problems.append(f"min_tokens={request.min_tokens} asks for more than the {max_new} tokens this request "
-                        f"may generate")
     # Penalties count output tokens from where the prompt ends; until min_tokens, no token
     # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
     eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
@@ -173,7 +170,8 @@ def _prompt(request: ClientRequest, backend: Backend, settings: GatewaySettings,
 def _max_new_tokens(request: ClientRequest, settings: GatewaySettings, prompt_tokens: int, context: int,
                     problems: list[str]) -> int:
     """How many tokens the request may generate (the gateway's default when it names none),
-    appending to `problems` what does not fit the context window or the cap."""
+    appending to `problems` what does not fit the context window or the cap, and a
+    min_tokens it could never reach."""
     if prompt_tokens >= context:
         problems.append(f"prompt is {prompt_tokens} tokens but the target's context window is "
                         f"{context}; shorten the prompt to at most {context - 1} tokens")
@@ -188,6 +186,9 @@ def _max_new_tokens(request: ClientRequest, settings: GatewaySettings, prompt_to
     if prompt_tokens and request.max_new_tokens and prompt_tokens + max_new > context:
         problems.append(f"max_new_tokens={max_new} with a {prompt_tokens}-token prompt exceeds the "
                         f"target's context window of {context}; ask for at most {room}")
+    if request.min_tokens > max_new:
+        problems.append(f"min_tokens={request.min_tokens} asks for more than the {max_new} tokens this request "
+                        f"may generate")
     return max_new
 
 

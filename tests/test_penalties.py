@@ -115,6 +115,21 @@ def test_bad_rules_are_invalid_argument(stack):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
 
 
+def test_min_tokens_beyond_max_new_tokens_is_invalid_argument(stack):
+    """An output held open for more tokens than the request may generate is refused, as
+    vLLM refuses it, rather than quietly cut at max_new_tokens; the gateway keeps serving."""
+    import grpc
+
+    req = request("x", max_new_tokens=2)
+    req.sampling.min_tokens = 5
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub.Generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "min_tokens=5 asks for more than the 2 tokens this request may generate" in err.value.details()
+    req.sampling.min_tokens = 2
+    assert len(stack.stub.Generate(req).token_ids) == 2
+
+
 TRANSFORM = Transform(temperature=1.5, top_k=6, presence_penalty=1.2, frequency_penalty=0.5,
                       repetition_penalty=1.4, logit_bias=((7, 1.0),), min_p=0.15)
 
