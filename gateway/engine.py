@@ -1,24 +1,24 @@
 """The speculative loop of one request: the committed sequence, its RNG, and each step.
 
-One step (docs/design.md §2): the draft proposes γ tokens, the verifier scores γ+1 positions
-in one forward, and `specd.rejection` decides what is accepted; the accepted tokens
-plus one recovered or bonus token are committed. A sampled step that rejects a draft
-model's token asks the draft for the recovered token, since only the draft holds its q;
-the same hop brings the next step's proposal, which follows that token. A step runs in
-three parts: propose (the draft hop), decide (the verifier hop and the verdict) and
-commit. Each step ends in a `StepRecord` (`gateway.records`) that every observer reads:
-the γ policy, the request's statistics, the server's counters, the tracer. The engine
-talks to the workers through two small client Protocols, `DraftClient` and
-`VerifierClient` (the gRPC links of `gateway.workers` in production, scripted fakes in
-tests/test_engine.py). No protobuf here.
+One step (docs/design.md §2): a proposer proposes γ tokens, the verifier scores γ+1
+positions in one forward, and `specd.rejection` decides what is accepted; the accepted
+tokens plus one recovered or bonus token are committed. A step runs in three parts:
+propose (a model-free match, or the draft model's hop), decide (the verifier hop and the
+verdict) and commit. What depends on who proposed, the engine asks the proposal's
+proposer (`gateway.proposal.Proposer`): the recovered token at a sampled rejection, drawn
+where q lives, and what the commit means to the proposer's own state. Each step ends in
+a `StepRecord` (`gateway.records`) that every observer reads: the γ policy, the
+request's statistics, the server's counters, the tracer. The workers are behind two
+small client Protocols, `gateway.proposal.DraftClient` (which the draft model's
+proposer wraps) and `VerifierClient` (the gRPC links of `gateway.workers` in
+production, scripted fakes in tests/test_engine.py). No protobuf here.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -27,11 +27,12 @@ import torch
 from gateway.errors import DraftSkipped, WorkerError
 from gateway.grammar import Grammar
 from gateway.hybrid import HybridChoice
+from gateway.proposal import DraftClient, DraftModelProposer, Proposal, StepContext
 from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
 from gateway.request import Generation
-from specd.rejection import Draws, finish_verdict, verify_greedy
+from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
-from specd.steps import BatchStats, DraftRequest, PreDraftRequest, Proposal, Recovery, Scores
+from specd.steps import Scores
 
 log = logging.getLogger(__name__)
 # The most plain steps a plain step lets the verifier score unasked, with no draft left
@@ -58,25 +59,6 @@ class ModelBounds:
     def ending(self) -> frozenset[int]:
         """The tokens that end the request (finish STOP for a stop token id, else EOS)."""
         return (frozenset() if self.ignore_eos else self.eos_token_ids) | self.stop_token_ids
-
-
-class DraftClient(Protocol):
-    """What a step needs of the draft service: one session's proposals (`gateway.workers.DraftLink`)."""
-
-    last_exchange_bytes: int  # request + response bytes of the last hop
-
-    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
-                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> Proposal:
-        """Up to γ draft tokens after `committed`, with qᵢ(xᵢ) unless greedy; DraftSkipped when
-        the draft cannot answer this step in time. With `recovery`, the recovered token at
-        the end of `committed` first (`Proposal.recovered`), which the tokens follow."""
-        ...
-
-    def advance(self, position: int) -> None:
-        """The committed sequence is settled up to `position`: the rest of the session's cache is stale."""
-
-    def close(self) -> None:
-        """End the session (a step of it still running is dropped)."""
 
 
 class VerifierClient(Protocol):
@@ -118,35 +100,6 @@ class StepOutput:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asks
 
 
-def draft_seed(request_seed: int, step: int) -> int:
-    """The seed of the draft's sampler at a step: a function of the request's seed and the
-    step's index only, so overlapped speculation can hand it to the draft a step early and
-    the output is the same with overlap on or off."""
-    digest = hashlib.blake2b(f"{request_seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-@dataclass(frozen=True)
-class _DraftHop:
-    """What the propose part of a step brought back (nothing when γ = 0 or the draft is lost)."""
-
-    tokens: list[int]
-    token_probs: tuple[float, ...] = ()  # qᵢ(xᵢ) when sampled (1 for a model-free proposal's)
-    ms: float = 0.0
-    forward_ms: float = 0.0
-    bytes: int = 0
-    batch: BatchStats = BatchStats(size=0)
-    pre_drafted: bool = False
-    pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
-    proposer: str = ""
-    model_free: bool = False
-    in_hand: bool = False  # made by the last step's recovery hop
-
-    def prefix(self, gamma: int) -> _DraftHop:
-        """The first γ tokens (a proposal made for a longer γ than the step's)."""
-        return replace(self, tokens=self.tokens[:gamma], token_probs=self.token_probs[:gamma])
-
-
 @dataclass(frozen=True)
 class _Verdict:
     """What the decide part of a step concluded, and what its verifier hop cost."""
@@ -157,12 +110,13 @@ class _Verdict:
     scores: Scores
     ms: float
     bytes: int
-    drafted_recovery: bool = False  # the draft drew the recovered token, and holds it
-    recovery_ms: float = 0.0  # wall time of that hop
+    recovered_held: bool = False  # the proposer drew the recovered token, and its session holds it
+    recovery_ms: float = 0.0  # wall time of the hop that drew it (0: drawn in the gateway)
 
 
 class _Speculation:
-    """One request's state across steps: the committed sequence, the RNG and the links."""
+    """One request's state across steps: the committed sequence, the RNG, the verifier's link
+    and the proposers (the draft model's, until it is lost, and the model-free ones of `hybrid`)."""
 
     def __init__(self, request: Generation, policy: DraftLengthPolicy, draft: DraftClient | None,
                  verifier: VerifierClient, bounds: ModelBounds, hybrid: HybridChoice | None = None,
@@ -170,7 +124,8 @@ class _Speculation:
         self.request = request
         self.grammar = grammar
         self.policy = policy
-        self.draft = draft
+        self.draft = (None if draft is None
+                      else DraftModelProposer(draft, request, bounds.draft_context, bounds.vocab_size))
         self.verifier = verifier
         self.bounds = bounds
         self.hybrid = hybrid
@@ -181,9 +136,7 @@ class _Speculation:
         self.last_commit = time.perf_counter()  # when the last step committed (at first: the start)
         self.pre_draft_asked = False  # the last proposal asked the draft to pre-draft this step
         self.drawn_ahead: list[float] = []  # uniforms drawn early for run-ahead, not yet taken by a step
-        # The next step's proposal, brought by this step's recovery hop (sampled, a rejection).
-        self.in_hand: _DraftHop | None = None
-        self.no_proposal = _DraftHop([])  # γ = 0, or the draft is lost
+        self.no_proposal = Proposal([])  # γ = 0, or the draft is lost: made once, a plain step builds nothing
         # Plain steps left of a run asked while the model-free matches were quiet: they
         # look for no match, which would stop the run (the forward in flight wasted).
         self.blind = 0
@@ -197,142 +150,90 @@ class _Speculation:
         remaining = self.request.max_new_tokens - self.generated
         return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
 
-    def propose_model_free(self, gamma: int, max_tokens: int) -> _DraftHop | None:
+    def context(self, carrier: dict[str, str]) -> StepContext:
+        """Where the request stands as this step begins, for its proposer."""
+        return StepContext(self.steps, self.committed, self.request.max_new_tokens - self.generated, carrier)
+
+    def propose_match(self, gamma: int, max_tokens: int) -> Proposal | None:
         """A model-free proposal (up to max_tokens) when one beats the model draft at γ
-        (`gateway.hybrid`); its q is one-hot, since the proposal is deterministic."""
+        (`gateway.hybrid`)."""
         if self.hybrid is None or self.blind:
             return None
         room = self.bounds.target_context - len(self.committed) - 1
         remaining = self.request.max_new_tokens - self.generated - 1
-        began = time.perf_counter()
-        match = self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
-        if match is None:
-            return None
-        ms = (time.perf_counter() - began) * 1e3
-        self.in_hand = None  # the match is verified instead; the draft's cache is cropped at its next step
-        # q(x) = 1 for each token; a sampled step builds the one-hot row it needs at a rejection (decide).
-        return _DraftHop(match.tokens, (1.0,) * len(match.tokens), ms, proposer=match.proposer, model_free=True)
+        return self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
 
-    def within_grammar(self, hop: _DraftHop) -> _DraftHop:
+    def within_grammar(self, proposal: Proposal) -> Proposal:
         """The proposal cut before its first token the request's grammar forbids (the target
         would give it probability 0: `gateway.grammar` says why the cut is exact)."""
-        if self.grammar is None or not hop.tokens:
-            return hop
-        allowed = self.grammar.allowed_prefix(hop.tokens)
-        return hop if allowed == len(hop.tokens) else hop.prefix(allowed)
+        if self.grammar is None or not proposal.tokens:
+            return proposal
+        allowed = self.grammar.allowed_prefix(proposal.tokens)
+        return proposal if allowed == len(proposal.tokens) else proposal.prefix(allowed)
 
-    def _one_hot(self, tokens: list[int]) -> Callable[[int], torch.Tensor]:
-        """q's row at each position of a model-free proposal: all mass on the proposed token."""
-        def row(i: int) -> torch.Tensor:
-            q = torch.zeros(self.bounds.vocab_size)
-            q[tokens[i]] = 1.0
-            return q
-        return row
-
-    async def propose(self, gamma: int, carrier: dict[str, str]) -> _DraftHop:
-        """The draft hop. A draft that sits the step out (DraftSkipped: too slow) leaves this
-        step to the verifier alone, a draft lost for good the whole request, which is enough
-        for the same output; the client's deadline passing ends it."""
-        empty = self.no_proposal  # made once: a plain step should build nothing
-        in_hand, self.in_hand = self.in_hand, None
+    async def propose(self, gamma: int, carrier: dict[str, str]) -> Proposal:
+        """The draft model's proposal. A draft that sits the step out (DraftSkipped: too slow)
+        leaves this step to the verifier alone, a draft lost for good the whole request,
+        which is enough for the same output; the client's deadline passing ends it."""
         if gamma == 0 or self.draft is None:
-            return empty
-        if in_hand is not None:  # made by the last step's recovery hop, for at most its γ
-            return in_hand.prefix(gamma)
-        request, transform = self.request, self.request.transform
-        began = time.perf_counter()
-        seed = 0 if transform.greedy else draft_seed(request.seed, self.steps)
-        pre_draft = None
-        if request.overlap:
-            # The next step most likely asks for the same γ (a shorter one takes a prefix).
-            next_seed = 0 if transform.greedy else draft_seed(request.seed, self.steps + 1)
-            pre_draft = PreDraftRequest(gamma, next_seed)
+            return self.no_proposal
         try:
-            draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size,
-                                         request.grammar)
-            proposal = await self.draft.propose(self.committed, draft_request, request.draft_model, carrier, pre_draft)
+            return await self.draft.propose(gamma, self.context(carrier))
         except DraftSkipped as exc:
             log.info("%s", exc)
-            return empty
+            return self.no_proposal
         except WorkerError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise  # the client's deadline passed: the request is over, not just the draft
             log.warning("draft lost (%s); decoding the rest of the request plainly", exc)
             self.draft.close()
             self.draft = None
-            return empty
-        return _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
-                         proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch, proposal.pre_drafted,
-                         pre_draft is not None, request.draft_model)
+            return self.no_proposal
 
-    async def decide(self, hop: _DraftHop, carrier: dict[str, str]) -> _Verdict:
+    async def decide(self, proposal: Proposal, carrier: dict[str, str]) -> _Verdict:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
         rejection sampling with exactly the q each proposed token was drawn with."""
         began = time.perf_counter()
-        run_ahead = self._run_ahead(hop)
+        run_ahead = self._run_ahead(proposal)
         if self.hybrid is not None:
-            self._count_blind(hop, run_ahead)
+            self._count_blind(proposal, run_ahead)
         logprobs = self.request.logprobs
-        allowed = None if self.grammar is None else self.grammar.masks(hop.tokens)
+        allowed = None if self.grammar is None else self.grammar.masks(proposal.tokens)
         if self.request.transform.greedy:
-            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
+            scores = await self.verifier.verify(self.committed, proposal.tokens, self.request.transform, carrier,
                                                 run_ahead=run_ahead, logprobs=logprobs, allowed=allowed)
             ms = (time.perf_counter() - began) * 1e3
             assert scores.argmax is not None  # greedy scores carry the argmax
-            outcome = verify_greedy(hop.tokens, scores.argmax)
+            outcome = verify_greedy(proposal.tokens, scores.argmax)
         else:
             # The gateway draws every uniform of the step; the verifier tests the proposal with
             # them and sends back the bonus token or p's row at the first rejection.
-            draws = self._draws(len(hop.tokens))
+            draws = self._draws(len(proposal.tokens))
             # The uniforms of the plain steps the verifier may run ahead: drawn now rather than
             # at their steps, which take them in turn, so the order of the draws is the same.
             while len(self.drawn_ahead) < run_ahead:
                 self.drawn_ahead.append(Draws.draw(0, self.generator).final)
-            scores = await self.verifier.verify(self.committed, hop.tokens, self.request.transform, carrier,
-                                                hop.token_probs, draws, run_ahead, self.drawn_ahead[:run_ahead],
+            scores = await self.verifier.verify(self.committed, proposal.tokens, self.request.transform, carrier,
+                                                proposal.token_probs, draws, run_ahead, self.drawn_ahead[:run_ahead],
                                                 logprobs, allowed)
             ms = (time.perf_counter() - began) * 1e3
             verdict = scores.verdict
             assert verdict is not None  # sampled scores carry the verdict
-            ended_at = next((t for t in hop.tokens[:verdict.accepted] if t in self.bounds.ending), None)
-            if verdict.rejected_row is not None and ended_at is not None:
+            if verdict.rejected_row is None:  # every token accepted: the verifier drew the bonus token
+                assert verdict.bonus_token is not None
+                return _Verdict(verdict.accepted, True, verdict.bonus_token, scores, ms,
+                                self.verifier.last_exchange_bytes)
+            ended_at = next((t for t in proposal.tokens[:verdict.accepted] if t in self.bounds.ending), None)
+            if ended_at is not None:
                 # An accepted EOS ends the request before the rejected position: no token after
                 # it is emitted, so none is drawn (the record names the EOS as the step's token).
                 return _Verdict(verdict.accepted, False, ended_at, scores, ms, self.verifier.last_exchange_bytes)
-            if verdict.rejected_row is not None and not hop.model_free:  # only the draft holds q there
-                began = time.perf_counter()
-                token = await self._recover(hop, verdict.accepted, Recovery(verdict.rejected_row, draws.final),
-                                            carrier)
-                return _Verdict(verdict.accepted, False, token, scores, ms, self.verifier.last_exchange_bytes, True,
-                                (time.perf_counter() - began) * 1e3)
-            outcome = finish_verdict(verdict, self._one_hot(hop.tokens), draws)
+            # The recovered token is drawn where q is, which the proposal's proposer knows.
+            assert proposal.proposer is not None  # only a proposed token is rejected
+            recovered = await proposal.proposer.recover(proposal, verdict, draws, self.context(carrier))
+            return _Verdict(verdict.accepted, False, recovered.token, scores, ms, self.verifier.last_exchange_bytes,
+                            recovered.held, recovered.hop_ms)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)
-
-    async def _recover(self, hop: _DraftHop, accepted: int, recovery: Recovery, carrier: dict[str, str]) -> int:
-        """The recovered token after the draft's token at `accepted` was rejected, drawn by the
-        draft (it holds q there). The same hop drafts the next step's proposal from it, for
-        at most this step's γ (the policy has not seen this step yet; a smaller γ takes a
-        prefix): one draft hop a step, as without a rejection. WorkerError (UNAVAILABLE)
-        when no draft answers: nothing else can draw this token exactly."""
-        assert self.draft is not None  # it made this step's proposal
-        request, transform = self.request, self.request.transform
-        kept = self.committed + hop.tokens[:accepted]
-        remaining = request.max_new_tokens - self.generated - accepted - 1  # after this step
-        gamma = max(0, min(len(hop.tokens), remaining - 1, self.bounds.draft_context - len(kept) - 1))
-        seed = draft_seed(request.seed, self.steps + 1)
-        pre_draft = (PreDraftRequest(gamma, draft_seed(request.seed, self.steps + 2))
-                     if request.overlap and gamma else None)
-        self.draft.advance(len(kept))  # it holds the accepted tokens; the rest of its proposal is stale
-        began = time.perf_counter()
-        draft_request = DraftRequest(gamma, transform, seed, request.min_confidence, self.bounds.vocab_size,
-                                     request.grammar)
-        proposal = await self.draft.propose(kept, draft_request, request.draft_model, carrier, pre_draft, recovery)
-        assert proposal.recovered is not None  # the link checks that a recovery was answered
-        if proposal.tokens:  # none when γ = 0, or the recovered token is one the draft cannot feed
-            self.in_hand = _DraftHop(proposal.tokens, proposal.token_probs, (time.perf_counter() - began) * 1e3,
-                                     proposal.forward_ms, self.draft.last_exchange_bytes, proposal.batch,
-                                     proposal.pre_drafted, pre_draft is not None, request.draft_model, in_hand=True)
-        return proposal.recovered
 
     def _draws(self, gamma: int) -> Draws:
         """This step's γ + 1 uniforms: first those drawn early for run-ahead (in the order they
@@ -345,7 +246,7 @@ class _Speculation:
             taken += [*fresh.accept, fresh.final]
         return Draws(tuple(taken[:-1]), taken[-1])
 
-    def _run_ahead(self, hop: _DraftHop) -> int:
+    def _run_ahead(self, proposal: Proposal) -> int:
         """How many plain steps after this plain one the verifier may score unasked, short of
         the request's last token and the target's context: as many as surely come (all,
         with no draft left; else as many as the γ policy foresees, `plain_steps_ahead`), up
@@ -353,7 +254,7 @@ class _Speculation:
         match would stop the run); once they are quiet, up to `QUIET_RUN_STEPS`, which look
         for no match; none while such a run is under way (its steps take its answers).
         None under a grammar: each position's allowed tokens follow the token before it."""
-        if hop.tokens or self.grammar is not None:
+        if proposal.tokens or self.grammar is not None:
             return 0
         after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
@@ -366,29 +267,26 @@ class _Speculation:
         plain = limit if self.draft is None else self.policy.plain_steps_ahead(limit)
         return max(0, min(plain, after))
 
-    def _count_blind(self, hop: _DraftHop, run_ahead: int) -> None:
+    def _count_blind(self, proposal: Proposal, run_ahead: int) -> None:
         """Keep `blind`, the steps left of a quiet run, as this step starts: a proposal ends
         the run, a step that asks one starts it, a plain step within it takes one answer."""
-        if hop.tokens:
+        if proposal.tokens:
             self.blind = 0
         elif run_ahead:
             self.blind = run_ahead
         elif self.blind:
             self.blind -= 1
 
-    def commit(self, hop: _DraftHop, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
+    def commit(self, proposal: Proposal, verdict: _Verdict) -> tuple[StepRecord, StepOutput]:
         """Commit the accepted tokens and the recovered or bonus one, cut at EOS; the step's record."""
-        emitted = hop.tokens[: verdict.accepted] + [verdict.token]
+        emitted = proposal.tokens[: verdict.accepted] + [verdict.token]
         kept_before = len(self.committed) + verdict.accepted
         position = len(self.committed)
         self.committed.extend(emitted)
         self.verifier.advance(kept_before)
-        if self.hybrid is not None:
-            self.hybrid.observe(hop.proposer if hop.model_free else None, verdict.accepted, len(hop.tokens))
-        # A draft that sat this step out (or a model-free match made it) still holds only what it
-        # held; one that drew the recovered token holds that too.
-        if hop.tokens and not hop.model_free and self.draft is not None:
-            self.draft.advance(kept_before + verdict.drafted_recovery)
+        if proposal.proposer is not None:
+            # Its own session (if any) keeps the accepted tokens, and the recovered one when it drew it.
+            proposal.proposer.settle(proposal, kept_before + verdict.recovered_held)
         finish = None
         end_at = next((i for i, t in enumerate(emitted) if t in self.bounds.ending), None)
         if end_at is not None:
@@ -407,16 +305,22 @@ class _Speculation:
         scores = verdict.scores
         now = time.perf_counter()
         interval_ms, self.last_commit = (now - self.last_commit) * 1e3, now
+        proposer = proposal.proposer
         record = StepRecord(
-            index=self.steps, position=position, generated=generated_before, draft_length=len(hop.tokens),
+            index=self.steps, position=position, generated=generated_before, draft_length=len(proposal.tokens),
             accepted=verdict.accepted, bonus=verdict.bonus, token=verdict.token, emitted=tuple(emitted),
-            draft_ms=hop.ms, verify_ms=verdict.ms, draft_forward_ms=hop.forward_ms,
-            verify_forward_ms=scores.forward_ms, draft_bytes=hop.bytes, verify_bytes=verdict.bytes,
-            draft_batch=hop.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
-            pre_drafted=hop.pre_drafted, proposer=hop.proposer, model_free=hop.model_free, ran_ahead=scores.ran_ahead,
-            interval_ms=interval_ms, proposal_in_hand=hop.in_hand, recovery_ms=verdict.recovery_ms, load_cap=self.cap)
+            draft_ms=proposal.ms, verify_ms=verdict.ms, draft_forward_ms=proposal.forward_ms,
+            verify_forward_ms=scores.forward_ms, draft_bytes=proposal.bytes, verify_bytes=verdict.bytes,
+            draft_batch=proposal.batch, verify_batch=scores.batch, pre_draft_asked=self.pre_draft_asked,
+            pre_drafted=proposal.pre_drafted, proposer=proposer.name if proposer is not None else "",
+            # The draft model's own tokens: what its γ policy and the load cap learn from.
+            draft_model_tokens=len(proposal.tokens) if proposer is not None and proposer is self.draft else 0,
+            ran_ahead=scores.ran_ahead, interval_ms=interval_ms, proposal_in_hand=proposal.in_hand,
+            recovery_ms=verdict.recovery_ms, load_cap=self.cap)
+        if self.hybrid is not None:
+            self.hybrid.observe(record.proposer, record.accepted, record.draft_length)
         self.steps += 1
-        self.pre_draft_asked = hop.pre_draft_asked
+        self.pre_draft_asked = proposal.pre_draft_asked
         return record, StepOutput(emitted, finish, logprobs)
 
 
@@ -447,11 +351,11 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
         carrier = tracer.begin_step(speculation.steps)
         speculation.cap = policy.cap_in_force()
         speculation.longest = max_model_free if speculation.cap is None else min(max_model_free, speculation.cap[0])
-        hop = (speculation.propose_model_free(gamma, speculation.longest)
-               or await speculation.propose(gamma, carrier))
-        hop = speculation.within_grammar(hop)
-        verdict = await speculation.decide(hop, carrier)
-        record, output = speculation.commit(hop, verdict)
+        proposal = (speculation.propose_match(gamma, speculation.longest)
+                    or await speculation.propose(gamma, carrier))
+        proposal = speculation.within_grammar(proposal)
+        verdict = await speculation.decide(proposal, carrier)
+        record, output = speculation.commit(proposal, verdict)
         for observer in everyone:
             observer.observe(record)
         yield output

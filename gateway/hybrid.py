@@ -16,16 +16,22 @@ length k with the best rate, and taken when that rate beats the model draft's at
 the policy chose (0 included): a confident match wins the step, a weak one proposes
 nothing, and otherwise the model drafts, or nothing does, as without these proposers.
 Before any step is measured, costs are taken relative to a plain step (a verified token
-adds 5%, a draft token 20%).
+adds 5%, a draft token 20%). The match taken becomes the step's proposal
+(`gateway.proposal.Proposal`), carrying the proposer that made it: the engine asks that
+proposer for the recovered token at a sampled rejection and tells it of the commit.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.costmodel import CostEstimate, StepCosts, expected_tokens
-from gateway.proposers import Match
+from gateway.proposal import Proposal, Proposer
 from specd.contract import PROMPT_LOOKUP
+
+if TYPE_CHECKING:  # the proposers themselves load torch (a rejection's one-hot q); the choice does not
+    from gateway.proposers import Match
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
 PRIORS = {PROMPT_LOOKUP: 0.5}
@@ -40,8 +46,9 @@ QUIET_STEPS = 2
 VERIFY_PER_TOKEN, DRAFT_PER_TOKEN = 0.05, 0.2
 
 
-class ModelFreeProposer(Protocol):
-    name: str
+class ModelFreeProposer(Proposer, Protocol):
+    """A proposer in the gateway (`gateway.proposers`): what the choice asks of it, beside
+    what the engine asks of every proposer."""
 
     def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
         """Up to max_tokens tokens to follow `committed` (none when nothing matches)."""
@@ -100,10 +107,10 @@ class HybridChoice:
         for proposer in self.proposers:
             proposer.index(committed)
 
-    def observe(self, proposer: str | None, accepted: int, proposed: int) -> None:
-        """A step ended with `accepted` of `proposed` tokens kept; `proposer` names the
-        model-free proposer that made them (None: the model draft, or no proposal)."""
-        acceptance = self._acceptance.get(proposer) if proposer is not None else None
+    def observe(self, proposer: str, accepted: int, proposed: int) -> None:
+        """A step ended with `accepted` of `proposed` tokens kept; `proposer` names who made
+        them (`StepRecord.proposer`): a model-free proposer learns from its own steps only."""
+        acceptance = self._acceptance.get(proposer)
         self._since_paid = 0 if acceptance is not None and accepted > 0 else self._since_paid + 1
         if acceptance is not None and proposed:
             acceptance.observe(accepted, proposed)
@@ -114,27 +121,28 @@ class HybridChoice:
         the request's first step: its first steps are not quiet)."""
         return self._since_paid >= QUIET_STEPS
 
-    def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Match | None:
-        """The match this step should verify, or None: the model draft (at model_gamma) or a
-        plain step does better."""
+    def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Proposal | None:
+        """The match this step should verify, as the step's proposal, or None: the model
+        draft (at model_gamma) or a plain step does better."""
         if max_tokens <= 0:
             return None
+        began = time.perf_counter()
         # Every length's step cost at once: one fit of the measured lines per step, not one
         # per length priced ([] before any measurement: the priors price them).
         estimates = self.costs.estimates(range(max(max_tokens, model_gamma) + 1))
-        best: tuple[float, Match] | None = None
+        best: tuple[float, ModelFreeProposer, list[int]] | None = None
         for proposer in self.proposers:
             match = proposer.propose(committed, max_tokens)
             if not match.tokens:
                 continue
             if self.fixed is not None:
-                return Match(match.proposer, match.tokens[: self.fixed], match.confidence)
+                return _proposal(proposer, match.tokens[: self.fixed], began)
             rate, length = self._best_cut(match, estimates)
             if best is None or rate > best[0]:
-                best = (rate, Match(match.proposer, match.tokens[:length], match.confidence))
+                best = (rate, proposer, match.tokens[:length])
         if best is None or best[0] <= self._model_rate(model_gamma, estimates):
             return None
-        return best[1]
+        return _proposal(best[1], best[2], began)
 
     def _rates(self, match: Match) -> list[float]:
         learned = self._acceptance[match.proposer].alpha
@@ -162,3 +170,10 @@ class HybridChoice:
         if not estimates:
             return tokens / (1.0 + (VERIFY_PER_TOKEN + DRAFT_PER_TOKEN) * gamma)
         return tokens / estimates[gamma].step_ms
+
+
+def _proposal(proposer: ModelFreeProposer, tokens: list[int], began: float) -> Proposal:
+    """A match as the step's proposal: q(x) = 1 for each token, since the match is
+    deterministic (its proposer builds the one-hot row a rejection needs), and the time
+    since `began` (the lookups) as what it cost."""
+    return Proposal(tokens, (1.0,) * len(tokens), (time.perf_counter() - began) * 1e3, proposer=proposer)

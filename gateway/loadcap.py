@@ -397,8 +397,7 @@ class LoadCap:
                 self._leave(left, self._observed)
             self._observed = load
         if load <= 1:
-            if not record.model_free:
-                self.widest = max(self.widest, record.draft_length)
+            self.widest = max(self.widest, record.draft_model_tokens)
             return
         level = self._level(load)
         if cap != level.arm or record.index == 0:  # the first step also prefills the prompt
@@ -406,8 +405,7 @@ class LoadCap:
         if level.settle > 0:  # it shared forwards with steps chosen under the previous cap
             level.settle -= 1
             return
-        if not record.model_free:
-            level.drafted = max(level.drafted, record.draft_length)
+        level.drafted = max(level.drafted, record.draft_model_tokens)
         # The whole interval between the request's commits, not just its hops: under load the
         # gateway's own work and the hand-offs are part of what a step costs a session.
         level.running.add(len(record.emitted), record.interval_ms, quiet)

@@ -78,9 +78,9 @@ class EmaPolicy:
         return 0  # γ never falls below its lowest, at least 1
 
     def observe(self, record: StepRecord) -> None:
-        if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
+        if record.draft_model_tokens == 0:  # learned from the draft model's tokens only
             return
-        self.rate += self.weight * (record.accepted / record.draft_length - self.rate)
+        self.rate += self.weight * (record.accepted / record.draft_model_tokens - self.rate)
         if self.rate > self.target_rate + 0.05:
             self.draft_length = min(self.draft_length + 1, self.highest)
         elif self.rate < self.target_rate - 0.10:
@@ -181,7 +181,7 @@ class CostPolicy:
     def observe(self, record: StepRecord) -> None:
         if self.load_cap is not None:
             self.load_cap.observe(self._cap, record)
-        if record.draft_length == 0 or record.model_free:  # a model-free match says nothing of the draft
+        if record.draft_model_tokens == 0:  # learned from the draft model's tokens only
             return
         if self._probing:
             self.probes.record(failed=record.accepted == 0)

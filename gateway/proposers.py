@@ -21,9 +21,11 @@ Matching walks back from those occurrences, which gives the same longest pattern
 same continuation counts as a suffix tree for patterns of at least `ANCHOR` tokens, with
 memory linear in the tokens held (a suffix trie of depth D holds up to D nodes a token).
 
-Both proposals are deterministic, so their q is one-hot, and rejection sampling keeps
-the target's distribution for sampled requests as for greedy ones (the engine builds q).
-Which proposal a step takes is `gateway.hybrid`'s choice.
+Both are proposers as the engine knows them (`gateway.proposal.Proposer`, through
+`GatewayProposer`): their proposals are deterministic, so q is one-hot, and rejection
+sampling keeps the target's distribution for sampled requests as for greedy ones (the
+proposer draws the recovered token from p with the rejected token removed). Which
+proposal a step takes is `gateway.hybrid`'s choice.
 """
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from gateway.proposal import Proposal, Recovered, StepContext
 from specd.contract import PROMPT_LOOKUP, SUFFIX
+from specd.rejection import Draws, TargetVerdict, finish_verdict
 
 ANCHOR = 3  # tokens of the n-gram an occurrence is indexed by: the shortest suffix match
 MAX_PATTERN = 32  # how far back a match is measured
@@ -193,7 +199,36 @@ class SuffixCache:
             return index.occurrences(context) if index is not None else []
 
 
-class PromptLookup:
+class GatewayProposer:
+    """What a proposer running in the gateway does once its proposal is made
+    (`gateway.proposal.Proposer`).
+
+    Its proposal is deterministic, so q is one-hot and the gateway holds it: the recovered
+    token is drawn here. It holds no session anywhere and reads the committed tokens afresh
+    at each lookup, so a commit leaves it nothing to settle.
+    """
+
+    name: str
+
+    async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
+                      context: StepContext) -> Recovered:
+        """Drawn here from norm(max(0, p − q)) with q one-hot on the rejected token."""
+        assert verdict.rejected_row is not None  # a rejection carries p's row
+        vocab_size = len(verdict.rejected_row)
+
+        def one_hot(i: int) -> torch.Tensor:
+            # Made only for the rejected position: a whole q would be a vocabulary per token.
+            q = torch.zeros(vocab_size)
+            q[proposal.tokens[i]] = 1.0
+            return q
+
+        return Recovered(finish_verdict(verdict, one_hot, draws).token)
+
+    def settle(self, proposal: Proposal, position: int) -> None:
+        """Nothing to settle."""
+
+
+class PromptLookup(GatewayProposer):
     """One request's n-gram lookup over its own tokens (vLLM's `ngram`)."""
 
     name = PROMPT_LOOKUP
@@ -224,7 +259,7 @@ class PromptLookup:
         return Match(self.name, [])
 
 
-class SuffixProposer:
+class SuffixProposer(GatewayProposer):
     """One request's suffix matching: over its own tokens, then the tenant's cached responses."""
 
     name = SUFFIX

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.acceptance import Counts
+from specd.contract import MODEL_FREE
 from specd.steps import BatchStats
 
 
@@ -47,7 +48,9 @@ class StepRecord:
     pre_draft_asked: bool = False  # the previous step asked the draft to pre-draft this one
     pre_drafted: bool = False  # ...and this step's proposal came from a pre-drafted branch (a hit)
     proposer: str = ""  # who proposed: the draft model's name, a model-free proposer's, "" for none
-    model_free: bool = False  # the proposal was made in the gateway (gateway.proposers), not by a draft model
+    # Of the draft_length tokens, the draft model's: all of them when it proposed, else 0.
+    # The draft's acceptance is learned from these only (a suffix match says nothing of it).
+    draft_model_tokens: int = 0
     ran_ahead: bool = False  # the verifier scored this plain step before it was asked (verifier_service.runahead)
     # Sampled: this step's proposal came with the last step's recovery hop (the draft drew
     # that step's recovered token and drafted this proposal after it), so the draft hop's
@@ -160,7 +163,7 @@ class RequestStats:
 
     @property
     def pre_draft_steps(self) -> int:
-        return sum(r.pre_draft_asked and r.draft_length > 0 and not r.model_free for r in self.records)
+        return sum(r.pre_draft_asked and r.draft_model_tokens > 0 for r in self.records)
 
     @property
     def mean_verify_batch_size(self) -> float:
@@ -176,10 +179,10 @@ class RequestStats:
 
     def counts(self, model_drafts_only: bool = False) -> Counts:
         """This request's steps as acceptance counters (the same ones the gateway keeps);
-        model_drafts_only: leave out the steps a model-free proposer drafted."""
+        model_drafts_only: leave out the steps a model-free proposer proposed for."""
         counts = Counts()
         for r in self.records:
-            if model_drafts_only and r.model_free:
+            if model_drafts_only and r.proposer in MODEL_FREE:
                 continue
             counts.add(r.draft_length, r.accepted, len(r.emitted), r.generated)
         return counts
@@ -192,8 +195,8 @@ class RequestStats:
     def goodput(self, model_drafts_only: bool = False) -> tuple[int, float]:
         """Tokens committed and milliseconds spent by the steps after the first, which also
         prefills the prompt and so says nothing about a step's speed; model_drafts_only:
-        leave out the steps a model-free proposer drafted."""
-        later = [r for r in self.records[1:] if not (model_drafts_only and r.model_free)]
+        leave out the steps a model-free proposer proposed for."""
+        later = [r for r in self.records[1:] if not (model_drafts_only and r.proposer in MODEL_FREE)]
         return sum(len(r.emitted) for r in later), sum(r.draft_ms + r.verify_ms for r in later)
 
     def tokens_per_step(self, generated_tokens: int) -> float:

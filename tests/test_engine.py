@@ -1,6 +1,6 @@
 """The speculative loop against scripted draft and verifier clients: every verdict, a draft
 lost mid-request, EOS inside the accepted tokens, sampled steps. No models, no gRPC: the
-engine's seam is the two client Protocols (`gateway.engine.DraftClient`, `VerifierClient`)."""
+engine's seam is the two client Protocols (`gateway.proposal.DraftClient`, `gateway.engine.VerifierClient`)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from gateway.engine import QUIET_RUN_STEPS, ModelBounds, speculate
 from gateway.errors import WorkerError
 from gateway.hybrid import QUIET_STEPS, HybridChoice
 from gateway.policy import FixedPolicy
-from gateway.proposers import Match
+from gateway.proposers import GatewayProposer, Match
 from gateway.records import Finish, RequestStats, StepRecord
 from gateway.request import Generation
 from specd.contract import SUFFIX
@@ -181,7 +181,7 @@ def test_only_a_request_left_to_plain_steps_lets_the_verifier_run_ahead():
     assert verifier.run_ahead[:2] == [0, 0] and all(after_loss[:-1]) and after_loss[-1] == 0
 
 
-class Echo:
+class Echo(GatewayProposer):
     """A model-free proposer that offers the target's own next tokens after the commits
     listed in `at` (committed lengths), and nothing elsewhere; it counts its lookups."""
 
@@ -232,7 +232,7 @@ def test_once_model_free_matches_stop_paying_the_verifier_runs_ahead_between_loo
     # A match at the lookup after the first run is accepted: lookups every step again.
     matched, verifier = Echo({PROMPT_LENGTH + 11}), ScriptedVerifier()
     records = run_hybrid(matched, verifier, max_new_tokens=30)
-    assert [r.model_free for r in records[10:13]] == [False, True, False]
+    assert [r.proposer for r in records[10:13]] == ["", SUFFIX, ""]
     assert records[11].accepted == 3 and verifier.run_ahead[11:15] == [0, 0, 0, 8]
 
 

@@ -19,9 +19,10 @@ from specd.steps import BatchStats
 
 
 def step(draft_length: int, accepted: int) -> StepRecord:
-    return StepRecord(index=0, position=0, generated=0, draft_length=draft_length, accepted=accepted,
-                      bonus=accepted == draft_length, token=0, emitted=(0,) * (accepted + 1), draft_ms=0.0,
-                      verify_ms=0.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0)
+    return StepRecord(index=0, position=0, generated=0, draft_length=draft_length, draft_model_tokens=draft_length,
+                      accepted=accepted, bonus=accepted == draft_length, token=0, emitted=(0,) * (accepted + 1),
+                      draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0,
+                      verify_bytes=0)
 
 
 def measured_costs(draft_ms_per_token: float, target_ms: float = 10.0) -> StepCosts:
@@ -211,8 +212,9 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
             accepted += 1
         chosen.append(gamma)
         policy.observe(StepRecord(
-            index=index, position=0, generated=0, draft_length=gamma, accepted=accepted, bonus=accepted == gamma,
-            token=0, emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma, verify_ms=step_ms(cap.cap()),
+            index=index, position=0, generated=0, draft_length=gamma, draft_model_tokens=gamma, accepted=accepted,
+            bonus=accepted == gamma, token=0, emitted=(0,) * (accepted + 1), draft_ms=0.5 * gamma,
+            verify_ms=step_ms(cap.cap()),
             draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
             verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
             interval_ms=0.5 * gamma + step_ms(cap.cap()) + 0.2))
@@ -266,9 +268,9 @@ def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
 def capped_step(index: int, draft_length: int, interval_ms: float, sessions: int = 16) -> StepRecord:
     """A step of one session among `sessions` in the verifier's forward: one token emitted,
     `interval_ms` since the request's last commit (what `LoadCap` measures goodput from)."""
-    return StepRecord(index=index, position=0, generated=0, draft_length=draft_length, accepted=0, bonus=False,
-                      token=0, emitted=(0,), draft_ms=0.0, verify_ms=0.0, draft_forward_ms=0.0,
-                      verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
+    return StepRecord(index=index, position=0, generated=0, draft_length=draft_length,
+                      draft_model_tokens=draft_length, accepted=0, bonus=False, token=0, emitted=(0,), draft_ms=0.0,
+                      verify_ms=0.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
                       verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
                       interval_ms=interval_ms)
 
@@ -277,8 +279,8 @@ def test_neighbour_trials_go_both_ways_between_the_plain_ones():
     """Goodput peaks at the cap in force: trials of plain decoding and of both neighbours
     lose. A lost plain trial must not turn the direction back, or one neighbour is never tried."""
     cap = LoadCap(highest=8)
-    cap.observe(8, StepRecord(index=1, position=0, generated=0, draft_length=5, accepted=5, bonus=True, token=0,
-                              emitted=(0,) * 6, draft_ms=1.0, verify_ms=1.0, draft_forward_ms=0.0,
+    cap.observe(8, StepRecord(index=1, position=0, generated=0, draft_length=5, draft_model_tokens=5, accepted=5,
+                              bonus=True, token=0, emitted=(0,) * 6, draft_ms=1.0, verify_ms=1.0, draft_forward_ms=0.0,
                               verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0, interval_ms=2.0))
     tried = []
     for index in range(1, 60_000):
