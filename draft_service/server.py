@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from draft_service.drafter import Drafter
 from specd import wire
+from specd.contract import MAX_DRAFT_LENGTH
 from specd.errors import InvalidArgument, clip
 from specd.grpcserver import RunningServer, start_server
 from specd.steps import PreDraftRequest, Proposal
@@ -80,10 +81,10 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         recovering = request.HasField("recovery")  # the recovered token takes a position too
         problems = wire.step_problems(drafter.runner.info, delta, transform, request.draft_length + recovering)
         problems += wire.recovery_problems(request, transform)
-        if request.draft_length > wire.MAX_DRAFT_LENGTH:
-            problems.append(f"draft_length {request.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
-        if request.pre_draft.draft_length > wire.MAX_DRAFT_LENGTH:
-            problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {wire.MAX_DRAFT_LENGTH}")
+        if request.draft_length > MAX_DRAFT_LENGTH:
+            problems.append(f"draft_length {request.draft_length} is over {MAX_DRAFT_LENGTH}")
+        if request.pre_draft.draft_length > MAX_DRAFT_LENGTH:
+            problems.append(f"pre_draft.draft_length {request.pre_draft.draft_length} is over {MAX_DRAFT_LENGTH}")
         service.check_problems(problems)
         session = stream.session(drafter.runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)

@@ -93,6 +93,7 @@ class ParsedRequest:
     generation: Generation
     mode: Mode
     policy: str  # one of gateway.policy.POLICIES
+    # The γ bounds, all set in `gateway.validation._draft_lengths`:
     draft_length: int  # γ for "fixed", the starting γ for "ema"
     profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
     task_type: str
@@ -103,8 +104,5 @@ class ParsedRequest:
     # gateway hosts under AUTO, the one named in draft_model, none under OFF or FIXED.
     model_free: tuple[str, ...] = ()
     forced: str = ""  # the model-free proposer the request named (it alone proposes)
-    # The longest model-free proposal: FIXED's γ; under AUTO the request's max_draft_length,
-    # else the gateway's (not the task's, which prices a model draft's tokens: a confident
-    # match costs nothing to draft, only to verify, and the hybrid cuts it where that pays).
-    model_free_max: int = 0
+    model_free_max: int = 0  # the longest model-free proposal (`gateway.validation._draft_lengths`: why)
     cache_salt: bytes = b""  # the salt of its prefix cache keys on the workers (`gateway.validation.cache_salt`)

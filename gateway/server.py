@@ -40,7 +40,7 @@ from gateway.records import Finish
 from gateway.request import ClientRequest, Mode
 from gateway.selection import DraftSelector
 from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
-from specd.contract import DIAGNOSTIC_SEGMENT, MODEL_FREE, SUFFIX, model_pair_label
+from specd.contract import DIAGNOSTIC_SEGMENT, MAX_DRAFT_LENGTH, MODEL_FREE, SUFFIX, model_pair_label
 from specd.grpcserver import RunningServer, start_health, start_server
 from specd.steps import ModelInfo
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -240,6 +240,11 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     if settings.draft_selection not in DRAFT_SELECTIONS:
         problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
     problems += model_free_problems(settings)
+    if not 1 <= settings.max_draft_length <= MAX_DRAFT_LENGTH:  # the workers refuse a longer step
+        problems.append(f"--max-draft-length must be in [1, {MAX_DRAFT_LENGTH}], got {settings.max_draft_length}")
+    elif not 0 <= settings.default_draft_length <= settings.max_draft_length:
+        problems.append(f"--draft-length must be in [0, {settings.max_draft_length}] (--max-draft-length), got "
+                        f"{settings.default_draft_length}")
     if settings.http_header_timeout_s <= 0 or settings.http_max_connections < 0 or settings.max_chat_messages < 1:
         problems.append("--http-header-timeout must be above 0, --http-max-connections 0 or more and "
                         "--max-chat-messages 1 or more")

@@ -61,10 +61,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
         model_free: tuple[str, ...] = ()
     else:
         model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
-    prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-    highest = min(request.max_draft_length or prior.max_draft_length, settings.max_draft_length)
-    lowest = min(request.min_draft_length or prior.min_draft_length, highest)
-    profile = TaskProfile(prior.prior_alpha, max(lowest, 1), max(highest, 1))
+    draft_length, profile, model_free_max = _draft_lengths(request, settings, task_type, mode)
     seed = request.seed or secrets.randbits(63)
     overlap = settings.overlap if request.overlap is None else request.overlap
     # The confidence policy's threshold is carried out by the draft, inside each step.
@@ -77,11 +74,30 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     generation = Generation(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
                                    stops, request.ignore_eos, request.logprobs, grammar)
     return ParsedRequest(
-        generation, mode, policy, request.draft_length or settings.default_draft_length, profile, task_type,
-        request.user_segment, list(request.stop), selected, model_free, forced,
-        min(request.max_draft_length or settings.max_draft_length, settings.max_draft_length)
-        if mode is Mode.AUTO else request.draft_length or settings.default_draft_length,
-        cache_salt(settings, request.user_segment, request.cache_salt))
+        generation, mode, policy, draft_length, profile, task_type, request.user_segment, list(request.stop),
+        selected, model_free, forced, model_free_max, cache_salt(settings, request.user_segment, request.cache_salt))
+
+
+def _draft_lengths(request: ClientRequest, settings: GatewaySettings, task_type: str,
+                   mode: Mode) -> tuple[int, TaskProfile, int]:
+    """Every bound on the request's γ, in one place: (γ of FIXED and EMA's first, the task
+    profile whose [min, max] the adaptive policies choose in, the longest model-free proposal).
+
+    Each is within `--max-draft-length` (`_speculation` refused a request past it), and so
+    within the wire's `MAX_DRAFT_LENGTH` (the gateway refuses to start past it). A request's
+    own bound wins over its task's. A model-free proposal is bounded by the request or the
+    gateway, not by the task: the task's bound prices a model draft's tokens, while a
+    confident match costs nothing to draft, only to verify, and the hybrid cuts it where
+    that pays (`gateway.hybrid`). Per step, the engine bounds γ further by the tokens left
+    and the context, and AUTO by the load cap (`gateway.engine`, `gateway.loadcap`).
+    """
+    draft_length = request.draft_length or settings.default_draft_length
+    prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
+    highest = min(request.max_draft_length or prior.max_draft_length, settings.max_draft_length)
+    lowest = min(request.min_draft_length or prior.min_draft_length, highest)
+    profile = TaskProfile(prior.prior_alpha, max(lowest, 1), max(highest, 1))
+    model_free_max = (request.max_draft_length or settings.max_draft_length) if mode is Mode.AUTO else draft_length
+    return draft_length, profile, model_free_max
 
 
 def cache_salt(settings: GatewaySettings, user_segment: str, own: str) -> bytes:

@@ -16,6 +16,11 @@ PROMPT_LOOKUP = "prompt-lookup"
 SUFFIX = "suffix"
 MODEL_FREE = (PROMPT_LOOKUP, SUFFIX)
 
+# The longest proposal a step may carry (γ), on the wire and so for every bound above it
+# (`--max-draft-length`, a request's, a load cap): far above any useful γ, low enough that
+# a bad message cannot keep a model thread busy for long.
+MAX_DRAFT_LENGTH = 128
+
 PLAIN = "none"  # the draft half of a model pair's label when a request decodes plainly
 
 

@@ -21,9 +21,6 @@ from specd.sampling import MAX_LOGPROBS, Transform, allowed_from_words
 from specd.steps import BatchStats, DraftRequest, ModelInfo, PositionLogprobs, Recovery
 from specd.v1 import worker_pb2
 
-# Far above any useful γ (the gateway caps requests at --max-draft-length, 16 by default),
-# low enough that a bad message cannot keep a model thread busy for long.
-MAX_DRAFT_LENGTH = 128
 # The worker protocol this code speaks (proto/specd/v1/worker.proto); workers report it
 # in ModelInfoResponse.protocol and the gateway refuses a worker of another.
 WORKER_PROTOCOL = 7

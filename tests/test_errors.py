@@ -11,6 +11,7 @@ from gateway.backend import IncompatibleDraft
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ServerSettings
+from specd.contract import MAX_DRAFT_LENGTH
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.worker.settings import DraftSettings
 from workerstream import WorkerSteps
@@ -67,6 +68,40 @@ def test_worker_answers_not_found_for_unknown_session(stack):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "never-opened" in err.value.details()
         steps.close()
+
+
+def test_a_proposal_longer_than_the_wire_allows_is_refused_by_either_worker(stack):
+    """Both workers bound a step's γ at MAX_DRAFT_LENGTH, so one message cannot hold a model
+    thread for long; the verifier's refusal names the count and the bound."""
+    too_long = MAX_DRAFT_LENGTH + 1
+    delta = worker_pb2.SequenceDelta(session_id="too-long", start=0, tokens=[1, 2, 3])
+    with grpc.insecure_channel(f"127.0.0.1:{stack.verifier.port}") as channel:
+        steps = WorkerSteps(worker_pb2_grpc.VerifierStub(channel))
+        with pytest.raises(grpc.RpcError) as err:
+            steps.step(worker_pb2.VerifyRequest(delta=delta, draft_tokens=[5] * too_long))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"draft_tokens carries {too_long} tokens; at most {MAX_DRAFT_LENGTH}" in err.value.details()
+        steps.close()
+    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+        steps = WorkerSteps(worker_pb2_grpc.DraftStub(channel))
+        with pytest.raises(grpc.RpcError) as err:
+            steps.step(worker_pb2.ProposeRequest(delta=delta, draft_length=too_long))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        steps.close()
+    assert stack.stub.Generate(GOOD).token_ids  # both keep serving
+
+
+def test_a_gateway_allowing_a_longer_draft_than_the_wire_refuses_to_start(stack):
+    """--max-draft-length above what the workers take would fail every long step at run time;
+    it is refused at start-up instead, before any worker is dialled, as is a default γ above it."""
+    settings = GatewaySettings(ServerSettings("127.0.0.1", 0), verifier_address="127.0.0.1:1",
+                               max_draft_length=MAX_DRAFT_LENGTH + 1)
+    with pytest.raises(ValueError, match=f"--max-draft-length must be in \\[1, {MAX_DRAFT_LENGTH}\\]"):
+        stack.loop.run(create_gateway(settings))
+    settings = GatewaySettings(ServerSettings("127.0.0.1", 0), verifier_address="127.0.0.1:1",
+                               max_draft_length=8, default_draft_length=9)
+    with pytest.raises(ValueError, match="--draft-length must be in \\[0, 8\\]"):
+        stack.loop.run(create_gateway(settings))
 
 
 def test_draft_with_another_tokenizer_is_refused(stack, model_dirs):

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 
+from specd.contract import MAX_DRAFT_LENGTH
 from specd.errors import InvalidArgument
 from specd.v1 import worker_pb2
 
 # Bounds on what one gateway may write: a table is a few pairs × about ten load buckets.
 MAX_LEVELS = 512
-MAX_CAP = 128
 
 
 def evidence(level: worker_pb2.LoadCapLevel) -> int:
@@ -53,9 +53,9 @@ def check(level: worker_pb2.LoadCapLevel) -> None:
     where = f"load cap level ({level.model_pair!r}, load {level.load})"
     if not level.model_pair or level.load < 2:
         raise InvalidArgument(f"{where}: a level needs a model pair and a load of 2 sessions or more")
-    if level.cap > MAX_CAP:
-        raise InvalidArgument(f"{where}: cap {level.cap} is over {MAX_CAP}")
+    if level.cap > MAX_DRAFT_LENGTH:
+        raise InvalidArgument(f"{where}: cap {level.cap} is over {MAX_DRAFT_LENGTH}")
     for verdict in level.verdicts:
-        if not verdict.lower < verdict.higher <= MAX_CAP or not math.isfinite(verdict.mean_log_ratio):
-            raise InvalidArgument(f"{where}: a verdict needs lower < higher ≤ {MAX_CAP} and a finite mean, "
+        if not verdict.lower < verdict.higher <= MAX_DRAFT_LENGTH or not math.isfinite(verdict.mean_log_ratio):
+            raise InvalidArgument(f"{where}: a verdict needs lower < higher ≤ {MAX_DRAFT_LENGTH} and a finite mean, "
                                   f"got {verdict.lower}, {verdict.higher}, {verdict.mean_log_ratio}")

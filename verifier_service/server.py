@@ -13,6 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from specd import wire
+from specd.contract import MAX_DRAFT_LENGTH
 from specd.errors import AheadStopped, InvalidArgument
 from specd.grpcserver import RunningServer, start_server
 from specd.sampling import Transform
@@ -64,6 +65,9 @@ class VerifierServicer(worker_pb2_grpc.VerifierServicer):
         service.check_problems(wire.step_problems(runner.info, delta, transform, len(request.draft_tokens)))
         if request.run_ahead_steps > MAX_RUN_AHEAD_STEPS:
             raise InvalidArgument(f"run_ahead_steps is {request.run_ahead_steps}; at most {MAX_RUN_AHEAD_STEPS}")
+        if len(request.draft_tokens) > MAX_DRAFT_LENGTH:
+            raise InvalidArgument(f"draft_tokens carries {len(request.draft_tokens)} tokens; "
+                                  f"at most {MAX_DRAFT_LENGTH}")
         try:
             logprobs = wire.logprobs_from_request(request)
             allowed = wire.allowed_from_request(request, runner.info.vocab_size)
