@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 
 from specd.config import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
 from specd.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from specd_cli.commands import wait_healthy  # noqa: E402
+from specd_cli.serve import wait_healthy  # noqa: E402
 from specd_cli.supervisor import stop_all  # noqa: E402
 from specd_cli.trace import load_spans, start_collector  # noqa: E402
 

@@ -80,9 +80,9 @@ def cmd_env(args: argparse.Namespace) -> int:
             missing.append(f"{name} ({type(exc).__name__})")
     if not missing:
         try:
-            importlib.import_module("specd_cli.commands")
+            importlib.import_module("specd_cli.parser")
         except Exception as exc:
-            missing.append(f"specd_cli.commands ({type(exc).__name__}: {exc})")
+            missing.append(f"specd_cli.parser ({type(exc).__name__}: {exc})")
     print("serving: ok" if not missing else f"serving: missing {', '.join(missing)}")
     return 0
 

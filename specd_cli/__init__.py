@@ -1,7 +1,10 @@
 """The application layer: the `specd` command line and the tools behind its commands.
 
-    commands   the parser, `main`, and serve / draft / verifier / gateway / generate
+    parser     the parser of every subcommand, and `main`
+    launch     `specd draft|verifier|gateway`: one service in this process
+    serve      `specd serve`: the three services as local processes (the demo)
     supervisor `specd serve`'s process supervisor (restart a worker that dies)
+    generate   `specd generate`: a prompt to a gateway, the text and acceptance figures back
     bench      `specd bench`: every γ policy and target-only, side by side
     loadbench  `specd bench --concurrency`: throughput and latency under load
     doctor     `specd doctor`: the acceptance checklist against a live gateway
@@ -15,6 +18,6 @@ This package is the only one that may import the services (`draft_service`,
 `verifier_service`, `gateway`); nothing in the core `specd` package or in a service
 imports it (tests/test_layering.py). `python -m specd_cli` is the `specd` command.
 """
-from specd_cli.commands import build_parser, main
+from specd_cli.parser import build_parser, main
 
 __all__ = ["build_parser", "main"]

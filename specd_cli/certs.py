@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"specd certs: {exc}", file=sys.stderr)
         return 2
-    from specd_cli.commands import specd_command
+    from specd_cli.serve import specd_command
 
     specd = specd_command()
     print(f"specd certs: wrote {', '.join(str(p) for p in paths.values())}\n"

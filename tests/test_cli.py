@@ -64,7 +64,7 @@ def test_serve_generate_and_stop_together(model_dirs):
         assert "draft close" in result.stderr
         bad = specd("generate", "x", "--gateway", f"127.0.0.1:{ports[0]}", "--temperature", "-1")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
-        # Its processes' OpenMP threads spin briefly, then sleep (specd_cli.commands.SPIN_TURNS).
+        # Its processes' OpenMP threads spin briefly, then sleep (specd_cli.serve.SPIN_TURNS).
         environments = [process_environment(child) for child in children(serve.pid)]
         assert len(environments) == 3
         for environment in environments:
@@ -140,7 +140,7 @@ def test_a_missing_api_key_variable_is_named(command):
 def test_threads_default_to_one_for_a_small_model_on_a_cpu(model_dirs, tmp_path):
     """A model under 32 MiB of weights runs on one torch thread unless --threads says
     otherwise; a larger one, or one on a GPU, keeps torch's default (0)."""
-    from specd_cli.commands import SMALL_MODEL_BYTES, _default_threads
+    from specd_cli.launch import SMALL_MODEL_BYTES, _default_threads
 
     assert _default_threads(model_dirs["target"], "cpu") == 1
     assert _default_threads(model_dirs["target"], "cuda") == 0
@@ -163,7 +163,8 @@ def test_serve_takes_every_setting_a_service_takes():
     services but those declared serve=False (where a process listens, how the gateway finds
     its workers) and a few it puts otherwise (its own TLS, --draft-cpus for --cpus)."""
     from specd.flags import _flagged
-    from specd_cli.commands import DRAFT, GATEWAY, VERIFIER, build_parser
+    from specd_cli.launch import DRAFT, GATEWAY, VERIFIER
+    from specd_cli.parser import build_parser
 
     parser = build_parser()
     serve = _options(parser, "serve")
@@ -184,7 +185,8 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     from specd.config import ServerSettings
     from specd.contract import MODEL_FREE
     from specd.flags import forward_flags, from_flags
-    from specd_cli.commands import DRAFT, GATEWAY, MODEL, build_parser
+    from specd_cli.launch import DRAFT, GATEWAY, MODEL
+    from specd_cli.parser import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7", "--batch-wait-ms", "0",

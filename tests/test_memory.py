@@ -1,6 +1,6 @@
 """--gpu-memory-fraction: the KV pool's arithmetic, the profiling forward's shape, the device
 checks, and `specd serve` starting workers that share a GPU one after the other
-(specd.worker.memory, specd_cli.commands).
+(specd.worker.memory, specd_cli.serve).
 
 The arithmetic is tested with numbers here; the measurement itself (torch's CUDA allocator)
 only where a CUDA device is (the last test).
@@ -16,7 +16,8 @@ from specd.worker import memory
 from specd.worker.memory import ProfileShape, kv_pool_bytes, profile_blocks, profile_shape, split_fraction
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
-from specd_cli import commands
+from specd_cli import build_parser, main
+from specd_cli.serve import cmd_serve, start_groups, worker_fractions
 from verifier_service.scorer import Scorer
 
 GiB = 1 << 30
@@ -67,18 +68,18 @@ def test_serve_splits_its_fraction_by_kv_bytes_per_token(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     assert memory.config_kv_bytes_per_token(tmp_path / "target") == 131072
     assert memory.config_kv_bytes_per_token(tmp_path / "draft") == 32768
-    split = commands.worker_fractions(0.9, tmp_path / "target", [tmp_path / "draft"], "bfloat16")
+    split = worker_fractions(0.9, tmp_path / "target", [tmp_path / "draft"], "bfloat16")
     assert split == pytest.approx({"verifier": 0.72, "draft": 0.18})
     # Two drafts count together; a config without the fields splits equally.
-    assert commands.worker_fractions(0.9, tmp_path / "target", [tmp_path / "draft"] * 2, "bfloat16") == \
+    assert worker_fractions(0.9, tmp_path / "target", [tmp_path / "draft"] * 2, "bfloat16") == \
         pytest.approx({"verifier": 0.6, "draft": 0.3})
     assert split_fraction(0.8, {"verifier": 0, "draft": 32768}) == {"verifier": 0.4, "draft": 0.4}
 
 
 def test_workers_that_share_a_gpu_start_one_after_the_other():
-    assert commands.start_groups("cuda") == [("verifier",), ("draft",)]
-    assert commands.start_groups("cuda:1") == [("verifier",), ("draft",)]
-    assert commands.start_groups("cpu") == [("verifier", "draft")]
+    assert start_groups("cuda") == [("verifier",), ("draft",)]
+    assert start_groups("cuda:1") == [("verifier",), ("draft",)]
+    assert start_groups("cpu") == [("verifier", "draft")]
 
 
 def test_bad_fractions_are_named():
@@ -113,7 +114,7 @@ def test_a_worker_asked_for_cuda_on_a_cpu_build_refuses_before_loading(model_dir
         ModelRunner(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)))
     # The CLI says the same and exits before any model loads.
     with pytest.raises(SystemExit, match="--device cuda: this torch .* is built without CUDA"):
-        commands.main(["verifier", "--target", str(model_dirs["target"]), "--device", "cuda"])
+        main(["verifier", "--target", str(model_dirs["target"]), "--device", "cuda"])
 
 
 def test_serve_starts_the_draft_once_the_verifier_serves_on_a_gpu(model_dirs, monkeypatch):
@@ -138,14 +139,14 @@ def test_serve_starts_the_draft_once_the_verifier_serves_on_a_gpu(model_dirs, mo
         return not address.startswith("127.0.0.1")  # the gateway is not: serve stops there
 
     monkeypatch.setattr("specd_cli.supervisor.Supervisor", Supervisor)
-    monkeypatch.setattr(commands, "wait_healthy", healthy)
+    monkeypatch.setattr("specd_cli.serve.wait_healthy", healthy)
     monkeypatch.setattr(ModelSettings, "problems", lambda self: [])  # a GPU, as far as serve can tell
 
     def serve(*flags: str) -> list[str]:
         log.clear()
-        args = commands.build_parser().parse_args(["serve", "--target", str(model_dirs["target"]), "--draft",
-                                                   str(model_dirs["close"]), "--port", "0", *flags])
-        assert commands.cmd_serve(args) == 1
+        args = build_parser().parse_args(["serve", "--target", str(model_dirs["target"]), "--draft",
+                                          str(model_dirs["close"]), "--port", "0", *flags])
+        assert cmd_serve(args) == 1
         return log[:-2]  # the gateway's start and check
 
     assert serve("--device", "cuda", "--gpu-memory-fraction", "0.8") == [

@@ -13,7 +13,7 @@ from specd.config import ServerSettings
 from specd.sampling import Transform
 from specd.worker import kvstore, runtime
 from specd.worker.settings import ModelSettings, VerifierSettings
-from specd_cli.commands import _then_single_threaded
+from specd_cli.launch import _then_single_threaded
 from verifier_service.scorer import Scorer
 from verifier_service.server import create_server
 

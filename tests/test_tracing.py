@@ -29,7 +29,7 @@ from gateway.tracing import RequestTrace
 from specd.contract import MODEL_FREE, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span
-from specd_cli.commands import wait_healthy
+from specd_cli.serve import wait_healthy
 from specd_cli.supervisor import stop_all
 from specd_cli.trace import load_spans, pick_trace, render, step_rows
 

@@ -32,7 +32,7 @@ longest); the paged kernels that would remove that term are not here yet.
 `specd serve` runs both workers on one device: it splits its one fraction between them in
 proportion to the models' KV bytes per token (`split_fraction`), so that both pools hold
 about as many positions, and starts the draft worker once the verifier is serving
-(`specd_cli.commands.start_groups`), so that neither sizes its pool while the other loads.
+(`specd_cli.serve.start_groups`), so that neither sizes its pool while the other loads.
 
 Pure arithmetic at the top (no torch import: `specd serve` uses it); the measurements import
 torch when called.
