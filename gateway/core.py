@@ -126,20 +126,21 @@ class _GatewayCounts:
 
     def observe(self, record: StepRecord) -> None:
         stats, costs = self.servicer.stats, self.servicer.costs
-        labels = self.labels
-        if record.model_free:
-            labels = replace(labels, model_pair=self.servicer._model_pair(record.proposer))
+        # The pair of the step's proposer and the target: the request's own for its draft
+        # model's proposal and for a plain step, "suffix->target" for a suffix match.
+        pair = self.servicer._model_pair(record.proposer) if record.proposer else self.model_pair
+        own = pair == self.model_pair
+        labels = self.labels if own else replace(self.labels, model_pair=pair)
         stats.record(labels, record.draft_length, record.accepted, len(record.emitted), record.generated)
         batch = record.verify_batch
         if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
-            # A model-free step says nothing of the draft's pre-drafting: neither a hit nor a miss.
-            asked = record.pre_draft_asked and not record.model_free
+            # Another proposer's step says nothing of the draft's pre-drafting: neither a hit nor a miss.
             costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
-                          asked, record.pre_drafted, verify_only=record.model_free)
-            if record.model_free:
-                costs.observe(labels.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
+                          record.pre_draft_asked and own, record.pre_drafted, verify_only=not own)
+            if not own:
+                costs.observe(pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
-        if record.pre_draft_asked and record.draft_length and not record.model_free:
+        if record.pre_draft_asked and record.draft_model_tokens:
             stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
             self.servicer.check_drift(labels, self.request_trace)
