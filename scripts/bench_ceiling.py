@@ -38,8 +38,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.rejection import verify_greedy
-from specd.worker import kvstore, lean, packing
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker import forwards, lean, packing, trials
+from specd.worker.attention import use_paged_attention
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.runtime import eos_ids
 from specd_cli.bench import DEMO_WORKLOAD
 
@@ -61,8 +63,8 @@ class Model:
         self.model = packing.packed_model(
             lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval())
         config = self.model.config
-        shape = kvstore.kv_shape(self.model, self.device)
-        kvstore.use_paged_attention(self.model)
+        shape = trials.kv_shape(self.model, self.device)
+        use_paged_attention(self.model)
         self.pool = KVPool(*shape, dtype, self.device, BLOCK_TOKENS, 256)
         unmirrored = lean.install(self.model, self.pool, config.vocab_size, self.device)
         print(f"{path}: {self.device}, {dtype}, {torch.get_num_threads()} torch thread(s), "
@@ -76,7 +78,7 @@ class Model:
         """On the model's thread: feed `tokens`, the kept logits' argmax [keep]."""
         if not session.reserve(session.length + len(tokens)):
             raise RuntimeError("the KV pool is full")
-        logits, _ = kvstore.forward(self.model, [BatchRow(session, tokens, keep)], self.device)
+        logits, _ = forwards.forward(self.model, [BatchRow(session, tokens, keep)], self.device)
         return logits.argmax(dim=-1)
 
     def propose(self, session: SessionKV, committed: list[int], gamma: int) -> list[int]:

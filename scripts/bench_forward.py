@@ -24,8 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specd.config import DEMO_TARGET
-from specd.worker import kvstore, lean, packing
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker import forwards, lean, packing
+from specd.worker.attention import use_paged_attention
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.settings import CPU_LINEARS
 from specd_cli.bench import machine
 
@@ -60,7 +62,7 @@ def main() -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
     references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
-    kvstore.use_paged_attention(model)
+    use_paged_attention(model)
     if args.cpu_linear == "onednn":
         packing.pack_linears(model)
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end,
@@ -69,7 +71,7 @@ def main() -> None:
                   41 * ((args.prefix + 1) // 16 + 2) + 5)
     print(f"{machine()}; {args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
           f"paged forward's linear layers: {args.cpu_linear}")
-    own = functools.partial(kvstore.own_forward, model)
+    own = functools.partial(forwards.own_forward, model)
     unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)
     decoder = None if unmirrored is not None else lean.LeanDecoder(model)
     print(f"lean forward: {unmirrored or 'on'}")
@@ -79,14 +81,14 @@ def main() -> None:
         sessions = [SessionKV(pool) for _ in range(count)]
         for session in sessions:
             assert session.reserve(args.prefix + 1)
-            kvstore.forward(model, [BatchRow(session, prompt, 1)], cpu)
+            forwards.forward(model, [BatchRow(session, prompt, 1)], cpu)
         batched = functools.partial(step, model, sessions, args.prefix, True)
         if decoder is None:  # a model the lean forward does not mirror: nothing to time beside it
             together, leaner = median_ms(batched, repeats=args.repeats)[0], float("nan")
         else:
             together, leaner = median_ms(using(model, own, batched), using(model, decoder, batched),
                                          repeats=args.repeats)
-        kvstore.use_forward(model, own)
+        forwards.use_forward(model, own)
         apart, = median_ms(functools.partial(step, model, sessions, args.prefix, False),
                            repeats=max(3, args.repeats // 4))
         print(f"{count:>8} {together:>12.2f} {leaner:>11.2f} {apart:>14.2f} {together / count:>15.2f} "
@@ -96,7 +98,7 @@ def main() -> None:
 def using(model, forward, run):
     """`run`, with the store sending `model`'s batched forwards through `forward`."""
     def run_with() -> None:
-        kvstore.use_forward(model, forward)
+        forwards.use_forward(model, forward)
         run()
     return run_with
 
@@ -124,10 +126,10 @@ def step(model, sessions: list[SessionKV], prefix: int, batched: bool) -> None:
     for session in sessions:
         session.crop(prefix)
     if batched:
-        kvstore.forward(model, [BatchRow(session, [5], 1) for session in sessions], cpu)
+        forwards.forward(model, [BatchRow(session, [5], 1) for session in sessions], cpu)
     else:
         for session in sessions:
-            kvstore.forward(model, [BatchRow(session, [5], 1)], cpu)
+            forwards.forward(model, [BatchRow(session, [5], 1)], cpu)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ class Loaded:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from specd.worker import kvstore, lean, packing
+        from specd.worker import lean, packing, trials
+        from specd.worker.attention import use_paged_attention
         from specd.worker.kvstore import KVPool
 
         cuda = device.type == "cuda"
@@ -153,8 +154,8 @@ class Loaded:
         self.model = packing.packed_model(
             lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval())
         self.weights = (torch.cuda.memory_allocated(device) - before) if cuda else packing.weight_bytes(self.model)
-        self.shape = kvstore.kv_shape(self.model, device)
-        kvstore.use_paged_attention(self.model)
+        self.shape = trials.kv_shape(self.model, device)
+        use_paged_attention(self.model)
         self.pool = KVPool(*self.shape, dtype, device, 16, 32 * 20 + 64)  # 32 sessions of up to 320 positions
         unmirrored = lean.install(self.model, self.pool, self.model.config.vocab_size, device)
         self.lean = unmirrored or "on"
@@ -163,9 +164,9 @@ class Loaded:
         self.vocab = self.model.config.vocab_size
 
     def forward(self, rows):
-        from specd.worker import kvstore
+        from specd.worker import forwards
 
-        return kvstore.forward(self.model, rows, self.device)
+        return forwards.forward(self.model, rows, self.device)
 
 
 def _sync(device) -> None:
@@ -207,7 +208,8 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from specd.worker.kvstore import BatchRow, SessionKV
+    from specd.worker.kvstore import SessionKV
+    from specd.worker.layout import BatchRow
 
     device, cuda = model.device, model.device.type == "cuda"
     generator = torch.Generator().manual_seed(batch * 100 + width)

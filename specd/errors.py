@@ -122,4 +122,4 @@ class WrongModel(SpecdError):
 
 class UnsupportedModel(SpecdError, ValueError):
     """Start-up: the model loads, but the batched KV store cannot serve it exactly; the
-    message names the model's family and why (`specd.worker.kvstore`)."""
+    message names the model's family and why (`specd.worker.trials`)."""

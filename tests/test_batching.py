@@ -24,8 +24,11 @@ from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
 from specd.worker import lean
+from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV, forward, use_paged_attention
+from specd.worker.forwards import forward
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.settings import BatchSettings, ModelSettings
 from test_cli import free_port
 from test_pipeline import reference_greedy
@@ -295,7 +298,7 @@ def test_a_forward_sends_its_indices_to_the_device_in_one_copy(model_dirs, devic
     one host-to-device copy for all of them, however many sessions share the forward, and
     the mask built on the device from them. On a GPU each copy from pageable memory waits
     for the device; counted here at every tensor made with a device or moved to one."""
-    from specd.worker import kvstore
+    from specd.worker import layout
 
     model = _model(model_dirs["target"], device)
     pool = _pool(model, blocks=400)
@@ -319,9 +322,9 @@ def test_a_forward_sends_its_indices_to_the_device_in_one_copy(model_dirs, devic
             rows.append(BatchRow(session, [7] * (feed + i % 2), feed))
         copies[0] = 0
         with monkeypatch.context() as patch:
-            patch.setattr(kvstore.torch, "tensor", counted_make)
+            patch.setattr(layout.torch, "tensor", counted_make)
             patch.setattr(torch.Tensor, "to", counted_move)
-            kvstore.prepare(rows, model.device)
+            layout.prepare(rows, model.device)
         return copies[0]
 
     assert uploads(1, 1) == uploads(8, 1) == uploads(8, 4) == 1

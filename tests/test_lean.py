@@ -18,8 +18,10 @@ from transformers.models.olmo2 import modeling_olmo2 as olmo2
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from specd.worker import kvstore, lean
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV, prepare, use_paged_attention
+from specd.worker import forwards, lean, trials
+from specd.worker.attention import use_paged_attention
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow, prepare
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
 
@@ -29,7 +31,7 @@ CPU = torch.device("cpu")
 def _loaded(directory):
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     use_paged_attention(model)
-    layers, kv_heads, key_dim, value_dim = kvstore.kv_shape(model, CPU)
+    layers, kv_heads, key_dim, value_dim = trials.kv_shape(model, CPU)
     return model, KVPool(layers, kv_heads, key_dim, value_dim, torch.float32, CPU, 4, 64)
 
 
@@ -59,7 +61,7 @@ def _steps(pool: KVPool, forward) -> list[torch.Tensor]:
 def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
     model, pool = _loaded(model_dirs["target"])
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
-    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    own = _steps(pool, lambda inputs: forwards.own_forward(model, inputs))
     mirrored = _steps(pool, lean.LeanDecoder(model))
     for got, want in zip(mirrored, own, strict=True):
         assert got.shape == want.shape and torch.equal(got, want)
@@ -67,7 +69,7 @@ def test_lean_forward_gives_the_models_own_logits_to_the_bit(model_dirs):
     session = SessionKV(pool)
     assert session.reserve(8)
     with torch.inference_mode():
-        stored, _ = kvstore.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
+        stored, _ = forwards.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
     assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])
 
 
@@ -129,7 +131,7 @@ def test_families_with_llamas_layers_get_the_lean_forward_to_the_bit(tmp_path, m
     model.save_pretrained(tmp_path)
     model, pool = _loaded(tmp_path)
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
-    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    own = _steps(pool, lambda inputs: forwards.own_forward(model, inputs))
     for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
         assert torch.equal(got, want)
     if model_type in NOTHING_BUT_CODE:
@@ -153,12 +155,12 @@ def test_olmo2_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     use_paged_attention(model)
-    pool = KVPool(*kvstore.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
+    pool = KVPool(*trials.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
     with torch.inference_mode():
         cos, _ = model.model.rotary_emb(torch.zeros(1, 1, 64, dtype=torch.bfloat16), position_ids=torch.tensor([[0]]))
     assert cos.dtype == torch.float32
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
-    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    own = _steps(pool, lambda inputs: forwards.own_forward(model, inputs))
     for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
@@ -177,11 +179,11 @@ def test_a_llama_in_bfloat16_gets_the_lean_forward_to_the_bit(tmp_path):
     model.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     use_paged_attention(model)
-    pool = KVPool(*kvstore.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
+    pool = KVPool(*trials.kv_shape(model, CPU), torch.bfloat16, CPU, 4, 64)
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
     decoder = lean.LeanDecoder(model)
     assert decoder.final_norm != model.model.norm.forward  # the shortened norm is what runs
-    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    own = _steps(pool, lambda inputs: forwards.own_forward(model, inputs))
     for got, want in zip(_steps(pool, decoder), own, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
@@ -220,7 +222,7 @@ def test_a_llama_with_scaled_rotary_positions_gets_the_lean_forward_to_the_bit(t
     model, pool = _loaded(tmp_path)
     assert model.model.rotary_emb.rope_type == rope
     assert lean.install(model, pool, model.config.vocab_size, CPU) is None
-    own = _steps(pool, lambda inputs: kvstore.own_forward(model, inputs))
+    own = _steps(pool, lambda inputs: forwards.own_forward(model, inputs))
     for got, want in zip(_steps(pool, lean.LeanDecoder(model)), own, strict=True):
         assert torch.equal(got, want)
 
@@ -243,7 +245,7 @@ def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
     llama, pool = _loaded(model_dirs["target"])
     llama.model.layers[0].input_layernorm.register_forward_hook(lambda *args: None)
     assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
-    assert llama not in kvstore._FORWARDS
+    assert llama not in forwards._FORWARDS
 
     # A hook torch runs for every module (a profiler's, say): it changes no output, so
     # only this check would see that the lean forward skips it.
@@ -253,7 +255,7 @@ def test_models_it_does_not_mirror_keep_transformers_forward(model_dirs):
         assert "hooks" in lean.install(llama, pool, llama.config.vocab_size, CPU)
     finally:
         handle.remove()
-    assert llama not in kvstore._FORWARDS
+    assert llama not in forwards._FORWARDS
 
 
 def test_a_lean_forward_that_raises_in_its_trial_leaves_the_model_its_own(model_dirs, monkeypatch):
@@ -265,7 +267,7 @@ def test_a_lean_forward_that_raises_in_its_trial_leaves_the_model_its_own(model_
     monkeypatch.setattr(lean.LeanDecoder, "__call__", fails)
     assert lean.install(model, pool, model.config.vocab_size, CPU) == \
         "the lean forward fails its trial: RuntimeError: no kernel for this"
-    assert model not in kvstore._FORWARDS
+    assert model not in forwards._FORWARDS
 
 
 def test_an_instance_forward_keeps_transformers_forward(model_dirs):
@@ -299,7 +301,7 @@ def test_a_trial_that_differs_by_one_ulp_keeps_transformers_forward(model_dirs, 
     session = SessionKV(pool)
     assert session.reserve(4)
     with torch.inference_mode():
-        stored, _ = kvstore.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
+        stored, _ = forwards.forward(model, [BatchRow(session, [5, 6, 7], 3)], CPU)
     assert torch.equal(stored, model(input_ids=torch.tensor([[5, 6, 7]])).logits[0])  # not one ulp off
 
 
@@ -322,9 +324,9 @@ def test_a_family_the_lean_forward_mirrors_that_fails_its_trial_is_a_warning(mod
 
 def test_a_worker_runs_the_lean_forward_by_default_and_the_setting_turns_it_off(model_dirs):
     runner = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2))
-    assert runner.lean_forward and isinstance(kvstore._FORWARDS[runner.model], lean.LeanDecoder)
+    assert runner.lean_forward and isinstance(forwards._FORWARDS[runner.model], lean.LeanDecoder)
     plain = ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2, forward="transformers"))
-    assert not plain.lean_forward and plain.model not in kvstore._FORWARDS
+    assert not plain.lean_forward and plain.model not in forwards._FORWARDS
     with pytest.raises(ValueError, match="forward must be one of"):
         ModelRunner(model_dirs["target"], ModelSettings(max_sessions=2, forward="compiled"))
 

@@ -189,17 +189,18 @@ def test_the_profiling_forward_runs_on_the_worker_s_rows(model_dirs):
     real forward; on a CPU nothing is measured, which the CUDA test below does."""
     from transformers import AutoModelForCausalLM
 
-    from specd.worker import kvstore
+    from specd.worker import forwards, trials
+    from specd.worker.attention import use_paged_attention
     from specd.worker.kvstore import KVPool
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=torch.float32).eval()
-    kvstore.use_paged_attention(model)
+    use_paged_attention(model)
     cpu = torch.device("cpu")
     shape = profile_shape(max_sessions=8, max_batch_tokens=64, prefill_chunk=16, max_context=256, block_tokens=8,
                           profile_context=64)
     assert shape == ProfileShape(rows=8, widest=16, width=6, context=64)
-    pool = KVPool(*kvstore.kv_shape(model, cpu), torch.float32, cpu, 8, profile_blocks(shape, 8))
-    assert memory.profile_activation(lambda rows: kvstore.forward(model, rows, cpu), pool, shape,
+    pool = KVPool(*trials.kv_shape(model, cpu), torch.float32, cpu, 8, profile_blocks(shape, 8))
+    assert memory.profile_activation(lambda rows: forwards.forward(model, rows, cpu), pool, shape,
                                      model.config.vocab_size, cpu) == 0
     assert pool.free_blocks == pool.blocks - 1  # every row's blocks went back
 

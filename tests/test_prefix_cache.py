@@ -102,7 +102,7 @@ def test_the_tenant_salts_the_cache_only_with_keys():
 def test_a_session_growing_alone_gets_consecutive_blocks_read_without_a_gather():
     """After sessions of different lengths let go in any order, the next session alone gets
     the lowest free blocks in order, which attention reads as one view of the pool."""
-    from specd.worker.kvstore import BatchRow, prepare
+    from specd.worker.layout import BatchRow, prepare
 
     kv = pool(caching=False)
     first, second = SessionKV(kv), SessionKV(kv)

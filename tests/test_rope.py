@@ -19,9 +19,11 @@ from draft_service.drafter import Drafter
 from specd.errors import UnsupportedModel
 from specd.sampling import Transform
 from specd.steps import DraftRequest
-from specd.worker import kvstore, rope
+from specd.worker import forwards, rope, trials
+from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Scheduler
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV, use_paged_attention
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import BatchSettings, ModelSettings
 from test_batching import CountedJob
@@ -58,10 +60,10 @@ def _last_logits(model, pool, lengths: list[int]) -> list[torch.Tensor]:
         for length in lengths:
             session = SessionKV(pool)
             assert session.reserve(length + 1)
-            kvstore.forward(model, [BatchRow(session, list(range(1, length + 1)), 1)], CPU)
+            forwards.forward(model, [BatchRow(session, list(range(1, length + 1)), 1)], CPU)
             session.length = length
             sessions.append(session)
-        logits, _ = kvstore.forward(model, [BatchRow(session, [7], 1) for session in sessions], CPU)
+        logits, _ = forwards.forward(model, [BatchRow(session, [7], 1) for session in sessions], CPU)
     return list(logits)
 
 
@@ -71,7 +73,7 @@ def test_longrope_rotates_a_forward_by_its_last_position_so_only_one_side_shares
     session on its own side."""
     model = AutoModelForCausalLM.from_pretrained(_longrope(tmp_path, model_dirs)).eval()
     use_paged_attention(model)
-    pool = KVPool(*kvstore.kv_shape(model, CPU), torch.float32, CPU, 4, 64)
+    pool = KVPool(*trials.kv_shape(model, CPU), torch.float32, CPU, 4, 64)
     def apart(a: torch.Tensor, b: torch.Tensor) -> float:
         return (a - b).abs().max().item()
 

@@ -11,7 +11,7 @@ import torch
 
 from specd.config import ServerSettings
 from specd.sampling import Transform
-from specd.worker import kvstore, runtime
+from specd.worker import forwards, runtime
 from specd.worker.settings import ModelSettings, VerifierSettings
 from specd_cli.launch import _then_single_threaded
 from verifier_service.scorer import Scorer
@@ -21,7 +21,7 @@ from verifier_service.server import create_server
 def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dirs, monkeypatch):
     loaded_on: list[str] = []
     forwards_on: list[str] = []
-    load, forward = runtime.AutoModelForCausalLM.from_pretrained, kvstore.forward
+    load, forward = runtime.AutoModelForCausalLM.from_pretrained, forwards.forward
 
     def loading(*args, **kwargs):
         loaded_on.append(threading.current_thread().name)
@@ -32,7 +32,7 @@ def test_a_runner_loads_its_model_on_the_thread_that_runs_its_forwards(model_dir
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(runtime.AutoModelForCausalLM, "from_pretrained", loading)
-    monkeypatch.setattr(kvstore, "forward", forwarding)
+    monkeypatch.setattr(forwards, "forward", forwarding)
     scorer = Scorer(model_dirs["target"], ModelSettings(max_sessions=2))
     runner = scorer.runner
     try:

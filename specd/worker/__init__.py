@@ -7,7 +7,11 @@ is its role's, in the service's own package: `draft_service.drafter` proposes,
 imports none of it (tests/test_layering.py), since it runs no model.
 
     runtime   a model, its sessions and their steps: `ModelRunner.sync` and `step`, the hook its role sets
-    kvstore   the paged KV pool, one batched forward, and the trial at load of what it can serve
+    kvstore   the paged KV pool: blocks, the sessions' block tables, prefix caching
+    layout    how one batched forward's rows lie over the pool: `BatchRow`, the batch's cache, `prepare`
+    attention paged attention: every session's blocks read in one SDPA call
+    forwards  one batched forward: the model's own, or the one standing in for it (lean)
+    trials    what the pool can serve, found by trying a model when it loads
     memory    how much of a CUDA device a KV pool takes (--gpu-memory-fraction), and device checks
     lean      the batched forward of Llama-architecture models (fourteen families) without transformers' per-call Python
     packing   on a CPU, large linear layers with their weights packed for oneDNN at load

@@ -2,7 +2,7 @@
 
 Every step a worker is asked for becomes a `Job` in one bounded queue. Whenever the
 model is free, the `Scheduler` takes the jobs at the head of the queue, up to
-`max_batch_tokens`, and runs ONE batched forward over all of them (`specd.worker.kvstore`) on
+`max_batch_tokens`, and runs ONE batched forward over all of them (`specd.worker.forwards`) on
 the model's thread. A job may need several forwards — a draft proposing γ tokens needs
 γ, a long prompt is fed `prefill_chunk` tokens at a time so it never holds up the
 others for long — and goes back to the head of the queue until it is done; new jobs
@@ -25,7 +25,8 @@ import torch
 
 from specd.errors import Overloaded
 from specd.steps import BatchStats
-from specd.worker.kvstore import BatchRow, SessionKV
+from specd.worker.kvstore import SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.settings import BatchSettings
 
 log = logging.getLogger(__name__)

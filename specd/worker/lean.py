@@ -27,7 +27,7 @@ forward, and the logits are the same bit for bit. Two guards keep it so: `instal
 a model only when its classes are those of a family in `_FAMILIES` (whose forward this
 mirrors line for line), with no hooks and no forward set on an instance, and only when a
 trial at load gives logits exactly equal to the model's own batched forward. Any other model keeps
-transformers' forward (`specd.worker.kvstore`), and `--model-forward transformers` keeps
+transformers' forward (`specd.worker.forwards`), and `--model-forward transformers` keeps
 it for every model.
 """
 from __future__ import annotations
@@ -54,8 +54,10 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 from transformers.models.smollm3 import modeling_smollm3 as smollm3
 from transformers.models.starcoder2 import modeling_starcoder2 as starcoder2
 
-from specd.worker import kvstore
-from specd.worker.kvstore import BatchInputs, KVPool
+from specd.worker import forwards, trials
+from specd.worker.attention import paged_attention
+from specd.worker.kvstore import KVPool
+from specd.worker.layout import BatchInputs
 from specd.worker.packing import PackedLinear
 
 _LINEARS = (nn.Linear, PackedLinear)
@@ -292,7 +294,7 @@ class LeanDecoder:
 
     def __init__(self, model: Any) -> None:
         # The model's parts, not the model: the store keys its forwards weakly by the model
-        # (`kvstore.use_forward`), and a forward holding the model would keep it alive.
+        # (`forwards.use_forward`), and a forward holding the model would keep it alive.
         self.base, self.lm_head = model.model, _linear(model.lm_head)
         layers: list[Any] = list(model.model.layers[: model.config.num_hidden_layers])
         family = self.family = _FAMILIES[type(model)]
@@ -353,7 +355,7 @@ class LeanDecoder:
     def __call__(self, inputs: BatchInputs) -> torch.Tensor:
         """The kept logits [1, Σ keep, V] of one batched forward, as the model's own
         forward computes them for the same inputs. Called in inference mode, as the
-        store's forwards and trials run (`kvstore.forward`, `kvstore.trial_logits`): not
+        store's forwards and trials run (`forwards.forward`, `trials.trial_logits`): not
         entered again here, on every forward."""
         base, cache = self.base, inputs.cache
         transposed_norms = self.family.qk_norms == "heads, transposed"
@@ -377,8 +379,8 @@ class LeanDecoder:
                 if cast:
                     query, key = query.to(hidden.dtype), key.to(hidden.dtype)
             key, value = cache.update(key, value, attention.layer_idx)
-            attended, _ = kvstore.paged_attention(attention, query, key, value, None, scaling=attention.scaling,
-                                                  sliding_window=window, softcap=softcap, batch_cache=cache)
+            attended, _ = paged_attention(attention, query, key, value, None, scaling=attention.scaling,
+                                          sliding_window=window, softcap=softcap, batch_cache=cache)
             attended = layer.output(attended.reshape(*tokens, -1).contiguous())
             # Llama and most others norm each sublayer's input; OLMo 2 its output, before
             # it joins the residual stream; Gemma 2 and 3 both.
@@ -446,17 +448,17 @@ def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.devic
     problem = _unmirrored(model)
     if problem is not None:
         return problem
-    own = kvstore.trial_logits(functools.partial(kvstore.own_forward, model), pool, vocab_size, device)
+    own = trials.trial_logits(functools.partial(forwards.own_forward, model), pool, vocab_size, device)
     if isinstance(own, str):
         return own
     try:
         lean = LeanDecoder(model)
-        mirrored = kvstore.trial_logits(lean, pool, vocab_size, device)
+        mirrored = trials.trial_logits(lean, pool, vocab_size, device)
     except Exception as exc:  # whatever it raises, the model keeps its own forward
         return f"the lean forward fails its trial: {type(exc).__name__}: {exc}"
     if isinstance(mirrored, str):
         return mirrored
     if not all(torch.equal(a, b) for a, b in zip(own, mirrored)):
         return "its trial logits differ from the model's own forward"
-    kvstore.use_forward(model, lean)
+    forwards.use_forward(model, lean)
     return None

@@ -116,7 +116,7 @@ def split_fraction(fraction: float, costs: Mapping[str, float]) -> dict[str, flo
 def config_kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
     """KV bytes per token of a model directory, read from its config.json: layers × KV heads ×
     head dim × 2 (keys and values) × dtype_bytes; 0 when the config names no such fields (the
-    worker reads the true shape from a forward when it loads: `kvstore.kv_shape`)."""
+    worker reads the true shape from a forward when it loads: `trials.kv_shape`)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -168,10 +168,11 @@ def profile_activation(forward, pool: KVPool, shape: ProfileShape, vocab_size: i
     with the post-processing's float32 softmax and top-2 over every kept row and the pool's
     gather scratch grown from nothing (measured by torch's CUDA allocator; 0 elsewhere, where
     the forward still runs, which checks the profile's rows). `forward(rows)` is the worker's
-    (`kvstore.forward` with its model)."""
+    (`forwards.forward` with its model)."""
     import torch
 
-    from specd.worker.kvstore import BatchRow, SessionKV
+    from specd.worker.kvstore import SessionKV
+    from specd.worker.layout import BatchRow
 
     generator = torch.Generator().manual_seed(0)
 

@@ -32,10 +32,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.steps import ModelInfo
-from specd.worker import kvstore, lean, memory, packing, rope
+from specd.worker import forwards, lean, memory, packing, rope, trials
+from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
-from specd.worker.kvstore import BatchRow, KVPool, SessionKV
+from specd.worker.kvstore import KVPool, SessionKV
+from specd.worker.layout import BatchRow
 from specd.worker.settings import CPU_LINEARS, FORWARDS, BatchSettings, ModelSettings
 
 log = logging.getLogger(__name__)
@@ -216,8 +218,8 @@ class ModelRunner:
         )
         # What the store can hold, and whether it serves the model exactly, is found by
         # trying the model at load: a model refused here never fails at a request.
-        self._kv_shape = kvstore.kv_shape(self.model, self.device)
-        kvstore.use_paged_attention(self.model)
+        self._kv_shape = trials.kv_shape(self.model, self.device)
+        use_paged_attention(self.model)
         self.memory_plan: memory.MemoryPlan | None = None
         profile, loaded = None, 0
         if fraction:  # a pool for the trials and the profiling forward; the real one is sized after
@@ -232,8 +234,8 @@ class ModelRunner:
                                self._pool_blocks(batching, max_sessions),
                                prefix_caching=not batching.no_prefix_caching)
         try:
-            problem = rope.problem(self.model) or kvstore.batching_problem(self.model, self.pool,
-                                                                           self.info.vocab_size, self.device)
+            problem = rope.problem(self.model) or trials.batching_problem(self.model, self.pool,
+                                                                          self.info.vocab_size, self.device)
         except Exception as exc:  # anything the trial meets is a refusal naming the family, never a crash
             problem = f"the load-time trial fails: {type(exc).__name__}: {exc}"
         if problem is not None:
@@ -287,8 +289,8 @@ class ModelRunner:
             session.tokens = row
             sessions.append(session)
         for start in range(0, len(sessions), 8):  # prefill the contexts, a few sessions per forward
-            kvstore.forward(self.model, [BatchRow(s, s.tokens[:context], 1) for s in sessions[start:start + 8]],
-                            self.device)
+            forwards.forward(self.model, [BatchRow(s, s.tokens[:context], 1) for s in sessions[start:start + 8]],
+                             self.device)
         costs = {}
         for batch in (b for b in batches if b <= len(sessions)):
             for width in widths:
@@ -296,7 +298,7 @@ class ModelRunner:
                 for _ in range(repeats + 1):  # the first, a warm-up for this shape, is not counted
                     rows = [BatchRow(s, s.tokens[context:context + width], width) for s in sessions[:batch]]
                     began = time.perf_counter()
-                    logits, _ = kvstore.forward(self.model, rows, self.device)
+                    logits, _ = forwards.forward(self.model, rows, self.device)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     times.append((time.perf_counter() - began) * 1e3)
@@ -335,7 +337,7 @@ class ModelRunner:
         """The KV pool --gpu-memory-fraction leaves room for, after the profiling forward on the
         trials' pool (`self.pool`, let go here): `memory.kv_pool_bytes`, in whole blocks, at most
         what `_pool_blocks` would want at full context. ValueError when it leaves no room."""
-        activation = memory.profile_activation(lambda rows: kvstore.forward(self.model, rows, self.device),
+        activation = memory.profile_activation(lambda rows: forwards.forward(self.model, rows, self.device),
                                                self.pool, profile, self.info.vocab_size, self.device)
         del self.pool
         torch.cuda.synchronize(self.device)
@@ -423,4 +425,4 @@ class ModelRunner:
     def _forward_batch(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, list[slice]]:
         """One forward over every row (on the model's thread): the kept logits [Σ keep, V]
         and each row's slice of them."""
-        return kvstore.forward(self.model, rows, self.device)
+        return forwards.forward(self.model, rows, self.device)

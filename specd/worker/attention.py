@@ -1,0 +1,112 @@
+"""Paged attention: the attention of one batched forward, read through the KV pool in a
+fixed number of operator calls (`paged_attention`, set on a model as ``specd_paged`` by
+`use_paged_attention`).
+
+Every session's blocks are gathered through its block table (one `index_select` of whole
+blocks, the cheapest gather on a CPU) into a padded [sessions, KV heads, longest, head
+dim] tensor, and one SDPA call with a mask runs over them. On a GPU the gather is where a
+paged or varlen kernel would go. On a CPU the gather's copy costs memory bandwidth:
+docs/serving-path.md has the measurements against a loop over sessions on views of their
+own storage.
+
+Models whose attention goes through `cache.update` and transformers' attention interface
+work: full attention, sliding windows and hybrids of the two (Llama, Mistral, Qwen,
+Gemma 2 and 3, OPT, ...), and multi-head latent attention (DeepSeek-V2/V3), whose
+compressed latents are what the pool holds. A model that attends on its own is handed
+whole contexts instead (`specd.worker.forwards`).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specd.worker.layout import BatchCache
+
+PAGED_ATTENTION = "specd_paged"  # the attention implementation `use_paged_attention` sets
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    batch_cache: BatchCache | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged batch through the pool, in a fixed number of operator calls.
+
+    query: [1, heads, Σ T, head dim]; returns [1, Σ T, heads, head dim] as transformers'
+    attention functions do. The queries are scattered into a padded [B, heads, T, D], every
+    session's keys and values gathered through its block table (`BatchCache.update` has
+    already stored the new ones), one SDPA call with the batch's mask, and the rows that
+    are tokens gathered back. Multi-head latent attention (DeepSeek-V2/V3) stores its
+    compressed latents, which the layer's own `expand_kv` turns into keys and values
+    after the gather, so the pool holds the compressed cache. A sliding-window layer
+    (Mistral, Gemma, Qwen2 with windows) masks what lies outside its window; a layer that
+    soft-caps its scores (Gemma 2), which SDPA cannot, computes them in three matrix
+    operations instead. Without a batch cache
+    (a plain forward of the same model) this is transformers' SDPA, or its eager
+    attention where scores are soft-capped.
+    """
+    if batch_cache is None:
+        if softcap is not None:
+            causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                                device=query.device).tril(key.shape[-2] - query.shape[-2])
+            return _eager(query, key, value, causal if attention_mask is None else attention_mask, scaling, softcap)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
+    layer: int = module.layer_idx  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
+    cache = batch_cache
+    cache.attended = True
+    _, heads, tokens, dim = query.shape
+    batch, longest = cache.batch, cache.longest_feed
+    if cache.query_rows is None:  # every row feeds `longest` tokens: a view, no copy
+        padded = query[0].view(heads, batch, longest, dim).transpose(0, 1)
+    else:
+        padded = query.new_zeros(batch * longest, heads, dim)
+        padded.index_copy_(0, cache.query_rows, query[0].transpose(0, 1))
+        padded = padded.view(batch, longest, heads, dim).transpose(1, 2)
+    if cache.run is not None:  # one row in consecutive blocks: a view of the pool
+        start, stop = cache.run
+        keys = cache.pool.keys[layer][start:stop].transpose(0, 1).unsqueeze(0)  # [1, KV heads, keys, D]
+        values = cache.pool.values[layer][start:stop].transpose(0, 1).unsqueeze(0)
+    else:
+        keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
+        kv_heads = keys.shape[2]
+        keys = keys.view(batch, -1, kv_heads, keys.shape[-1])[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
+        values = values.view(batch, -1, kv_heads, values.shape[-1])[:, :cache.keys].transpose(1, 2)
+    expand = getattr(module, "expand_kv", None)
+    if expand is not None:  # multi-head latent attention caches its compressed latents: expand them here
+        keys, values = expand(keys, values)
+    mask = cache.allowed if sliding_window is None else cache.window(sliding_window)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+    else:
+        out = _eager(padded, keys, values, mask, scaling, softcap)[0].transpose(1, 2)
+    out = out.transpose(1, 2).reshape(batch * longest, heads, out.shape[-1])  # [B × T, heads, D]
+    if cache.query_rows is not None:
+        out = out.index_select(0, cache.query_rows)
+    return out.unsqueeze(0), None
+
+
+def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scaling: float | None, softcap: float) -> tuple[torch.Tensor, None]:
+    """Attention with soft-capped scores (softcap · tanh(scores / softcap)), as Gemma 2's
+    eager attention computes it; `mask` is boolean (True: seen) or additive. Returns
+    [B, T, heads, D] like the attention interface."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+
+
+def use_paged_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention through `paged_attention` (plain forwards stay SDPA)."""
+    # transformers finds an attention implementation by name in its global registry;
+    # registering it again sets the same function.
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+    model.set_attn_implementation(PAGED_ATTENTION)
+
