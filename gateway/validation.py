@@ -72,7 +72,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
     transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
     generation = Generation(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
-                                   stops, request.ignore_eos, request.logprobs, grammar)
+                            stops, request.ignore_eos, request.logprobs, grammar)
     return ParsedRequest(
         generation, mode, policy, draft_length, profile, task_type, request.user_segment, list(request.stop),
         selected, model_free, forced, model_free_max, cache_salt(settings, request.user_segment, request.cache_salt))
