@@ -192,9 +192,13 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
     front = front or (lambda loop, role, port: port)
+    # A draft step past its budget (0.5 s at least) is skipped, so the step decodes plainly and
+    # a seeded output takes other proposals and other draws. A test machine under load can take
+    # a tiny draft's step that long, so tests that compare seeded outputs would fail by chance:
+    # the stack's draft budget outlasts any step unless a test sets its own.
     gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{front(loop, 'verifier', verifier.port)}",
                                        draft_address=f"127.0.0.1:{front(loop, 'draft', draft.port)}",
-                                       **{"worker_timeout_s": 30.0, **gateway_options})
+                                       **{"worker_timeout_s": 30.0, "draft_step_floor_s": 120.0, **gateway_options})
     gateway = loop.run(create_gateway(gateway_settings))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     return Stack(loop, draft_settings, verifier_settings, draft, verifier, gateway, channel,
