@@ -134,6 +134,7 @@ class _LevelArms:
     remeasure: bool = False  # the trial on now measures again a cap measured before (plain decoding, or a
     # rival): it is no neighbour, so losing it turns no direction
     rival: bool = False  # the trial on now is a rival's (`LoadCap._rival`)
+    outvoted: set[int] = field(default_factory=set)  # higher caps whose last trial's turns won, its verdict lost
     extended: int = 0  # times the trial on now ran four more turns for want of quiet steps
     verdicts: dict[tuple[int, int], _Verdicts] = field(default_factory=dict)  # (lower cap, higher) -> trials'
     drafted: int = 0  # the longest model draft proposed in the running epoch
@@ -195,8 +196,8 @@ class LoadCap:
     epochs (twice as long after each trial that lost, since a trial costs goodput); a
     trial that wins by `margin`, weighed with the earlier trials of the same two caps
     (`_Verdicts`), becomes the cap and the next cap along is tried at once. A
-    cap measured earlier that beats the average of the cap in force by `margin` is tried
-    again soon, after one epoch, twice as long each time such a trial loses. Neighbours are
+    lower cap measured earlier that beats the average of the cap in force by `margin` is
+    tried again soon (`_rival`), after one epoch, twice as long each time such a trial loses. Neighbours are
     taken beside the longest γ the requests chose under the cap in force, which is what
     the cap lets through.
 
@@ -505,7 +506,12 @@ class LoadCap:
         won = (verdict if trial > best else -verdict) > math.log1p(self.margin)
         level.trial, level.window, level.since_trial = None, {}, 0
         level.decided += 1
+        if won or not rate.get(trial, 0.0) > rate.get(best, 0.0):
+            level.outvoted.discard(trial)
+        else:
+            level.outvoted.add(trial)
         if won:
+            level.outvoted.clear()  # they were beside the old cap
             level.best, level.explore_every, level.rival_after = trial, self.explore_every, 1
             level.used = None  # what the requests chose under the old cap says nothing of the new one
         else:  # a trial costs goodput: the more of them lose, the rarer they get
@@ -521,10 +527,23 @@ class LoadCap:
             self._start_trial(level, self._neighbour(level), remeasure=False)
 
     def _rival(self, level: _LevelArms) -> int | None:
-        """The measured cap whose goodput beats the cap in force's by the margin, if any."""
+        """A measured cap whose goodput beats the cap in force's average by the margin, if
+        any, among those worth measuring again: a lower cap, or a higher one that beat the cap
+        in force over its last trial's own turns and lost only on the verdicts before it
+        (`_LevelArms.outvoted`).
+
+        Why not any higher cap: the cap in force's average falling below a lower cap's figure
+        may be acceptance falling, which a lower cap gains from; a higher cap gains from none
+        of it. Plain decoding's goodput does not depend on the draft at all, so its average
+        dipping below a cap of 1's figure says only that the machine ran slower, for both. On
+        the demo pair at 8 in flight such re-trials were 4 of a long run's 5 trials, all
+        lost, each costing every session a catch-up prefill on the draft (docs/loadcap.md).
+        A higher cap whose own turns won is another matter: the goodput landscape may have
+        moved (acceptance rising), and the older verdicts lag behind it."""
         rates = level.comparable()
         floor = (1.0 + self.margin) * rates.get(level.best, 0.0)
-        rivals = {arm: rate for arm, rate in rates.items() if arm != level.best and rate > floor}
+        rivals = {arm: rate for arm, rate in rates.items()
+                  if (arm < level.best or arm in level.outvoted) and rate > floor}
         return max(rivals, key=rivals.__getitem__) if rivals else None
 
     def _neighbour(self, level: _LevelArms) -> int | None:
