@@ -5,12 +5,15 @@ where other gateways of the target have got to (`SharedLevel`, `gateway.loadshar
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from gateway.costmodel import load_bucket
 from gateway.priors import best_caps
 from gateway.records import StepRecord
+
+log = logging.getLogger(__name__)
 
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
@@ -433,13 +436,15 @@ class LoadCap:
         level.running, level.drafted = _Goodput(), 0
         level.since_trial += 1
         if len(level.all_rates) == 1 and level.best > 0:
-            self._start_trial(level, 0, remeasure=True)  # first: does speculating pay at all at this load?
+            # First: does speculating pay at all at this load?
+            self._start_trial(level, load, 0, remeasure=True, reason="the first at this load")
         elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again soon rather than wait for its turn.
             # A machine slowing down for every cap alike looks the same, so a rival that loses
             # waits twice as long for its next chance.
-            self._start_trial(level, rival, remeasure=True)
+            self._start_trial(level, load, rival, remeasure=True, reason="a rival: it measured faster than the "
+                              "average of the cap in force")
             level.rival = True
         else:
             level.epochs += 1
@@ -448,17 +453,19 @@ class LoadCap:
                 # Every other trial measures plain decoding again: one early trial of it
                 # (often while the first prompts are still prefilling) must not decide for good.
                 remeasure = level.plain_next and level.best > 0
-                self._start_trial(level, 0 if remeasure else self._neighbour(level), remeasure)
+                self._start_trial(level, load, 0 if remeasure else self._neighbour(level), remeasure,
+                                  reason="scheduled")
                 level.plain_next = not level.plain_next
 
     def _average_in(self, rates: dict[int, float], arm: int, rate: float) -> None:
         previous = rates.get(arm)
         rates[arm] = rate if previous is None else previous + self.weight * (rate - previous)
 
-    def _start_trial(self, level: _LevelArms, trial: int | None, remeasure: bool) -> None:
+    def _start_trial(self, level: _LevelArms, load: int, trial: int | None, remeasure: bool, reason: str) -> None:
         """Put `trial` (if any) on trial against the cap in force, in turns."""
         if trial is None or trial == level.best:
             return
+        log.debug("load cap at load %d: a trial of %d against %d (%s)", load, trial, level.best, reason)
         level.trial, level.remeasure = trial, remeasure
         # Best, trial, trial, best, twice: each cap's turns sit at the same mean time (a steady
         # drift cancels), and each has as many turns right after a switch as after its own.
@@ -506,6 +513,9 @@ class LoadCap:
         won = (verdict if trial > best else -verdict) > math.log1p(self.margin)
         level.trial, level.window, level.since_trial = None, {}, 0
         level.decided += 1
+        log.info("load cap at load %d: %d %s its trial against %d (%.4f against %.4f tokens/ms a session; "
+                 "log ratio %+.2f over %d trials)", load, trial, "won" if won else "lost", best,
+                 rate.get(trial, 0.0), rate.get(best, 0.0), verdict, level.verdicts[pair].trials)
         if won or not rate.get(trial, 0.0) > rate.get(best, 0.0):
             level.outvoted.discard(trial)
         else:
@@ -524,7 +534,7 @@ class LoadCap:
         level.remeasure = level.rival = False
         if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load
-            self._start_trial(level, self._neighbour(level), remeasure=False)
+            self._start_trial(level, load, self._neighbour(level), remeasure=False, reason="the next after a win")
 
     def _rival(self, level: _LevelArms) -> int | None:
         """A measured cap whose goodput beats the cap in force's average by the margin, if

@@ -21,6 +21,8 @@ gateway --worker-ca/--worker-cert/--worker-key, clients --ca (docs/tls.md).
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def _service_args(parser: argparse.ArgumentParser,
     add_flags(parser, defaults)
     parser.add_argument("--port-file", type=Path, metavar="FILE",
                         help="write the port listened on to this file once serving (with --port 0)")
+    _log_level_arg(parser)
 
 
 def _worker_process_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,29 @@ def _worker_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default="", metavar="LIST",
                         help="pin the worker to these CPUs (e.g. 0 or 2-3), as it would own a GPU; torch threads "
                              "default to one per CPU")
+
+
+# The services' own loggers; other libraries' stay at warning whatever --log-level says.
+SPECD_LOGGERS = ("specd", "specd_cli", "gateway", "draft_service", "verifier_service")
+LOG_LEVEL_ENV = "SPECD_LOG_LEVEL"
+
+
+def _log_level_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        default=os.environ.get(LOG_LEVEL_ENV, "warning"),
+                        help="the least severe of the service's messages written to stderr: info adds the load "
+                             "cap's trials and their verdicts and each draft step skipped, debug why each trial "
+                             f"began (default: ${LOG_LEVEL_ENV}, else warning; serve passes it to its workers)")
+
+
+def configure_logging(level: str) -> None:
+    """Messages to stderr, with time, level and logger: the services' own from `level` up,
+    other libraries' from warning up. The level goes into the environment too, so the
+    workers `specd serve` starts log at the same level."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in SPECD_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
+    os.environ[LOG_LEVEL_ENV] = level
 
 
 def _revision_arg(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-threads", type=int, default=1,
                        help="torch threads of the draft worker (default 1; -1: as --threads)")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    _log_level_arg(serve)
     serve.add_argument("--draft-cpus", default="", metavar="LIST",
                        help="pin the draft worker to these CPUs (e.g. 0), as if it owned a GPU")
     serve.add_argument("--verifier-cpus", default="", metavar="LIST",
@@ -194,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_supervisor()  # a child of `specd serve` ends when serve does, however serve ends
     args = build_parser().parse_args(argv)
+    if getattr(args, "log_level", None):  # the services and serve
+        configure_logging(args.log_level)
     try:
         return args.func(args)
     except (TLSConfigError, MissingApiKey) as exc:  # a client or server set up wrongly: say which flag

@@ -211,3 +211,25 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     assert gateway.draft_selection == "goodput" and from_flags(
         GATEWAY, parser.parse_args(["gateway", *forward_flags(GATEWAY, parser.parse_args(["serve"]))])
     ).model_free == MODEL_FREE
+
+
+def test_log_level_reaches_the_services_loggers_and_the_workers_serve_starts(monkeypatch):
+    """--log-level info shows the services' own info lines (the load cap's trials), not other
+    libraries'; serve's workers, started with serve's environment, take the same level."""
+    import logging
+
+    from specd_cli.parser import LOG_LEVEL_ENV, SPECD_LOGGERS, build_parser, configure_logging
+
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    assert build_parser().parse_args(["draft"]).log_level == "warning"
+    levels = {name: logging.getLogger(name).level for name in SPECD_LOGGERS}
+    try:
+        configure_logging(build_parser().parse_args(["serve", "--log-level", "info"]).log_level)
+        assert logging.getLogger("gateway.loadcap").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("gateway.loadcap").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("urllib3").isEnabledFor(logging.INFO)
+        assert build_parser().parse_args(["draft"]).log_level == "info"  # as a worker of serve parses it
+    finally:
+        monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
