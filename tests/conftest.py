@@ -175,6 +175,14 @@ class Stack:
         self.loop.close()
 
 
+# A draft step past its budget (0.5 s at least) is skipped: the step decodes plainly, and a
+# seeded output takes other proposals and other draws. A loaded test machine can take a
+# tiny draft's step that long, so a stack whose tests compare seeded outputs gives its draft
+# a budget longer than any step. (A stack whose draft is stopped for good keeps the short
+# one: each of its steps would wait the whole budget on the dead draft.)
+SEEDED_DRAFT_FLOOR_S = 120.0
+
+
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
                 drafts: tuple[str, ...] = ("close", "unrelated", "padded"), front=None,
@@ -192,13 +200,9 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))
     front = front or (lambda loop, role, port: port)
-    # A draft step past its budget (0.5 s at least) is skipped, so the step decodes plainly and
-    # a seeded output takes other proposals and other draws. A test machine under load can take
-    # a tiny draft's step that long, so tests that compare seeded outputs would fail by chance:
-    # the stack's draft budget outlasts any step unless a test sets its own.
     gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{front(loop, 'verifier', verifier.port)}",
                                        draft_address=f"127.0.0.1:{front(loop, 'draft', draft.port)}",
-                                       **{"worker_timeout_s": 30.0, "draft_step_floor_s": 120.0, **gateway_options})
+                                       **{"worker_timeout_s": 30.0, **gateway_options})
     gateway = loop.run(create_gateway(gateway_settings))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     return Stack(loop, draft_settings, verifier_settings, draft, verifier, gateway, channel,
@@ -207,7 +211,7 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
 
 @pytest.fixture(scope="session")
 def stack(model_dirs) -> Iterator[Stack]:
-    running = start_stack(model_dirs)
+    running = start_stack(model_dirs, draft_step_floor_s=SEEDED_DRAFT_FLOOR_S)
     yield running
     running.close()
 
@@ -234,7 +238,7 @@ def device_stack(request, model_dirs, device) -> Iterator[Stack]:
     if device == TEST_DEVICE and TEST_DTYPE == "float32":
         yield request.getfixturevalue("stack")
         return
-    running = start_stack(model_dirs, device=device, dtype="float32")
+    running = start_stack(model_dirs, device=device, dtype="float32", draft_step_floor_s=SEEDED_DRAFT_FLOOR_S)
     yield running
     running.close()
 

@@ -240,8 +240,9 @@ def test_no_tenant_takes_all_the_capacity_by_default(model_dirs, tmp_path):
     """No --key-max-in-flight: with two tenants, each may hold three quarters of the gateway."""
     front, proxies = proxy_front("draft")
 
-    # start_stack's draft step budget outlasts the test: alpha's speculative requests wait on it.
-    stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path), max_concurrent_requests=4)
+    # The draft's step budget outlasts the test: alpha's speculative requests wait on it.
+    stack = start_stack(model_dirs, front=front, api_keys_file=key_file(tmp_path), max_concurrent_requests=4,
+                        draft_step_floor_s=120.0)
     proxy = proxies["draft"]
     held = []
     try:
@@ -272,8 +273,8 @@ def stalled(model_dirs):
     """A stack whose gateway reaches the draft through a proxy the test can stall."""
     front, proxies = proxy_front("draft")
 
-    # start_stack's draft step budget is longer than any test: the stalled draft holds its requests.
-    stack = start_stack(model_dirs, front=front, max_streams_per_connection=2)
+    # A draft step budget longer than any test: the stalled draft holds its requests.
+    stack = start_stack(model_dirs, front=front, max_streams_per_connection=2, draft_step_floor_s=120.0)
     stack.draft_proxy = proxies["draft"]
     yield stack
     stack.draft_proxy.resume()

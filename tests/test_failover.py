@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import request, start_stack
+from conftest import SEEDED_DRAFT_FLOOR_S, request, start_stack
 from test_pipeline import reference_greedy
 
 
@@ -27,7 +27,8 @@ def test_worker_restarted_mid_request(stack, target_model, tokenizer, worker):
 
 
 def test_evicted_sessions_are_reopened(model_dirs, target_model, tokenizer):
-    small = start_stack(model_dirs, max_sessions=1)  # every concurrent request evicts the other
+    # Every concurrent request evicts the other.
+    small = start_stack(model_dirs, max_sessions=1, draft_step_floor_s=SEEDED_DRAFT_FLOOR_S)
     try:
         prompts = ["def fibonacci(n):", "class Cache:", "The gateway accepts", "Speculative decoding"]
         with ThreadPoolExecutor(4) as pool:
