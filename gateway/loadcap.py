@@ -354,6 +354,7 @@ class LoadCap:
         level.verdicts = {pair: _Verdicts(mean, trials) for pair, (mean, trials) in shared.verdicts.items()
                           if pair[1] <= self.highest}
         level.source, level.decided = "shared", 0
+        level.outvoted.clear()  # outvoted by verdicts this level no longer holds
         if cap != level.best:
             level.best, level.used, level.drafted, level.running = cap, None, 0, _Goodput()
             level.settle = load  # the steps in flight were chosen under the old cap
