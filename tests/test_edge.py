@@ -16,6 +16,9 @@ from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from tcpproxy import proxy_front
 
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-9876543210"}
+# A request held in flight by pausing a worker's proxy after its first chunk: long enough
+# that it is still decoding when the pause comes (at 60 tokens a fast run could finish first).
+HELD_TOKENS = 200
 
 
 def bearer(key: str) -> list[tuple[str, str]]:
@@ -130,7 +133,8 @@ def test_tenants_see_model_names_not_host_paths(keyed, stack):
 
 
 def test_per_key_in_flight_quota(keyed):
-    held = keyed.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=60), metadata=bearer(KEYS["alpha"]))
+    held = keyed.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=HELD_TOKENS),
+                                     metadata=bearer(KEYS["alpha"]))
     next(held)
     keyed.verifier_proxy.pause()  # alpha's request now waits on the verifier: still in flight
     try:
@@ -247,7 +251,7 @@ def test_no_tenant_takes_all_the_capacity_by_default(model_dirs, tmp_path):
     held = []
     try:
         for _ in range(3):
-            held.append(stack.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=60),
+            held.append(stack.stub.GenerateStream(request("def fibonacci(n):", max_new_tokens=HELD_TOKENS),
                                                   metadata=bearer(KEYS["alpha"])))
             next(held[-1])
         proxy.pause()  # alpha's three requests wait on the draft: still in flight
