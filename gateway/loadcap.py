@@ -198,11 +198,11 @@ class LoadCap:
     neighbouring cap's and plain decoding's again, one trial in every `explore_every`
     epochs (twice as long after each trial that lost, since a trial costs goodput); a
     trial that wins by `margin`, weighed with the earlier trials of the same two caps
-    (`_Verdicts`), becomes the cap and the next cap along is tried at once. A
-    lower cap measured earlier that beats the average of the cap in force by `margin` is
-    tried again soon (`_rival`), after one epoch, twice as long each time such a trial loses. Neighbours are
-    taken beside the longest γ the requests chose under the cap in force, which is what
-    the cap lets through.
+    (`_Verdicts`), becomes the cap and the next cap along is tried at once. A lower cap
+    measured earlier that beats the average of the cap in force by `margin` (or a higher one
+    that the older verdicts outvoted, `_rival`) is tried again soon, after one epoch, twice
+    as long each time such a trial loses. Neighbours are taken beside the longest γ the
+    requests chose under the cap in force, which is what the cap lets through.
 
     A trial is not one epoch against the cap in force's average: it takes turns with the
     cap in force, a round of steps each, in the order best, trial, trial, best, twice
@@ -442,8 +442,8 @@ class LoadCap:
         elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again soon rather than wait for its turn.
-            # A machine slowing down for every cap alike looks the same, so a rival that loses
-            # waits twice as long for its next chance.
+            # A machine slowing down for every cap alike can look the same to a lower cap, so a
+            # rival that loses waits twice as long for its next chance.
             self._start_trial(level, load, rival, remeasure=True, reason="a rival: it measured faster than the "
                               "average of the cap in force")
             level.rival = True

@@ -61,11 +61,13 @@ def _worker_process_args(parser: argparse.ArgumentParser) -> None:
 
 # The services' own loggers; other libraries' stay at warning whatever --log-level says.
 SPECD_LOGGERS = ("specd", "specd_cli", "gateway", "draft_service", "verifier_service")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_LEVEL_ENV = "SPECD_LOG_LEVEL"
 
 
 def _log_level_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+    # type applies to the default from the environment too (choices do not: main checks it).
+    parser.add_argument("--log-level", choices=LOG_LEVELS, type=str.lower,
                         default=os.environ.get(LOG_LEVEL_ENV, "warning"),
                         help="the least severe of the service's messages written to stderr: info adds the load "
                              "cap's trials and their verdicts and each draft step skipped, debug why each trial "
@@ -222,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     die_with_supervisor()  # a child of `specd serve` ends when serve does, however serve ends
     args = build_parser().parse_args(argv)
     if getattr(args, "log_level", None):  # the services and serve
+        if args.log_level not in LOG_LEVELS:
+            print(f"specd {args.command}: ${LOG_LEVEL_ENV} is {args.log_level!r}, not a log level: use one of "
+                  f"{', '.join(LOG_LEVELS)}", file=sys.stderr)
+            return 2
         configure_logging(args.log_level)
     try:
         return args.func(args)

@@ -233,3 +233,11 @@ def test_log_level_reaches_the_services_loggers_and_the_workers_serve_starts(mon
         monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_a_log_level_from_the_environment_that_is_none_is_refused(monkeypatch, capsys):
+    from specd_cli.parser import LOG_LEVEL_ENV, main
+
+    monkeypatch.setenv(LOG_LEVEL_ENV, "verbose")
+    assert main(["gateway"]) == 2
+    assert "SPECD_LOG_LEVEL is 'verbose'" in capsys.readouterr().err
