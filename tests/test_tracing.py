@@ -213,7 +213,8 @@ def test_model_free_steps_are_traced_and_shown(traced_stack, memory_spans):
     text = render(spans)
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if "verify ms" in line)
-    assert lines[at].split()[-1] == "by" and lines[at + 2].split()[-1] == response.stats.proposers[0]
+    # The first step's proposer, or "-" where AUTO decoded it plainly (its costs say so at times).
+    assert lines[at].split()[-1] == "by" and lines[at + 2].split()[-1] == (response.stats.proposers[0] or "-")
     assert "worker spans missing" not in text
 
 
