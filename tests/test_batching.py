@@ -222,15 +222,20 @@ def test_a_session_gives_its_blocks_back_and_a_fork_shares_its_cache_copy_on_wri
     session.tokens = list(prompt)
     with torch.inference_mode():
         forward(model, [BatchRow(session, prompt, 1)], on)
-        free = pool.free_blocks
+        free, pool_before = pool.free_blocks, (pool.keys.clone(), pool.values.clone())
         fork = session.fork(6, 8)
         assert fork is not None and fork.tokens == prompt[:6] and fork.length == 6
-        # Copy on write: the full block is shared, the partial one copied into the fork's own.
-        assert fork.blocks[0] == session.blocks[0] and fork.blocks[1] != session.blocks[1]
+        # Copy on write: both blocks are shared, and the fork (made on the event loop) copies
+        # nothing; it holds one spare block for the partial block's copy.
+        assert fork.blocks == session.blocks[:2] and len(fork.spare) == 1
+        assert torch.equal(pool.keys, pool_before[0]) and torch.equal(pool.values, pool_before[1])
         assert pool.free_blocks == free - 1
         expected = model(input_ids=_ids(prompt[:6] + [3], on)).logits[0, -1:]
         got = _per_row(forward(model, [BatchRow(fork, [3], 1)], on))[0]
         torch.testing.assert_close(got, expected)
+        # Its first forward (the model's thread) copied the partial block into the spare.
+        assert fork.blocks[0] == session.blocks[0] and fork.blocks[1] != session.blocks[1] and not fork.spare
+        assert pool.free_blocks == free - 1
         # The source rolls back into the shared block and writes there: it takes a copy
         # first, and the fork still reads what it shared.
         session.crop(2)

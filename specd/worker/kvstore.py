@@ -46,7 +46,7 @@ class KVPool:
     its prompt shares with the index by reference (`SessionKV.take_prefix`), and computes
     only the rest. Blocks are counted by reference; a registered block no session holds
     stays cached, and the pool evicts those least recently let go first when it needs a
-    block. A fork (`SessionKV.fork`) shares the same way: it takes the kept full blocks by
+    block. A fork (`SessionKV.fork`) shares the same way: it takes the kept blocks by
     reference. A block that is shared or registered is never written: a session about to
     write into one copies it first (`SessionKV.own_from`).
     """
@@ -87,9 +87,10 @@ class KVPool:
         """Registered blocks, held or not: what the prefix index can hit."""
         return len(self._key_of)
 
-    def allocate(self) -> int | None:
-        """One block of its own for a session, zeroed: a free one, else the cached block let
-        go longest ago, unregistered (None: the pool is full)."""
+    def allocate(self, zeroed: bool = True) -> int | None:
+        """One block of its own for a session, zeroed (unless the caller overwrites it whole):
+        a free one, else the cached block let go longest ago, unregistered (None: the pool is
+        full)."""
         with self._lock:
             if self._free:
                 block = heapq.heappop(self._free)
@@ -99,21 +100,27 @@ class KVPool:
             else:
                 return None
             self._refs[block] = 1
-        slots = slice(block * self.block_tokens, (block + 1) * self.block_tokens)
-        self.keys[:, slots].zero_()
-        self.values[:, slots].zero_()
+        if zeroed:
+            slots = slice(block * self.block_tokens, (block + 1) * self.block_tokens)
+            self.keys[:, slots].zero_()
+            self.values[:, slots].zero_()
         return block
 
-    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, blocks: torch.Tensor, scratch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values of `blocks` (a flat list of block tables), in order:
         two [len(blocks), block_tokens, KV heads, head dim] tensors.
 
         They are views of two scratch buffers the pool keeps and grows (on the model's
         thread, the only caller): a fresh output per call would cost the page faults of
-        megabytes of new memory on every layer of every forward.
+        megabytes of new memory on every layer of every forward. Not for a forward a CUDA
+        graph captures (`scratch=False`): a graph keeps the addresses it ran on, which
+        the next growth would free; its fresh outputs come from the graph's own memory.
         """
         key_shape = (self.blocks, self.block_tokens, *self.keys.shape[2:])
         value_shape = (self.blocks, self.block_tokens, *self.values.shape[2:])
+        if not scratch:
+            return (self.keys[layer].view(key_shape).index_select(0, blocks),
+                    self.values[layer].view(value_shape).index_select(0, blocks))
         needed = blocks.shape[0]
         if self._scratch is None or self._scratch[0].shape[0] < needed:
             self._scratch = (self.keys.new_empty((needed, *key_shape[1:])),
@@ -188,8 +195,12 @@ class SessionKV:
         self.root: bytes | None = None
         self.keys: list[bytes] = []
         self.hit = 0  # positions taken from the cache when the session opened, until a step reports them
+        # A block held for the first copy on write (a fork's, `fork`), so that the copy never
+        # finds the pool full in the middle of a batched forward.
+        self.spare: list[int] = []
         # The blocks go back when the session is garbage, whoever let go of it last.
         weakref.finalize(self, pool.release, self.blocks)
+        weakref.finalize(self, pool.release, self.spare)
 
     @property
     def capacity(self) -> int:
@@ -237,23 +248,22 @@ class SessionKV:
 
     def own_from(self, start: int) -> None:
         """Before writing positions from `start` on: each block there that is shared or
-        registered is swapped for one of the session's own, with the positions before
-        `start` copied (model's thread). RuntimeError when the pool has no block left."""
+        registered is swapped for one of the session's own, a copy of it (model's thread).
+        RuntimeError when the pool has no block left."""
         size = self.pool.block_tokens
         del self.keys[start // size:]  # those blocks' tokens change from here: their keys go
         for i in range(start // size, len(self.blocks)):
             block = self.blocks[i]
             if self.pool.writable(block):
                 continue
-            own = self.pool.allocate()
+            # The whole block is copied: its positions from `start` on are written by this
+            # forward or masked, and the copy leaves them finite, as a zeroed block would be.
+            own = self.spare.pop() if self.spare else self.pool.allocate(zeroed=False)
             if own is None:
                 raise RuntimeError("the KV pool has no block left to copy a shared block into")
-            kept = min(start - i * size, size)
-            if kept > 0:
-                source = slice(block * size, block * size + kept)
-                target = slice(own * size, own * size + kept)
-                self.pool.keys[:, target] = self.pool.keys[:, source]
-                self.pool.values[:, target] = self.pool.values[:, source]
+            source, target = slice(block * size, (block + 1) * size), slice(own * size, (own + 1) * size)
+            self.pool.keys[:, target] = self.pool.keys[:, source]
+            self.pool.values[:, target] = self.pool.values[:, source]
             self.blocks[i] = own
             self.pool.release([block])
 
@@ -275,26 +285,26 @@ class SessionKV:
 
     def fork(self, keep: int, needed: int) -> SessionKV | None:
         """A new session holding this one's first `keep` cached positions and tokens, with
-        room for `needed` positions (None: the pool is full). Copy on write: the full blocks
-        of those positions are shared by reference, and only the last, partial one is
-        copied; whichever session later writes into a shared block copies it first
-        (`own_from`)."""
+        room for `needed` positions (None: the pool is full). Copy on write: every block
+        of those positions is shared by reference, and whichever session later writes into
+        a shared block copies it first (`own_from`). The fork does at its first forward, on
+        the model's thread, for the last, partial block: a fork is made on the event loop,
+        which so launches no copy, and holds a spare block for that copy."""
         size = self.pool.block_tokens
-        full = keep // size
         fork = SessionKV(self.pool)
-        fork.blocks.extend(self.pool.share(self.blocks[:full]))
+        if keep % size:
+            spare = self.pool.allocate(zeroed=False)  # `own_from` copies a whole block into it
+            if spare is None:
+                return None
+            fork.spare.append(spare)
+        fork.blocks.extend(self.pool.share(self.blocks[:-(-keep // size)]))
         if not fork.reserve(max(needed, keep)):
             return None
-        if keep > full * size:
-            source, target = self.blocks[full] * size, fork.blocks[full] * size
-            count = keep - full * size
-            self.pool.keys[:, target:target + count] = self.pool.keys[:, source:source + count]
-            self.pool.values[:, target:target + count] = self.pool.values[:, source:source + count]
         fork.length = keep
         fork.tokens = self.tokens[:keep]
         return fork
 
     def nbytes(self) -> int:
         """Bytes of the pool this session holds (whole blocks, not just its length)."""
-        return len(self.blocks) * self.pool.block_bytes
+        return (len(self.blocks) + len(self.spare)) * self.pool.block_bytes
 
