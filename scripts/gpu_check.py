@@ -17,12 +17,14 @@ tokenizer's score 0 in the head: a random row's best logit is far above 0, so gr
 emits a token the tokenizer lacks, while the head still multiplies all 128,256 rows.
 
 `forwards` loads each model as a worker does (the paged KV store, the lean forward where its
-trial agrees) and reports, for batches of 1 and 32 sessions feeding 1 and 5 tokens each: the
+trial agrees) and reports, for batches of 1 and 32 sessions feeding 1 and 5 tokens each,
+eagerly and then replayed as CUDA graphs (`--cuda-graphs`, `specd.worker.graphs`): the
 kernels, copies and host synchronisations of one step (the forward, then its tokens' one copy
 to the host), counted with torch.profiler; the SDPA backend that ran (the aten operator's
 name); the forward's time between two CUDA events, the host's time to issue it, and the
 kernels' busy time; the peak of torch.cuda.max_memory_allocated; and the KV pool that
---gpu-memory-fraction would give (`specd.worker.memory`, the functions a worker uses). It
+--gpu-memory-fraction would give (`specd.worker.memory`, the functions a worker uses); and
+how far the graphs' logits are from the eager forward's on the same rows. It
 imports only torch, transformers and specd's model code, so it runs where the serving stack's
 packages are missing. On a CPU (the dry run) it runs the same code: times are wall times, and
 the CUDA counts are 0.
@@ -203,15 +205,14 @@ def memory_plan(model: Loaded, fraction: float, dtype) -> str:
     return memory.MemoryPlan(total, fraction, model.weights, activation, 0, free, pool_bytes, shape).describe()
 
 
-def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -> dict:
-    """One (batch, width) forward of `model`: profiler counts, SDPA backend, times."""
+def _rows(model: Loaded, batch: int, width: int, context: int):
+    """`batch` sessions holding `context` cached positions; a function that rolls them back
+    there and gives their rows feeding `width` tokens each (the same every call)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from specd.worker.kvstore import SessionKV
     from specd.worker.layout import BatchRow
 
-    device, cuda = model.device, model.device.type == "cuda"
     generator = torch.Generator().manual_seed(batch * 100 + width)
     sessions = []
     for _ in range(batch):
@@ -226,6 +227,19 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
         for session in sessions:
             session.crop(context)
         return [BatchRow(s, s.tokens[context:], width) for s in sessions]
+
+    return rows
+
+
+def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -> dict:
+    """One (batch, width) forward of `model`: profiler counts, SDPA backend, times."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from specd.worker import forwards
+
+    device, cuda = model.device, model.device.type == "cuda"
+    rows = _rows(model, batch, width, context)
 
     def step(these):  # a greedy verification's step: the forward, then its tokens' one copy to the host
         logits, _ = model.forward(these)
@@ -265,10 +279,45 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
         wall_ms.append((done - began) * 1e3)
         issue_ms.append((issued - began) * 1e3)
         del logits
-    return {"batch": batch, "width": width, "context": context, "kernels": len(kernels), "copies": len(copies),
-            "syncs": len(syncs) + len(blocking), "sdpa": sdpa or ["(none: no SDPA call)"],
-            "event_ms": statistics.median(event_ms) if event_ms else None, "wall_ms": statistics.median(wall_ms),
-            "issue_ms": statistics.median(issue_ms), "busy_ms": busy_ms}
+    result = {"batch": batch, "width": width, "context": context, "kernels": len(kernels), "copies": len(copies),
+              "syncs": len(syncs) + len(blocking), "sdpa": sdpa or ["(none: no SDPA call)"],
+              "event_ms": statistics.median(event_ms) if event_ms else None, "wall_ms": statistics.median(wall_ms),
+              "issue_ms": statistics.median(issue_ms), "busy_ms": busy_ms}
+    event = f"{result['event_ms']:8.3f}" if result["event_ms"] is not None else f"{'—':>8}"
+    backends = " ".join(name.removeprefix("aten::") for name in result["sdpa"])
+    replayed = "graphs" if forwards.static_steps(model.model) else backends
+    print(f"   {batch:>8} {width:>6} {len(kernels):>7} {len(copies):>6} {result['syncs']:>5} {event} "
+          f"{result['wall_ms']:7.3f} {result['issue_ms']:8.3f} {busy_ms:7.3f}  {replayed}", flush=True)
+    return result
+
+
+def use_graphs(model: Loaded) -> str:
+    """From now on, run `model`'s forwards as CUDA graphs (`--cuda-graphs`; on a CPU, the
+    same static steps run eagerly); what `graphs.problem` says where it cannot."""
+    from specd.worker import forwards, graphs, rope
+
+    decoder = forwards.stand_in(model.model)
+    problem = graphs.problem(model.model, decoder, rope.regime(model.model) is not None)
+    if problem is not None or decoder is None:
+        return f"no graphs: {problem}"
+    steps = graphs.StaticSteps(decoder, model.pool, model.device, 32, capture=model.device.type == "cuda")
+    forwards.use_static_steps(model.model, steps)
+    return "on"
+
+
+def graph_agreement(model: Loaded, batch: int, width: int, context: int) -> str:
+    """The same rows through the eager forward and through a static step (captured on a
+    GPU): the largest logit difference and how many greedy tokens agree."""
+    from specd.worker import forwards
+
+    rows = _rows(model, batch, width, context)
+    steps = forwards.static_steps(model.model)
+    forwards.use_static_steps(model.model, None)
+    eager, _ = model.forward(rows())
+    forwards.use_static_steps(model.model, steps)
+    static, _ = model.forward(rows())
+    agree = (eager.argmax(-1) == static.argmax(-1)).float().mean().item()
+    return f"max |eager − graph| {(eager - static).abs().max().item():.3g}, greedy tokens agree {agree:.0%}"
 
 
 def cmd_forwards(args: argparse.Namespace) -> int:
@@ -298,14 +347,14 @@ def cmd_forwards(args: argparse.Namespace) -> int:
               flush=True)
         results = []
         print(f"   {'sessions':>8} {'tokens':>6} {'kernels':>7} {'copies':>6} {'syncs':>5} {'event ms':>8} "
-              f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA")
-        for batch, width in shapes:
-            result = measure(model, batch, width, context, repeats)
-            results.append(result)
-            event = f"{result['event_ms']:8.3f}" if result["event_ms"] is not None else f"{'—':>8}"
-            print(f"   {batch:>8} {width:>6} {result['kernels']:>7} {result['copies']:>6} {result['syncs']:>5} "
-                  f"{event} {result['wall_ms']:7.3f} {result['issue_ms']:8.3f} {result['busy_ms']:7.3f}  "
-                  f"{' '.join(name.removeprefix('aten::') for name in result['sdpa'])}", flush=True)
+              f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA (or graphs: the same replayed)")
+        results = [measure(model, batch, width, context, repeats) for batch, width in shapes]
+        graphs = use_graphs(model)
+        print(f"   --cuda-graphs: {graphs}" + ("" if cuda else " (a CPU cannot capture: the static steps run eagerly)"))
+        if graphs == "on":
+            results += [{**measure(model, batch, width, context, repeats), "graphs": True} for batch, width in shapes]
+            batch, width = shapes[-1]
+            print(f"   {batch} sessions × {width} tokens: {graph_agreement(model, batch, width, context)}", flush=True)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         if cuda:
             print(f"   peak torch.cuda.max_memory_allocated: {peak / 2**20:,.0f} MiB")

@@ -9,14 +9,17 @@
 #                 first layer, so acceptance is real: scripts/gpu_check.py)             50 s
 #   3. forwards   each model as a worker loads it: kernels, copies and host syncs of a step,
 #                 the SDPA backend that ran, CUDA-event forward times beside the host's, peak
-#                 memory, and the KV pool its share of --gpu-memory-fraction 0.85 gives  90 s
+#                 memory, and the KV pool its share of --gpu-memory-fraction 0.85 gives; the
+#                 same steps replayed as CUDA graphs (--cuda-graphs), and their logits'
+#                 distance from the eager forward's                                      110 s
 #   4. ceiling    scripts/bench_ceiling.py on the device: fixed γ=4 ÷ target-only with the
-#                 models alone, no serving path                                          50 s
+#                 models alone, no serving path                                          40 s
 #   5. served     specd serve on the device (--gpu-memory-fraction 0.85: the workers split it,
 #                 the draft starts once the verifier serves), then specd bench --configs
 #                 fixed:4 --concurrency 1,32: target-only and fixed γ=4 ÷ target-only   120 s
 #   6. exactness  the batching, memory, post-processing, pipeline and rejection tests, float32
-#                 (their CUDA cases; SPECD_TEST_DEVICE=cuda for the stack tests)        100 s
+#                 (their CUDA cases, a captured graph's among them; SPECD_TEST_DEVICE=cuda
+#                 for the stack tests)                                                   90 s
 #
 #   scripts/gpu_check.sh             # on a CUDA machine
 #   scripts/gpu_check.sh --dry-run   # every stage on this CPU with tiny shapes, about 2 minutes
@@ -51,13 +54,14 @@ if ((dry)); then
   device=cpu dtype=float32 shape=tiny fraction=0 forwards=(--small)
   bench=(--concurrency 1,8 --requests 8 --max-new-tokens 16)
   ceiling=(--max-new-tokens 16 --rounds 1)
-  exactness=(tests/test_memory.py tests/test_batching.py -k "memory or batched_forward or fork or lone_session")
+  exactness=(tests/test_memory.py tests/test_batching.py tests/test_graphs.py
+    -k "memory or batched_forward or fork or lone_session or eager_forwards_logits")
 else
   device=cuda dtype=bfloat16 shape=8b fraction=0.85 forwards=()
   bench=(--concurrency 1,32 --requests 32 --max-new-tokens 32)
   ceiling=(--max-new-tokens 48 --rounds 3)
   exactness=(tests/test_memory.py tests/test_batching.py tests/test_post_process.py tests/test_pipeline.py
-    tests/test_rejection.py -k "not cpu")
+    tests/test_rejection.py tests/test_graphs.py -k "not cpu")
 fi
 pair=runs/gpu-pair-$shape
 port=50161
@@ -91,7 +95,7 @@ report() {  # what has been measured so far, to report.md and $OUT
     echo "$((SECONDS - began)) s so far; pair: \`scripts/gpu_check.py make-pair --shape $shape\`."
     section "The machine" env.txt 12
     section "The pair" pair.txt 6
-    section "One forward of each model (\`scripts/gpu_check.py forwards\`)" forwards.txt 24
+    section "One forward of each model (\`scripts/gpu_check.py forwards\`)" forwards.txt 34
     section "The models alone (\`scripts/bench_ceiling.py --gamma 4 ${ceiling[*]}\`)" ceiling.txt 6
     section "Served (\`scripts/gpu_check.py served --fraction $fraction ${bench[*]}\`: specd serve, then specd bench --configs fixed:4)" served.txt 16
     section "Exactness on $device (\`pytest ${exactness[*]}\`)" exactness.txt 6
@@ -110,17 +114,17 @@ if ((!dry)) && ! grep -q "^device: .*GiB" "$out/env.txt"; then
   exit 1
 fi
 stage pair 50 $py scripts/gpu_check.py make-pair "$pair" --shape "$shape" --device "$device"
-TAIL=40 stage forwards 90 $py scripts/gpu_check.py forwards "$pair" --device "$device" --dtype "$dtype" \
+TAIL=50 stage forwards 110 $py scripts/gpu_check.py forwards "$pair" --device "$device" --dtype "$dtype" \
   --fraction 0.85 "${forwards[@]}" --out "$out/forwards.json"
 if ! grep -q "^serving: ok" "$out/env.txt"; then
   echo "the serving stack does not import here ($(grep '^serving:' "$out/env.txt")): the ceiling, served and" \
     "exactness stages need it; run scripts/gpu_wheels.sh where pip reaches a registry and carry .whl" | tee -a "$out/env.txt"
 fi
-stage ceiling 50 $py scripts/bench_ceiling.py --target "$pair/target" --draft "$pair/draft" --gamma 4 \
+stage ceiling 40 $py scripts/bench_ceiling.py --target "$pair/target" --draft "$pair/draft" --gamma 4 \
   --device "$device" --dtype "$dtype" "${ceiling[@]}"
 TAIL=24 stage served 120 $py scripts/gpu_check.py served "$pair" --device "$device" --dtype "$dtype" \
   --fraction "$fraction" --port "$port" --startup-timeout 75 "${bench[@]}" --log "$out/serve.log" \
   --bench-out "$out/bench"
-stage exactness 100 env SPECD_TEST_DEVICE=$device SPECD_TEST_DTYPE=float32 $py -m pytest -q -p no:cacheprovider \
+stage exactness 90 env SPECD_TEST_DEVICE=$device SPECD_TEST_DTYPE=float32 $py -m pytest -q -p no:cacheprovider \
   "${exactness[@]}"
 echo "done in $((SECONDS - began)) s: $out/report.md"

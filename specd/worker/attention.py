@@ -68,7 +68,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         keys = cache.pool.keys[layer][start:stop].transpose(0, 1).unsqueeze(0)  # [1, KV heads, keys, D]
         values = cache.pool.values[layer][start:stop].transpose(0, 1).unsqueeze(0)
     else:
-        keys, values = cache.pool.gather(layer, cache.read_blocks)  # [B × W, block, KV heads, D]
+        keys, values = cache.pool.gather(layer, cache.read_blocks, cache.gather_scratch)  # [B × W, block, KV heads, D]
         kv_heads = keys.shape[2]
         keys = keys.view(batch, -1, kv_heads, keys.shape[-1])[:, :cache.keys].transpose(1, 2)  # [B, KV heads, keys, D]
         values = values.view(batch, -1, kv_heads, values.shape[-1])[:, :cache.keys].transpose(1, 2)

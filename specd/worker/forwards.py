@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specd.worker.graphs import StaticSteps
 from specd.worker.layout import BatchCache, BatchInputs, BatchRow, prepare
 
 # Models that attend on their own, never through the attention interface (Falcon, BLOOM):
@@ -80,6 +81,30 @@ def use_forward(model: torch.nn.Module, forward: Callable[[BatchInputs], torch.T
     _FORWARDS[model] = forward
 
 
+# Static forwards (`specd.worker.graphs`, --cuda-graphs) by model: where a forward's rows fit
+# one of their buckets, it replays that bucket's graph instead of running the forward above.
+_STATIC: weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps] = weakref.WeakKeyDictionary()
+
+
+def stand_in(model: torch.nn.Module) -> Callable[[BatchInputs], torch.Tensor] | None:
+    """The forward `model` was given in place of its own (`use_forward`; None: its own)."""
+    return _FORWARDS.get(model)
+
+
+def use_static_steps(model: torch.nn.Module, steps: StaticSteps | None) -> None:
+    """Run `model`'s forwards whose rows fit a bucket of `steps` through them from now on
+    (None: none)."""
+    if steps is None:
+        _STATIC.pop(model, None)
+    else:
+        _STATIC[model] = steps
+
+
+def static_steps(model: torch.nn.Module) -> StaticSteps | None:
+    """The static steps `model`'s forwards run through (None: none)."""
+    return _STATIC.get(model)
+
+
 def own_forward(model: torch.nn.Module, inputs: BatchInputs) -> torch.Tensor:
     """The kept logits [1, Σ keep, V] of the model's own forward over `inputs`."""
     mask = {"attention_mask": inputs.cache.dense_mask} if _ATTENDS_ITSELF.get(model) == MODEL_MASK else {}
@@ -103,9 +128,15 @@ def forward_attended(model: torch.nn.Module, rows: Sequence[BatchRow],
     caching = rows[0].session.pool.prefix_caching
     for row in rows:  # no session writes into a block another holds (a fork, a prefix hit), or the index does
         row.session.own_from(row.session.length)
-    inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
-    stand_in = _FORWARDS.get(model)
-    logits = own_forward(model, inputs) if stand_in is None else stand_in(inputs)
+    static = _STATIC.get(model)
+    ran = None if static is None else static.forward(rows)
+    if ran is not None:
+        logits, kept, attended = ran[0], ran[1], True
+    else:
+        inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
+        replacement = stand_in(model)
+        logits = (own_forward(model, inputs) if replacement is None else replacement(inputs))[0]
+        kept, attended = inputs.kept, inputs.cache.attended
     for row in rows:  # every session now caches the tokens it fed
         row.session.length += len(row.tokens)
         if caching:
@@ -113,5 +144,5 @@ def forward_attended(model: torch.nn.Module, rows: Sequence[BatchRow],
     # The math after the forward runs where the logits are (the roles' jobs: draft_service.jobs,
     # verifier_service.jobs): only token ids, a few probabilities and the rows a sampled step
     # needs ever reach the host.
-    return logits[0].float(), inputs.kept, inputs.cache.attended
+    return logits.float(), kept, attended
 

@@ -66,6 +66,9 @@ class BatchCache:
     dense_slots: torch.Tensor | None = None
     dense_mask: torch.Tensor | None = None
     attended: bool = False  # paged_attention read this forward (the model uses the interface)
+    # Gathers into the pool's scratch buffers (False: into fresh tensors, as a forward a
+    # CUDA graph captures must; `KVPool.gather`).
+    gather_scratch: bool = True
 
     def window(self, sliding_window: int) -> torch.Tensor:
         """The mask of a sliding-window layer: `allowed`, and only the last `sliding_window`

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.steps import ModelInfo
-from specd.worker import forwards, lean, memory, packing, rope, trials
+from specd.worker import forwards, graphs, lean, memory, packing, rope, trials
 from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
@@ -251,10 +251,25 @@ class ModelRunner:
                 log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
         if profile is not None:
             self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes)
+        self.static_steps: graphs.StaticSteps | None = None
+        if self.settings.cuda_graphs:  # after the pool is final: a graph holds its tensors' addresses
+            self._use_graphs(max_sessions)
         # What a forward costs at each load, for the gateways' priors: timed once, here, with
         # the forward the requests will get.
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
         self.info = replace(self.info, forward_costs=tuple((b, w, ms) for (b, w), ms in sorted(costs.items())))
+
+    def _use_graphs(self, max_sessions: int) -> None:
+        """Replay this model's decode and verify forwards as CUDA graphs, where it can be
+        captured (`specd.worker.graphs`); else say why, and keep the eager forwards."""
+        decoder = forwards.stand_in(self.model)
+        problem = graphs.problem(self.model, decoder, rope.regime(self.model) is not None)
+        if problem is not None:
+            log.warning("%s runs without CUDA graphs: %s", self.info.name, problem)
+            return
+        assert decoder is not None
+        self.static_steps = graphs.StaticSteps(decoder, self.pool, self.device, max_sessions, capture=True)
+        forwards.use_static_steps(self.model, self.static_steps)
 
     async def close(self) -> None:
         await self.scheduler.close()

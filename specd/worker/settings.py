@@ -77,6 +77,11 @@ class ModelSettings:
                            help="a Llama-architecture model's forward: specd's lean one, the same operators "
                                 "without transformers' per-call Python (used only where a trial at load gives "
                                 "the same logits to the bit), or transformers' own")
+    cuda_graphs: bool = setting(False, flag="--cuda-graphs",
+                                help="on a CUDA device, replay decode and verify forwards of up to 16 tokens a "
+                                     "session as CUDA graphs, one per bucket of sessions, tokens and context "
+                                     "(specd.worker.graphs); other forwards, and models it cannot capture, run "
+                                     "eagerly")
     batching: BatchSettings = BatchSettings()
 
     def problems(self) -> list[str]:
@@ -89,6 +94,9 @@ class ModelSettings:
         from specd.worker.memory import device_problem
 
         problem = device_problem(self.device, self.batching.gpu_memory_fraction)
+        if problem is None and self.cuda_graphs and not self.device.startswith("cuda"):
+            problem = (f"--cuda-graphs captures forwards on a CUDA device, and this worker runs on {self.device}: "
+                       f"leave it out, or pass --device cuda")
         return [problem] if problem else []
 
 

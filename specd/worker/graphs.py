@@ -1,0 +1,212 @@
+"""Decode and verify forwards of fixed shapes, replayed as CUDA graphs (`--cuda-graphs`).
+
+Why: on a GPU, a small batch's forward is bound by kernel launches, not arithmetic. One
+layer of the lean forward (`specd.worker.lean`) is about fifty kernels, so an 8B target's
+forward is about 1,500 launches and a 1B draft's about 750, each a few microseconds of
+host time, while the device's work for one decoding row is less. A CUDA graph launches a
+whole captured forward at once, as vLLM and SGLang do for their decode batches.
+
+A graph fixes every shape and every address, so a captured forward (`StaticStep`) runs
+over buffers of its own, and its shape is a bucket:
+- `batch` rows (a power of two up to the worker's sessions);
+- `feed` tokens per row (1 for a draft's step, up to 16: a verification of γ + 1);
+- `width` blocks of the KV pool each row reads (a power of two).
+A forward whose rows fit a bucket fills that bucket's buffers with one copy and replays
+its graph, captured the first time the bucket is met; any other forward (a prefill chunk,
+more rows than the largest bucket) runs the eager forward as before (`forwards`).
+
+Padding, so that nothing the graph computes for it reaches a real row: a row feeding
+fewer than `feed` tokens, and the rows past the forward's own, feed token 0 and write its
+keys and values into the null block (`kvstore.NULL_BLOCK`, never handed to a session),
+which every row's mask hides. A padding row sees its own first key, so every query has a
+key and every value stays finite (a row that sees none gives NaN in some attention
+kernels, which a masked weight of 0 would still spread through the null block). Each
+real row's logits are then those of the eager forward over the same row, up to the
+rounding of products of another shape (as batching already is).
+
+What the capture needs, and `problem` checks at load: the lean forward (transformers'
+own forward builds masks and caches in Python), experts run as grouped products (a
+mixture of experts loaded with transformers' eager experts loops over the experts its
+router chose, read back from the device), and a
+rotary scaling that does not choose its frequencies from the positions ("longrope";
+"dynamic" is refused by every worker). That the static forward has no branch on the
+values of tensors, no host copy and no shape that follows the rows is tested on a CPU
+with torch's graph tracer (`tests/test_graphs.py`): a CPU build cannot capture.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specd.worker.kvstore import NULL_BLOCK, KVPool
+from specd.worker.layout import BatchCache, BatchInputs, BatchRow, upload
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows of a captured forward, capped by the worker's sessions
+FEED_BUCKETS = (1, 2, 4, 8, 16)  # tokens per row: a plain step, a verification of γ + 1 ≤ 16
+# Families whose layers route tokens to experts (the lean forward calls their own MoE blocks):
+# transformers runs them as grouped products with offsets on the device, or, where a model
+# is loaded with experts_implementation="eager", as a loop over the experts hit.
+_ROUTED = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+Decoder = Callable[[BatchInputs], torch.Tensor]
+
+
+def _bucket(value: int, buckets: Sequence[int]) -> int | None:
+    return next((bucket for bucket in buckets if bucket >= value), None)
+
+
+class StaticStep:
+    """One bucket's forward: `batch` rows feeding `feed` tokens each, reading `width`
+    blocks each, over buffers it owns. `fill` writes a forward's rows into them; `run`
+    computes the logits of every padded position, [1, batch × feed, V], from nothing but
+    those buffers, which is what a graph captures.
+
+    The buffer, int64, in one tensor so that it is filled by one copy: token ids,
+    positions and write slots [batch × feed each], block tables [batch × width], the
+    first position and end of each row [batch each], then the kept rows' indices into
+    the padded positions [batch × feed], read after `run` (outside a graph)."""
+
+    def __init__(self, decoder: Decoder, pool: KVPool, batch: int, feed: int, width: int,
+                 device: torch.device) -> None:
+        self.decoder, self.pool = decoder, pool
+        self.batch, self.feed, self.width = batch, feed, width
+        positions = batch * feed
+        self.parts = [positions, positions, positions, batch * width, batch, batch, positions]
+        self.buffer = torch.zeros(sum(self.parts), dtype=torch.long, device=device)
+        (self.ids, self.positions, self.write_slots, self.read_blocks, self.starts, self.ends,
+         self.kept) = self.buffer.split(self.parts)
+        self.fill([])  # all padding: what a capture runs on, writing only into the null block
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None  # a captured graph's logits, rewritten by each replay
+
+    def fill(self, rows: Sequence[BatchRow]) -> int:
+        """Lay `rows` out in the buffers (one copy to the device); how many kept rows."""
+        batch, feed, width, size = self.batch, self.feed, self.width, self.pool.block_tokens
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        blocks: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        kept: list[int] = []
+        for b in range(batch):
+            row = rows[b] if b < len(rows) else None
+            if row is None:  # a padding row: positions 0.., its keys in the null block, seeing the first
+                start, tokens, table, end = 0, [], [], 1
+            else:
+                session, tokens = row.session, row.tokens
+                start, table, end = session.length, session.blocks[:width], session.length + len(tokens)
+                kept += range(b * feed + len(tokens) - row.keep, b * feed + len(tokens))
+            pad = feed - len(tokens)
+            ids += tokens + [0] * pad
+            positions += range(start, start + feed)
+            real = row.session.slots(start, end) if row is not None else []
+            slots += real + [NULL_BLOCK * size + i % size for i in range(len(real), feed)]
+            blocks += table + [NULL_BLOCK] * (width - len(table))
+            starts.append(start)
+            ends.append(end)
+        count = len(kept)
+        kept += [0] * (batch * feed - count)
+        # `upload`'s copy (from pinned memory on a GPU, without a wait), then one on the device
+        # into the buffers the graph reads.
+        self.buffer.copy_(upload(ids + positions + slots + blocks + starts + ends + kept, self.buffer.device))
+        return count
+
+    def run(self) -> torch.Tensor:
+        """The logits [1, batch × feed, V] of every padded position: operators on the buffers
+        alone, with shapes that depend only on the bucket (what a CUDA graph captures)."""
+        device, size = self.buffer.device, self.pool.block_tokens
+        keys = self.width * size
+        query_positions = self.starts[:, None] + torch.arange(self.feed, device=device)  # [B, T]
+        key_positions = torch.arange(keys, device=device)
+        allowed = ((key_positions <= query_positions[..., None])
+                   & (key_positions < self.ends[:, None, None])).unsqueeze(1)  # [B, 1, T, keys]
+        cache = BatchCache(self.pool, self.write_slots, self.read_blocks, self.batch, keys, None, allowed,
+                           query_positions, None, self.feed, gather_scratch=False)
+        every = torch.arange(self.batch * self.feed, device=device)
+        return self.decoder(BatchInputs(self.ids[None], self.positions[None], cache, every, []))
+
+
+class StaticSteps:
+    """The static forwards of one model, by bucket: replayed as CUDA graphs (`capture`), or
+    run eagerly (a CPU, which cannot capture: the same operators, for tests)."""
+
+    def __init__(self, decoder: Decoder, pool: KVPool, device: torch.device, max_sessions: int,
+                 capture: bool) -> None:
+        self.decoder, self.pool, self.device, self.capture = decoder, pool, device, capture
+        self.batches = tuple(b for b in BATCH_BUCKETS if b < max_sessions) + (
+            _bucket(max_sessions, BATCH_BUCKETS) or BATCH_BUCKETS[-1],)
+        self._steps: dict[tuple[int, int, int], StaticStep] = {}
+        self._memory = torch.cuda.graph_pool_handle() if capture else None  # one pool for every graph
+        self.replays = 0  # forwards run through a static step (a counter for tests and the GPU check)
+
+    def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int, int] | None:
+        """The bucket `rows` fit (None: none does; they run the eager forward)."""
+        batch = _bucket(len(rows), self.batches)
+        feed = _bucket(max(len(row.tokens) for row in rows), FEED_BUCKETS)
+        blocks = max(-(-(row.session.length + len(row.tokens)) // self.pool.block_tokens) for row in rows)
+        width = 1 << max(blocks - 1, 0).bit_length()
+        if batch is None or feed is None:
+            return None
+        return batch, feed, width
+
+    def forward(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, list[slice]] | None:
+        """The kept logits [Σ keep, V] of `rows` and each row's slice, from the bucket's
+        static step (None: no bucket fits). Rows have reserved their positions, as for
+        `layout.prepare`. On the model's thread."""
+        key = self.bucket(rows)
+        if key is None:
+            return None
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = StaticStep(self.decoder, self.pool, *key, self.device)
+            if self.capture:
+                self._capture(step)
+        count = step.fill(rows)
+        if step.graph is not None:
+            step.graph.replay()
+            logits = step.output
+        else:
+            logits = step.run()
+        assert logits is not None
+        self.replays += 1
+        kept, reads = step.kept[:count], list[slice]()
+        for row in rows:
+            start = reads[-1].stop if reads else 0
+            reads.append(slice(start, start + row.keep))
+        return logits[0].index_select(0, kept), reads
+
+    def _capture(self, step: StaticStep) -> None:
+        """Capture `step` (all padding, so the warm-up and the capture write only the null
+        block) as a CUDA graph, after warm-up runs on a side stream, as torch's
+        documentation asks (lazy initialisations must not be captured)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step.run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            step.output = step.run()
+        step.graph = graph
+
+    @property
+    def captured(self) -> int:
+        """Buckets captured as graphs so far."""
+        return sum(step.graph is not None for step in self._steps.values())
+
+
+def problem(model: torch.nn.Module, decoder: Decoder | None, longrope: bool) -> str | None:
+    """Why `model`'s forwards cannot run as static steps (None: they can). longrope: its
+    rotary scaling switches frequencies with the positions (`rope.regime`)."""
+    if decoder is None:
+        return "it runs transformers' own forward, not the lean one (--model-forward lean, on a family it mirrors)"
+    experts = getattr(model.config, "_experts_implementation", None)
+    if type(model).__name__ in _ROUTED and experts == "eager":
+        return (f"{type(model).__name__} runs its experts eagerly, a loop over the experts its router chose, read "
+                f"back from the device; load it with experts_implementation='grouped_mm' (transformers' default)")
+    if longrope:
+        return "its 'longrope' rotary scaling picks its frequencies from the forward's positions"
+    return None
