@@ -11,6 +11,7 @@ imports none of it (tests/test_layering.py), since it runs no model.
     layout    how one batched forward's rows lie over the pool: `BatchRow`, the batch's cache, `prepare`
     attention paged attention: every session's blocks read in one SDPA call
     forwards  one batched forward: the model's own, or the one standing in for it (lean)
+    graphs    decode and verify forwards of fixed shapes, replayed as CUDA graphs (--cuda-graphs)
     trials    what the pool can serve, found by trying a model when it loads
     memory    how much of a CUDA device a KV pool takes (--gpu-memory-fraction), and device checks
     lean      the batched forward of Llama-architecture models (fourteen families) without transformers' per-call Python
