@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from draft_service.grammar import GrammarCursor
+from specd.devices import to_device, upload
 from specd.rejection import recovered_token, sample, sample_rows
 from specd.sampling import penalized, probs_from_logits, restricted
 from specd.steps import DraftRequest, Proposal, Recovery
@@ -88,8 +89,8 @@ class ProposeJob(Job):
         for (limit, *_), jobs in sampled.items():
             chosen = _rows(logits, jobs, limit)
             q = probs_from_logits(chosen, jobs[0][0].request.transform)
-            uniforms = torch.stack([torch.rand((), generator=job.generator, dtype=torch.float64)
-                                    for job, _ in jobs]).to(logits.device)
+            uniforms = to_device(torch.stack([torch.rand((), generator=job.generator, dtype=torch.float64)
+                                              for job, _ in jobs]), logits.device)
             token = sample_rows(q, uniforms)
             top = chosen.topk(2, dim=-1).indices
             figures = torch.cat((token.double(), top.double(), q.gather(1, token).double(),
@@ -169,5 +170,5 @@ class ProposeJob(Job):
 
 def _rows(logits: torch.Tensor, jobs: Sequence[tuple[Job, int]], limit: int) -> torch.Tensor:
     """The jobs' rows of a forward's logits, cut at the vocabulary limit (one index upload)."""
-    index = torch.tensor([row for _, row in jobs], device=logits.device)
+    index = upload([row for _, row in jobs], logits.device)
     return logits.index_select(0, index)[:, :limit]

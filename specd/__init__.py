@@ -25,6 +25,7 @@ The core's modules:
     interceptors  server interceptors: every failure leaves with a real status (the one place errors map)
     tls           TLS and mutual TLS credentials and channels
     telemetry     tracing set-up (OTEL_* variables) and the workers' step spans
+    devices       small host values onto a model's device, without a wait on a GPU
     config        the settings every service shares: where it listens, TLS, default ports, demo models
     flags         settings declared once: a settings field's flag, help and default (`setting`)
     worker        the workers' model runtime (specd/worker/__init__.py maps it)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.devices import upload
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -142,10 +144,11 @@ def target_verdicts(target_probs: torch.Tensor,
         proposed_rows += range(start, start + gamma)
         proposed_tokens += draft_tokens
         last_rows.append(start + gamma)
-    picks = torch.tensor([proposed_rows, proposed_tokens], dtype=torch.long).to(device)
-    uniforms = torch.tensor([draws.final for _, _, draws in steps], dtype=torch.float64).to(device)
-    bonus = sample_rows(target_probs.index_select(0, torch.tensor(last_rows, device=device)), uniforms)
-    figures = torch.cat((target_probs[picks[0], picks[1]].double(), bonus[:, 0].double())).tolist()
+    picks = upload(proposed_rows + proposed_tokens + last_rows, device)
+    uniforms = upload([draws.final for _, _, draws in steps], device, torch.float64)
+    proposed_at, last_at = picks[:2 * len(proposed_rows)].view(2, -1), picks[2 * len(proposed_rows):]
+    bonus = sample_rows(target_probs.index_select(0, last_at), uniforms)
+    figures = torch.cat((target_probs[proposed_at[0], proposed_at[1]].double(), bonus[:, 0].double())).tolist()
     proposed, bonus_tokens = figures[:len(proposed_rows)], figures[len(proposed_rows):]
     verdicts: list[TargetVerdict | None] = []
     rejected: list[tuple[int, int, int]] = []  # (step, accepted, p's row)
@@ -158,7 +161,7 @@ def target_verdicts(target_probs: torch.Tensor,
         if accepted < gamma:
             rejected.append((i, accepted, last - gamma + accepted))
     if rejected:
-        rows = target_probs.index_select(0, torch.tensor([row for _, _, row in rejected], device=device))
+        rows = target_probs.index_select(0, upload([row for _, _, row in rejected], device))
         for (i, accepted, _), row in zip(rejected, rows.float().cpu()):
             verdicts[i] = TargetVerdict(accepted, None, row)
     done = [verdict for verdict in verdicts if verdict is not None]

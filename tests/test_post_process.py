@@ -4,6 +4,7 @@ samples the same tokens whatever else shares its forward."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -93,6 +94,62 @@ def test_copies_to_the_host_per_forward_do_not_grow_with_the_sessions(model_dirs
 
     alone, together = per_forward(1), per_forward(8)
     assert together <= alone + 0.5, f"{alone:.1f} copies a forward for 1 session, {together:.1f} for 8"
+
+
+@pytest.mark.parametrize("role", ["draft", "verifier"])
+def test_a_forwards_post_processing_uploads_only_without_a_wait(model_dirs, device, monkeypatch, role):
+    """Sampled steps of 8 sessions: every index list and uniform the post-processing sends
+    to the device goes through `specd.devices` (from pinned memory, `non_blocking`, on a
+    GPU, where a copy from pageable memory waits for the forward to end), a constant number
+    of them per forward. Counted at every tensor specd's code makes with a device or moves to
+    one, outside `specd.devices`."""
+    from draft_service import jobs as draft_jobs
+    from specd import devices
+
+    settings = ModelSettings(max_sessions=16, device=device)
+    served = Drafter(model_dirs["close"], settings) if role == "draft" else Scorer(model_dirs["target"], settings)
+    forwards = [0]
+    inner = served.runner.scheduler._forward
+
+    def counted_forward(rows):
+        forwards[0] += 1
+        return inner(rows)
+
+    served.runner.scheduler._forward = counted_forward
+    direct, through = [0], [0]
+    make, move, helper = torch.tensor, torch.Tensor.to, devices.to_device
+
+    def ours() -> bool:  # called from specd's worker code (transformers' own moves are the model's)
+        caller = sys._getframe(2).f_globals.get("__name__", "")
+        return caller.split(".")[0] in ("specd", "draft_service", "verifier_service")
+
+    def counted_make(*args, **kwargs):
+        direct[0] += kwargs.get("device") is not None and ours()
+        return make(*args, **kwargs)
+
+    def counted_move(self, *args, **kwargs):
+        direct[0] += ("device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)) and ours()
+        return move(self, *args, **kwargs)
+
+    def counted_helper(host, on):
+        through[0] += 1
+        monkeypatch.setattr(torch.Tensor, "to", move)  # the helper's own move is the one allowed
+        try:
+            return helper(host, on)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "to", counted_move)
+
+    draws = draws_of(8)
+    monkeypatch.setattr(devices, "to_device", counted_helper)
+    monkeypatch.setattr(draft_jobs, "to_device", counted_helper, raising=False)
+    monkeypatch.setattr(torch, "tensor", counted_make)
+    monkeypatch.setattr(torch.Tensor, "to", counted_move)
+    steps = (draft_steps(served, 8, SAMPLED) if isinstance(served, Drafter)
+             else verify_steps(served, 8, SAMPLED, draws))
+    asyncio.run(discarded(steps))
+    assert direct[0] == 0, f"{direct[0]} uploads bypassed specd.devices"
+    # The forward's inputs, then a few index lists and uniforms: not one or more a session.
+    assert 0 < through[0] <= 6 * forwards[0] < 8 * forwards[0], (through[0], forwards[0])
 
 
 @pytest.mark.parametrize("role", ["draft", "verifier"])

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specd.devices import upload
 from specd.rejection import Draws, TargetVerdict, target_verdict, target_verdicts, verify_greedy
 from specd.sampling import Transform, penalized, probs_from_logits, raw_logprobs, restricted
 from specd.steps import PositionLogprobs, Scores
@@ -20,7 +21,7 @@ from specd.worker.kvstore import SessionKV
 def _verdicts(logits: torch.Tensor, jobs: Sequence[tuple[ScoreJob, slice]]) -> None:
     """The target's verdicts of sampled steps of one law, decided together
     (`specd.rejection.target_verdicts`: two copies to the host for all of them)."""
-    index = torch.tensor([row for _, rows in jobs for row in range(rows.start, rows.stop)], device=logits.device)
+    index = upload([row for _, rows in jobs for row in range(rows.start, rows.stop)], logits.device)
     p = probs_from_logits(logits.index_select(0, index), jobs[0][0].transform)
     steps = []
     for job, _ in jobs:
@@ -75,7 +76,7 @@ def decided_logprobs(logits: torch.Tensor, chosen: list[int], positions: int,
     else:
         tops = [()] * positions
     rows = torch.arange(len(chosen), device=logprobs.device)
-    token = logprobs[rows, torch.tensor(chosen, dtype=torch.long, device=logprobs.device)].tolist()
+    token = logprobs[rows, upload(chosen, logprobs.device)].tolist()
     return tuple(PositionLogprobs(tops[i], token[i]) if i < len(chosen) else
                  PositionLogprobs(tops[i], None, logprobs[i].cpu()) for i in range(positions))
 

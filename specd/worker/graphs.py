@@ -39,8 +39,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specd.devices import upload
 from specd.worker.kvstore import NULL_BLOCK, KVPool
-from specd.worker.layout import BatchCache, BatchInputs, BatchRow, upload
+from specd.worker.layout import BatchCache, BatchInputs, BatchRow
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows of a captured forward, capped by the worker's sessions
 FEED_BUCKETS = (1, 2, 4, 8, 16)  # tokens per row: a plain step, a verification of γ + 1 ≤ 16

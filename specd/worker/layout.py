@@ -8,7 +8,7 @@ their slots with one indexed copy; attention (`specd.worker.attention`) then rea
 session's blocks back through its block table. Each layer costs the same few operator
 calls whatever the number of sessions: the per-session work (slot numbers, block tables,
 the mask) is done once per forward in `prepare`, and crosses to the device in one copy
-(`upload`).
+(`specd.devices.upload`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.devices import upload
 from specd.worker.kvstore import NULL_BLOCK, KVPool, SessionKV
 
 
@@ -181,15 +182,6 @@ def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False)
     if dense:
         cache.dense_slots, cache.dense_mask = _dense_read(rows, starts, ends, cache.pool.keys.dtype, device)
     return BatchInputs(ids_t[None], positions_t[None], cache, kept_t, reads)
-
-
-def upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """Python ints as one int64 tensor on `device`: one copy to it, from pinned memory on
-    a GPU (`non_blocking`: the host goes on preparing while it runs)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _dense_read(rows: Sequence[BatchRow], starts: list[int], ends: list[int], dtype: torch.dtype,

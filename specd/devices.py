@@ -1,0 +1,26 @@
+"""Small host values onto a model's device: index lists, uniforms, a forward's rows.
+
+On a GPU a copy from pageable memory waits: the host blocks until the device has taken
+it, and so until the stream has run whatever came before (the forward whose results the
+copy is for). From pinned memory with `non_blocking`, the copy is queued like a kernel and
+the host goes on. torch's caching host allocator keeps the pinned buffer until the copy
+has run, so it may be let go at once. On a CPU it is the tensor itself.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (on the CPU) on `device`, without a wait on a GPU."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload(values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long
+           ) -> torch.Tensor:
+    """Python numbers as one tensor of `dtype` on `device`: one copy, without a wait on a GPU."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
