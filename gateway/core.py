@@ -188,13 +188,13 @@ class GatewayCore:
         """A pair's predicted goodput of each γ at each load (`gateway.priors`): where its
         load cap starts. None before the start-up probes measured the overheads, or without
         the workers' forward costs."""
-        if self.overheads is None or not self.backend.target.forward_costs:
+        target = ForwardTable(self.backend.target.forward_costs)
+        if self.overheads is None or not target:
             return None
         draft = self.backend.drafts.get(draft_model)
+        draft_table = ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None
         general = self.settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-        return prior_rates(ForwardTable(self.backend.target.forward_costs),
-                          ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None,
-                          general.prior_alpha, self.settings.max_draft_length, self.overheads)
+        return prior_rates(target, draft_table, general.prior_alpha, self.settings.max_draft_length, self.overheads)
 
     def _choose(self, task_type: str, user_segment: str) -> str:
         """The draft of a request that names none, under --draft-selection goodput."""

@@ -42,12 +42,30 @@ log = logging.getLogger(__name__)
 
 class ForwardTable:
     """A worker's measured forward times, T(batch, width), read piecewise linearly in both
-    (and extended linearly past the largest measured)."""
+    (and extended linearly past the largest measured).
+
+    A forward of more sessions, or of more tokens each, never costs less; a noisy
+    measurement at load can say it does (a machine busy while the smaller batch was timed),
+    and read linearly past the table it would then fall, to nothing at some load, where
+    the prices divide by it. So each figure is raised to the largest at a smaller batch or
+    width. A table that is not a whole grid of positive times (from a worker that measured
+    nothing, or wrongly) is no table: the caps then learn by trials alone."""
 
     def __init__(self, costs: Sequence[tuple[int, int, float]]) -> None:
-        self._ms = {(b, w): ms for b, w, ms in costs}
         self.batches = sorted({b for b, _, _ in costs})
         self.widths = sorted({w for _, w, _ in costs})
+        measured = {(b, w): ms for b, w, ms in costs}
+        self._ms: dict[tuple[int, int], float] = {}
+        if len(measured) != len(self.batches) * len(self.widths) or not all(ms > 0 for ms in measured.values()):
+            if costs:
+                log.warning("forward costs that are not a grid of positive times: no prior from them")
+            self.batches, self.widths = [], []
+            return
+        for i, b in enumerate(self.batches):
+            for j, w in enumerate(self.widths):
+                below = [self._ms[(self.batches[i - 1], w)]] if i else []
+                below += [self._ms[(b, self.widths[j - 1])]] if j else []
+                self._ms[(b, w)] = max([measured[(b, w)], *below])
 
     def __bool__(self) -> bool:
         return bool(self._ms)
@@ -122,9 +140,9 @@ async def measure_overheads(core) -> Overheads | None:
     backend = core.backend
     target = ForwardTable(backend.target.forward_costs)
     draft_info = backend.drafts.get(backend.default_draft)
-    if not target or draft_info is None or not draft_info.forward_costs:
+    draft = ForwardTable(draft_info.forward_costs if draft_info is not None else ())
+    if not target or not draft:
         return None
-    draft = ForwardTable(draft_info.forward_costs)
     per_step = {}
     # Under a parent span that is not sampled, so the probes leave no trace in the
     # collector (the workers read the flag from the step's carrier too).

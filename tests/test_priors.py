@@ -21,6 +21,25 @@ def test_the_table_reads_between_and_past_what_was_measured():
     assert TARGET.ms(64, 17) > TARGET.ms(32, 9)  # extended past the largest
 
 
+def test_noisy_costs_never_price_a_forward_at_nothing():
+    """A worker timed at load on a busy machine: its 32-session forwards measured cheaper than
+    its 16-session ones. Read linearly past the table, the cost at 64 sessions fell to
+    nothing and the prices divided by it (every request of a fresh server failed with
+    INTERNAL, once, here). The table never falls, and every price is a finite rate."""
+    noisy = [(b, w, {1: 5.0, 2: 6.0, 4: 8.0, 8: 12.0, 16: 30.0, 32: 14.0}[b] * (1 + 0.1 * w))
+             for b in (1, 2, 4, 8, 16, 32) for w in (1, 2, 3, 5, 9)]
+    table = ForwardTable(noisy)
+    assert table.ms(32, 1) >= table.ms(16, 1) and table.ms(64, 9) >= table.ms(32, 9) > 0
+    rates = prior_rates(table, ForwardTable(noisy), alpha=0.7, highest=8, overheads=Overheads(0.0, 0.0))
+    assert all(0 < rate < float("inf") for at_load in rates.values() for rate in at_load)
+
+
+def test_costs_that_are_not_a_grid_of_positive_times_give_no_prior():
+    assert not ForwardTable([(1, 1, 5.0), (1, 2, 0.0)])
+    assert not ForwardTable([(1, 1, 5.0), (2, 1, 6.0), (1, 2, 7.0)])  # (2, 2) missing
+    assert not ForwardTable([])
+
+
 def test_speculation_is_priced_out_as_the_load_grows():
     caps = prior_caps(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
     assert caps[1] >= 3  # alone, verifying more positions is nearly free: speculate
