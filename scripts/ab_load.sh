@@ -30,6 +30,8 @@ run_one() {  # name dir pair
   (cd "$dir" && PYTHONPATH=$dir exec "$bin/specd" serve --port $port --metrics-port $metrics) \
     > "$out/serve-$name-$pair.log" 2>&1 &
   server=$!
+  # A bench that fails ends this script (set -e): its server goes too, not left holding the port.
+  trap "kill -TERM $server 2>/dev/null || true" EXIT
   for _ in $(seq 180); do curl -sf "127.0.0.1:$metrics/metrics" > /dev/null && break; sleep 1; done
   (cd "$dir" && PYTHONPATH=$dir "$bin/specd" bench --gateway 127.0.0.1:$port --max-new-tokens 64 \
     --workload "$workload" --concurrency 8 --requests-per-level 39 --rounds 4 --configs cost \
@@ -37,6 +39,7 @@ run_one() {  # name dir pair
   local caps
   caps=$(curl -s "127.0.0.1:$metrics/metrics" | sed -n 's/^specd_spec_decode_load_cap{load="\([0-9]*\)".*} \(.*\)/L\1:\2/p' | tr '\n' ' ')
   kill -TERM $server; wait $server 2>/dev/null || true
+  trap - EXIT
   echo "$name pair $pair  $(grep 'round by round' "$out/bench-$name-$pair.log" | sed 's/.*round by round: //')  caps: $caps"
 }
 
