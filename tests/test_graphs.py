@@ -22,6 +22,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, MixtralConfig, Mixtral
 
 from conftest import request, start_stack
 from specd.worker import forwards, graphs, lean
+from specd.worker.attention import use_paged_attention
 from specd.worker.kvstore import NULL_BLOCK, KVPool, SessionKV
 from specd.worker.layout import BatchRow
 from specd.worker.settings import ModelSettings
@@ -131,10 +132,19 @@ def test_rows_that_fit_no_bucket_run_the_eager_forward(model_dirs):
     pool = _pool(model)
     assert lean.install(model, pool, model.config.vocab_size, model.device) is None
     steps = _static(model, pool, max_sessions=2)
-    session = SessionKV(pool)
-    assert session.reserve(40)
-    assert steps.bucket([BatchRow(session, list(range(1, 18)), 1)]) is None  # a prefill of 17 tokens
-    assert steps.bucket([BatchRow(session, [1], 1)] * 3) is None  # more rows than the worker's sessions
+    forwards.use_static_steps(model, steps)
+    sessions = [SessionKV(pool) for _ in range(3)]
+    for session in sessions:
+        assert session.reserve(40)
+    assert steps.bucket([BatchRow(sessions[0], [1], 1)] * 3) is None  # more rows than the worker's sessions
+    prefill = list(range(1, 18))  # 17 tokens: more than a bucket feeds
+    assert steps.bucket([BatchRow(sessions[0], prefill, 1)]) is None
+    with torch.inference_mode():
+        logits, _ = forwards.forward(model, [BatchRow(sessions[0], prefill, 1)], model.device)
+        assert steps.replays == 0  # the eager forward ran it
+        forwards.forward(model, [BatchRow(sessions[1], [5], 1)], model.device)
+        assert steps.replays == 1
+    torch.testing.assert_close(logits, model(input_ids=torch.tensor([prefill])).logits[0, -1:])
 
 
 def _tiny(kind: str):
@@ -162,8 +172,6 @@ def _operators_of(steps: graphs.StaticSteps, rows: list[BatchRow]) -> list[tuple
 def _capturable(model) -> tuple[list[str], bool]:
     """The syncing operators a static step of `model` ran, and whether it ran the same
     operators on the same shapes for two different fills of one bucket."""
-    from specd.worker.attention import use_paged_attention
-
     use_paged_attention(model)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

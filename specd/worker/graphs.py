@@ -30,8 +30,9 @@ mixture of experts loaded with transformers' eager experts loops over the expert
 router chose, read back from the device), and a
 rotary scaling that does not choose its frequencies from the positions ("longrope";
 "dynamic" is refused by every worker). That the static forward has no branch on the
-values of tensors, no host copy and no shape that follows the rows is tested on a CPU
-with torch's graph tracer (`tests/test_graphs.py`): a CPU build cannot capture.
+values of tensors, no host copy and no shape that follows the rows is tested on a CPU,
+which cannot capture (`tests/test_graphs.py`): the operators it runs, recorded for two
+sets of rows, and torch's graph tracer.
 """
 from __future__ import annotations
 
@@ -94,15 +95,14 @@ class StaticStep:
         for b in range(batch):
             row = rows[b] if b < len(rows) else None
             if row is None:  # a padding row: positions 0.., its keys in the null block, seeing the first
-                start, tokens, table, end = 0, [], [], 1
+                start, tokens, table, end, real = 0, [], [], 1, []
             else:
                 session, tokens = row.session, row.tokens
                 start, table, end = session.length, session.blocks[:width], session.length + len(tokens)
+                real = session.slots(start, end)
                 kept += range(b * feed + len(tokens) - row.keep, b * feed + len(tokens))
-            pad = feed - len(tokens)
-            ids += tokens + [0] * pad
+            ids += tokens + [0] * (feed - len(tokens))
             positions += range(start, start + feed)
-            real = row.session.slots(start, end) if row is not None else []
             slots += real + [NULL_BLOCK * size + i % size for i in range(len(real), feed)]
             blocks += table + [NULL_BLOCK] * (width - len(table))
             starts.append(start)
