@@ -115,7 +115,7 @@ class Drafter:
 
     async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
                       pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None,
-                      salt: bytes = b"") -> Proposal:
+                      salt: bytes = b"", ranked: bool = True) -> Proposal:
         """Bring the session up to date and propose up to `request.draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
@@ -130,6 +130,9 @@ class Drafter:
         first, from p's row and the q kept for that position (or, in a session rebuilt from
         the committed tokens, the q its forward finds there), and the proposal follows it
         (`Proposal.recovered`). γ may then be 0: the recovered token alone.
+
+        ranked: a greedy proposal also carries each token's q and the draft's runner-up
+        (`ProposeJob`); pre-drafting needs them, so a step that asks it is ranked anyway.
         """
         draft_length = request.draft_length
         if draft_length < 1 and recovery is None:
@@ -165,7 +168,8 @@ class Drafter:
                 return Proposal([], None, 0.0, recovered=recovered)
             grammar = (self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
                        if request.grammar else None)
-            job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar)
+            job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar,
+                             ranked=ranked or pre_draft is not None)
             proposal = await self.runner.step(session_id, session, job)
         assert job is not None  # it made the proposal
         committed = len(job.session.tokens) - len(proposal.tokens)

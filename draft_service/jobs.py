@@ -29,12 +29,19 @@ class ProposeJob(Job):
     the last step rejected (a session rebuilt from the committed tokens): the recovered
     token is sampled from it and fed on, and the proposal follows it. With `grammar`, q at
     every position is restricted to what a structured request's grammar allows there.
+
+    A plain greedy step without `ranked` finds only each position's argmax: q at the token
+    and the runner-up are for a confidence threshold, pre-drafting and trace spans, and on
+    a CPU the top two and the softmax cost the demo draft about 0.07 ms a token, after a
+    forward of 1.4 (docs/performance.md). Its proposal then carries no `token_probs`.
     """
 
     def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False,
-                 recovery: Recovery | None = None, grammar: GrammarCursor | None = None) -> None:
+                 recovery: Recovery | None = None, grammar: GrammarCursor | None = None,
+                 ranked: bool = True) -> None:
         super().__init__(session, feed, keep=1)
         self.request = request
+        self.ranked = ranked or bool(request.min_confidence)
         self.grammar = grammar
         self.generator = torch.Generator().manual_seed(request.seed)
         self.guessing = guess_first
@@ -46,8 +53,9 @@ class ProposeJob(Job):
         self.probs: list[torch.Tensor] = []
         self.token_probs: list[float] = []
         # A plain greedy step's (best, second best, q of the best) at this forward, when
-        # `post_process` computed it with the forward's other plain greedy steps.
-        self.decided: tuple[int, int, float] | None = None
+        # `post_process` computed it with the forward's other plain greedy steps; unranked,
+        # (best, None, None).
+        self.decided: tuple[int, int | None, float | None] | None = None
         # A plain sampled step's (token, second, best, q of the token, q's largest, q's row),
         # when `post_process` sampled it with the forward's other steps of the same law.
         self.sampled: tuple[int, int, int, float, float, torch.Tensor] | None = None
@@ -67,7 +75,7 @@ class ProposeJob(Job):
         CDF with its uniform from its own seeded generator (drawn on the host, uploaded as one
         tensor: the same draw and the same token as one at a time), and one copy back. For
         each vocabulary limit (and law) among them."""
-        greedy: dict[int, list[tuple[ProposeJob, int]]] = {}
+        greedy: dict[tuple[int, bool], list[tuple[ProposeJob, int]]] = {}
         sampled: dict[tuple, list[tuple[ProposeJob, int]]] = {}
         for job, rows in members:
             assert isinstance(job, ProposeJob)
@@ -75,11 +83,15 @@ class ProposeJob(Job):
                 continue
             limit, transform = job.request.vocab_limit or logits.shape[-1], job.request.transform
             if transform.greedy:
-                greedy.setdefault(limit, []).append((job, rows.start))
+                greedy.setdefault((limit, job.ranked), []).append((job, rows.start))
             else:
                 law = (limit, transform.temperature, transform.top_k, transform.top_p, transform.min_p)
                 sampled.setdefault(law, []).append((job, rows.start))
-        for limit, jobs in greedy.items():
+        for (limit, ranked), jobs in greedy.items():
+            if not ranked:
+                for (job, _), best in zip(jobs, _rows(logits, jobs, limit).argmax(dim=-1).tolist()):
+                    job.decided = (best, None, None)
+                continue
             chosen = _rows(logits, jobs, limit)
             top = chosen.topk(2, dim=-1).indices
             best_q = torch.softmax(chosen, -1).gather(1, top[:, :1])
@@ -105,7 +117,7 @@ class ProposeJob(Job):
         if self.decided is not None:
             best, second, best_q = self.decided
             self.decided = None
-            if self.drafted and best_q < request.min_confidence:
+            if self.drafted and best_q is not None and best_q < request.min_confidence:
                 return True
             return self._propose(best, second, best, best_q)
         if self.sampled is not None:
@@ -150,11 +162,13 @@ class ProposeJob(Job):
             self.probs.append(q)
         return self._propose(token, second, best, float(q[token]))
 
-    def _propose(self, token: int, second: int, best: int, token_q: float) -> bool:
-        """Take `token` (q `token_q`) into the proposal; True when the step is done."""
+    def _propose(self, token: int, second: int | None, best: int, token_q: float | None) -> bool:
+        """Take `token` (q `token_q`, None when unranked) into the proposal; True when the step is done."""
         self.drafted.append(token)
-        self.alternatives.append(second if token == best else best)
-        self.token_probs.append(token_q)
+        if token_q is not None:
+            assert second is not None  # ranked: the top two were found
+            self.alternatives.append(second if token == best else best)
+            self.token_probs.append(token_q)
         if len(self.drafted) == self.request.draft_length:
             return True
         # The last proposal is not fed: nothing needs its logits yet; it stays known, so

@@ -89,10 +89,12 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         session = stream.session(drafter.runner, delta.session_id)
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
+        carrier = request.trace_context.carrier
+        # q of each greedy token goes on the span only: an untraced greedy step finds argmaxes alone.
         proposal = await service.traced_step(
-            _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", request.trace_context.carrier,
+            _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", carrier,
             drafter.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
-                           pre_draft, wire.recovery_from_pb(request), delta.cache_salt),
+                           pre_draft, wire.recovery_from_pb(request), delta.cache_salt, ranked=bool(carrier)),
             lambda proposal: _span_attributes(name, request, proposal))
         if proposal.pre_draft is not None:
             _trace_pre_draft(request, proposal.pre_draft)
