@@ -3,7 +3,7 @@ decoding of the same prompts in one process, with no gRPC, no gateway and no sch
 
     python scripts/bench_ceiling.py [--target models/demo/target] [--draft models/demo/draft-distilled]
         [--gamma 4] [--max-new-tokens 48] [--rounds 3] [--target-threads 0] [--draft-threads 1]
-        [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+        [--device cpu|cuda] [--dtype float32|bfloat16|float16] [--workload FILE]
 
 Each model is loaded with what shapes a worker's forward (on a CPU large linear layers
 packed for oneDNN; the paged KV store; the lean forward where it is exact) and runs on a
@@ -15,22 +15,26 @@ one forward of the γ+1 positions on the target's, then the greedy verdict
 step pays the forwards and two hand-offs between threads per model, as a worker's
 does, and nothing of the serving path: no messages, no event loops, no batching.
 
-The prompts are `specd bench`'s demo workload, decoded both ways in turns, prompt by
-prompt, `--rounds` times; generation stops at EOS or `--max-new-tokens`. It prints tokens/s
-of each, their ratio round by round, tokens per step and how many prompts gave the same
-tokens both ways (16 of 16 with the demo pair in float32 on this project's CPU; in half
-precision a verification's product of γ+1 rows may round apart from a one-row product's
-and turn a near tie). Against `specd bench --configs fixed:4
+The prompts are `specd bench`'s demo workload (or `--workload`, a `specd bench --workload`
+file such as the held-out real code of `scripts/heldout_workload.py`), decoded both ways in
+turns, prompt by prompt, `--rounds` times; generation stops at EOS or `--max-new-tokens`.
+It prints tokens/s of each, their ratio round by round, tokens per step and how many
+prompts gave the same tokens both ways (16 of 16 with the demo pair in float32 on this
+project's CPU; in half precision a verification's product of γ+1 rows may round apart from
+a one-row product's and turn a near tie). Against `specd bench --configs fixed:4
 --concurrency 1` on the same machine, the same hour, it says what the serving path costs
-a speculative step, and what this model pair could give at best on this machine.
+a speculative step, and what this model pair could give at best on this machine;
+`scripts/ceiling_pairs.py` takes the two in pairs a minute apart.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +139,7 @@ def main() -> None:
     parser.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
     args = parser.parse_args()
     if args.gamma < 1 or args.max_new_tokens < 2:
         parser.error("--gamma must be at least 1 and --max-new-tokens at least 2")
@@ -145,7 +150,8 @@ def main() -> None:
     target = Model(args.target, args.target_threads, device, dtype)
     draft = Model(args.draft, args.draft_threads, device, dtype)
     eos = set(eos_ids(target.model, tokenizer))
-    prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
+    workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
+    prompts = [tokenizer(p)["input_ids"] for ps in workload.values() for p in ps]
     target_only(target, prompts[0], 8, eos)  # warm-up, both ways
     speculative(target, draft, args.gamma, prompts[0], 8, eos)
     ratios = []

@@ -6,7 +6,7 @@ chunks of the held-out pydoc topics. Each chunk starts at a line boundary of a d
 document and runs for about --chars characters. Deterministic: the same Python gives the
 same prompts.
 
-    python scripts/heldout_workload.py runs/heldout.json --per-task 16
+    python scripts/heldout_workload.py runs/heldout.json --per-task 16 [--tasks code]
 """
 from __future__ import annotations
 
@@ -40,10 +40,17 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=16)
     parser.add_argument("--chars", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--tasks", default="code,prose",
+                        help="comma list of code and prose (code alone: real source only; its prompts are the same)")
     args = parser.parse_args()
+    tasks = args.tasks.split(",")
+    if not tasks or set(tasks) - {"code", "prose"}:
+        parser.error("--tasks takes code, prose or both")
     rng = random.Random(args.seed)
     docs = corpus_docs()
-    workload = {task: chunks(docs[task]["val"], args.per_task, args.chars, rng) for task in ("code", "prose")}
+    # Drawn in this order whatever is asked, so code alone gives the same code prompts.
+    drawn = {task: chunks(docs[task]["val"], args.per_task, args.chars, rng) for task in ("code", "prose")}
+    workload = {task: drawn[task] for task in tasks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(workload, indent=1))
     print(f"{args.out}: " + ", ".join(f"{len(p)} {t} prompts" for t, p in workload.items()))
