@@ -90,7 +90,8 @@ class DraftServicer(worker_pb2_grpc.DraftServicer):
         pre_draft = (PreDraftRequest(request.pre_draft.draft_length, request.pre_draft.seed)
                      if request.pre_draft.draft_length else None)
         carrier = request.trace_context.carrier
-        # q of each greedy token goes on the span only: an untraced greedy step finds argmaxes alone.
+        # Here q of a greedy token is for the step's span alone (pre-drafting and a confidence
+        # threshold rank the step themselves): an untraced step asks for argmaxes alone.
         proposal = await service.traced_step(
             _TRACER, "specd.draft.recover" if recovering else "specd.draft.propose", carrier,
             drafter.propose(session, delta.start, list(delta.tokens), wire.draft_request_from_pb(request, transform),
