@@ -32,11 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from specd_cli.bench import DEMO_WORKLOAD
+from specd_cli.serve import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -50,7 +49,8 @@ def served(args: argparse.Namespace, prompts: int, out: Path) -> dict[str, float
     server = subprocess.Popen([str(BIN / "specd"), "serve", "--port", str(PORT), "--metrics-port", str(METRICS_PORT)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     try:
-        wait_for_metrics(server)
+        if not wait_healthy(f"127.0.0.1:{PORT}", [server], 300):
+            raise SystemExit("specd serve did not come up")
         command = [str(BIN / "specd"), "bench", "--gateway", f"127.0.0.1:{PORT}", "--concurrency", "1",
                    "--requests-per-level", str(prompts), "--rounds", "2", "--configs", "fixed:4,cost",
                    "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]
@@ -77,19 +77,6 @@ def alone(args: argparse.Namespace) -> float:
     if found is None:
         raise SystemExit(f"bench_ceiling.py printed no ratio:\n{printed}")
     return float(found.group(1))
-
-
-def wait_for_metrics(server: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"specd serve exited with {server.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit("specd serve did not come up")
 
 
 def main() -> None:
