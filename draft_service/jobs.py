@@ -32,7 +32,7 @@ class ProposeJob(Job):
 
     A plain greedy step without `ranked` finds only each position's argmax: q at the token
     and the runner-up are for a confidence threshold, pre-drafting and trace spans, and on
-    a CPU the top two and the softmax cost the demo draft about 0.07 ms a token, after a
+    a CPU the top two and the softmax cost the demo draft about 0.05 ms a token, after a
     forward of 1.4 (docs/performance.md). Its proposal then carries no `token_probs`.
     """
 
