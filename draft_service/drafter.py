@@ -89,18 +89,20 @@ class Drafter:
     and grammar cursor."""
 
     def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
-                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20) -> None:
+                 pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20,
+                 grammar_mask_budget_ms: float = 20.0) -> None:
         """pre_draft_branches: which verdicts to pre-draft for (`draft_service.predraft`);
         kept_rows_bytes: the kept q rows' budget, all sessions together (`KeptRowsStore`).
         The rows live on the model's device beside its KV pool, so the runner sizes the
-        pool leaving room for them."""
+        pool leaving room for them. grammar_mask_budget_ms: a session's grammar cursor whose
+        mask takes longer stops guiding its proposals (`draft_service.grammar`)."""
         self.runner = ModelRunner(path, settings, name=name, kept_rows_bytes=kept_rows_bytes,
                                   on_session_gone=self._forget)
         info = self.runner.info
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
         self.pre_drafts = PreDrafts(self.runner.scheduler.submit, pre_draft_branches)
         self.grammars = GrammarCursors(self.runner.tokenizer, info.vocab_size, info.eos_token_ids,
-                                       settings.max_sessions)
+                                       settings.max_sessions, grammar_mask_budget_ms)
 
     def _forget(self, session_id: str) -> None:
         """The runner let a session go (evicted or ended): its branches (they hold pool
@@ -166,7 +168,7 @@ class Drafter:
                 self.runner.sessions.put(session_id, session)
                 self.runner.sessions.release()
                 return Proposal([], None, 0.0, recovered=recovered)
-            grammar = (self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
+            grammar = (await self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
                        if request.grammar else None)
             job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar,
                              ranked=ranked or pre_draft is not None)

@@ -132,7 +132,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
         model = replace(model, batching=replace(
             model.batching, gpu_memory_fraction=model.batching.gpu_memory_fraction / len(settings.drafts)))
     drafters = {name: Drafter(path, model, name=name, pre_draft_branches=settings.pre_draft_branches,
-                              kept_rows_bytes=settings.kept_rows_mib << 20)
+                              kept_rows_bytes=settings.kept_rows_mib << 20,
+                              grammar_mask_budget_ms=settings.grammar_mask_budget_ms)
                 for name, path in settings.drafts.items()}
     servicer = DraftServicer(drafters)
     stop_metrics = start_worker_metrics(drafters, "draft", settings.metrics_host, settings.metrics_port)

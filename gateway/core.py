@@ -24,7 +24,7 @@ from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
 from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
-from gateway.grammar import Grammar
+from gateway.grammar import Grammar, GrammarWork
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.loadcap import LoadCap, SharedLevel
 from gateway.paircosts import PairCosts
@@ -164,6 +164,10 @@ class GatewayCore:
         self.suffix_cache = suffix_cache
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
+        target = backend.target
+        self.grammars = GrammarWork(lambda: backend.grammar_tokenizer, target.vocab_size, target.eos_token_ids,
+                                    threads=settings.grammar_threads, step_budget_ms=settings.grammar_step_budget_ms,
+                                    compile_budget_s=settings.grammar_compile_budget_s)
         # The cost policy's state shared across requests: probe spacing per (model pair, task
         # type), the load cap per model pair.
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
@@ -183,6 +187,7 @@ class GatewayCore:
     def close(self) -> None:
         """Stop the tokenizing thread (the gateway is stopping)."""
         self._parser.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     def prior(self, draft_model: str) -> dict[int, list[float]] | None:
         """A pair's predicted goodput of each γ at each load (`gateway.priors`): where its
@@ -286,14 +291,15 @@ class GatewayCore:
             parsed = await asyncio.get_running_loop().run_in_executor(
                 self._parser, parse_request, request, self.backend, self.settings,
                 self._choose if self.selector is not None else None)
+            grammar = await self.grammars.start(parsed.generation.grammar) if parsed.generation.grammar else None
             # aclosing: a client that goes away closes the links now, not at garbage collection.
-            async with contextlib.aclosing(self._generate(parsed, began, deadline)) as chunks:
+            async with contextlib.aclosing(self._generate(parsed, grammar, began, deadline)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
             self._in_flight -= 1
 
-    async def _generate(self, parsed: ParsedRequest, began: float,
+    async def _generate(self, parsed: ParsedRequest, grammar: Grammar | None, began: float,
                         deadline: float | None) -> AsyncGenerator[Chunk, None]:
         generation = parsed.generation
         model_pair = self._model_pair(generation.draft_model)
@@ -332,9 +338,6 @@ class GatewayCore:
             hybrid = self._hybrid(parsed, policy, model_pair, diagnostic)
             if hybrid is not None:  # a long prompt's indexing must not stall the other requests' steps
                 await asyncio.get_running_loop().run_in_executor(self._parser, hybrid.index, generation.prompt_ids)
-            target = self.backend.target
-            grammar = (Grammar(self.backend.grammar_tokenizer, generation.grammar, target.vocab_size,
-                               frozenset(target.eos_token_ids)) if generation.grammar else None)
             steps = speculate(generation, policy, draft, verifier, self._bounds(generation), observers,
                               tracer=request_trace.step_tracer, hybrid=hybrid, max_model_free=parsed.model_free_max,
                               grammar=grammar)

@@ -24,12 +24,13 @@ from typing import Protocol
 import grpc
 import torch
 
-from gateway.errors import DraftSkipped, WorkerError
+from gateway.errors import DraftSkipped, InvalidRequest, WorkerError
 from gateway.grammar import Grammar
 from gateway.hybrid import HybridChoice
 from gateway.proposal import DraftClient, DraftModelProposer, Proposal, StepContext
 from gateway.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
 from gateway.request import Generation
+from specd.grammars import GrammarError
 from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
 from specd.steps import Scores
@@ -163,13 +164,18 @@ class _Speculation:
         remaining = self.request.max_new_tokens - self.generated - 1
         return self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
 
-    def within_grammar(self, proposal: Proposal) -> Proposal:
-        """The proposal cut before its first token the request's grammar forbids (the target
-        would give it probability 0: `gateway.grammar` says why the cut is exact)."""
-        if self.grammar is None or not proposal.tokens:
-            return proposal
-        allowed = self.grammar.allowed_prefix(proposal.tokens)
-        return proposal if allowed == len(proposal.tokens) else proposal.prefix(allowed)
+    async def within_grammar(self, proposal: Proposal) -> tuple[Proposal, torch.Tensor | None]:
+        """The proposal kept up to and with its first token the request's grammar forbids (a
+        rejection for certain), and the allowed tokens at each position for the verifier
+        (`Grammar.follow`, on a grammar thread); the proposal as it is and None with no
+        grammar. A grammar that overruns its limits or budget ends the request."""
+        if self.grammar is None:
+            return proposal, None
+        try:
+            kept, allowed = await self.grammar.check(proposal.tokens)
+        except GrammarError as exc:
+            raise InvalidRequest(f"structured output: {exc}") from None
+        return (proposal if kept == len(proposal.tokens) else proposal.prefix(kept)), allowed
 
     async def propose(self, gamma: int, carrier: dict[str, str]) -> Proposal:
         """The draft model's proposal. A draft that sits the step out (DraftSkipped: too slow)
@@ -190,15 +196,15 @@ class _Speculation:
             self.draft = None
             return self.no_proposal
 
-    async def decide(self, proposal: Proposal, carrier: dict[str, str]) -> _Verdict:
+    async def decide(self, proposal: Proposal, carrier: dict[str, str], allowed: torch.Tensor | None) -> _Verdict:
         """The verifier hop, then the verdict on the proposal: greedy comparison, or
-        rejection sampling with exactly the q each proposed token was drawn with."""
+        rejection sampling with exactly the q each proposed token was drawn with. allowed:
+        a grammar's bitmask words per position (`within_grammar`)."""
         began = time.perf_counter()
         run_ahead = self._run_ahead(proposal)
         if self.hybrid is not None:
             self._count_blind(proposal, run_ahead)
         logprobs = self.request.logprobs
-        allowed = None if self.grammar is None else self.grammar.masks(proposal.tokens)
         if self.request.transform.greedy:
             scores = await self.verifier.verify(self.committed, proposal.tokens, self.request.transform, carrier,
                                                 run_ahead=run_ahead, logprobs=logprobs, allowed=allowed)
@@ -340,8 +346,9 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
     `max_model_free` tokens, and verifies their match instead of drafting when the match
     promises more tokens per millisecond (`gateway.hybrid`).
 
-    With `grammar`, every proposal is cut to what the grammar allows and the verifier
-    restricts the target to it, position by position (`gateway.grammar`).
+    With `grammar`, every proposal is kept up to and with its first token the grammar
+    forbids (a certain rejection) and the verifier restricts the target to the grammar,
+    position by position (`gateway.grammar`).
     """
     tracer = tracer or NoTracer()
     everyone = (policy, *observers, tracer)
@@ -353,8 +360,8 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
         speculation.longest = max_model_free if speculation.cap is None else min(max_model_free, speculation.cap[0])
         proposal = (speculation.propose_match(gamma, speculation.longest)
                     or await speculation.propose(gamma, carrier))
-        proposal = speculation.within_grammar(proposal)
-        verdict = await speculation.decide(proposal, carrier)
+        proposal, allowed = await speculation.within_grammar(proposal)
+        verdict = await speculation.decide(proposal, carrier, allowed)
         record, output = speculation.commit(proposal, verdict)
         for observer in everyone:
             observer.observe(record)

@@ -5,33 +5,49 @@ compiles a JSON Schema, a regular expression, a list of choices or a Lark gramma
 tells, token by token, what may come next. The gateway owns one matcher per request and
 keeps it at the committed tokens; each step:
 
-- the proposal, a draft model's or a model-free one, is cut before its first token the
-  grammar forbids (`allowed_prefix`). This is exact: the target gives such a token
-  probability 0, so it would be rejected for certain, and the positions after it would
-  never be reached; cut, the step ends at that position with the bonus token drawn from
-  the target's restricted distribution, which is the same law;
+- the proposal, a draft model's or a model-free one, is checked against the grammar
+  (`Grammar.follow`): it is kept up to its first token the grammar forbids, and that token
+  with it. The target gives such a token probability 0, so it is rejected for certain, and
+  the step draws its token from the residual of that position, as for any rejection: the
+  exact law, whatever q the proposer drew it from;
 - the verifier gets, for each of the γ + 1 positions, the tokens the grammar allows there
-  (`masks`: the matcher walks the proposal, then rolls back), and forbids the rest after
-  the penalties, greedy or sampled. So the output is the target's own under the grammar,
+  (the matcher walks the proposal, then rolls back), and forbids the rest after the
+  penalties, greedy or sampled. So the output is the target's own under the grammar,
   whatever proposed it;
-- the committed tokens advance the matcher (`commit`).
+- the committed tokens advance the matcher (`Grammar.commit`, taken at the next check).
+
+All of it runs on the gateway's grammar threads (`GrammarWork`), never on the event loop,
+under llguidance's limits and a time budget per step (`specd.grammars` says why both):
+a grammar that overruns them ends its request with an error, and the other requests'
+steps go on. Compiled grammars are cached by their text, so a repeated schema compiles
+once.
 
 The draft model proposes under the same grammar (`draft_service.grammar`: the compiled
-grammar travels with each proposal request), so its tokens mostly survive the cut; a
-model-free proposal is cut like any other. docs/sampling.md has the design and figures.
+grammar travels with each proposal request), so its tokens are mostly allowed; where its
+mask differs from the gateway's (another EOS, a cursor that gave up), the forbidden tokens
+it proposes are rejections like any other. docs/sampling.md has the design and figures.
 No gRPC here.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from gateway.errors import InvalidRequest
+from specd.grammars import CompiledGrammars, GrammarError, matcher_error
+
+T = TypeVar("T")
 
 # vLLM's structured_outputs kinds, and OpenAI's response_format ones mapped onto them.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -84,66 +100,114 @@ def tokenizer_for(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...])
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 
-def compile_structure(spec: StructureSpec, tokenizer: llguidance.LLTokenizer) -> str:
-    """The checked grammar of a request's structure; ValueError with what a person can fix."""
+def structure_grammar(spec: StructureSpec) -> str:
+    """The grammar text of a request's structure (cheap: the matcher is built on a grammar
+    thread, `GrammarWork.start`); ValueError with what a person can fix."""
     if len(spec.source.encode("utf-8")) > MAX_GRAMMAR_BYTES:
         raise ValueError(f"the {spec.kind} is over {MAX_GRAMMAR_BYTES} bytes")
     try:
-        grammar = spec.grammar()
+        return spec.grammar()
     except ValueError:
         raise
     except Exception as exc:  # the converters' own complaints, of any type: a bad structure, not a fault
         raise ValueError(f"the {spec.kind} does not compile: {exc}") from exc
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise ValueError(f"the {spec.kind} does not compile: {messages[0] if messages else 'no reason given'}")
-    return grammar
 
 
 class Grammar:
-    """One request's matcher, kept at its committed output."""
+    """One request's matcher, kept at its committed output. Its work runs on the gateway's
+    grammar threads, and each step's is timed against the step budget."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int,
-                 eos_token_ids: frozenset[int]) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int],
+                 step_budget_ms: float, threads: Executor) -> None:
+        self.matcher = matcher
+        self.threads = threads
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.step_budget_ms = step_budget_ms
+        self.uncommitted: list[int] = []  # emitted by the last step, taken at the start of the next
 
-    def allowed_prefix(self, tokens: list[int]) -> int:
-        """How many leading tokens of a proposal the grammar allows after the committed ones,
-        up to and with its first EOS (nothing after EOS is ever committed)."""
-        if not tokens:
-            return 0
-        allowed = self.matcher.validate_tokens(tokens)
-        return next((i + 1 for i, t in enumerate(tokens[:allowed]) if t in self.eos_token_ids), allowed)
+    async def check(self, tokens: list[int]) -> tuple[int, torch.Tensor]:
+        """`follow` on a grammar thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.threads, self.follow, tokens)
 
-    def masks(self, tokens: list[int]) -> torch.Tensor:
-        """The allowed tokens at each of the len(tokens) + 1 positions after the committed
-        ones, the proposal fed in between: int32 bitmask words [len + 1, ceil(V / 32)].
-        `tokens` must be allowed (`allowed_prefix`). The row after an EOS is never read
-        (the output ends there) and allows everything: the matcher does not take the EOS,
-        since rolling back over it leaves it unable to take it again."""
-        words = llguidance.torch.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+    def follow(self, tokens: list[int]) -> tuple[int, torch.Tensor]:
+        """How many leading tokens of a proposal the step verifies, and the allowed tokens at
+        each position after the committed ones: int32 bitmask words [kept + 1, ceil(V / 32)].
+
+        Every allowed token is kept, up to and with the first EOS (nothing after it is ever
+        committed). So is the first token the grammar forbids: the target gives it
+        probability 0, so it is rejected for certain, and the step draws its token from
+        the residual norm(max(0, p − q)) of that position, the exact law whatever q the
+        proposer drew it from. (Ending the step before it and drawing from p instead is
+        exact only where q is a point mass: greedy, or a model-free proposal.) The rows
+        after a forbidden token or an EOS are never read and allow everything.
+
+        GrammarError when the grammar fails one of llguidance's limits or the step's work
+        overruns the budget: the request ends with that error, never with output cut short."""
+        began = time.perf_counter()
+        if self.uncommitted:
+            committed, self.uncommitted = self.uncommitted, []
+            if not self.matcher.consume_tokens(committed):
+                self._fail("the grammar refused the committed tokens")
+        allowed = self.matcher.validate_tokens(tokens) if tokens else 0
+        ended = next((i + 1 for i, t in enumerate(tokens[:allowed]) if t in self.eos_token_ids), None)
+        kept = ended or min(allowed + 1, len(tokens))
+        words = llguidance.torch.allocate_token_bitmask(kept + 1, self.vocab_size)
         taken = 0
-        for i, token in enumerate(tokens):
+        for i, token in enumerate(tokens[:kept]):
             llguidance.torch.fill_next_token_bitmask(self.matcher, words, i)
-            if token in self.eos_token_ids:
+            if i == allowed or token in self.eos_token_ids:
+                # An EOS is not taken: rolling back over it leaves the matcher unable to take it again.
                 break
             if not self.matcher.consume_token(token):
-                raise AssertionError(f"the grammar refused token {token} it allowed: {self.matcher.get_error()}")
+                self._fail(f"the grammar refused token {token} it allowed")
             taken += 1
         else:
-            llguidance.torch.fill_next_token_bitmask(self.matcher, words, len(tokens))
+            llguidance.torch.fill_next_token_bitmask(self.matcher, words, kept)
         if taken:
             self.matcher.rollback(taken)
-        return words
+        if self.matcher.is_error():
+            self._fail("the grammar passed one of its limits")
+        took_ms = (time.perf_counter() - began) * 1e3
+        if took_ms > self.step_budget_ms:
+            raise GrammarError(f"the grammar took {took_ms:.0f} ms to follow one step of {kept} tokens, over this "
+                               f"gateway's budget of {self.step_budget_ms:g} ms (--grammar-step-budget-ms): an "
+                               f"ambiguous grammar (a rule like `s: s s`) costs more at every token; make it "
+                               f"unambiguous")
+        return kept, words
 
     def commit(self, tokens: list[int]) -> None:
-        """The step's emitted tokens (each one allowed where it was chosen). An EOS ends the
-        output: the matcher is not made to take it (after a rollback, a stopped matcher
-        refuses it)."""
-        tokens = [t for t in tokens if t not in self.eos_token_ids]
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise AssertionError(f"the grammar refused committed tokens: {self.matcher.get_error()}")
+        """The step's emitted tokens (each one allowed where it was chosen), taken by the next
+        `follow`, on its thread. An EOS ends the output: the matcher is not made to take it."""
+        self.uncommitted.extend(t for t in tokens if t not in self.eos_token_ids)
+
+    def _fail(self, what: str) -> None:
+        raise GrammarError(f"{what}: {matcher_error(self.matcher)}")
+
+
+class GrammarWork:
+    """The gateway's grammar threads and compiled grammars: every compile, mask and commit of
+    structured output runs here, never on the event loop, which every request's steps share."""
+
+    def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer], vocab_size: int,
+                 eos_token_ids: tuple[int, ...], *, threads: int, step_budget_ms: float,
+                 compile_budget_s: float) -> None:
+        self.compiled = CompiledGrammars(tokenizer, vocab_size, compile_budget_s=compile_budget_s)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.step_budget_ms = step_budget_ms
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+
+    async def start(self, grammar: str) -> Grammar:
+        """A request's matcher of `grammar`; InvalidRequest when it cannot be served."""
+        try:
+            matcher = await self.run(self.compiled.matcher, grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(f"structured output: {str(exc)[:600]}") from None
+        return Grammar(matcher, self.vocab_size, self.eos_token_ids, self.step_budget_ms, self._threads)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)

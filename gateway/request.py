@@ -83,7 +83,7 @@ class Generation:
     stop_token_ids: frozenset[int] = frozenset()  # these end the request too (finish STOP)
     ignore_eos: bool = False  # EOS does not end the request
     logprobs: int | None = None  # report the target's raw log-probabilities, with this many alternatives
-    grammar: str = ""  # the compiled structure the output must match (`gateway.grammar`); empty: none
+    grammar: str = ""  # the grammar text the output must match (`gateway.grammar`); empty: none
 
 
 @dataclass(frozen=True)

@@ -147,5 +147,15 @@ class GatewaySettings:
                                         help="open HTTP connections at most; past it a new one displaces the oldest "
                                              "waiting for a request, or is closed (0: 1024, or a quarter of the "
                                              "process's open-file limit when less)")
+    grammar_threads: int = setting(2, flag="--grammar-threads", metavar="N",
+                                   help="threads that compile structured output's grammars and compute their masks "
+                                        "(never the event loop)")
+    grammar_step_budget_ms: float = setting(100.0, flag="--grammar-step-budget-ms", metavar="MS",
+                                            help="a structured request whose grammar takes longer to follow one step "
+                                                 "ends with INVALID_ARGUMENT (an ambiguous grammar costs more at every "
+                                                 "token)")
+    grammar_compile_budget_s: float = setting(10.0, flag="--grammar-compile-budget-s", metavar="S",
+                                              help="a grammar that takes longer to compile is refused, and stays "
+                                                   "refused while this gateway remembers it")
     max_chat_messages: int = setting(2048, flag="--max-chat-messages", metavar="N",
                                      help="messages one chat request may hold; more get 400 before rendering")

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from gateway.backend import Backend
 from gateway.errors import InvalidRequest
-from gateway.grammar import compile_structure
+from gateway.grammar import structure_grammar
 from gateway.policy import POLICIES
 from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
 from gateway.settings import GatewaySettings
@@ -129,7 +129,7 @@ def _size_problems(request: ClientRequest, settings: GatewaySettings) -> list[st
 def _output_problems(request: ClientRequest, backend: Backend, settings: GatewaySettings,
                      problems: list[str]) -> str:
     """Check what shapes the output (token ids named, logprobs, the structure), appending
-    to `problems`; the compiled structure (`gateway.grammar`), empty when none is asked."""
+    to `problems`; the structure's grammar text (`gateway.grammar`), empty when none is asked."""
     vocab = backend.target.vocab_size
     for name, ids in (("logit_bias", request.logit_bias), ("stop_token_ids", request.stop_token_ids)):
         outside = sorted(t for t in ids if not 0 <= t < vocab)
@@ -140,7 +140,7 @@ def _output_problems(request: ClientRequest, backend: Backend, settings: Gateway
     grammar = ""
     if request.structure is not None:
         try:
-            grammar = compile_structure(request.structure, backend.grammar_tokenizer)
+            grammar = structure_grammar(request.structure)
         except ValueError as exc:
             problems.append(f"structured output: {str(exc)[:600]}")
         # The structure decides where the output ends: it allows nothing but EOS then.

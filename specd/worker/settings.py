@@ -125,6 +125,10 @@ class DraftSettings:
                                       "next recovered token, all sessions together; past it the oldest go, and "
                                       "their session rebuilds q with one forward")
 
+    grammar_mask_budget_ms: float = setting(20.0, flag="--grammar-mask-budget-ms", metavar="MS",
+                                            help="a session whose grammar mask takes longer drafts unguided by its "
+                                                 "grammar from then on (its masks run between every session's "
+                                                 "forwards); the gateway's grammar still decides the output")
 
 @dataclass(frozen=True)
 class VerifierSettings:
