@@ -243,3 +243,36 @@ def test_sampled_under_a_structure_is_exact_when_the_draft_proposes_forbidden_to
     with ThreadPoolExecutor(4) as pool:
         counts = Counter(pool.map(sample, range(1, trials + 1)))
     assert_follows(counts, joint, trials)
+
+
+# A 150-byte grammar whose every string has many parses: each token's mask costs more than
+# the last (Earley items over every parse), about 20 ms at 200 tokens on this tokenizer.
+AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "b" | "ab" | "ba" | "aab"\n'
+
+
+@pytest.fixture(scope="module")
+def tight_grammar_stack(model_dirs):
+    running = start_stack(model_dirs, grammar_step_budget_ms=10.0)
+    yield running
+    running.close()
+
+
+def test_an_ambiguous_grammar_ends_its_request_with_an_error_and_the_gateway_serves_on(tight_grammar_stack,
+                                                                                        tokenizer):
+    """The step budget ends a request whose grammar costs more at every token: an error that
+    says why, never output cut short and called finished. Its work runs on the grammar
+    threads, so a request without a grammar is served meanwhile."""
+    stub = tight_grammar_stack.stub
+    req = structured("x", "grammar", AMBIGUOUS, temperature=1.0, seed=5, max_new_tokens=240)
+    req.sampling.logit_bias[tokenizer.eos_token_id] = -100.0  # the grammar lets it end anywhere: keep it going
+    with ThreadPoolExecutor(2) as pool:
+        grammar_call = pool.submit(stub.Generate, req, timeout=120)
+        plain = [stub.Generate(request("def fibonacci(n):", max_new_tokens=4)) for _ in range(3)]
+        with pytest.raises(grpc.RpcError) as err:
+            grammar_call.result()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "--grammar-step-budget-ms" in err.value.details() and "ambiguous" in err.value.details()
+    assert all(reply.stats.generated_tokens == 4 for reply in plain)
+    # The gateway and its grammar threads serve on: the same grammar, kept short, completes.
+    req.sampling.max_new_tokens = 8
+    assert len(stub.Generate(req).token_ids) == 8
