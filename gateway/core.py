@@ -253,9 +253,11 @@ class GatewayCore:
         proposers: list[ModelFreeProposer] = []
         for name in parsed.model_free:
             if name == SUFFIX:
-                # The doctor's requests neither read nor fill the tenants' cache.
+                # The doctor's requests neither read nor fill the tenants' cache. The
+                # request reads only what its tenant cached under the same salt, as the
+                # prefix cache does.
                 cache = None if diagnostic else self.suffix_cache
-                proposers.append(SuffixProposer(cache, parsed.user_segment))
+                proposers.append(SuffixProposer(cache, parsed.user_segment, parsed.cache_salt))
             else:
                 proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
         fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
@@ -362,7 +364,7 @@ class GatewayCore:
                     if self.suffix_cache is not None and not diagnostic:
                         # The prompt's end goes in before the response: the same prompt again
                         # then matches straight into it.
-                        self.suffix_cache.add(parsed.user_segment,
+                        self.suffix_cache.add(parsed.user_segment, parsed.cache_salt,
                                               generation.prompt_ids[-MAX_PATTERN:] + text.token_ids)
                     summary = self._summary(stats, parsed, policy, model_pair, draft, verifier, text, began)
                     # Ended before the last chunk goes out: the trace is whole when the client has it.

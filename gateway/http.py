@@ -66,6 +66,7 @@ from gateway.grammar import StructureSpec
 from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
 from gateway.request import ClientRequest, Mode
+from gateway.text import token_bytes
 from specd.grpcserver import PortInUse
 from specd.tls import files_stamp
 
@@ -706,14 +707,27 @@ _NO_LOGPROB = -9999.0
 
 class _Logprobs:
     """Tokens' log-probabilities in OpenAI's shapes: chat's `content` entries, or the legacy
-    completions object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    completions object (tokens, token_logprobs, top_logprobs, text_offset).
+
+    Each token is decoded once per response, however often it comes back as a token or
+    an alternative: rendering runs on the event loop, and a response of 1,000 tokens with
+    20 alternatives each names 21,000 tokens but only a few thousand distinct ones."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool) -> None:
         self.tokenizer, self.chat = tokenizer, chat
         self.offsets: dict[int, int] = {}  # each choice's text offset so far (completions)
+        self._pieces: dict[int, tuple[str, list[int]]] = {}  # token → its text and its bytes
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text, decoded alone, and its own bytes (`gateway.text.token_bytes`)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            piece = self._pieces[token] = (text, list(token_bytes(self.tokenizer, token, text)))
+        return piece
 
     def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._piece(token)[0]
 
     @staticmethod
     def _value(logprob: float) -> float:
@@ -735,8 +749,10 @@ class _Logprobs:
                 "text_offset": offsets}
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._text(token)
-        return {"token": text, "logprob": self._value(logprob), "bytes": list(text.encode("utf-8"))}
+        # The token's own bytes, not its text's: a token holding part of a character
+        # decodes to U+FFFD, and a client joins the bytes of consecutive tokens to read it.
+        text, raw = self._piece(token)
+        return {"token": text, "logprob": self._value(logprob), "bytes": raw}
 
 
 class _Reply:

@@ -9,12 +9,12 @@ text ahead repeats text seen before, these propose long drafts almost for free.
   so far); the tokens that followed its latest occurrence are the proposal.
 - `suffix` (`SuffixProposer`), after SuffixDecoding (Oliaro et al., NeurIPS 2025;
   vLLM's `suffix` method): the end of the request's tokens is matched against the
-  request's own tokens and against previous responses of the same tenant
-  (`SuffixCache`). Among every occurrence of the longest matching pattern it follows the
-  most frequent continuation, token by token; each token's confidence is the share of
-  the occurrences still in agreement. The draft stops where the running product of
-  confidences falls below `min_token_prob`, or past `spec_factor` × the pattern length:
-  a weak match proposes little.
+  request's own tokens and against previous responses of the same tenant and
+  `cache_salt` (`SuffixCache`). Among every occurrence of the longest matching pattern
+  it follows the most frequent continuation, token by token; each token's confidence is
+  the share of the occurrences still in agreement. The draft stops where the running
+  product of confidences falls below `min_token_prob`, or past `spec_factor` × the
+  pattern length: a weak match proposes little.
 
 Instead of a suffix tree, `TokenIndex` keeps, for every `ANCHOR`-gram, where it occurred.
 Matching walks back from those occurrences, which gives the same longest pattern and the
@@ -152,20 +152,25 @@ def follow(occurrences: list[tuple[int, list[int], int]], max_tokens: int, min_t
 
 
 class SuffixCache:
-    """Previous responses, per tenant, within a budget of tokens across tenants.
+    """Previous responses, per tenant and salt, within a budget of tokens across tenants.
 
-    Partitioned by tenant (the request's user segment, which an API key decides): one
-    tenant's outputs are never proposed to another's requests. The target decides every
-    token, so output would not change; but how fast a request runs would tell what
-    others had generated. Once the budget is spent, the tenant holding the most tokens
-    gives up its oldest response: a tenant that sends a lot pushes out its own entries,
-    not the others'. Shared by the gateway's requests (which run on its event loop; a
-    lock keeps the metrics thread's reads whole).
+    Partitioned by tenant (the request's user segment, which an API key decides) and,
+    within a tenant, by the request's prefix cache salt (`ParsedRequest.cache_salt`,
+    which carries the client's own `cache_salt`): one partition's outputs are never
+    proposed to another's requests. The target decides every token, so output would not
+    change; but how fast a request runs, and the steps its statistics report, would tell
+    what others had generated. Once the budget is spent, the tenant holding the most
+    tokens gives up the oldest response of its largest partition: a tenant that sends a
+    lot pushes out its own entries, not the others', however many salts it spreads them
+    over, and within a tenant a salt that sends a lot pushes out its own. Shared by the
+    gateway's requests (which run on its event loop; a lock keeps the metrics thread's
+    reads whole).
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._tenants: dict[str, TokenIndex] = {}
+        self._partitions: dict[str, dict[bytes, TokenIndex]] = {}  # tenant → salt → its responses
+        self._held: dict[str, int] = {}  # tenant → tokens over its partitions
         self._next = 0
         self._lock = threading.Lock()
 
@@ -173,29 +178,45 @@ class SuffixCache:
     def tokens(self) -> int:
         """Tokens held now, over every tenant."""
         with self._lock:
-            return sum(index.tokens for index in self._tenants.values())
+            return sum(self._held.values())
 
-    def add(self, tenant: str, tokens: Sequence[int]) -> None:
+    def add(self, tenant: str, salt: bytes, tokens: Sequence[int]) -> None:
         """Keep one response (with the end of its prompt before it, so that the same prompt
         again matches into the response), evicting past the budget (see the class)."""
         tokens = list(tokens)[-self.max_tokens:] if self.max_tokens > 0 else []
         if len(tokens) <= ANCHOR:
             return
         with self._lock:
-            index = self._tenants.setdefault(tenant, TokenIndex())
+            index = self._partitions.setdefault(tenant, {}).setdefault(salt, TokenIndex())
             index.extend(self._next, tokens)
             self._next += 1
-            held = sum(i.tokens for i in self._tenants.values())
+            self._held[tenant] = self._held.get(tenant, 0) + len(tokens)
+            held = sum(self._held.values())
             while held > self.max_tokens:
-                owner = max(self._tenants, key=lambda name: self._tenants[name].tokens)
-                largest = self._tenants[owner]
-                held -= largest.drop(next(iter(largest.sequences)))  # its oldest response
-                if not largest.tokens:
-                    del self._tenants[owner]
+                held -= self._evict()
 
-    def occurrences(self, tenant: str, context: Sequence[int]) -> list[tuple[int, list[int], int]]:
+    def _evict(self) -> int:
+        """Drop the oldest response of the largest partition of the tenant holding the most
+        tokens; returns its length (called with the lock held). Kept per tenant, the totals
+        make this one pass over the tenants and that tenant's salts, however many responses
+        they hold."""
+        tenant = max(self._held, key=self._held.__getitem__)
+        salts = self._partitions[tenant]
+        salt = max(salts, key=lambda name: salts[name].tokens)
+        largest = salts[salt]
+        dropped = largest.drop(next(iter(largest.sequences)))  # its oldest response
+        self._held[tenant] -= dropped
+        if not largest.tokens:
+            del salts[salt]
+        if not salts:
+            del self._partitions[tenant], self._held[tenant]
+        return dropped
+
+    def occurrences(self, tenant: str, salt: bytes, context: Sequence[int]) -> list[tuple[int, list[int], int]]:
+        """The occurrences of the context's end (`TokenIndex.occurrences`) in the responses
+        kept under this tenant and salt only."""
         with self._lock:
-            index = self._tenants.get(tenant)
+            index = self._partitions.get(tenant, {}).get(salt)
             return index.occurrences(context) if index is not None else []
 
 
@@ -260,13 +281,14 @@ class PromptLookup(GatewayProposer):
 
 
 class SuffixProposer(GatewayProposer):
-    """One request's suffix matching: over its own tokens, then the tenant's cached responses."""
+    """One request's suffix matching: over its own tokens, then the responses cached under
+    its tenant and salt (see SuffixCache)."""
 
     name = SUFFIX
 
-    def __init__(self, cache: SuffixCache | None, tenant: str, min_token_prob: float = 0.1,
+    def __init__(self, cache: SuffixCache | None, tenant: str, salt: bytes, min_token_prob: float = 0.1,
                  spec_factor: float = 1.0) -> None:
-        self.cache, self.tenant = cache, tenant
+        self.cache, self.tenant, self.salt = cache, tenant, salt
         self.min_token_prob, self.spec_factor = min_token_prob, spec_factor
         self._own = TokenIndex()
 
@@ -279,6 +301,6 @@ class SuffixProposer(GatewayProposer):
         self.index(committed)
         found = self._own.occurrences(committed)
         if self.cache is not None:
-            found += self.cache.occurrences(self.tenant, committed)
+            found += self.cache.occurrences(self.tenant, self.salt, committed)
         tokens, shares, _ = follow(found, max_tokens, self.min_token_prob, self.spec_factor)
         return Match(self.name, tokens, shares)

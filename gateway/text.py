@@ -19,7 +19,36 @@ step's tokens were already kept. Decoding the whole output each step cost the ga
 """
 from __future__ import annotations
 
+import re
+
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+# Byte-level BPE (GPT-2's, Llama 3's, Qwen's) spells each byte as one printable character
+# (GPT-2's alphabet); the tokenizers library's ByteLevel decoder maps them back.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int, text: str) -> bytes:
+    """A token's own bytes (OpenAI's logprob `bytes`), given `text`, what it decodes to alone.
+
+    A token that holds part of a multi-byte character decodes to U+FFFD for that part,
+    whose UTF-8 is not the token's bytes: its bytes are read from its piece instead, as
+    the tokenizer's decoder reads them (a byte-fallback piece `<0xNN>` is the byte NN; a
+    byte-level piece is one byte per character; any other piece is its text). The bytes
+    of a character's tokens then join into the character's UTF-8.
+    """
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(piece, str):  # an id the tokenizer does not know: what it decoded to
+        return text.encode("utf-8")
+    if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+        return bytes([int(byte[1], 16)])
+    if all(char in _BYTE_OF_CHAR for char in piece):
+        return bytes(_BYTE_OF_CHAR[char] for char in piece)
+    return text.encode("utf-8")
 
 
 class TextAssembler:

@@ -5,14 +5,27 @@ target's own logits (float32 transformers, one forward over prompt and output) w
 2e-3, whichever proposer made the step and whether the token was accepted, a bonus, or
 recovered after a rejection (drawn by the draft, or by the gateway for a model-free
 proposal). They are the raw ones (vLLM's default): before penalties and temperature.
+Over HTTP, each chat entry's `bytes` are the token's own, also for a token that holds
+part of a character.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
+import openai
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-from conftest import request, start_stack
+from conftest import LoopThread, request, start_stack
+from gateway.engine import TokenLogprob
+from gateway.http import _Logprobs
+from gateway.server import create_server as create_gateway
+from gateway.settings import GatewaySettings
+from gateway.text import token_bytes
+from specd.config import ServerSettings
 from specd.v1 import gateway_pb2
 
 TOLERANCE = 2e-3
@@ -120,3 +133,71 @@ def test_n_completions_each_reproduce_from_the_seed(stack):
     with pytest.raises(grpc.RpcError) as err:
         stack.stub.Generate(req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n may be at most 16" in err.value.details()
+
+
+# -- OpenAI's `bytes`: each token's own --------------------------------------------------------
+
+TEXT = "é€😀"  # characters of 2, 3 and 4 bytes, which the test tokenizer spells byte by byte
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's): a character it has no piece
+    for is spelled as byte pieces <0xNN>."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"▁": 256, "a": 257, "▁a": 258}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+@pytest.mark.parametrize("family", ["byte-level", "byte-fallback"])
+def test_a_tokens_bytes_are_its_own_not_its_texts(tokenizer, family):
+    chosen = tokenizer if family == "byte-level" else byte_fallback_tokenizer()
+    ids = chosen.encode("a " + TEXT, add_special_tokens=False)
+    texts = [chosen.decode([token]) for token in ids]
+    assert "\ufffd" in texts  # some tokens hold part of a character
+    joined = b"".join(token_bytes(chosen, token, text) for token, text in zip(ids, texts))
+    assert joined.decode("utf-8").endswith(TEXT)
+
+
+def test_chat_logprob_entries_carry_each_tokens_bytes(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    entries = tuple(TokenLogprob(token, -0.1, ((token, -0.1), (ids[0], -2.0))) for token in ids)
+    content = _Logprobs(tokenizer, chat=True).render(0, entries)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == TEXT.encode("utf-8")
+    assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
+    assert {tuple(entry["top_logprobs"][1]["bytes"]) for entry in content} == {(TEXT.encode("utf-8")[0],)}
+
+
+@pytest.fixture(scope="module")
+def chat_client(stack):
+    """A gateway with an HTTP port on the session's workers, and an OpenAI client of it."""
+    loop = LoopThread()
+    settings = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
+                               verifier_address=f"127.0.0.1:{stack.verifier.port}",
+                               draft_address=f"127.0.0.1:{stack.draft.port}", http_port=0,
+                               chat_template=Path(__file__).parent.parent / "models" / "demo" / "chat.jinja")
+    server = loop.run(create_gateway(settings))
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.servicer.http.port}/v1", api_key="unused",
+                        max_retries=0, timeout=120)
+    loop.run(server.stop(0))
+    loop.close()
+
+
+def test_a_generated_byte_tokens_bytes_through_http(chat_client, tokenizer):
+    """A token that is the first byte of "é" (0xC3), forced by logit_bias: its entry's
+    `bytes` is that byte, where its text is U+FFFD."""
+    first_byte = tokenizer.encode("é", add_special_tokens=False)[0]
+    assert tokenizer.decode([first_byte]) == "\ufffd"
+    model = chat_client.models.list().data[0].id
+    chat = chat_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2, logit_bias={str(first_byte): 100})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert entry.token == "\ufffd" and entry.bytes == [0xC3]
+        for alt in entry.top_logprobs:  # the raw alternatives (before the bias): whole or part characters
+            raw = bytes(alt.bytes)
+            assert raw != "\ufffd".encode() and (alt.token == "\ufffd" or raw.decode("utf-8") == alt.token)

@@ -1,20 +1,25 @@
 """Model-free proposers: prompt lookup and suffix matching, the hybrid choice, and the
-suffix cache's budget and tenants, alone and through the three services."""
+suffix cache's budget, tenants and salts, alone and through the three services."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-from conftest import request, start_stack
+from conftest import LoopThread, request, start_stack
 from gateway.costmodel import StepCosts
 from gateway.hybrid import HybridChoice
 from gateway.metrics import AcceptanceCollector
 from gateway.proposers import PromptLookup, SuffixCache, SuffixProposer, follow
+from gateway.server import create_server as create_gateway
+from gateway.settings import GatewaySettings
+from specd.config import ServerSettings
 from specd.contract import PROMPT_LOOKUP, SUFFIX
-from specd.v1 import gateway_pb2
+from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from test_sampled_distribution import TRANSFORM, assert_follows_joint, target_joint
 
 # -- the proposers alone ----------------------------------------------------------------------
@@ -42,15 +47,15 @@ def test_prompt_lookup_never_matches_its_own_end():
 def test_suffix_follows_the_most_frequent_continuation_while_confident():
     cache = SuffixCache(max_tokens=1000)
     for response in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 7]):
-        cache.add("t", response)
-    proposer = SuffixProposer(cache, "t", min_token_prob=0.5, spec_factor=1.0)
+        cache.add("t", b"", response)
+    proposer = SuffixProposer(cache, "t", b"", min_token_prob=0.5, spec_factor=1.0)
     match = proposer.propose([8, 2, 3, 4], 8)
     # Pattern "2 3 4" (3 tokens, so at most 3 proposed): 5 follows in 2 of 3 occurrences,
     # then the two that agree go on with 6.
     assert match.tokens == [5, 6]
     assert match.confidence == pytest.approx([2 / 3, 1.0])
     # A stricter running-probability floor stops before the 2-of-3 token.
-    assert SuffixProposer(cache, "t", min_token_prob=0.7).propose([8, 2, 3, 4], 8).tokens == []
+    assert SuffixProposer(cache, "t", b"", min_token_prob=0.7).propose([8, 2, 3, 4], 8).tokens == []
 
 
 def test_suffix_draft_length_follows_the_pattern_length():
@@ -64,29 +69,61 @@ def test_suffix_draft_length_follows_the_pattern_length():
 def test_suffix_cache_stays_within_its_budget_oldest_out():
     cache = SuffixCache(max_tokens=50)
     for i in range(10):
-        cache.add("t", [100 + i] + list(range(i * 20, i * 20 + 19)))
+        cache.add("t", b"", [100 + i] + list(range(i * 20, i * 20 + 19)))
         assert cache.tokens <= 50
     # Only the last two responses fit; the first ones are gone, index entries and all.
-    assert cache.occurrences("t", [0, 1, 2]) == []
-    assert cache.occurrences("t", [180, 181, 182])
+    assert cache.occurrences("t", b"", [0, 1, 2]) == []
+    assert cache.occurrences("t", b"", [180, 181, 182])
 
 
 def test_suffix_cache_keeps_tenants_apart():
     cache = SuffixCache(max_tokens=1000)
-    cache.add("alice", [1, 2, 3, 4, 5, 6, 7])
-    assert SuffixProposer(cache, "alice").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
-    assert SuffixProposer(cache, "bob").propose([9, 1, 2, 3], 4).tokens == []
+    cache.add("alice", b"", [1, 2, 3, 4, 5, 6, 7])
+    assert SuffixProposer(cache, "alice", b"").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
+    assert SuffixProposer(cache, "bob", b"").propose([9, 1, 2, 3], 4).tokens == []
+
+
+def test_suffix_cache_keeps_salts_apart_within_a_tenant():
+    cache = SuffixCache(max_tokens=1000)
+    cache.add("acme", b"user-x", [1, 2, 3, 4, 5, 6, 7])
+    assert SuffixProposer(cache, "acme", b"user-x").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
+    assert SuffixProposer(cache, "acme", b"user-y").propose([9, 1, 2, 3], 4).tokens == []
+    assert SuffixProposer(cache, "acme", b"").propose([9, 1, 2, 3], 4).tokens == []
 
 
 
 def test_a_tenant_that_sends_a_lot_pushes_out_its_own_entries():
     cache = SuffixCache(max_tokens=40)
-    cache.add("alice", list(range(100, 110)))
+    cache.add("alice", b"", list(range(100, 110)))
     for i in range(5):  # bob floods: 50 tokens into a 40-token budget shared with alice
-        cache.add("bob", list(range(i * 10, i * 10 + 10)))
+        cache.add("bob", b"", list(range(i * 10, i * 10 + 10)))
         assert cache.tokens <= 40
-    assert cache.occurrences("alice", [100, 101, 102])  # alice's one response stays
-    assert cache.occurrences("bob", [0, 1, 2]) == [] and cache.occurrences("bob", [40, 41, 42])
+    assert cache.occurrences("alice", b"", [100, 101, 102])  # alice's one response stays
+    assert cache.occurrences("bob", b"", [0, 1, 2]) == [] and cache.occurrences("bob", b"", [40, 41, 42])
+
+
+def test_a_tenant_spreading_over_salts_still_pushes_out_its_own_entries():
+    cache = SuffixCache(max_tokens=40)
+    cache.add("alice", b"", list(range(100, 115)))
+    # bob floods under a new salt each time: each partition is smaller than alice's, but
+    # bob as a tenant holds the most.
+    for i in range(5):
+        cache.add("bob", f"salt-{i}".encode(), list(range(i * 10, i * 10 + 10)))
+        assert cache.tokens <= 40
+    assert cache.occurrences("alice", b"", [100, 101, 102])
+    assert cache.occurrences("bob", b"salt-0", [0, 1, 2]) == []
+    assert cache.occurrences("bob", b"salt-4", [40, 41, 42])
+
+
+def test_within_a_tenant_the_largest_salt_gives_up_its_oldest():
+    cache = SuffixCache(max_tokens=40)
+    cache.add("acme", b"quiet", list(range(100, 110)))
+    for i in range(4):  # a loud salt of the same tenant: 40 tokens beside the quiet one's 10
+        cache.add("acme", b"loud", list(range(i * 10, i * 10 + 10)))
+        assert cache.tokens <= 40
+    assert cache.occurrences("acme", b"quiet", [100, 101, 102])
+    assert cache.occurrences("acme", b"loud", [0, 1, 2]) == []
+    assert cache.occurrences("acme", b"loud", [30, 31, 32])
 
 
 # -- the hybrid choice --------------------------------------------------------------------------
@@ -213,6 +250,63 @@ def test_another_tenant_is_not_drafted_from_the_cache(hybrid_stack):
     assert hybrid_stack.stub.Generate(other).stats.proposers[0] == ""
 
 
+def assert_another_salt_is_drafted_no_better(generate: Callable[[str, str], gateway_pb2.GenerationStats]) -> None:
+    """generate(tenant, salt): the statistics of one request, forcing the suffix proposer,
+    on a prompt that repeats no 3 tokens (only a cached response could match it)."""
+    generate("acme", "user-x")
+    stranger = generate("another-tenant", "")
+    other_salt = generate("acme", "user-y")
+    # Greedy, untimed (a forced proposer prices nothing by timings): with nothing cached
+    # for it, a request's steps are a function of its tokens alone, so user Y's steps are
+    # the stranger's, token for token, and neither starts from the cache.
+    assert stranger.proposers[0] == other_salt.proposers[0] == ""
+    assert (list(other_salt.proposers), list(other_salt.accepted_lengths)) == \
+        (list(stranger.proposers), list(stranger.accepted_lengths))
+    again = generate("acme", "user-x")  # user X's own repeat still meets its response
+    assert again.proposers[0] == SUFFIX and again.accepted_lengths[0] == again.draft_lengths[0] >= 1
+    assert sum(again.accepted_lengths) > sum(other_salt.accepted_lengths)
+
+
+SALTED_PROMPT = "class Cache:\n    def __init__(self, size):\n        self.size = size"  # repeats no 3 tokens
+TENANT_KEYS = {"acme": "acme-key-0123456789", "another-tenant": "another-key-9876543210"}
+
+
+def test_another_salt_of_the_same_segment_is_drafted_no_better_than_another_segment(hybrid_stack):
+    def generate(segment: str, salt: str) -> gateway_pb2.GenerationStats:
+        req = request(SALTED_PROMPT, max_new_tokens=32, mode="AUTO", draft_model=SUFFIX)
+        req.user_segment, req.cache_salt = segment, salt
+        return hybrid_stack.stub.Generate(req).stats
+
+    assert_another_salt_is_drafted_no_better(generate)
+
+
+@pytest.fixture(scope="module")
+def keyed_hybrid(hybrid_stack, tmp_path_factory):
+    """A second gateway on the same workers, with API keys: the key decides the tenant."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in TENANT_KEYS.items()))
+    loop = LoopThread()
+    settings = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
+                               verifier_address=f"127.0.0.1:{hybrid_stack.verifier.port}",
+                               draft_address=f"127.0.0.1:{hybrid_stack.draft.port}", api_keys_file=keys,
+                               model_free=(SUFFIX, PROMPT_LOOKUP), suffix_cache_tokens=4096)
+    server = loop.run(create_gateway(settings))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield gateway_pb2_grpc.GatewayStub(channel)
+    channel.close()
+    loop.run(server.stop(0))
+    loop.close()
+
+
+def test_with_keys_another_salt_of_the_same_tenant_is_drafted_no_better_than_another_tenant(keyed_hybrid):
+    def generate(tenant: str, salt: str) -> gateway_pb2.GenerationStats:
+        req = request(SALTED_PROMPT, max_new_tokens=32, mode="AUTO", draft_model=SUFFIX)
+        req.cache_salt = salt
+        return keyed_hybrid.Generate(req, metadata=[("authorization", f"Bearer {TENANT_KEYS[tenant]}")]).stats
+
+    assert_another_salt_is_drafted_no_better(generate)
+
+
 def test_gateway_info_lists_the_model_free_proposers(hybrid_stack):
     info = hybrid_stack.stub.GetGatewayInfo(gateway_pb2.GatewayInfoRequest())
     free = {d.name for d in info.drafts if d.model_free}
@@ -221,7 +315,6 @@ def test_gateway_info_lists_the_model_free_proposers(hybrid_stack):
 
 
 def test_a_model_free_name_is_refused_where_it_is_not_hosted(stack):
-    import grpc
     with pytest.raises(grpc.RpcError) as caught:
         stack.stub.Generate(request(PROMPT, mode="AUTO", draft_model=SUFFIX))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
