@@ -1,9 +1,9 @@
 """The draft's side of structured output: proposing under the request's grammar.
 
-The gateway owns the grammar that decides the output (`gateway.grammar`): it cuts every
-proposal to what the grammar allows and has the verifier restrict the target to it. A
-draft that proposed without the grammar would see most of its tokens cut (a small model
-rarely writes JSON unprompted), so the draft samples from its q restricted to the same
+The gateway owns the grammar that decides the output (`gateway.grammar`): a proposed
+token the grammar forbids is rejected there, and the verifier restricts the target to the
+grammar. A draft that proposed without the grammar would see most of its tokens rejected
+(a small model rarely writes JSON unprompted), so the draft samples from its q restricted to the same
 grammar, at every position it drafts. Its tokens then follow the structure, and q is the
 distribution they were drawn from, as rejection sampling needs.
 
