@@ -5,10 +5,10 @@ The key file (`specd gateway --api-keys FILE`) has one key a line, `SEGMENT KEY`
 clear); blank lines and `#` comments are skipped. Callers send the metadata
 `authorization: Bearer KEY`. `ApiKeyInterceptor` refuses a missing or unknown key with
 UNAUTHENTICATED before any handler runs, sets the request's `user_segment` to the key's
-segment (a tenant cannot label its traffic as another's), and caps each tenant's
-(segment's) requests in flight (RESOURCE_EXHAUSTED), so that no tenant holds all of the
-gateway's capacity while another waits. Keys are compared as sha256 digests with
-`hmac.compare_digest` and are never logged or echoed.
+segment (a tenant cannot label its traffic as another's), and caps what each tenant's
+(segment's) requests in flight weigh (RESOURCE_EXHAUSTED; `request_weight`), so that no
+tenant holds all of the gateway's capacity while another waits. Keys are compared as
+sha256 digests with `hmac.compare_digest` and are never logged or echoed.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import collections
 import contextlib
 import hashlib
 import hmac
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ import grpc
 from gateway.errors import refuse_busy
 from specd.interceptors import replace_behavior
 
+# A slot of a tenant's share is one generation of up to SLOT_TOKENS tokens; a longer one
+# weighs a slot for each SLOT_TOKENS it may reach, as the KV cache it holds on the workers
+# grows with every token (two requests with n: 16 and max_tokens: 1000 took the demo
+# verifier from 623 MB to 1,693 MB).
+SLOT_TOKENS = 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 _HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -112,24 +118,47 @@ class KeyRing:
         return found
 
 
+def request_weight(n: int, max_tokens: int | None, logprobs: bool) -> int:
+    """The slots of its tenant's share a request holds while in flight: one per choice for
+    each SLOT_TOKENS of max_tokens, begun (None, the gateway's default length: one), twice
+    that when it asks for log-probabilities. Those cost a log-softmax over the vocabulary at
+    every verified position on the verifier, and a rendering of every token and alternative
+    on the gateway's event loop."""
+    return n * max(1, math.ceil((max_tokens or 0) / SLOT_TOKENS)) * (2 if logprobs else 1)
+
+
 class TenantQuota:
-    """Requests in flight per tenant (segment), over every transport: a tenant at its
-    share is refused until one of its requests ends. 0: no cap."""
+    """Slots in flight per tenant (segment), over every transport: a request holds its
+    weight (`request_weight`), and one that does not fit in what its tenant's requests in
+    flight leave of the share is refused until some end. 0: no cap."""
 
     def __init__(self, max_in_flight: int = 0) -> None:
         self.max_in_flight = max_in_flight
         self.in_flight: collections.Counter[str] = collections.Counter()
 
-    def admit(self, segment: str) -> str | None:
-        """Count a request in; the refusal message when the segment is at its share."""
-        if self.max_in_flight and self.in_flight[segment] >= self.max_in_flight:
-            return (f"segment {segment!r} has {self.max_in_flight} requests in flight, its share of this "
-                    f"gateway; wait for one to finish or retry with backoff")
-        self.in_flight[segment] += 1
+    def too_heavy(self, weight: int) -> str | None:
+        """Why a request of `weight` slots can never be admitted (it outweighs a whole share),
+        for a 400; None when it can."""
+        if self.max_in_flight and weight > self.max_in_flight:
+            return (f"this request weighs {weight} slots, more than a tenant's whole share of "
+                    f"{self.max_in_flight}: it holds one slot per choice (n) for each {SLOT_TOKENS} tokens of "
+                    f"max_tokens, twice that with log-probabilities; ask for fewer choices or tokens, or no "
+                    f"log-probabilities")
         return None
 
-    def leave(self, segment: str) -> None:
-        self.in_flight[segment] -= 1
+    def admit(self, segment: str, weight: int = 1) -> str | None:
+        """Count a request of `weight` slots in; the refusal message when the segment's
+        requests in flight leave no room for it in its share."""
+        held = self.in_flight[segment]
+        if self.max_in_flight and held + weight > self.max_in_flight:
+            return (f"segment {segment!r} holds {held} of the {self.max_in_flight} slots of its share of this "
+                    f"gateway, and this request weighs {weight}; wait for one of its requests to finish or "
+                    f"retry with backoff")
+        self.in_flight[segment] += weight
+        return None
+
+    def leave(self, segment: str, weight: int = 1) -> None:
+        self.in_flight[segment] -= weight
         if not self.in_flight[segment]:
             del self.in_flight[segment]
 
@@ -166,8 +195,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED without a known key; the key's segment on every request it sends.
 
     Health checks are always open (probes carry no key); reflection is open unless
-    `protect_reflection`. `quota` caps each segment's concurrent requests (all its keys
-    together, over gRPC and HTTP).
+    `protect_reflection`. `quota` caps what each segment's concurrent requests weigh (all
+    its keys together, over gRPC and HTTP).
     """
 
     def __init__(self, keys: KeyRing, protect_reflection: bool = False, quota: TenantQuota | None = None) -> None:
@@ -191,11 +220,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return _same_kind(handler, _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, message))
         return self._bind(handler, key)
 
-    def _admit(self, key: ApiKey) -> str | None:
-        return self.quota.admit(key.segment)
-
-    def _leave(self, key: ApiKey) -> None:
-        self.quota.leave(key.segment)
+    async def _admit(self, key: ApiKey, weight: int, context: grpc.aio.ServicerContext) -> None:
+        """Hold `weight` slots of the key's segment, or abort the call: INVALID_ARGUMENT
+        when no share could ever hold it, RESOURCE_EXHAUSTED when the segment's requests in
+        flight leave no room."""
+        if (heavy := self.quota.too_heavy(weight)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, heavy)
+        if (refusal := self.quota.admit(key.segment, weight)) is not None:
+            await refuse_busy(context, refusal)
 
     def _bind(self, handler: grpc.RpcMethodHandler, key: ApiKey) -> grpc.RpcMethodHandler:
         """The handler with the key's segment stamped on each request and its quota held."""
@@ -215,28 +247,39 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 stamp(request)
-                if (refusal := self._admit(key)) is not None:
-                    await refuse_busy(context, refusal)
+                weight = _weight(request)
+                await self._admit(key, weight, context)
                 try:
                     async with contextlib.aclosing(behavior(request, context)) as responses:
                         async for response in responses:
                             yield response
                 finally:
-                    self._leave(key)
+                    self.quota.leave(key.segment, weight)
 
             return replace_behavior(handler, unary_stream=unary_stream)
         behavior = handler.unary_unary
 
         async def unary_unary(request, context):
             stamp(request)
-            if (refusal := self._admit(key)) is not None:
-                await refuse_busy(context, refusal)
+            weight = _weight(request)
+            await self._admit(key, weight, context)
             try:
                 return await behavior(request, context)
             finally:
-                self._leave(key)
+                self.quota.leave(key.segment, weight)
 
         return replace_behavior(handler, unary_unary=unary_unary)
+
+
+def _weight(request) -> int:
+    """A gRPC call's `request_weight`: a GenerateRequest's, by its n and sampling fields;
+    one slot for the calls that generate nothing."""
+    fields = getattr(request, "DESCRIPTOR", None)
+    if fields is None or "n" not in fields.fields_by_name or "sampling" not in fields.fields_by_name:
+        return 1
+    sampling = request.sampling
+    max_tokens = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None
+    return request_weight(request.n or 1, max_tokens, sampling.HasField("logprobs"))
 
 
 def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):

@@ -73,7 +73,12 @@ async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[t
             if item is None:
                 running -= 1
             elif isinstance(item, Exception):
-                raise item
+                try:
+                    raise item
+                finally:
+                    # Its traceback holds this frame: holding it back would make a cycle that
+                    # keeps the whole request alive until a full garbage collection.
+                    del item
             else:
                 yield index, item
     finally:

@@ -21,8 +21,10 @@ that disconnects stops its request at the next step, and the workers' sessions a
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
 open, a new one displacing the oldest that has not sent a request; the API key is checked
-before the body is read; the body is parsed, checked for text that is not Unicode and, for
-chat, rendered on a thread of its own, never on the event loop the steps run on. Streams
+before the body is read; the body is parsed (no object past MAX_OBJECT_ENTRIES is built, and
+fields with a count limit are counted before anything is built from them), checked for
+text that is not Unicode and, for chat, rendered on a thread of its own, never on the
+event loop the steps run on; then it is weighed against the tenant's share. Streams
 still running when the gateway drains end with an error event and `[DONE]`.
 
 Extensions in the body, as vLLM's extra parameters: `top_k`, and `speculation` with the
@@ -57,7 +59,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
-from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token
+from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token, request_weight
 from gateway.choices import choice_requests, merged
 from gateway.core import Chunk, GatewayCore
 from gateway.engine import TokenLogprob
@@ -68,6 +70,7 @@ from gateway.records import Finish
 from gateway.request import ClientRequest, Mode
 from gateway.text import token_bytes
 from specd.grpcserver import PortInUse
+from specd.sampling import MAX_LOGIT_BIAS
 from specd.tls import files_stamp
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,15 @@ _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logpr
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
                 "min_draft_confidence", "overlap"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+# The most entries any JSON object in a body may hold: the largest a field may take, a JSON
+# schema's properties (OpenAI's structured outputs allow 5,000 in a schema; `logit_bias`
+# takes at most MAX_LOGIT_BIAS). json.loads hands each object's pairs to `_bounded_object`
+# before it builds the object, so a larger one is refused before its dict is built and
+# before the rest of the body is read.
+MAX_OBJECT_ENTRIES = 5000
+# The most values `structured_outputs.choice` may list: OpenAI's bound on a schema's enum
+# values, which a choice is. llguidance compiles 1,000 in about 6 ms, 16,000 in 210 ms.
+MAX_CHOICE_VALUES = 1000
 _FINISH = {Finish.LENGTH: "length", Finish.EOS: "stop", Finish.STOP: "stop"}
 _WORKER_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
                   grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400}
@@ -174,19 +186,41 @@ def _check_text(value: Any) -> None:
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
-def _parse_body(raw: bytes, max_messages: int) -> dict[str, Any]:
-    """The body's JSON object, its text checked (on the body thread: 1 MiB takes a while).
-    A chat over `max_messages` is refused here, before its strings are walked or rendered."""
+def _bounded_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of the body, built only when it holds at most MAX_OBJECT_ENTRIES."""
+    if len(pairs) > MAX_OBJECT_ENTRIES:
+        raise HttpError(400, f"the body holds an object of {len(pairs)} entries; this gateway reads at most "
+                             f"{MAX_OBJECT_ENTRIES} in one ('logit_bias' takes at most {MAX_LOGIT_BIAS} token ids, "
+                             f"a JSON schema {MAX_OBJECT_ENTRIES} properties)")
+    return dict(pairs)
+
+
+def _check_counts(body: dict[str, Any], max_messages: int, max_stop: int) -> None:
+    """400 for a field with more entries than this gateway takes, before anything is built
+    from it (rendered, converted, sorted, compiled) and before the request is admitted."""
+    structured = body.get("structured_outputs")
+    counted = (("logit_bias", body.get("logit_bias"), MAX_LOGIT_BIAS, "token ids", ""),
+               ("messages", body.get("messages"), max_messages, "messages", " (--max-chat-messages)"),
+               ("stop", body.get("stop"), max_stop, "stop strings", ""),
+               ("structured_outputs.choice", structured.get("choice") if isinstance(structured, dict) else None,
+                MAX_CHOICE_VALUES, "values", ""))
+    for name, value, limit, what, flag in counted:
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise HttpError(400, f"'{name}' holds {len(value)} {what}, over this gateway's limit of {limit}{flag}; "
+                                 f"send fewer", param=name.split(".")[0])
+
+
+def _parse_body(raw: bytes, max_messages: int, max_stop: int) -> dict[str, Any]:
+    """The body's JSON object, bounded and its text checked (on the body thread: 1 MiB takes
+    a while). An object past MAX_OBJECT_ENTRIES is refused while parsing, a field past its
+    limit (`_check_counts`) once parsed: before its strings are walked or rendered."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=_bounded_object)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
         raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
     if not isinstance(value, dict):
         raise HttpError(400, "the body must be a JSON object")
-    messages = value.get("messages")
-    if isinstance(messages, list) and len(messages) > max_messages:
-        raise HttpError(400, f"{len(messages)} messages is over this gateway's limit of {max_messages} "
-                             f"(--max-chat-messages); send fewer", param="messages")
+    _check_counts(value, max_messages, max_stop)
     if _MAYBE_SURROGATE.search(raw):
         _check_text(value)
     return value
@@ -367,6 +401,7 @@ class OpenAIApp:
         self.serving = serving
         self.max_body = core.settings.max_request_bytes
         self.max_messages = core.settings.max_chat_messages
+        self.max_stop = core.settings.max_stop_strings
         # Bodies are parsed and chats rendered here, one at a time: a flood of large bodies
         # queues on this thread, not on the event loop every request's steps run on.
         self._body_thread = ThreadPoolExecutor(1, thread_name_prefix="specd-http-body")
@@ -445,7 +480,7 @@ class OpenAIApp:
             body += piece
             if len(body) > self.max_body:
                 raise too_large
-        return await self._off_loop(_parse_body, bytes(body), self.max_messages)
+        return await self._off_loop(_parse_body, bytes(body), self.max_messages, self.max_stop)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -530,22 +565,11 @@ class OpenAIApp:
             choices = choice_requests(asked, _integer(body, "n", 1, low=1) or 1)
         except InvalidRequest as exc:
             raise HttpError(400, str(exc), param="n") from exc
-        leaves: list[Callable[[], None]] = []
-
-        def leave() -> None:
-            for one in leaves:
-                one()
-
-        try:
-            for _ in choices:  # each choice is a request in flight
-                leaves.append(self._admit(segment))
-        except HttpError:  # over the tenant's share part-way: give back what was taken
-            leave()
-            raise
         chat = kind == "chat.completion"
         logprobs = None if asked.logprobs is None else _Logprobs(self.core.backend.tokenizer, chat)
         reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices), logprobs)
 
+        leave = self._admit(segment, asked, len(choices))
         streaming = False  # once the stream is handed out, it gives the tenant's slots back
         try:
             chunks = merged([self.core.generate(choice) for choice in choices])
@@ -563,16 +587,21 @@ class OpenAIApp:
             return Response(status_code=499)
         return JSONResponse(reply.whole(outcome))
 
-    def _admit(self, segment: str) -> Callable[[], None]:
-        """Hold one of the tenant's requests in flight (429 at its share, with keys); the
-        function that gives it back."""
+    def _admit(self, segment: str, asked: ClientRequest, n: int) -> Callable[[], None]:
+        """Hold the request's weight in its tenant's share (`gateway.auth.request_weight`;
+        with keys): 400 when no share could hold it, 429 when the tenant's requests in flight
+        leave no room. The function that gives it back."""
         quota = self.quota
         if quota is None or self.keys is None:
             return lambda: None
-        refusal = quota.admit(segment)
-        if refusal is not None:
+        # A max_tokens over the cap weighs as the cap: the core refuses it, saying so.
+        max_tokens = min(asked.max_new_tokens or 0, self.core.settings.max_new_tokens_cap) or None
+        weight = request_weight(n, max_tokens, asked.logprobs is not None)
+        if (heavy := quota.too_heavy(weight)) is not None:
+            raise HttpError(400, heavy, param="n")
+        if (refusal := quota.admit(segment, weight)) is not None:
             raise _busy(refusal)
-        return lambda: quota.leave(segment)
+        return lambda: quota.leave(segment, weight)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -621,7 +650,13 @@ async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, Any]) ->
         raise
     gone.cancel()
     if task.done():
-        return task.result()
+        try:
+            return task.result()
+        finally:
+            # The task holds its exception, whose traceback holds this frame, which holds the
+            # task: a cycle only a full collection frees, and with it every object of the
+            # request (a refused body's included). Breaking it frees them at once.
+            del task
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -65,9 +65,10 @@ def health_ms(http_port: int) -> float:
 
 def medians(stub, http_port: int, seconds: float | None = None, n: int = 30) -> tuple[float, float, float]:
     """Median 4-token and /health latencies (and the worst /health), n pairs or for `seconds`."""
-    grpc_ms, http_ms = [], []
-    until = time.monotonic() + seconds if seconds else None
-    while (len(grpc_ms) < n) if until is None else (time.monotonic() < until):
+    grpc_ms: list[float] = []
+    http_ms: list[float] = []
+    until = time.monotonic() + (seconds or 0.0)
+    while time.monotonic() < until if seconds else len(grpc_ms) < n:
         grpc_ms.append(generate_ms(stub))
         http_ms.append(health_ms(http_port))
         time.sleep(0.05)
@@ -183,7 +184,7 @@ def main() -> int:
             stop = threading.Event()
             answers: list[int] = []
 
-            def loop(i: int) -> None:
+            def loop(i: int, stop: threading.Event, fresh: bool, answers: list[int]) -> None:
                 sent = 0
                 while not stop.is_set():
                     sent += 1
@@ -194,7 +195,7 @@ def main() -> int:
                                             "json_schema": {"name": "big", "schema": schema(salt)}}})[0])
 
             size = len(json.dumps(schema("c0r0_" if fresh else ""))) / 1e3
-            threads = in_threads(2, loop)
+            threads = in_threads(2, loop, stop, fresh, answers)
             time.sleep(1.0)
             figures = medians(stub, args.http_port, seconds=20)
             stop.set()

@@ -3,12 +3,15 @@ real gateway (uvicorn in the gateway's event loop) over real workers on loopback
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
 import openai
 import pytest
 from hypothesis import given, settings
@@ -17,7 +20,9 @@ from hypothesis import strategies as st
 from conftest import LoopThread, request, start_stack
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
+from gateway.validation import parse_request
 from specd.config import ServerSettings
+from specd.v1 import gateway_pb2_grpc
 from tcpproxy import TcpProxy
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -457,14 +462,104 @@ def test_n_choices_each_reproduce_from_the_seed(client, http_stack):
         client.completions.create(model=model, prompt=PROMPT, n=100)
 
 
-def test_n_over_the_tenants_share_is_429_and_gives_back_what_it_took(keyed, client):
-    """n=2 against a share of 1: refused with 429, and the one slot taken before the
-    refusal is given back (the next request of that tenant is served)."""
+def test_a_request_heavier_than_a_whole_share_is_400(keyed, client):
+    """Against a share of 1 slot, n=2, log-probabilities and 2,000 tokens each weigh 2: no
+    wait could let them in, so each is a 400 that says what to ask for, not a 429; the
+    tenant's next request is served."""
     model = client.models.list().data[0].id
     alpha = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
-    with pytest.raises(openai.RateLimitError, match="share"):
-        alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, n=2)
+    # 2,000 tokens is past this model's context as well; the weight is checked first.
+    for heavy in ({"n": 2}, {"logprobs": 0}, {"max_tokens": 2000}):
+        with pytest.raises(openai.BadRequestError, match="weighs 2 slots, more than a tenant's whole share of 1"):
+            alpha.completions.create(model=model, prompt=PROMPT, **{"max_tokens": 2, "temperature": 0, **heavy})
     assert alpha.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_invalid_requests_hold_no_slot_of_their_tenants_share(keyed, client, monkeypatch):
+    """Four requests with 17 stop strings (16 is the limit) arrive while the core's
+    validation would hold them: each is refused before it takes a slot of its tenant's
+    share of 1, so the tenant's valid request that follows is served, not refused 429."""
+    model = client.models.list().data[0].id
+    reached_the_core, release = threading.Event(), threading.Event()
+
+    def held(asked, *args):
+        if len(asked.stop) > 16:  # an invalid request that got this far waits here, as behind a long queue
+            reached_the_core.set()
+            release.wait(30)
+        return parse_request(asked, *args)
+
+    monkeypatch.setattr("gateway.core.parse_request", held)
+    alpha = {"Authorization": "Bearer alpha-key"}
+    invalid = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2,
+                          "stop": [f"s{i}" for i in range(17)]}).encode()
+    valid = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            refused = [pool.submit(post, keyed + "/completions", invalid, alpha) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while not (reached_the_core.is_set() or all(f.done() for f in refused)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            status, reply = post(keyed + "/completions", valid, alpha)
+        finally:
+            release.set()
+        answers = [f.result() for f in refused]
+    assert status == 200, reply
+    assert all(code == 400 and "17 stop strings" in body["error"]["message"] for code, body in answers), answers
+
+
+def test_a_tenants_requests_hold_their_weight_of_its_share(http_stack, tmp_path):
+    """With a share of 4 slots: n=16 never fits (400); a stream of n=2 with log-probabilities
+    weighs 4, over HTTP as over gRPC, so while it runs the tenant's next request gets 429
+    (counted as requests it held 2 slots, over gRPC 1), and once it ends that is served."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alpha alpha-key\nbeta beta-key\n")
+    loop = LoopThread()
+    proxy = loop.run(TcpProxy(http_stack.verifier.port).start())
+    gateway = loop.run(create_gateway(GatewaySettings(
+        ServerSettings("127.0.0.1", 0, grace_s=0.5), verifier_address=f"127.0.0.1:{proxy.port}", draft_address="",
+        api_keys_file=keys, key_max_in_flight=4, http_port=0)))
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    base = f"http://127.0.0.1:{gateway.servicer.http.port}/v1"
+    model = http_stack.gateway.servicer.core.backend.target.name
+    alpha = {"Authorization": "Bearer alpha-key"}
+    plain = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+
+    def served_again() -> int:  # the held request's slots come back once the gateway sees it end
+        deadline = time.monotonic() + 20
+        while (status := post(base + "/completions", plain, alpha)[0]) == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return status
+
+    try:
+        status, reply = post(base + "/completions", json.dumps({"model": model, "prompt": PROMPT, "n": 16}).encode(),
+                             alpha)
+        assert status == 400 and "weighs 16 slots" in reply["error"]["message"], reply
+        over_http = openai.OpenAI(base_url=base, api_key="alpha-key", max_retries=0)
+        with over_http.completions.create(model=model, prompt=PROMPT, max_tokens=200, n=2, logprobs=0,
+                                          extra_body={"ignore_eos": True}, stream=True) as held:
+            next(iter(held))
+            loop.loop.call_soon_threadsafe(proxy.pause)  # the stream now waits on the verifier: still in flight
+            status, reply = post(base + "/completions", plain, alpha)
+            assert status == 429 and "holds 4 of the 4 slots" in reply["error"]["message"], reply
+            loop.loop.call_soon_threadsafe(proxy.resume)
+        assert served_again() == 200
+        over_grpc = request(PROMPT, max_new_tokens=200, mode="OFF")
+        over_grpc.n, over_grpc.sampling.logprobs, over_grpc.sampling.ignore_eos = 2, 0, True
+        stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(over_grpc,
+                                                                      metadata=[("authorization", "Bearer alpha-key")])
+        next(stream)
+        loop.loop.call_soon_threadsafe(proxy.pause)
+        status, reply = post(base + "/completions", plain, alpha)
+        assert status == 429 and "holds 4 of the 4 slots" in reply["error"]["message"], reply
+        stream.cancel()
+        loop.loop.call_soon_threadsafe(proxy.resume)
+        assert served_again() == 200
+    finally:
+        loop.loop.call_soon_threadsafe(proxy.resume)
+        channel.close()
+        loop.run(gateway.stop(0))
+        loop.run(proxy.close())
+        loop.close()
 
 
 def test_logprobs_in_openais_shapes(client, http_stack):
@@ -477,9 +572,11 @@ def test_logprobs_in_openais_shapes(client, http_stack):
                                           logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert "".join(e.token for e in content) == chat.choices[0].message.content
+    # Each token's own bytes: together they spell the content, even where a token holds part of a character.
+    assert b"".join(bytes(e.bytes) for e in content).decode() == chat.choices[0].message.content
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
-        assert entry.top_logprobs[0].logprob == entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
     completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
     grpc_reply = http_stack.stub.Generate(request(PROMPT, max_new_tokens=10, mode="AUTO"))
     legacy = completion.choices[0].logprobs

@@ -4,6 +4,7 @@ Real gateways on loopback over real workers; the silent-socket test runs `specd 
 as its own process with a file limit of 512."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -19,6 +20,7 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request, start_stack
+from gateway.errors import InvalidRequest
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ServerSettings
@@ -107,6 +109,53 @@ def test_bodies_are_parsed_and_chats_rendered_off_the_event_loop(edge, monkeypat
         "temperature": 0}).encode())
     assert status == 200, reply
     assert threads and all(name.startswith("specd-http-body") for name in threads), threads
+
+
+# -- refused bodies: memory stays flat ---------------------------------------------------------
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set from /proc")
+def test_a_flood_of_refused_bodies_leaves_memory_flat(edge):
+    """Three clients send 15 bodies of 889 KB each, a 90,000-entry logit_bias, every one
+    refused: this process (gateway and workers) grows by under 200 MB. Each once kept about
+    26 MB until a full garbage collection: the body was built, converted and sorted before
+    it was counted, and the request's task and its exception held each other."""
+    raw = json.dumps({"model": model_name(edge), "max_tokens": 4, "prompt": PROMPT,
+                      "logit_bias": {str(i): 1 for i in range(90_000)}}, separators=(",", ":")).encode()
+    assert len(raw) > 880_000
+
+    def refused(_: int) -> None:
+        status, reply = post(url(edge, "/v1/completions"), raw)
+        assert status == 400 and "an object of 90000 entries" in reply["error"]["message"], reply
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(refused, range(3)))  # the body thread and the arenas it needs, before the baseline
+        before = resident_bytes()
+        list(pool.map(refused, range(45)))
+    grown = resident_bytes() - before
+    assert grown < 200 * 1024 * 1024, f"45 refused bodies grew the process by {grown / 2 ** 20:.0f} MB"
+
+
+def test_a_request_the_core_refuses_is_freed_when_it_ends(edge):
+    """No reference cycle keeps a refused request (its body, its parsed fields) alive until
+    the next full garbage collection, which a busy gateway may not run for minutes."""
+    body = json.dumps({"model": model_name(edge), "max_tokens": 4, "prompt": [10_000]}).encode()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        status, reply = post(url(edge, "/v1/completions"), body)
+        time.sleep(0.2)  # the handler's task ends just after the reply is sent
+        gc.collect()
+        kept = [item for item in gc.garbage if isinstance(item, InvalidRequest)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert status == 400 and "outside the target's vocabulary" in reply["error"]["message"], reply
+    assert not kept, "the refused request was left in a reference cycle"
 
 
 # -- keys before bodies ---------------------------------------------------------------------------
