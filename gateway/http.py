@@ -21,10 +21,11 @@ that disconnects stops its request at the next step, and the workers' sessions a
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
 open, a new one displacing the oldest that has not sent a request; the API key is checked
-before the body is read; the body is parsed (no object past MAX_OBJECT_ENTRIES is built, and
-fields with a count limit are counted before anything is built from them), checked for
-text that is not Unicode and, for chat, rendered on a thread of its own, never on the
-event loop the steps run on; then it is weighed against the tenant's share. Streams
+before the body is read; the body is parsed (`gateway.bodies`: no object past a bound is
+built, fields with a count limit are counted before anything is built from them, a large
+body is parsed in a process of its own), checked for text that is not Unicode and, for
+chat, rendered on a thread of its own, never on the event loop the steps run on; then it
+is weighed against the tenant's share. Streams
 still running when the gateway drains end with an error event and `[DONE]`.
 
 Extensions in the body, as vLLM's extra parameters: `top_k`, and `speculation` with the
@@ -39,7 +40,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import socket
 import ssl
 import struct
@@ -60,6 +60,7 @@ from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from gateway.auth import AmbiguousCredentials, KeyRing, TenantQuota, bearer_token, request_weight
+from gateway.bodies import BodyLimits, BodyParser, HttpError
 from gateway.choices import choice_requests, merged
 from gateway.core import Chunk, GatewayCore
 from gateway.engine import TokenLogprob
@@ -86,33 +87,13 @@ _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logpr
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
                 "min_draft_confidence", "overlap"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-# The most entries any JSON object in a body may hold: the largest a field may take, a JSON
-# schema's properties (OpenAI's structured outputs allow 5,000 in a schema; `logit_bias`
-# takes at most MAX_LOGIT_BIAS). json.loads hands each object's pairs to `_bounded_object`
-# before it builds the object, so a larger one is refused before its dict is built and
-# before the rest of the body is read.
-MAX_OBJECT_ENTRIES = 5000
-# The most values `structured_outputs.choice` may list: OpenAI's bound on a schema's enum
-# values, which a choice is. llguidance compiles 1,000 in about 6 ms, 16,000 in 210 ms.
-MAX_CHOICE_VALUES = 1000
 _FINISH = {Finish.LENGTH: "length", Finish.EOS: "stop", Finish.STOP: "stop"}
 _WORKER_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
                   grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400}
 
 
-class HttpError(Exception):
-    """An OpenAI error object with its HTTP status."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, headers=self.headers)
+def _response(error: HttpError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
 def _busy(message: str) -> HttpError:
@@ -155,74 +136,6 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int = 0)
     value = _typed(body, name, (int,), default, "an integer")
     if value is not None and value < low:
         raise HttpError(400, f"'{name}' must be at least {low}, got {value}", param=name)
-    return value
-
-
-def _check_text(value: Any) -> None:
-    """400 unless every string in the parsed body (keys too) is Unicode text: JSON's
-    `\\ud800` escapes decode to lone surrogates, which no UTF-8 encoder (the tokenizer's,
-    protobuf's, the log's) accepts."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise HttpError(400, f"the body holds a lone UTF-16 surrogate ({item[exc.start]!r}): JSON text "
-                                         f"must be Unicode; escape a character outside the BMP as a surrogate "
-                                         f"pair, or send it as UTF-8") from None
-        elif isinstance(item, dict):
-            pending.extend(item)
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-
-
-# Where a lone surrogate can come from in a body: JSON's escapes of one (\\ud800-\\udfff),
-# or its UTF-8-like bytes, which json.loads lets through ("surrogatepass"). A body with
-# neither (nearly every body) skips the walk over its strings.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def _bounded_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object of the body, built only when it holds at most MAX_OBJECT_ENTRIES."""
-    if len(pairs) > MAX_OBJECT_ENTRIES:
-        raise HttpError(400, f"the body holds an object of {len(pairs)} entries; this gateway reads at most "
-                             f"{MAX_OBJECT_ENTRIES} in one ('logit_bias' takes at most {MAX_LOGIT_BIAS} token ids, "
-                             f"a JSON schema {MAX_OBJECT_ENTRIES} properties)")
-    return dict(pairs)
-
-
-def _check_counts(body: dict[str, Any], max_messages: int, max_stop: int) -> None:
-    """400 for a field with more entries than this gateway takes, before anything is built
-    from it (rendered, converted, sorted, compiled) and before the request is admitted."""
-    structured = body.get("structured_outputs")
-    counted = (("logit_bias", body.get("logit_bias"), MAX_LOGIT_BIAS, "token ids", ""),
-               ("messages", body.get("messages"), max_messages, "messages", " (--max-chat-messages)"),
-               ("stop", body.get("stop"), max_stop, "stop strings", ""),
-               ("structured_outputs.choice", structured.get("choice") if isinstance(structured, dict) else None,
-                MAX_CHOICE_VALUES, "values", ""))
-    for name, value, limit, what, flag in counted:
-        if isinstance(value, (list, dict)) and len(value) > limit:
-            raise HttpError(400, f"'{name}' holds {len(value)} {what}, over this gateway's limit of {limit}{flag}; "
-                                 f"send fewer", param=name.split(".")[0])
-
-
-def _parse_body(raw: bytes, max_messages: int, max_stop: int) -> dict[str, Any]:
-    """The body's JSON object, bounded and its text checked (on the body thread: 1 MiB takes
-    a while). An object past MAX_OBJECT_ENTRIES is refused while parsing, a field past its
-    limit (`_check_counts`) once parsed: before its strings are walked or rendered."""
-    try:
-        value = json.loads(raw, object_pairs_hook=_bounded_object)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read
-        raise HttpError(400, f"the body is not valid JSON, or nests too deep: {str(exc)[:200]}") from exc
-    if not isinstance(value, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    _check_counts(value, max_messages, max_stop)
-    if _MAYBE_SURROGATE.search(raw):
-        _check_text(value)
     return value
 
 
@@ -400,24 +313,26 @@ class OpenAIApp:
         self.chat_template = chat_template
         self.serving = serving
         self.max_body = core.settings.max_request_bytes
-        self.max_messages = core.settings.max_chat_messages
-        self.max_stop = core.settings.max_stop_strings
-        # Bodies are parsed and chats rendered here, one at a time: a flood of large bodies
-        # queues on this thread, not on the event loop every request's steps run on.
+        # Small bodies are parsed and chats rendered here, one at a time: a flood of them
+        # queues on this thread, not on the event loop every request's steps run on. Large
+        # bodies are parsed in a process (`gateway.bodies`).
         self._body_thread = ThreadPoolExecutor(1, thread_name_prefix="specd-http-body")
+        self.bodies = BodyParser(BodyLimits(core.settings.max_chat_messages, core.settings.max_stop_strings,
+                                            MAX_LOGIT_BIAS), self._body_thread)
         self.closing = asyncio.Event()  # set as the gateway drains: streams still running end now
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
-        ], exception_handlers={HttpError: lambda request, exc: exc.response(),
-                               404: lambda request, exc: HttpError(404, f"no route {request.url.path}").response(),
-                               405: lambda request, exc: HttpError(405, "method not allowed").response(),
+        ], exception_handlers={HttpError: lambda request, exc: _response(exc),
+                               404: lambda request, exc: _response(HttpError(404, f"no route {request.url.path}")),
+                               405: lambda request, exc: _response(HttpError(405, "method not allowed")),
                                Exception: _internal_error})
 
     def close(self) -> None:
         self._body_thread.shutdown(wait=False, cancel_futures=True)
+        self.bodies.close()
 
     async def _off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._body_thread, work, *args)
@@ -429,7 +344,7 @@ class OpenAIApp:
     async def health(self, request: Request) -> Response:
         if self.serving():
             return JSONResponse({"status": "ok"})
-        return HttpError(503, "no verifier answers its health checks", "server_error").response()
+        return _response(HttpError(503, "no verifier answers its health checks", "server_error"))
 
     async def models(self, request: Request) -> Response:
         self._tenant(request)
@@ -470,7 +385,7 @@ class OpenAIApp:
 
     async def _body(self, request: Request) -> dict[str, Any]:
         """The JSON object of the body, read up to --max-request-bytes (413 past it), parsed
-        and checked on the body thread."""
+        and checked off the event loop (`gateway.bodies`)."""
         length = request.headers.get("content-length", "")
         too_large = HttpError(413, f"the body is over this gateway's limit of {self.max_body} bytes")
         if length.isdigit() and int(length) > self.max_body:
@@ -480,7 +395,7 @@ class OpenAIApp:
             body += piece
             if len(body) > self.max_body:
                 raise too_large
-        return await self._off_loop(_parse_body, bytes(body), self.max_messages, self.max_stop)
+        return await self.bodies.parse(bytes(body))
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -606,7 +521,7 @@ class OpenAIApp:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """A fault of specd's own is still an OpenAI error object (the traceback is logged)."""
-    return HttpError(500, f"the gateway failed this request: {type(exc).__name__}", "server_error").response()
+    return _response(HttpError(500, f"the gateway failed this request: {type(exc).__name__}", "server_error"))
 
 
 async def _first(chunks: AsyncGenerator[tuple[int, Chunk], None]) -> tuple[int, Chunk]:

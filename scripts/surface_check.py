@@ -160,7 +160,7 @@ def main() -> int:
 
         # 2. Refused bodies with a 90,000-entry logit_bias.
         bias = json.dumps({"model": "target", "prompt": "x", "max_tokens": 4,
-                           "logit_bias": {str(i): 1 for i in range(90_000)}}).encode()
+                           "logit_bias": {str(i): 1 for i in range(90_000)}}, separators=(",", ":")).encode()
         pid = gateway_pid(serve.pid)
         before = rss_mb(pid)
         statuses: list[int] = []
@@ -210,13 +210,18 @@ def main() -> int:
         # 4. Salts within a tenant, in the suffix cache.
         prompt = "def merge_sorted(left, right):\n    result = []\n"
 
-        def drafted(key: str, salt: str) -> float:
+        def drafted(key: str, salt: str, text: str = prompt) -> float:
             status, body = post(args.http_port, "/v1/completions", {
-                "model": "target", "prompt": prompt, "max_tokens": 64, "temperature": 0, "cache_salt": salt},
+                "model": "target", "prompt": text, "max_tokens": 64, "temperature": 0, "cache_salt": salt},
                 key=key)
             assert status == 200, body
             return body["usage"]["speculation"]["mean_acceptance_length"]
 
+        # Both tenants first send the same other prompts, so that their γ policies have seen
+        # as much (a policy's acceptance estimate is pooled per tenant and task, over salts).
+        for warm in ("class Stack:\n    def __init__(self):\n", "def binary_search(items, target):\n"):
+            for key in KEYS.values():
+                drafted(key, "warm-up", warm)
         x = drafted(KEYS["alpha"], "userX")
         y = drafted(KEYS["alpha"], "userY")
         other = drafted(KEYS["beta"], "userY")

@@ -26,12 +26,15 @@ import llguidance
 import llguidance.torch
 
 # llguidance's documented defaults, written out so that an upgrade cannot loosen them
-# unseen (its docstrings give each one's speed): a grammar row's branching; lexer fuel at
-# compile (~20 ms) and per mask (~14 ms); Earley items per mask (~2.5 ms); lexer states
-# (1–2 kB each: ~500 MB at most); grammar symbols. verbose_errors off: a refusal names the
-# limit without dumping the parser's state into the client's error message.
+# unseen (its docstrings give each one's speed): lexer fuel at compile (~20 ms) and per mask
+# (~14 ms); Earley items per mask (~2.5 ms); lexer states (1–2 kB each: ~500 MB at most);
+# grammar symbols. One is raised: a row's items, from 2,000 to 25,000, because a JSON
+# object's row holds about 4 items a property and OpenAI's structured outputs allow 5,000
+# properties (3,000 made a row of 12,007, which the default refused after the first `{`).
+# verbose_errors off: a refusal names the limit without dumping the parser's state into
+# the client's error message.
 LIMITS = llguidance.LLParserLimits(
-    max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+    max_items_in_row=25_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
     max_lexer_states=250_000, max_grammar_size=500_000, precompute_large_lexemes=True, verbose_errors=False)
 
 

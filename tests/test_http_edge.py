@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request, start_stack
+from gateway.bodies import LARGE_BODY_BYTES
 from gateway.errors import InvalidRequest
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
@@ -138,6 +139,19 @@ def test_a_flood_of_refused_bodies_leaves_memory_flat(edge):
         list(pool.map(refused, range(45)))
     grown = resident_bytes() - before
     assert grown < 200 * 1024 * 1024, f"45 refused bodies grew the process by {grown / 2 ** 20:.0f} MB"
+
+
+def test_a_large_body_is_parsed_apart_and_answered_as_a_small_one(edge):
+    """A body over LARGE_BODY_BYTES is parsed in the edge's body process: a valid one is
+    served, and a refusal there comes back whole (status, message, param)."""
+    padding = " " * (LARGE_BODY_BYTES + 1)  # JSON whitespace: the request is the same, the body large
+    served = f'{{"model": {json.dumps(model_name(edge))},{padding}"prompt": {json.dumps(PROMPT)}, "max_tokens": 3}}'
+    status, reply = post(url(edge, "/v1/completions"), served.encode())
+    assert status == 200 and reply["usage"]["completion_tokens"] == 3, reply
+    stops = json.dumps(["x"] * 17)
+    refused = f'{{"model": {json.dumps(model_name(edge))},{padding}"prompt": "x", "stop": {stops}}}'
+    status, reply = post(url(edge, "/v1/completions"), refused.encode())
+    assert status == 400 and reply["error"]["param"] == "stop" and "'stop' holds 17" in reply["error"]["message"]
 
 
 def test_a_request_the_core_refuses_is_freed_when_it_ends(edge):
