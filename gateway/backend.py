@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import tempfile
@@ -238,6 +239,9 @@ class Backend:
     drafts: dict[str, ModelInfo]
     # Drafts the draft service hosts but the gateway never uses: name → (info, why).
     unusable: dict[str, tuple[ModelInfo, str]] = field(default_factory=dict)
+    # The target's own sampling defaults (`sampling_defaults`): what an HTTP request that
+    # leaves one of them unset gets.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def default_draft(self) -> str:
@@ -253,6 +257,22 @@ class Backend:
         await self.verifier.close()
         if self.draft is not None:
             await self.draft.close()
+
+
+# The generation_config.json fields that are sampling parameters of the OpenAI API, as
+# vLLM's --generation-config auto reads them.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(files: dict[str, bytes]) -> dict[str, float]:
+    """The sampling parameters the model's generation_config.json sets (a model card's
+    recommended temperature, say); {} when it sets none or the file is missing or unreadable."""
+    try:
+        config = json.loads(files.get("generation_config.json", b"{}"))
+    except ValueError:
+        return {}
+    return {name: config[name] for name in SAMPLING_DEFAULTS
+            if isinstance(config.get(name), (int, float)) and not isinstance(config.get(name), bool)}
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
@@ -313,11 +333,12 @@ async def connect(settings: GatewaySettings) -> Backend:
         if unknown:
             raise IncompatibleDraft(f"--task-draft names drafts the draft service does not host: {unknown}; "
                                     f"it hosts {[d.name for d in drafts]}")
-        tokenizer = _tokenizer_from_files(dict(target_pb.tokenizer_files))
+        files = dict(target_pb.tokenizer_files)
+        tokenizer = _tokenizer_from_files(files)
     except BaseException:
         await verifier.close()
         if draft is not None:
             await draft.close()
         raise
     return Backend(verifier, target, tokenizer, draft, {d.name: d for d in drafts if d.name not in problems},
-                   {d.name: (d, problems[d.name]) for d in drafts if d.name in problems})
+                   {d.name: (d, problems[d.name]) for d in drafts if d.name in problems}, sampling_defaults(files))

@@ -249,23 +249,26 @@ def _speculation(body: dict[str, Any]) -> dict[str, Any]:
             "overlap": _typed(spec, "overlap", (bool,), None, "true or false")}
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    """The sampling fields shared by both endpoints, with OpenAI's defaults (temperature 1)."""
+def _sampling(body: dict[str, Any], max_tokens: int | None, model: dict[str, float]) -> dict[str, Any]:
+    """The sampling fields shared by both endpoints. One left unset takes the model's own
+    default (`model`: its generation_config.json's, as vLLM's --generation-config auto),
+    else OpenAI's (temperature 1)."""
     seed = _integer(body, "seed", 0)
     if seed is not None and seed >= 2 ** 63:
         raise HttpError(400, "'seed' must be below 2**63", param="seed")
-    top_p = _number(body, "top_p", 1.0)
+    top_p = _number(body, "top_p", model.get("top_p", 1.0))
     if not 0.0 < top_p <= 1.0:  # checked here: the core reads 0 as "unset", as proto3 does
         raise HttpError(400, f"'top_p' must be in (0, 1] (1 = disabled), got {top_p:g}", param="top_p")
-    repetition = _number(body, "repetition_penalty", 1.0)
+    repetition = _number(body, "repetition_penalty", model.get("repetition_penalty", 1.0))
     if repetition <= 0:  # checked here: the core reads 0 as "unset", as proto3 does
         raise HttpError(400, f"'repetition_penalty' must be in (0, 100] (1 = off), got {repetition:g}",
                         param="repetition_penalty")
-    return {"temperature": _number(body, "temperature", 1.0), "top_p": top_p, "top_k": _integer(body, "top_k", 0),
+    return {"temperature": _number(body, "temperature", model.get("temperature", 1.0)), "top_p": top_p,
+            "top_k": _integer(body, "top_k", int(model.get("top_k", 0))),
             "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body),
             "presence_penalty": _number(body, "presence_penalty", 0.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0), "repetition_penalty": repetition,
-            "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", 0.0),
+            "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", model.get("min_p", 0.0)),
             "min_tokens": _integer(body, "min_tokens", 0), "stop_token_ids": _token_ids(body, "stop_token_ids"),
             "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"),
             "structure": _structure(body), "cache_salt": _typed(body, "cache_salt", (str,), "", "a string"),
@@ -421,7 +424,8 @@ class OpenAIApp:
             raise HttpError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                             param="prompt")
         asked = ClientRequest(**source, user_segment=segment, logprobs=_logprobs(body, chat=False),
-                              **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)))
+                              **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),
+                                          self.core.backend.sampling_defaults))
         return await self._respond(request, asked, body, "text_completion", "cmpl", segment)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -435,7 +439,8 @@ class OpenAIApp:
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
         asked = ClientRequest(prompt=prompt, add_special_tokens=False, user_segment=segment,
-                              logprobs=_logprobs(body, chat=True), **_sampling(body, max_tokens))
+                              logprobs=_logprobs(body, chat=True),
+                              **_sampling(body, max_tokens, self.core.backend.sampling_defaults))
         return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment)
 
     def _render(self, messages: Any) -> str:

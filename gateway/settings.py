@@ -42,7 +42,10 @@ class GatewaySettings:
     # What a request gets when it does not say.
     default_draft_length: int = setting(4, flag="--draft-length", help="default γ")
     max_draft_length: int = setting(16, flag="--max-draft-length", help="largest γ a request may ask")
-    default_max_new_tokens: int = setting(128, flag="--max-new-tokens", help="default generation length")
+    default_max_new_tokens: int = setting(0, flag="--max-new-tokens",
+                                          help="tokens a request that names no max_new_tokens (a chat with no "
+                                               "max_tokens) may generate; 0: up to the end of the target's context, "
+                                               "within --max-new-tokens-cap, as vLLM does")
     worker_timeout_s: float = setting(60.0, flag="--worker-timeout",
                                       help="seconds to wait at start-up for a ready verifier (and draft) to answer "
                                            "(0: without limit, as on Kubernetes, where workers load for minutes)")

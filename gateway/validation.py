@@ -194,8 +194,8 @@ def _max_new_tokens(request: ClientRequest, settings: GatewaySettings, prompt_to
     room = max(context - prompt_tokens, 0)
     if request.max_new_tokens is not None and request.max_new_tokens == 0:
         problems.append("max_new_tokens=0 asks for nothing; ask for at least 1, or leave it unset for this "
-                        f"gateway's default of {settings.default_max_new_tokens}")
-    max_new = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap, room)
+                        "gateway's default (--max-new-tokens; 0: up to the end of the context)")
+    max_new = request.max_new_tokens or min(settings.default_max_new_tokens or room, settings.max_new_tokens_cap, room)
     if (request.max_new_tokens or 0) > settings.max_new_tokens_cap:
         problems.append(f"max_new_tokens={request.max_new_tokens} exceeds this gateway's cap of "
                         f"{settings.max_new_tokens_cap}")

@@ -95,15 +95,19 @@ def worker_fractions(fraction: float, target: Path, drafts: list[Path], dtype: s
     from specd.worker.memory import config_kv_bytes_per_token, split_fraction
 
     width = 4 if dtype == "float32" else 2
-    costs = {"verifier": config_kv_bytes_per_token(target, width),
-             "draft": sum(config_kv_bytes_per_token(draft, width) for draft in drafts) if drafts else 0}
+    costs = {"verifier": config_kv_bytes_per_token(target, width)}
+    if drafts:  # no draft worker: the verifier takes the whole fraction
+        costs["draft"] = sum(config_kv_bytes_per_token(draft, width) for draft in drafts)
     return split_fraction(fraction, costs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:  # the demo pair for what is not given
+    try:
+        # No model arguments: the demo pair. A target of the user's own with no --draft: no
+        # draft worker, the model-free proposers alone (the demo draft's tokenizer is not
+        # the user's model's).
         target = args.target or str(demo_pair()[0])
-        drafts = parse_drafts(args.draft or [str(demo_pair()[1])])
+        drafts = parse_drafts(args.draft or ([] if args.target else [str(demo_pair()[1])]))
     except DemoPairNotFound as exc:
         print(f"specd serve: {exc}", file=sys.stderr)
         return 2
@@ -178,11 +182,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
                            "--threads", str(draft_threads), *worker_tls, *forward_flags(MODEL, args),
-                           *forward_flags(DRAFT, args, nested=False), *fractions["draft"],
+                           *forward_flags(DRAFT, args, nested=False), *fractions.get("draft", []),
                            *(["--cpus", args.draft_cpus] if args.draft_cpus else [])],
         }
+        if not drafts:
+            del workers["draft"]
         try:
             for group in start_groups(model_settings.device):  # on one GPU, one after the other
+                group = tuple(name for name in group if name in workers)
                 for name in group:
                     supervisor.start(name, workers[name])
                 for name in group:
@@ -194,15 +201,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             supervisor.start("gateway", restart=False, argv=me + [
                 "gateway", "--host", args.host, "--port", str(args.port),
                 "--verifier-address", f"unix:{sockets['verifier']}",
-                "--draft-address", f"unix:{sockets['draft']}", *gateway_tls,
+                "--draft-address", f"unix:{sockets['draft']}" if drafts else "", *gateway_tls,
                 *forward_flags(GATEWAY, args)])
             if not wait_healthy(f"127.0.0.1:{args.port}", supervisor.processes, args.startup_timeout, client_tls):
                 print("specd serve: the services did not become healthy; see the messages above",
                       file=sys.stderr)
                 return 1
             print(f"specd serve: ready on {args.host}:{args.port}{' (TLS)' if args.tls else ''} "
-                  f"(target {target}, drafts {list(drafts)}; workers on private sockets "
-                  f"unix:{sockets['verifier']}, unix:{sockets['draft']})"
+                  f"(target {target}, drafts {list(drafts) or 'none: model-free proposers only'}; workers on "
+                  f"private sockets {', '.join(f'unix:{sockets[name]}' for name in workers)})"
                   f"{f'; OpenAI-compatible HTTP on port {args.http_port}' if args.http_port is not None else ''}"
                   f"; try: {specd_command()} generate "
                   f"{'--ca ' + str(Path(args.tls) / 'ca.pem') + ' ' if args.tls else ''}\"def fibonacci(n):\"",

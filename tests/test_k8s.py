@@ -395,3 +395,17 @@ def test_hub_downloads_are_an_opt_in_component(tmp_path):
     assert len(added) == 1 and set(_components(added[0]["spec"]["podSelector"])) == {"draft", "verifier"}
     assert [port["port"] for rule in added[0]["spec"]["egress"] for port in rule["ports"]] == [443]
     assert "specd-workers-hub-egress" not in of_kind("cpu-demo", "NetworkPolicy")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_no_draft_component_runs_no_draft_and_the_gateway_dials_none(overlay, tmp_path):
+    """A target served with the model-free proposers alone: no draft Deployment, Service or
+    disruption budget, and the gateway's flags, as its own parser reads them, name no draft."""
+    docs = with_component(overlay, "no-draft", tmp_path)
+    assert not [d for d in docs if d["metadata"]["name"] == "specd-draft"]
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "specd-gateway")
+    c = gateway["spec"]["template"]["spec"]["containers"][0]
+    env = {**config(overlay), **{e["name"]: e.get("value") or "1" for e in c.get("env", [])}}
+    parsed = build_parser().parse_args([re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in c["args"]])
+    assert parsed.draft_service == "" and parsed.draft_address == ""
+    assert deployment(overlay, "draft")  # the overlay alone keeps its draft

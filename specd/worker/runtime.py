@@ -59,13 +59,13 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The ids that end a generation: the model's generation config's, else the tokenizer's."""
+    """The ids that end a generation, as vLLM takes them: the model's generation config's
+    (a chat model often lists its end-of-turn token there), then the tokenizer's."""
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    listed = [] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+    if tokenizer.eos_token_id is not None:
+        listed.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(listed))
 
 
 class SessionStore:
@@ -251,6 +251,10 @@ class ModelRunner:
                 log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
         if profile is not None:
             self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes)
+        # The context a request may use: the model's, as far as the pool holds one session of it.
+        held = (self.pool.blocks - 1) * batching.block_tokens  # all but the null block
+        if held < self.info.max_context:
+            self.info = replace(self.info, max_context=held)
         self.static_steps: graphs.StaticSteps | None = None
         if self.settings.cuda_graphs:  # after the pool is final: a graph holds its tensors' addresses
             self._use_graphs(max_sessions)
@@ -282,9 +286,12 @@ class ModelRunner:
         self.sessions.drop(session_id)
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        """The tokenizer files of the model directory by name (what the gateway needs)."""
+        """The files of the model directory the gateway reads, by name: the tokenizer's, the
+        chat template wherever transformers keeps it (transformers 5 saves it apart, in
+        chat_template.jinja), and the model's generation defaults."""
         names = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"}
+                 "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "generation_config.json"}
         return {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.name in names}
 
     def _measure_forwards(self, batches: Sequence[int], widths: Sequence[int], context: int,
