@@ -5,9 +5,11 @@
 #
 # Such a machine (the lent H200s: Python 3.12, with its own CUDA build of torch, numpy, scipy,
 # pytest and most of what transformers needs) lacks specd's gRPC, protobuf, OpenTelemetry,
-# TLS and HTTP packages, or has older ones. This fetches those, at the versions this
+# TLS, HTTP and structured-output packages (llguidance, which the gateway and the draft
+# import at load), and the GGUF reader, or has older ones. This fetches those, at the versions this
 # checkout's .venv holds (the versions the tests pass with), as CPython 3.12 manylinux
-# wheels, without their dependencies: the machine's own packages provide the rest. About
+# wheels (manylinux_2_31 for llguidance: the image is Ubuntu 24.04, glibc 2.39), without
+# their dependencies: the machine's own packages provide the rest. About
 # 30 MB, which travels with the working tree (docs/performance.md, "GPU check").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ names=(transformers tokenizers huggingface-hub grpcio grpcio-health-checking grp
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
   opentelemetry-exporter-otlp-common opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
   opentelemetry-instrumentation opentelemetry-instrumentation-grpc googleapis-common-protos
-  cryptography cffi pycparser starlette uvicorn httpx2 httpcore2 truststore click)
+  cryptography cffi pycparser starlette uvicorn httpx2 httpcore2 truststore click llguidance gguf)
 [[ -x .venv/bin/python ]] || ./scripts/setup.sh
 pinned=$(.venv/bin/python - "${names[@]}" <<'EOF'
 import sys
@@ -29,5 +31,5 @@ read -ra pins <<<"${pinned//$'\n'/ }"
 rm -rf .whl
 .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "${pins[@]}"
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "${pins[@]}"
 echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1), in .whl/: ${pins[*]}"
