@@ -28,6 +28,7 @@ The core's modules:
     devices       small host values onto a model's device, without a wait on a GPU
     config        the settings every service shares: where it listens, TLS, default ports, demo models
     flags         settings declared once: a settings field's flag, help and default (`setting`)
+    grammars      compiled grammars cached by text, and llguidance's limits: the gateway's and the draft's
     worker        the workers' model runtime (specd/worker/__init__.py maps it)
     v1            generated protobuf code (proto/specd/v1; scripts/gen_proto.py)
 
