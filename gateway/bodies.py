@@ -28,6 +28,8 @@ MAX_OBJECT_ENTRIES = 5000
 # The most values `structured_outputs.choice` may list: OpenAI's bound on a schema's enum
 # values, which a choice is. llguidance compiles 1,000 in about 6 ms, 16,000 in 210 ms.
 MAX_CHOICE_VALUES = 1000
+# The most functions `tools` may list: OpenAI's bound.
+MAX_TOOLS = 128
 
 class HttpError(Exception):
     """An OpenAI error object with its HTTP status."""
@@ -89,6 +91,7 @@ def _check_counts(body: dict[str, Any], limits: BodyLimits) -> None:
     counted = (("logit_bias", body.get("logit_bias"), limits.logit_bias, "token ids", ""),
                ("messages", body.get("messages"), limits.messages, "messages", " (--max-chat-messages)"),
                ("stop", body.get("stop"), limits.stop, "stop strings", ""),
+               ("tools", body.get("tools"), MAX_TOOLS, "functions", ""),
                ("structured_outputs.choice", structured.get("choice") if isinstance(structured, dict) else None,
                 MAX_CHOICE_VALUES, "values", ""))
     for name, value, limit, what, flag in counted:

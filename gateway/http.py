@@ -9,14 +9,17 @@ segment, and chunks become OpenAI's objects, streamed as server-sent events endi
 `data: [DONE]`. Errors are OpenAI error objects: 400 bad input, 401 no or wrong key, 404
 unknown model, 413 body over --max-request-bytes, 429 busy (with Retry-After), 503 no
 verifier reachable, 500 only for a fault of specd's own (an error object too). A
-parameter specd does not support (`tools`, `echo`, ...) is refused by name, never
-ignored. `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and
-`repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos` (vLLM's) are
-applied exactly under speculation (`specd.sampling`), as are `logprobs` (and chat's
-`top_logprobs`), `response_format` and vLLM's `structured_outputs` (docs/sampling.md).
-`n` > 1 runs that many generations, choice i seeded with the seed plus i
-(`gateway.choices`); `cache_salt` (vLLM's) narrows who shares the prefix cache. A client
-that disconnects stops its request at the next step, and the workers' sessions are freed.
+parameter specd does not support (`echo`, ...) is refused by name, never ignored.
+`presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty`,
+`min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos` (vLLM's) are applied exactly under
+speculation (`specd.sampling`), as are `logprobs` (and chat's `top_logprobs`),
+`response_format` and vLLM's `structured_outputs` (docs/sampling.md). Function calling
+(`tools`, `tool_choice`, `parallel_tool_calls`, tool calls and results in the history) is
+OpenAI's (`gateway.tools`): a forced call is generated under its schema's grammar, as
+structured output is. `n` > 1 runs that many generations, choice i seeded with the seed
+plus i (`gateway.choices`); `cache_salt` (vLLM's) narrows who shares the prefix cache. A
+client that disconnects stops its request at the next step, and the workers' sessions
+are freed.
 
 The edge is hardened as a public one (docs/http.md, "Limits"): a connection must finish
 its request's headers within --http-header-timeout; at most --http-max-connections are
@@ -70,6 +73,18 @@ from gateway.httpedge import EdgeLimits, edge_protocol, quiet_accept_errors
 from gateway.records import Finish
 from gateway.request import ClientRequest, Mode
 from gateway.text import token_bytes
+from gateway.tools import (
+    ToolCalling,
+    ToolReader,
+    chat_messages,
+    chunk_delta,
+    hermes_history,
+    renders_tools,
+    reply_message,
+    tool_calling,
+    tool_preamble,
+    with_preamble,
+)
 from specd.grpcserver import PortInUse
 from specd.sampling import MAX_LOGIT_BIAS
 from specd.tls import files_stamp
@@ -83,7 +98,8 @@ _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "str
              "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
              "cache_salt"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
-_CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                     "parallel_tool_calls"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
                 "min_draft_confidence", "overlap"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -323,6 +339,7 @@ class OpenAIApp:
         self.bodies = BodyParser(BodyLimits(core.settings.max_chat_messages, core.settings.max_stop_strings,
                                             MAX_LOGIT_BIAS), self._body_thread)
         self.closing = asyncio.Event()  # set as the gateway drains: streams still running end now
+        self._renders_tools: dict[str, bool] = {}  # template → whether it writes `tools` (`gateway.tools`)
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -434,47 +451,57 @@ class OpenAIApp:
         segment = self._segment(tenant, body)
         _refuse_unsupported(body, _CHAT)
         self._check_model(body)
-        prompt = await self._off_loop(self._render, body.get("messages"))
+        calling = tool_calling(body, self.core.settings.tool_call_parser)
+        prompt = await self._off_loop(self._render, body.get("messages"), calling)
         max_tokens = _integer(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
+        sampling = _sampling(body, max_tokens, self.core.backend.sampling_defaults)
+        if calling is not None and calling.choice != "none":
+            if sampling["structure"] is not None:
+                raise HttpError(400, "'response_format' or 'structured_outputs' cannot be combined with tools the "
+                                     "model may call: specd cannot let the model choose between a call and an "
+                                     "answer in that format; use tool_choice 'none', or leave the format out",
+                                param="tool_choice")
+            sampling["structure"] = calling.structure()
         asked = ClientRequest(prompt=prompt, add_special_tokens=False, user_segment=segment,
-                              logprobs=_logprobs(body, chat=True),
-                              **_sampling(body, max_tokens, self.core.backend.sampling_defaults))
-        return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment)
+                              logprobs=_logprobs(body, chat=True), **sampling)
+        return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment, calling)
 
-    def _render(self, messages: Any) -> str:
-        """The conversation as the prompt text, through the chat template (on the body thread)."""
-        if not isinstance(messages, list) or not messages:
-            raise HttpError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        plain = []
-        for i, message in enumerate(messages):
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):  # OpenAI's content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise HttpError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(content, str) or set(message) - {"role", "content", "name"}:
-                raise HttpError(400, f"messages[{i}] must be {{role, content}} with text content (tool calls are "
-                                     f"not supported)", param="messages")
-            plain.append({"role": message["role"], "content": content})
+    def _render(self, messages: Any, calling: ToolCalling | None) -> str:
+        """The conversation as the prompt text, through the chat template (on the body thread).
+        A template that does not write `tools` gets the hermes format instead: the tools in a
+        system preamble, the history's calls and results as text (`gateway.tools`)."""
+        plain = chat_messages(messages)
         tokenizer = self.core.backend.tokenizer
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise HttpError(400, f"the model {self.model_name!r} has no chat template, so chat messages cannot be "
                                  f"turned into a prompt: start the gateway with --chat-template FILE (a Jinja "
                                  f"template), or use /v1/completions")
+
+        def render(conversation: list[dict[str, Any]], **kwargs: Any) -> str:
+            return str(tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True, **kwargs))
+
+        if template not in self._renders_tools:
+            self._renders_tools[template] = renders_tools(render)
+        tools: dict[str, Any] = {}
+        if self._renders_tools[template]:
+            if calling is not None:
+                tools["tools"] = [tool.spec for tool in calling.tools]
+        else:
+            plain = hermes_history(plain)
+            if calling is not None:
+                plain = with_preamble(plain, tool_preamble(calling.tools, calling.parallel))
         try:
-            text = tokenizer.apply_chat_template(plain, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True)
+            text = render(plain, **tools)
         except Exception as exc:  # the template's own checks (roles, order) raise anything
             raise HttpError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
-        return str(text)
+        return text
 
     async def _respond(self, request: Request, asked: ClientRequest, body: dict[str, Any], kind: str,
-                       prefix: str, segment: str) -> Response:
+                       prefix: str, segment: str, calling: ToolCalling | None = None) -> Response:
         stream = _typed(body, "stream", (bool,), False, "true or false")
         options = body.get("stream_options")
         if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
@@ -487,7 +514,7 @@ class OpenAIApp:
             raise HttpError(400, str(exc), param="n") from exc
         chat = kind == "chat.completion"
         logprobs = None if asked.logprobs is None else _Logprobs(self.core.backend.tokenizer, chat)
-        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices), logprobs)
+        reply = _Reply(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, len(choices), logprobs, calling)
 
         leave = self._admit(segment, asked, len(choices))
         streaming = False  # once the stream is handed out, it gives the tenant's slots back
@@ -712,13 +739,19 @@ class _Logprobs:
 
 class _Reply:
     """One response's OpenAI objects (completion or chat completion, whole or streamed), of
-    `n` choices; with `logprobs` (when the request asks), each choice's log-probabilities."""
+    `n` choices; with `logprobs` (when the request asks), each choice's log-probabilities;
+    with `calling` (a chat with tools), each choice's text read as tool calls."""
 
-    def __init__(self, kind: str, ident: str, model: str, n: int = 1, logprobs: _Logprobs | None = None) -> None:
+    def __init__(self, kind: str, ident: str, model: str, n: int = 1, logprobs: _Logprobs | None = None,
+                 calling: ToolCalling | None = None) -> None:
         self.kind, self.id, self.model, self.n = kind, ident, model, n
         self.created = int(time.time())
         self.chat = kind == "chat.completion"
         self.logprobs = logprobs
+        self.calling = calling
+        readers = [calling.reader() for _ in range(n)] if calling is not None else []
+        # Each choice's reader, for a chat whose text is read as tool calls.
+        self.readers: dict[int, ToolReader] = {i: r for i, r in enumerate(readers) if r is not None}
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
@@ -731,9 +764,17 @@ class _Reply:
         choices = []
         for index, (text, last, entries) in enumerate(outcomes):
             assert last.finish is not None
-            choice: dict[str, Any] = {"index": index, "finish_reason": _FINISH[last.finish],
+            reason = _FINISH[last.finish]
+            reader = self.readers.get(index)
+            if reader is not None:
+                assert self.calling is not None  # a reader is the calling's
+                message = reply_message(reader.feed(text) + reader.end())
+                reason = self.calling.finish_reason(reason, reader.calls)
+            choice: dict[str, Any] = {"index": index, "finish_reason": reason,
                                       "logprobs": self._rendered(index, entries)}
-            if self.chat:
+            if reader is not None:
+                choice["message"] = message
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -741,9 +782,22 @@ class _Reply:
         return {**self._object(choices), "usage": _usage([last for _, last, _ in outcomes])}
 
     def _delta(self, index: int, chunk: Chunk, first: bool = False) -> bytes:
+        """A choice's chunk object; empty when it has nothing to say (its text held back by
+        the tool-call reader)."""
         reason = _FINISH[chunk.finish] if chunk.finish is not None else None
         text, logprobs = chunk.text, self._rendered(index, chunk.logprobs)
-        if self.chat:
+        reader = self.readers.get(index)
+        if reader is not None:
+            assert self.calling is not None  # a reader is the calling's
+            pieces = reader.feed(text) + (reader.end() if reason is not None else [])
+            said = chunk_delta(pieces)
+            if reason is not None:
+                reason = self.calling.finish_reason(reason, reader.calls)
+            if not (said or first or reason or chunk.logprobs):
+                return b""
+            choice = {"index": index, "delta": {"role": "assistant", **said} if first else said,
+                      "finish_reason": reason, "logprobs": logprobs}
+        elif self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
@@ -759,13 +813,14 @@ class _Reply:
         async with contextlib.aclosing(chunks):
             index, chunk = first
             started = {index}
-            yield self._delta(index, chunk, first=True)
+            yield self._delta(index, chunk, first=True)  # never empty: it gives the role
             if chunk.finish is not None:
                 lasts[index] = chunk
             try:
                 while len(lasts) < self.n:
                     index, chunk = await _unless_closing(anext(chunks), closing)
-                    yield self._delta(index, chunk, first=index not in started)
+                    if event := self._delta(index, chunk, first=index not in started):
+                        yield event
                     started.add(index)
                     if chunk.finish is not None:
                         lasts[index] = chunk

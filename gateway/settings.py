@@ -15,6 +15,8 @@ DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
+# vLLM's --tool-call-parser formats this gateway reads (gateway.tools.FORMATS).
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,9 @@ class GatewaySettings:
                                          "default: off)")
     chat_template: Path | None = setting(flag="--chat-template", parse=optional_path, metavar="FILE",
                                          help="Jinja template for /v1/chat/completions (default: the tokenizer's)")
+    tool_call_parser: str = setting("hermes", flag="--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                                    help="the format of tool calls on /v1/chat/completions: what tool_choice 'auto' "
+                                         "reads in the model's text and 'required' generates (docs/http.md)")
     # The HTTP edge's connection limits (docs/http.md, "Limits"), as nginx and Envoy set them.
     http_header_timeout_s: float = setting(10.0, flag="--http-header-timeout", metavar="SECONDS",
                                            help="an HTTP connection must send a request's whole headers within "

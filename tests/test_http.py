@@ -129,9 +129,9 @@ def test_errors_raise_the_clients_matching_exceptions(client, keyed):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                        response_format={"type": "xml"})
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="needs a 'name'"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       tools=[{"type": "function", "function": {"description": "f"}}])
     wrong = openai.OpenAI(base_url=keyed, api_key="not-a-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="not valid"):
         wrong.completions.create(model=model, prompt=PROMPT, max_tokens=2)
