@@ -36,8 +36,8 @@ def choice_requests(request: ClientRequest, n: int) -> list[ClientRequest]:
         raise InvalidRequest(f"n may be at most {MAX_CHOICES}, got {n}")
     if n == 1:
         return [request]
-    base = request.seed or secrets.randbelow(2 ** 63 - MAX_CHOICES) + 1
-    return [replace(request, seed=(base + i) % 2 ** 63 or 1) for i in range(n)]
+    base = request.seed if request.seed is not None else secrets.randbelow(2 ** 63)
+    return [replace(request, seed=(base + i) % 2 ** 63) for i in range(n)]
 
 
 async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:

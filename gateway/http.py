@@ -269,7 +269,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, model: dict[str, flo
     """The sampling fields shared by both endpoints. One left unset takes the model's own
     default (`model`: its generation_config.json's, as vLLM's --generation-config auto),
     else OpenAI's (temperature 1)."""
-    seed = _integer(body, "seed", 0)
+    seed = _integer(body, "seed", None)  # 0 is a seed, as in OpenAI's API; unset: the gateway picks one
     if seed is not None and seed >= 2 ** 63:
         raise HttpError(400, "'seed' must be below 2**63", param="seed")
     top_p = _number(body, "top_p", model.get("top_p", 1.0))
@@ -281,7 +281,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, model: dict[str, flo
                         param="repetition_penalty")
     return {"temperature": _number(body, "temperature", model.get("temperature", 1.0)), "top_p": top_p,
             "top_k": _integer(body, "top_k", int(model.get("top_k", 0))),
-            "seed": seed or 0, "max_new_tokens": max_tokens, "stop": _stop(body),
+            "seed": seed, "max_new_tokens": max_tokens, "stop": _stop(body),
             "presence_penalty": _number(body, "presence_penalty", 0.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0), "repetition_penalty": repetition,
             "logit_bias": _logit_bias(body), "min_p": _number(body, "min_p", model.get("min_p", 0.0)),

@@ -41,7 +41,7 @@ class ClientRequest:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 0.0
-    seed: int = 0  # 0: the gateway picks one (reported in the statistics)
+    seed: int | None = None  # None: the gateway picks one (reported in the statistics); 0 is a seed
     max_new_tokens: int | None = None  # None: the gateway's default
     stop: list[str] = field(default_factory=list)
     presence_penalty: float = 0.0

@@ -62,7 +62,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     else:
         model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
     draft_length, profile, model_free_max = _draft_lengths(request, settings, task_type, mode)
-    seed = request.seed or secrets.randbits(63)
+    seed = request.seed if request.seed is not None else secrets.randbits(63)
     overlap = settings.overlap if request.overlap is None else request.overlap
     # The confidence policy's threshold is carried out by the draft, inside each step.
     min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)

@@ -430,6 +430,20 @@ def test_penalties_and_logit_bias_over_http_equal_grpc(client, http_stack):
         client.completions.create(model=model, prompt=PROMPT, extra_body={"stop_token_ids": ["x"]})
 
 
+def test_a_seed_of_0_is_a_seed(client):
+    """OpenAI's seed 0 reproduces its sample like any other seed (it once meant "pick one");
+    no seed still draws a fresh one each time."""
+    model = client.models.list().data[0].id
+    fixed = {"speculation": {"mode": "fixed", "draft_length": 3}}  # a seed fixes the sample under FIXED γ
+
+    def text(**seed) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                         extra_body=fixed, **seed).choices[0].text
+
+    assert text(seed=0) == text(seed=0)
+    assert len({text() for _ in range(4)}) > 1
+
+
 def test_n_choices_each_reproduce_from_the_seed(client, http_stack):
     """n=3 with a seed: three indexed choices, the same again for the same request, choice
     i equal to a gRPC request seeded seed + i, streamed or not; usage counts them all."""
