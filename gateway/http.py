@@ -392,15 +392,14 @@ class OpenAIApp:
     @staticmethod
     def _segment(tenant: str | None, body: dict[str, Any]) -> str:
         """The request's user segment: the key's when the gateway has keys, else the
-        body's `user` (which callers without keys choose freely: docs/http.md)."""
+        body's `user` (which callers without keys choose freely: docs/http.md). With keys,
+        `user` is what OpenAI's clients make of it, the application's id of its end user:
+        accepted and not used, as vLLM does, since the key decides the segment."""
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise HttpError(400, "'user' must be a string", param="user")
         if tenant is None:
             return user or ""
-        if user is not None and user != tenant:
-            raise HttpError(400, "'user' cannot choose a segment on a gateway with API keys: the key decides it; "
-                                 "leave 'user' unset", param="user")
         return tenant
 
     async def _body(self, request: Request) -> dict[str, Any]:

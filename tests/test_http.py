@@ -137,6 +137,8 @@ def test_errors_raise_the_clients_matching_exceptions(client, keyed):
         wrong.completions.create(model=model, prompt=PROMPT, max_tokens=2)
     right = openai.OpenAI(base_url=keyed, api_key="alpha-key", max_retries=0)
     assert right.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens
+    # An application's end-user id, with keys: accepted, and the key still decides the segment.
+    assert right.completions.create(model=model, prompt=PROMPT, max_tokens=2, user="end-user-42").usage
 
 
 def test_the_extensions_reach_the_core(client, http_stack):
