@@ -54,9 +54,13 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int, text: str) -> by
 class TextAssembler:
     """Accumulates generated tokens; releases text deltas; detects stop strings."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], min_tokens: int = 0) -> None:
+        """min_tokens: a stop string counts only where it ends in the text of that many
+        tokens or more, as vLLM holds stop strings back (and the workers hold EOS back)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self._floor: int | None = 0 if min_tokens <= 1 else None  # characters a stop string must end past
         self.token_ids: list[int] = []
         self.text = ""  # the text of token_ids[:read_offset]: whole characters
         self.released = 0  # characters of text already handed out
@@ -73,7 +77,13 @@ class TextAssembler:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _stop_index(self, text: str) -> int:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        """Where the first stop string in `text` begins, among those that end past the text
+        of the first min_tokens − 1 tokens; -1 for none."""
+        if self._floor is None:
+            if len(self.token_ids) < self.min_tokens:
+                return -1
+            self._floor = len(self._decode(self.token_ids[:self.min_tokens - 1]))
+        hits = [i for i in (text.find(s, max(0, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else -1
 
     def _read(self) -> str:

@@ -111,3 +111,18 @@ def test_a_step_decodes_a_window_not_the_whole_output(tokenizer):
     assert max(decoded) <= 8, decoded
     released = assembler.text[:assembler.released]
     assert released + assembler.finish() == original(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_min_tokens_holds_stop_strings_back(tokenizer, seed):
+    """As vLLM: a stop string counts only where it ends in the text of min_tokens tokens or
+    more; one that ends before is text like any other."""
+    text = "stop here, then go on and stop again"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first = len(tokenizer.encode("stop", add_special_tokens=False))
+    streamed, kept = stream(TextAssembler(tokenizer, ["stop"], min_tokens=first), ids, random.Random(seed))
+    assert streamed == ""  # the first "stop" ends in its own min_tokens-th token: it counts
+    streamed, kept = stream(TextAssembler(tokenizer, ["stop"], min_tokens=first + 1), ids, random.Random(seed))
+    assert streamed == "stop here, then go on and "
+    kept_text = tokenizer.decode(kept, skip_special_tokens=True)
+    assert kept_text.count("stop") == 2 and kept_text.rstrip().endswith("stop")  # up to the second
