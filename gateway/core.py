@@ -327,7 +327,8 @@ class GatewayCore:
                                            policy=parsed.policy)
         draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline,
                                      parsed.cache_salt)
-        text = TextAssembler(self.backend.tokenizer, parsed.stop, generation.transform.min_tokens)
+        text = TextAssembler(self.backend.tokenizer, parsed.stop, generation.transform.min_tokens,
+                             parsed.include_stop, parsed.skip_special_tokens)
         stats = RequestStats()
         observers: list[StepObserver] = [stats]
         if not diagnostic:

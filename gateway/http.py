@@ -96,10 +96,10 @@ T = TypeVar("T")
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
              "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
              "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
-             "cache_salt"}
+             "cache_salt", "include_stop_str_in_output", "skip_special_tokens"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                     "parallel_tool_calls"}
+                     "parallel_tool_calls", "chat_template_kwargs"}
 _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", "draft_model", "policy",
                 "min_draft_confidence", "overlap"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -288,7 +288,25 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, model: dict[str, flo
             "min_tokens": _integer(body, "min_tokens", 0), "stop_token_ids": _token_ids(body, "stop_token_ids"),
             "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"),
             "structure": _structure(body), "cache_salt": _typed(body, "cache_salt", (str,), "", "a string"),
+            "include_stop": _typed(body, "include_stop_str_in_output", (bool,), False, "true or false"),
+            "skip_special_tokens": _typed(body, "skip_special_tokens", (bool,), True, "true or false"),
             **_speculation(body)}
+
+
+# The arguments of apply_chat_template that the gateway sets itself.
+_TEMPLATE_OWN = {"conversation", "chat_template", "tokenize", "add_generation_prompt", "tools", "return_dict",
+                 "return_tensors", "continue_final_message", "documents"}
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: variables for the chat template (`enable_thinking`, say),
+    never the arguments the gateway sets."""
+    extra = _typed(body, "chat_template_kwargs", (dict,), {}, "an object of template variables")
+    taken = sorted(set(extra) & _TEMPLATE_OWN)
+    if taken:
+        raise HttpError(400, f"'chat_template_kwargs' may not set {taken}: the gateway sets them",
+                        param="chat_template_kwargs")
+    return extra
 
 
 def _token_ids(body: dict[str, Any], name: str) -> list[int]:
@@ -451,7 +469,7 @@ class OpenAIApp:
         _refuse_unsupported(body, _CHAT)
         self._check_model(body)
         calling = tool_calling(body, self.core.settings.tool_call_parser)
-        prompt = await self._off_loop(self._render, body.get("messages"), calling)
+        prompt = await self._off_loop(self._render, body.get("messages"), calling, _template_kwargs(body))
         max_tokens = _integer(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
@@ -467,8 +485,9 @@ class OpenAIApp:
                               logprobs=_logprobs(body, chat=True), **sampling)
         return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment, calling)
 
-    def _render(self, messages: Any, calling: ToolCalling | None) -> str:
-        """The conversation as the prompt text, through the chat template (on the body thread).
+    def _render(self, messages: Any, calling: ToolCalling | None, extra: dict[str, Any]) -> str:
+        """The conversation as the prompt text, through the chat template (on the body thread),
+        with the request's `chat_template_kwargs` (`extra`: a thinking switch, say).
         A template that does not write `tools` gets the hermes format instead: the tools in a
         system preamble, the history's calls and results as text (`gateway.tools`)."""
         plain = chat_messages(messages)
@@ -494,7 +513,7 @@ class OpenAIApp:
             if calling is not None:
                 plain = with_preamble(plain, tool_preamble(calling.tools, calling.parallel))
         try:
-            text = render(plain, **tools)
+            text = render(plain, **extra, **tools)
         except Exception as exc:  # the template's own checks (roles, order) raise anything
             raise HttpError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return text

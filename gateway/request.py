@@ -44,6 +44,8 @@ class ClientRequest:
     seed: int | None = None  # None: the gateway picks one (reported in the statistics); 0 is a seed
     max_new_tokens: int | None = None  # None: the gateway's default
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool = True  # special tokens left out of the text, as the tokenizer's decode
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 0.0  # 0: unset (1.0, off), as proto3 reads it
@@ -106,3 +108,5 @@ class ParsedRequest:
     forced: str = ""  # the model-free proposer the request named (it alone proposes)
     model_free_max: int = 0  # the longest model-free proposal (`gateway.validation._draft_lengths`: why)
     cache_salt: bytes = b""  # the salt of its prefix cache keys on the workers (`gateway.validation.cache_salt`)
+    include_stop: bool = False  # ClientRequest's: how the text is made (`gateway.text.TextAssembler`)
+    skip_special_tokens: bool = True

@@ -80,7 +80,8 @@ def client_request_from_pb(request: gateway_pb2.GenerateRequest) -> ClientReques
     mode = _MODES.get(speculation.mode)
     return ClientRequest(
         prompt=request.prompt, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        seed=sampling.seed or None, max_new_tokens=sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None,
+        seed=sampling.seed or None,
+        max_new_tokens=sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None,
         stop=list(sampling.stop), presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias), min_p=sampling.min_p, min_tokens=sampling.min_tokens,

@@ -54,12 +54,17 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int, text: str) -> by
 class TextAssembler:
     """Accumulates generated tokens; releases text deltas; detects stop strings."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
         """min_tokens: a stop string counts only where it ends in the text of that many
-        tokens or more, as vLLM holds stop strings back (and the workers hold EOS back)."""
+        tokens or more, as vLLM holds stop strings back (and the workers hold EOS back).
+        include_stop: the text ends after the stop string, not before it (vLLM's
+        include_stop_str_in_output). skip_special_tokens: as the tokenizer's decode."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self._floor: int | None = 0 if min_tokens <= 1 else None  # characters a stop string must end past
         self.token_ids: list[int] = []
         self.text = ""  # the text of token_ids[:read_offset]: whole characters
@@ -74,17 +79,23 @@ class TextAssembler:
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces (" ." to "."), as vLLM's streaming: it rewrites text already
         # decoded, so streamed deltas would no longer add up to the final text.
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _stop_index(self, text: str) -> int:
-        """Where the first stop string in `text` begins, among those that end past the text
-        of the first min_tokens − 1 tokens; -1 for none."""
+        """Where the text ends at the first stop string in `text` (before it, or after it
+        with include_stop), among those that end past the text of the first
+        min_tokens − 1 tokens; -1 for none."""
         if self._floor is None:
             if len(self.token_ids) < self.min_tokens:
                 return -1
             self._floor = len(self._decode(self.token_ids[:self.min_tokens - 1]))
-        hits = [i for i in (text.find(s, max(0, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
-        return min(hits) if hits else -1
+        hits = [(at, len(s)) for at, s in ((text.find(s, max(0, self._floor - len(s) + 1)), s) for s in self.stop)
+                if at >= 0]
+        if not hits:
+            return -1
+        at, length = min(hits)
+        return at + length if self.include_stop else at
 
     def _read(self) -> str:
         """The text of every token so far, maybe ending in an incomplete character. Only

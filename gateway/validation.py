@@ -75,7 +75,8 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
                             stops, request.ignore_eos, request.logprobs, grammar)
     return ParsedRequest(
         generation, mode, policy, draft_length, profile, task_type, request.user_segment, list(request.stop),
-        selected, model_free, forced, model_free_max, cache_salt(settings, request.user_segment, request.cache_salt))
+        selected, model_free, forced, model_free_max, cache_salt(settings, request.user_segment, request.cache_salt),
+        request.include_stop, request.skip_special_tokens)
 
 
 def _draft_lengths(request: ClientRequest, settings: GatewaySettings, task_type: str,

@@ -152,6 +152,24 @@ def test_the_extensions_reach_the_core(client, http_stack):
         client.completions.create(model=model, prompt=PROMPT, extra_body={"speculation": {"gamma": 3}})
 
 
+def test_vllms_text_fields_reach_the_text(client):
+    """include_stop_str_in_output keeps the stop string; chat_template_kwargs reaches the
+    template, but never for what the gateway sets itself."""
+    model = client.models.list().data[0].id
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:][:2]  # two characters the greedy output holds
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    kept = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and whole.startswith(kept.choices[0].text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices
+    with pytest.raises(openai.BadRequestError, match="may not set \\['tools'\\]"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tools": []}})
+
+
 def test_chat_without_a_template_says_how_to_give_one(model_dirs, http_stack):
     loop = LoopThread()
     settings_ = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),

@@ -126,3 +126,19 @@ def test_min_tokens_holds_stop_strings_back(tokenizer, seed):
     assert streamed == "stop here, then go on and "
     kept_text = tokenizer.decode(kept, skip_special_tokens=True)
     assert kept_text.count("stop") == 2 and kept_text.rstrip().endswith("stop")  # up to the second
+
+
+def test_the_stop_string_kept_in_the_text_when_asked(tokenizer):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, streamed or not."""
+    text = "first line\nsecond line\nthird"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for seed in range(3):
+        streamed, kept = stream(TextAssembler(tokenizer, ["\n"], include_stop=True), ids, random.Random(seed))
+        assert streamed == "first line\n"
+
+
+def test_special_tokens_in_the_text_when_asked(tokenizer):
+    special = tokenizer.eos_token
+    ids = tokenizer.encode("one", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert stream(TextAssembler(tokenizer, []), ids, random.Random(0))[0] == "one"
+    assert stream(TextAssembler(tokenizer, [], skip_special_tokens=False), ids, random.Random(0))[0] == "one" + special
