@@ -96,7 +96,7 @@ T = TypeVar("T")
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
              "speculation", "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
              "min_p", "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "structured_outputs",
-             "cache_salt", "include_stop_str_in_output", "skip_special_tokens"}
+             "cache_salt", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens"}
 _COMPLETIONS = _SAMPLING | {"prompt", "echo", "logprobs", "best_of"}
 _CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                      "parallel_tool_calls", "chat_template_kwargs"}
@@ -289,6 +289,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, model: dict[str, flo
             "ignore_eos": _typed(body, "ignore_eos", (bool,), False, "true or false"),
             "structure": _structure(body), "cache_salt": _typed(body, "cache_salt", (str,), "", "a string"),
             "include_stop": _typed(body, "include_stop_str_in_output", (bool,), False, "true or false"),
+            "truncate_prompt_tokens": _integer(body, "truncate_prompt_tokens", None, low=1),
             "skip_special_tokens": _typed(body, "skip_special_tokens", (bool,), True, "true or false"),
             **_speculation(body)}
 

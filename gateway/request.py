@@ -38,6 +38,7 @@ class ClientRequest:
     prompt: str = ""
     prompt_ids: list[int] | None = None  # token ids instead of text (no tokenizing)
     add_special_tokens: bool = True  # how `prompt` is tokenized (False: already templated)
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens are read (None: all)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 0.0

@@ -38,6 +38,8 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     problems = transform.problems() + _size_problems(request, settings)
     grammar = _output_problems(request, backend, settings, problems)
     prompt_ids, prompt_text = _prompt(request, backend, settings, problems)
+    if request.truncate_prompt_tokens:  # vLLM's: the last k tokens of the prompt, the start dropped
+        prompt_ids = prompt_ids[-request.truncate_prompt_tokens:]
     max_new = _max_new_tokens(request, settings, len(prompt_ids), backend.target.max_context, problems)
     mode, policy = _speculation(request, settings, problems)
     task_type = request.task_type or classify(prompt_text)

@@ -170,6 +170,17 @@ def test_vllms_text_fields_reach_the_text(client):
                                        extra_body={"chat_template_kwargs": {"tools": []}})
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(client, tokenizer):
+    model = client.models.list().data[0].id
+    ids = tokenizer(PROMPT)["input_ids"]
+    truncated = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    tail = client.completions.create(model=model, prompt=ids[-3:], max_tokens=8, temperature=0)
+    assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].text == tail.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="'truncate_prompt_tokens' must be at least 1"):
+        client.completions.create(model=model, prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_chat_without_a_template_says_how_to_give_one(model_dirs, http_stack):
     loop = LoopThread()
     settings_ = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
