@@ -310,6 +310,32 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
+# The most prompts one completions request may list (OpenAI's batch of prompts; each of
+# their choices weighs on the tenant's share).
+MAX_PROMPTS = 32
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompts(prompt: Any) -> list[dict[str, Any]]:
+    """A completions request's prompts, as OpenAI takes them: a string, a list of token ids,
+    or a list of either (one completion each)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if _is_ids(prompt):
+        return [{"prompt_ids": prompt}]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_is_ids(p) for p in prompt)):
+        if len(prompt) > MAX_PROMPTS:
+            raise HttpError(400, f"'prompt' lists {len(prompt)} prompts; at most {MAX_PROMPTS} in one request",
+                            param="prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_ids": p} for p in prompt]
+    raise HttpError(400, "'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
+
+
 def _token_ids(body: dict[str, Any], name: str) -> list[int]:
     ids = body.get(name)
     if ids is None:
@@ -449,18 +475,10 @@ class OpenAIApp:
         segment = self._segment(tenant, body)
         _refuse_unsupported(body, _COMPLETIONS)
         self._check_model(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            source: dict[str, Any] = {"prompt": prompt}
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            source = {"prompt_ids": prompt}
-        else:
-            raise HttpError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                            param="prompt")
-        asked = ClientRequest(**source, user_segment=segment, logprobs=_logprobs(body, chat=False),
-                              **_sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),
-                                          self.core.backend.sampling_defaults))
+        sampling = _sampling(body, _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),
+                             self.core.backend.sampling_defaults)
+        asked = [ClientRequest(**source, user_segment=segment, logprobs=_logprobs(body, chat=False), **sampling)
+                 for source in _prompts(body.get("prompt"))]
         return await self._respond(request, asked, body, "text_completion", "cmpl", segment)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -484,7 +502,7 @@ class OpenAIApp:
             sampling["structure"] = calling.structure()
         asked = ClientRequest(prompt=prompt, add_special_tokens=False, user_segment=segment,
                               logprobs=_logprobs(body, chat=True), **sampling)
-        return await self._respond(request, asked, body, "chat.completion", "chatcmpl", segment, calling)
+        return await self._respond(request, [asked], body, "chat.completion", "chatcmpl", segment, calling)
 
     def _render(self, messages: Any, calling: ToolCalling | None, extra: dict[str, Any]) -> str:
         """The conversation as the prompt text, through the chat template (on the body thread),
@@ -519,16 +537,20 @@ class OpenAIApp:
             raise HttpError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return text
 
-    async def _respond(self, request: Request, asked: ClientRequest, body: dict[str, Any], kind: str,
+    async def _respond(self, request: Request, prompts: list[ClientRequest], body: dict[str, Any], kind: str,
                        prefix: str, segment: str, calling: ToolCalling | None = None) -> Response:
+        """Every prompt's n choices, indexed as OpenAI does (prompt p's choice i is p × n + i),
+        whole or streamed."""
         stream = _typed(body, "stream", (bool,), False, "true or false")
         options = body.get("stream_options")
         if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
             raise HttpError(400, "'stream_options' is {include_usage: bool}, with stream: true",
                             param="stream_options")
         include_usage = bool(options and options.get("include_usage"))
+        asked = prompts[0]  # the prompts differ in their text alone
         try:
-            choices = choice_requests(asked, _integer(body, "n", 1, low=1) or 1)
+            n = _integer(body, "n", 1, low=1) or 1
+            choices = [choice for prompt in prompts for choice in choice_requests(prompt, n)]
         except InvalidRequest as exc:
             raise HttpError(400, str(exc), param="n") from exc
         chat = kind == "chat.completion"

@@ -181,6 +181,21 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(client, tokenizer)
         client.completions.create(model=model, prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0})
 
 
+def test_a_list_of_prompts_gets_each_its_choices_in_openais_order(client, tokenizer):
+    model = client.models.list().data[0].id
+    prompts = [PROMPT, "class Cache:"]
+    with pytest.raises(openai.BadRequestError, match="a list of either"):  # text and ids mixed
+        client.completions.create(model=model, prompt=[PROMPT, [1, 2]])
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == alone
+
+
 def test_chat_without_a_template_says_how_to_give_one(model_dirs, http_stack):
     loop = LoopThread()
     settings_ = GatewaySettings(ServerSettings("127.0.0.1", 0, grace_s=0.5),
