@@ -45,11 +45,15 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, case):
     assert len(stack.stub.Generate(GOOD).token_ids) == 8
 
 
-def test_unset_max_new_tokens_takes_the_default(stack):
+def test_unset_max_new_tokens_runs_to_the_end_of_the_context(stack, tokenizer):
+    """As vLLM: no max_new_tokens is the rest of the context (within --max-new-tokens-cap),
+    unless --max-new-tokens sets a default."""
+    assert stack.gateway.servicer.core.settings.default_max_new_tokens == 0
     unset = request("def f():")
     unset.sampling.ClearField("max_new_tokens")
-    default = request("def f():", max_new_tokens=stack.gateway.servicer.core.settings.default_max_new_tokens)
-    assert stack.stub.Generate(unset).token_ids == stack.stub.Generate(default).token_ids
+    room = stack.gateway.servicer.core.backend.target.max_context - len(tokenizer("def f():")["input_ids"])
+    everything = request("def f():", max_new_tokens=room)
+    assert stack.stub.Generate(unset).token_ids == stack.stub.Generate(everything).token_ids
 
 
 def test_every_problem_is_named_at_once(stack):

@@ -100,9 +100,9 @@ def test_bodies_are_parsed_and_chats_rendered_off_the_event_loop(edge, monkeypat
     threads = []
     render = app._render
 
-    def recording(messages):
+    def recording(*args):
         threads.append(threading.current_thread().name)
-        return render(messages)
+        return render(*args)
 
     monkeypatch.setattr(app, "_render", recording)
     status, reply = post(url(edge, "/v1/chat/completions"), json.dumps({
