@@ -63,9 +63,11 @@ class GrammarCursor:
         assert self.matcher is not None  # a cursor with no matcher is lost
         began = time.thread_time()  # the mask's own CPU time, not the waits beside it
         words = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        if self._follow(output):
+        followed = self._follow(output)
+        if followed:
             llguidance.torch.fill_next_token_bitmask(self.matcher, words, 0)
-        if self.matcher.is_error() or (time.thread_time() - began) * 1e3 > self.mask_budget_ms:
+        # Not followed, the words would allow everything while the cursor stays where it failed.
+        if not followed or self.matcher.is_error() or (time.thread_time() - began) * 1e3 > self.mask_budget_ms:
             self.lost = True
             return None
         return allowed_from_words(words, self.vocab_size)

@@ -26,6 +26,7 @@ import grpc
 
 from gateway.errors import refuse_busy
 from specd.interceptors import replace_behavior
+from specd.v1 import gateway_pb2
 
 # A slot of a tenant's share is one generation of up to SLOT_TOKENS tokens; a longer one
 # weighs a slot for each SLOT_TOKENS it may reach, as the KV cache it holds on the workers
@@ -274,8 +275,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 def _weight(request) -> int:
     """A gRPC call's `request_weight`: a GenerateRequest's, by its n and sampling fields;
     one slot for the calls that generate nothing."""
-    fields = getattr(request, "DESCRIPTOR", None)
-    if fields is None or "n" not in fields.fields_by_name or "sampling" not in fields.fields_by_name:
+    if not isinstance(request, gateway_pb2.GenerateRequest):
         return 1
     sampling = request.sampling
     max_tokens = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None

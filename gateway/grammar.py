@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -49,7 +49,6 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from gateway.errors import InvalidRequest
 from specd.grammars import CompiledGrammars, GrammarError, matcher_error
 
-T = TypeVar("T")
 BUDGET_STEPS = 4  # the steps whose mean grammar time the step budget bounds
 BUDGET_CEILING = 5  # a single step may take this many budgets, no more
 
@@ -217,13 +216,10 @@ class GrammarWork:
     async def start(self, grammar: str) -> Grammar:
         """A request's matcher of `grammar`; InvalidRequest when it cannot be served."""
         try:
-            matcher = await self.run(self.compiled.matcher, grammar)
+            matcher = await asyncio.get_running_loop().run_in_executor(self._threads, self.compiled.matcher, grammar)
         except GrammarError as exc:
             raise InvalidRequest(f"structured output: {str(exc)[:600]}") from None
         return Grammar(matcher, self.vocab_size, self.eos_token_ids, self.step_budget_ms, self._threads)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

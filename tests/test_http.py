@@ -158,6 +158,7 @@ def test_vllms_text_fields_reach_the_text(client):
     model = client.models.list().data[0].id
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = whole[len(whole) // 2:][:2]  # two characters the greedy output holds
+    assert len(stop) == 2 and stop.strip(), whole
     cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
     kept = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                      extra_body={"include_stop_str_in_output": True})
