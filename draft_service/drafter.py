@@ -161,6 +161,7 @@ class Drafter:
             if not feed and recovery is not None and start > 0:  # q at `start` needs its last token fed again
                 session.crop(start - 1)
                 feed = session.tokens[start - 1:start]
+                self.runner.reserve(session, start + draft_length + 1)  # position start - 1 may be shared
             if not feed:
                 self.runner.sessions.release()
                 raise InvalidArgument("nothing to feed: a step must carry at least one new committed token")

@@ -61,6 +61,36 @@ def test_a_shared_prefix_is_taken_by_reference_and_copied_before_a_write():
     assert float(kv.keys[0, second.slots(5, 6)[0], 0, 0]) == 6.0  # the copy kept the positions before 6
 
 
+def test_a_full_pool_refuses_a_write_into_a_shared_block_before_the_forward_not_during_it():
+    """A verifier publishes blocks that hold proposed tokens; a rejection crops back into
+    one. Held alone, it is unregistered and written in place, needing no block; held by
+    another session too, its copy's block is taken by `reserve`, which fails cleanly when
+    the pool is full (the caller evicts or answers RESOURCE_EXHAUSTED), so `own_from`
+    never meets a full pool mid-forward."""
+    kv = pool(blocks=4)  # 3 usable blocks
+    first = filled(kv, list(range(1, 9)))  # two full blocks, registered
+    assert kv.cached_blocks == 2 and first.reserve(12) and kv.free_blocks == 0
+    block = first.blocks[1]
+    first.crop(6)  # the proposal in positions 6 and 7 was rejected
+    assert first.reserve(8)  # no block needed: the second block is the session's alone
+    assert kv.cached_blocks == 1
+    first.own_from(6)
+    assert first.blocks[1] == block and held(kv, first)[:6] == [float(t) for t in range(1, 7)]
+
+    kv = pool(blocks=4)
+    first = filled(kv, list(range(1, 9)))
+    second = SessionKV(kv)
+    second.tokens = list(range(1, 9)) + [50]
+    assert second.take_prefix(second.tokens, b"") == 8
+    assert second.reserve(12) and kv.free_blocks == 0  # the third block: every block is held
+    second.crop(6)
+    assert not second.reserve(8)  # the shared second block needs a copy, and no block is left
+    del first  # its session ends: the block is the second session's alone (still registered)
+    assert second.reserve(8)
+    second.own_from(6)
+    assert held(kv, second)[:6] == [float(t) for t in range(1, 7)]
+
+
 def test_salts_and_the_last_token_are_never_hit():
     kv = pool()
     filled(kv, list(range(1, 9)), salt=b"tenant-a")

@@ -172,9 +172,17 @@ class KVPool:
                 self._block_of[key] = block
                 self._key_of[block] = key
 
-    def writable(self, block: int) -> bool:
-        """Whether a session holding `block` may write into it: it alone holds it, unregistered."""
-        return self._refs[block] == 1 and block not in self._key_of
+    def claim(self, block: int) -> bool:
+        """Make `block` writable for the one session holding it, unregistering it (a write
+        is about to change its tokens, so its key would no longer name them); False when
+        another session holds it too, and a writer must copy it."""
+        with self._lock:
+            if self._refs[block] != 1:
+                return False
+            key = self._key_of.pop(block, None)
+            if key is not None:
+                del self._block_of[key]
+            return True
 
 
 class SessionKV:
@@ -195,8 +203,8 @@ class SessionKV:
         self.root: bytes | None = None
         self.keys: list[bytes] = []
         self.hit = 0  # positions taken from the cache when the session opened, until a step reports them
-        # A block held for the first copy on write (a fork's, `fork`), so that the copy never
-        # finds the pool full in the middle of a batched forward.
+        # Blocks held for the copies on write of the next forward (`reserve`, `fork`), so
+        # that a copy never finds the pool full in the middle of a batched forward.
         self.spare: list[int] = []
         # The blocks go back when the session is garbage, whoever let go of it last.
         weakref.finalize(self, pool.release, self.blocks)
@@ -211,12 +219,22 @@ class SessionKV:
         self.length = min(self.length, keep)
 
     def reserve(self, needed: int) -> bool:
-        """Hold blocks for `needed` positions; False when the pool ran out first."""
+        """Before a forward writes from `length` on: hold blocks for `needed` positions, and
+        make every block the write may reach writable, unregistered if the session alone
+        holds it (a rejected proposal's block the session published), or else with a spare
+        for its copy (`own_from`). False when the pool ran out first: here the caller can
+        evict idle sessions or refuse the step, which it cannot mid-forward."""
         while self.capacity < needed:
             block = self.pool.allocate()
             if block is None:
                 return False
             self.blocks.append(block)
+        shared = sum(not self.pool.claim(block) for block in self.blocks[self.length // self.pool.block_tokens:])
+        while len(self.spare) < shared:
+            block = self.pool.allocate(zeroed=False)  # `own_from` copies a whole block into it
+            if block is None:
+                return False
+            self.spare.append(block)
         return True
 
     def _chain(self, tokens: list[int], blocks: int) -> list[bytes]:
@@ -248,13 +266,14 @@ class SessionKV:
 
     def own_from(self, start: int) -> None:
         """Before writing positions from `start` on: each block there that is shared or
-        registered is swapped for one of the session's own, a copy of it (model's thread).
-        RuntimeError when the pool has no block left."""
+        registered is made the session's own: unregistered if it alone holds it, else swapped
+        for a copy in a spare `reserve` held (model's thread). RuntimeError when the pool has
+        no block left: a step that wrote without `reserve` first."""
         size = self.pool.block_tokens
         del self.keys[start // size:]  # those blocks' tokens change from here: their keys go
         for i in range(start // size, len(self.blocks)):
             block = self.blocks[i]
-            if self.pool.writable(block):
+            if self.pool.claim(block):
                 continue
             # The whole block is copied: its positions from `start` on are written by this
             # forward or masked, and the copy leaves them finite, as a zeroed block would be.
@@ -290,17 +309,11 @@ class SessionKV:
         a shared block copies it first (`own_from`). The fork does at its first forward, on
         the model's thread, for the last, partial block: a fork is made on the event loop,
         which so launches no copy, and holds a spare block for that copy."""
-        size = self.pool.block_tokens
         fork = SessionKV(self.pool)
-        if keep % size:
-            spare = self.pool.allocate(zeroed=False)  # `own_from` copies a whole block into it
-            if spare is None:
-                return None
-            fork.spare.append(spare)
-        fork.blocks.extend(self.pool.share(self.blocks[:-(-keep // size)]))
-        if not fork.reserve(max(needed, keep)):
-            return None
+        fork.blocks.extend(self.pool.share(self.blocks[:-(-keep // self.pool.block_tokens)]))
         fork.length = keep
+        if not fork.reserve(max(needed, keep)):  # and a spare for the last block, when partial
+            return None
         fork.tokens = self.tokens[:keep]
         return fork
 

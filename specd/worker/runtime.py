@@ -385,11 +385,13 @@ class ModelRunner:
         return KVPool(*self._kv_shape, self.dtype, self.device, batching.block_tokens, blocks,
                       prefix_caching=not batching.no_prefix_caching)
 
-    def _reserve(self, session: SessionKV, needed: int) -> None:
-        """Room in the pool for `needed` positions of a taken session, evicting idle
-        sessions (least recently used first) while it is full; Overloaded if that is not enough."""
+    def reserve(self, session: SessionKV, needed: int) -> None:
+        """Room in the pool for `needed` positions of a taken session and its copies on
+        write (`SessionKV.reserve`), evicting idle sessions (least recently used first) while
+        it is full; Overloaded if that is not enough, with the session given back."""
         while not session.reserve(needed):
             if not self.sessions.evict_idle():
+                self.sessions.release()
                 raise Overloaded(f"{self.info.name}'s KV cache is full ({self.pool.blocks} blocks of "
                                  f"{self.pool.block_tokens} tokens, all held by steps in progress); raise "
                                  f"--kv-cache-tokens or retry shortly", self.scheduler.recent_forward_ms)
@@ -427,11 +429,7 @@ class ModelRunner:
             session.crop(start)
             feed = session.tokens[session.length:start] + list(tokens)
             session.tokens = session.tokens[:start] + list(tokens)
-        try:
-            self._reserve(session, session.length + len(feed) + extra)
-        except BaseException:
-            self.sessions.release()
-            raise
+        self.reserve(session, session.length + len(feed) + extra)
         return session, feed
 
     async def step(self, session_id: str, session: SessionKV, job: Job):
