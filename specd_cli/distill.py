@@ -33,6 +33,8 @@ import torch
 from tqdm import tqdm
 
 from gateway.costmodel import expected_tokens
+from specd.worker import hub, sharing
+from specd.worker.sharing import SubsetHead
 from specd_cli.training import resume, save_atomic, train_for_budget
 
 __all__ = ["add_arguments", "run", "measure_acceptance", "check_same_tokenizer",
@@ -46,15 +48,31 @@ DIVERGENCES = ("fkl", "tvd")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``specd distill``'s options to ``parser``."""
-    parser.add_argument("--target", required=True, help="target model folder (transformers)")
-    parser.add_argument("--draft", required=True,
-                        help="draft model folder to start from; must share the target's tokenizer")
-    parser.add_argument("--data", required=True, nargs="+", metavar="FILE",
+    parser.add_argument("--target", required=True, help="target model: a folder, a .gguf file or a hub id")
+    parser.add_argument("--draft", default=None,
+                        help="draft model folder to start from; must share the target's tokenizer (default: "
+                             "a new draft made from the target alone, see --layers)")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="without --draft: the new draft's decoder layers, copied from the target's first "
+                             "ones; it shares the target's embedding (default 4)")
+    parser.add_argument("--draft-vocabulary", type=int, default=8192, metavar="TOKENS",
+                        help="without --draft: the tokens the new draft proposes, those the target emits most "
+                             "on the training prompts (default 8192)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", nargs="+", metavar="FILE",
                         help="text files to cut prompts from; without --eval-data the last "
                              "10%% of each is held out for evaluation")
+    source.add_argument("--questions", metavar="FILE",
+                        help="chat requests, one a line, each rendered as a user message with the target's "
+                             "chat template; without --eval-questions the last 10%% are held out")
     parser.add_argument("--eval-data", nargs="+", metavar="FILE", default=None,
                         help="held-out text files, one report entry per file (default: the "
                              "held-out tail of each --data file)")
+    parser.add_argument("--eval-questions", metavar="FILE", default=None,
+                        help="held-out chat requests, one a line (with --questions)")
+    parser.add_argument("--greedy-share", type=float, default=None,
+                        help="share of the target's continuations decoded greedily, the rest sampled at "
+                             "temperature 1 (default: 0.5 with --questions, else 0)")
     parser.add_argument("--out", required=True,
                         help="folder for the distilled draft and distill_report.json")
     parser.add_argument("--work", default=None,
@@ -265,13 +283,17 @@ def measure_acceptance(target, draft, prompts_ids, gamma: int = 4, max_new_token
 # ------------------------------------------------------------------------ training
 
 def _distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor,
-                  divergence: str = "fkl"):
+                  divergence: str = "fkl", mask: torch.Tensor | None = None,
+                  index_of: torch.Tensor | None = None):
     """The draft's distance to the target's top-k distribution plus a tail bucket.
 
     The target's distribution is kept as its k most likely tokens and one bucket
     holding the remaining mass; the draft is scored on the same partition, so no mass
-    is silently dropped. ``fkl`` minimises the exact cross-entropy between the two
-    coarsened distributions (forward KL plus the target's constant entropy); ``tvd``
+    is silently dropped. A draft over part of the vocabulary (`index_of`: each token's
+    column in `logits`, −1 outside it) puts the target's mass on tokens it cannot
+    propose into the bucket. `mask` weighs the positions (0: past the end of a sequence).
+    ``fkl`` minimises the exact cross-entropy between the two coarsened
+    distributions (forward KL plus the target's constant entropy); ``tvd``
     minimises their total variation distance, which is 1 − α on that partition: the
     rejection rate itself (DistillSpec's TVD objective; on the demo pair forward KL
     did better, see the README).
@@ -280,19 +302,26 @@ def _distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.
     logq = logits.float().log_softmax(-1)
     ids = top_ids.long()
     p = top_probs.float()
+    inside = None
+    if index_of is not None:
+        ids = index_of[ids]
+        inside = ids >= 0
+        ids, p = ids.clamp_min(0), p * inside
     logq_top = logq.gather(-1, ids)
     rest_p = (1 - p.sum(-1)).clamp_min(0)
-    q_top = logq_top.exp()
+    q_top = logq_top.exp() if inside is None else logq_top.exp() * inside
     rest_logq = torch.log1p(-q_top.sum(-1).clamp(max=1 - 1e-6))
     ce = -(p * logq_top).sum(-1) - rest_p * rest_logq
+    weight = torch.ones_like(ce) if mask is None else mask.float()
+    count = weight.sum().clamp_min(1)
     with torch.no_grad():
         ent = -(p * p.clamp_min(1e-12).log()).sum(-1) - rest_p * rest_p.clamp_min(1e-12).log()
-    kl = (ce.detach() - ent).mean()
+    kl = ((ce.detach() - ent) * weight).sum() / count
     if divergence == "tvd":
         rest_q = (1 - q_top.sum(-1)).clamp_min(0)
         tvd = 0.5 * ((p - q_top).abs().sum(-1) + (rest_p - rest_q).abs())
-        return tvd.mean(), kl
-    return ce.mean(), kl
+        return (tvd * weight).sum() / count, kl
+    return (ce * weight).sum() / count, kl
 
 
 def _load_causal_lm(path):
@@ -303,16 +332,33 @@ def _load_causal_lm(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def _sample_target(target, tok, texts: list[str], args, path: Path) -> dict:
-    """Stage 1: sample the target at temperature 1, keeping its top-k distribution at
-    every position; stops at ``--samples`` or the sampling share of the budget.
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Each question as a user message, rendered with the tokenizer's chat template up to
+    the assistant's turn: the prompts a chat server's target continues."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for q in questions]
 
-    Prompts cycle through the data files so each file (task type) gets an equal
-    share. Checkpointed about once a minute; a finished set is marked done so a
-    resumed run trains on exactly the same data.
+
+def _valid_positions(seq: torch.Tensor, prompt_len: int, eos_ids: list[int]) -> torch.Tensor:
+    """Per row of `seq` [B, L], the leading positions whose next token counts: up to the
+    one that predicts the continuation's first EOS (what follows it is never served)."""
+    continuation = seq[:, prompt_len:]
+    ended = torch.isin(continuation, torch.tensor(eos_ids, dtype=seq.dtype))
+    first = torch.where(ended.any(1), ended.int().argmax(1), continuation.shape[1] - 1)
+    return prompt_len + first
+
+
+def _sample_target(target, draw, eos_ids: list[int], args, path: Path) -> dict:
+    """Stage 1: continue prompts with the target, greedily for ``--greedy-share`` of the
+    batches and at temperature 1 for the rest, keeping its top-k distribution at every
+    position; stops at ``--samples`` or the sampling share of the budget.
+
+    ``draw(n, rng)`` gives the next ``n`` prompts, of one length. Checkpointed about once
+    a minute; a finished set is marked done so a resumed run trains on exactly the same
+    data.
     """
     samples: dict[str, Any] = torch.load(path) if path.exists() else \
-        {"seqs": [], "top_ids": [], "top_probs": [], "elapsed": 0.0, "done": False}
+        {"seqs": [], "top_ids": [], "top_probs": [], "valid": [], "elapsed": 0.0, "done": False}
     budget = args.time_budget * args.sample_share
     have = sum(len(s) for s in samples["seqs"])
     # Seeded by progress so that a resumed run draws new prompts, not the same ones.
@@ -322,14 +368,15 @@ def _sample_target(target, tok, texts: list[str], args, path: Path) -> dict:
     bar = tqdm(total=args.samples, initial=have, desc="sampling target", unit="seq")
     while not samples["done"] and have < args.samples and samples["elapsed"] < budget:
         t0 = time.monotonic()
-        n = min(args.sample_batch_size, args.samples - have)
-        prompts = [sample_prompts(tok, texts[i % len(texts)], 1, args.prompt_tokens, rng)[0]
-                   for i in range(have, have + n)]
-        seq, ids, probs = _generate(target, torch.tensor(prompts), args.new_tokens, 1.0, gen,
+        prompts = draw(min(args.sample_batch_size, args.samples - have), rng)
+        temperature = 0.0 if rng.random() < args.greedy_share else 1.0
+        seq, ids, probs = _generate(target, torch.tensor(prompts), args.new_tokens, temperature, gen,
                                     args.top_k, bf16=not args.fp32_sampling)
         samples["seqs"].append(seq)
         samples["top_ids"].append(ids)
         samples["top_probs"].append(probs)
+        samples["valid"].append(_valid_positions(seq, len(prompts[0]), eos_ids))
+        n = len(prompts)
         samples["elapsed"] += time.monotonic() - t0
         have += n
         bar.update(n)
@@ -347,10 +394,31 @@ def _train_draft(draft, samples: dict, budget: float, args, path: Path) -> dict:
     """Stage 2: train ``draft`` in place toward the sampled target distributions for
     ``budget`` seconds (bf16 autocast, AdamW); checkpointed about once a minute.
     Returns the training state (elapsed seconds, steps, per-step KL)."""
-    seqs = torch.cat(samples["seqs"])
-    top_ids = torch.cat(samples["top_ids"])
-    top_probs = torch.cat(samples["top_probs"])
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # Rows of the sampled batches, which may differ in length (chat prompts do): a training
+    # batch pads its rows to the longest, the padding masked out.
+    rows = [(b, r) for b, seq in enumerate(samples["seqs"]) for r in range(len(seq))]
+    subset = isinstance(draft.lm_head, SubsetHead)
+    index_of = None
+    if subset:  # each token's column in the draft's head, -1 for a token it never proposes
+        index_of = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        index_of[draft.lm_head.ids] = torch.arange(len(draft.lm_head.ids))
+    trained = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+    def batch(picked: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+        length = max(int(samples["valid"][b][r]) for b, r in picked)
+        k = samples["top_ids"][0].shape[-1]
+        ids = torch.zeros((len(picked), length), dtype=torch.long)
+        top_ids = torch.zeros((len(picked), length, k), dtype=torch.int32)
+        top_probs = torch.zeros((len(picked), length, k), dtype=torch.float16)
+        mask = torch.zeros((len(picked), length), dtype=torch.bool)
+        for i, (b, r) in enumerate(picked):
+            n = int(samples["valid"][b][r])
+            ids[i, :n] = samples["seqs"][b][r, :n]
+            top_ids[i, :n] = samples["top_ids"][b][r, :n]
+            top_probs[i, :n] = samples["top_probs"][b][r, :n]
+            mask[i, :n] = True
+        return ids, top_ids, top_probs, mask
 
     def check(saved: dict) -> None:
         # A checkpoint from before --divergence existed was trained on forward KL.
@@ -365,11 +433,14 @@ def _train_draft(draft, samples: dict, budget: float, args, path: Path) -> dict:
     def batch_loss() -> torch.Tensor:
         nonlocal order
         if len(order) < args.batch_size:
-            order = torch.randperm(len(seqs)).tolist()
-        idx = torch.tensor([order.pop() for _ in range(args.batch_size)])
+            order = torch.randperm(len(rows)).tolist()
+        ids, top_ids, top_probs, mask = batch([rows[order.pop()] for _ in range(args.batch_size)])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = draft(seqs[idx, :-1]).logits
-        loss, kl = _distill_loss(logits, top_ids[idx], top_probs[idx], args.divergence)
+            if subset:  # the scores over the draft's own vocabulary, not the whole one it pads to
+                logits = draft.lm_head.linear(draft.model(input_ids=ids).last_hidden_state)
+            else:
+                logits = draft(ids).logits
+        loss, kl = _distill_loss(logits, top_ids, top_probs, args.divergence, mask, index_of)
         state["kl"].append(float(kl))
         return loss
 
@@ -395,41 +466,103 @@ def _stored_dtype(path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+def _vocabulary(samples: dict, size: int, eos_ids: list[int]) -> list[int]:
+    """The `size` tokens the target emitted most in `samples` (up to each row's end), and
+    its EOS ids: a new draft's vocabulary."""
+    counts = torch.zeros(max(int(seq.max()) for seq in samples["seqs"]) + 1, dtype=torch.long)
+    for seq, valid in zip(samples["seqs"], samples["valid"]):
+        for row, n in zip(seq, valid.tolist()):
+            counts += torch.bincount(row[:n + 1], minlength=len(counts))[:len(counts)]
+    ranked = [t for t in counts.argsort(descending=True).tolist() if counts[t] > 0]
+    chosen = list(dict.fromkeys(eos_ids + ranked))[:size]
+    return sorted(chosen)
+
+
+def _prompts(args, tok) -> tuple[Any, dict[str, list[list[int]]]]:
+    """A function drawing the training prompts (n of one length at a time), and the
+    held-out prompts by name."""
+    rng = random.Random(args.seed + 1)
+    if args.questions:
+        questions = [q for q in Path(args.questions).read_text(encoding="utf-8").splitlines() if q.strip()]
+        if args.eval_questions:
+            held = [q for q in Path(args.eval_questions).read_text(encoding="utf-8").splitlines() if q.strip()]
+        else:
+            cut = int(len(questions) * 0.9)
+            questions, held = questions[:cut], questions[cut:]
+        by_length: dict[int, list[list[int]]] = {}
+        for prompt in chat_prompts(tok, questions):
+            by_length.setdefault(len(prompt), []).append(prompt)
+        lengths = sorted(by_length)
+
+        def draw_questions(n: int, rng: random.Random) -> list[list[int]]:
+            group = by_length[rng.choice(lengths)]  # one length, so that a batch needs no padding
+            return [rng.choice(group) for _ in range(n)]
+
+        return draw_questions, {"chat": chat_prompts(tok, held[:args.eval_prompts])}
+    # Text: training prompts from each data file, held-out ones from --eval-data or from
+    # the tail of each data file that training never sees.
+    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.data]
+    if args.eval_data:
+        train_texts = texts
+        evals = {Path(f).stem: Path(f).read_text(encoding="utf-8", errors="replace") for f in args.eval_data}
+    else:
+        ends = [int(len(t) * 0.9) for t in texts]
+        train_texts = [t[:c] for t, c in zip(texts, ends)]
+        evals = {Path(f).stem: t[c:] for f, t, c in zip(args.data, texts, ends)}
+    drawn = 0
+
+    def draw_text(n: int, rng: random.Random) -> list[list[int]]:
+        nonlocal drawn  # prompts cycle through the files, so each file (task type) gets an equal share
+        prompts = [sample_prompts(tok, train_texts[(drawn + i) % len(train_texts)], 1, args.prompt_tokens, rng)[0]
+                   for i in range(n)]
+        drawn += n
+        return prompts
+
+    return draw_text, {name: sample_prompts(tok, text, args.eval_prompts, args.prompt_tokens, rng)
+                       for name, text in evals.items()}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``specd distill`` with parsed ``args``; return a process exit status."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.greedy_share is None:
+        args.greedy_share = 0.5 if args.questions else 0.0
     try:
-        tok = check_same_tokenizer(args.target, args.draft)
-    except ValueError as e:
+        target_dir = hub.resolve(args.target)
+        if args.draft:
+            tok = check_same_tokenizer(target_dir, args.draft)
+        else:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(target_dir)
+    except (ValueError, hub.ModelNotFound) as e:
         print(f"specd distill: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "checkpoints"
     work.mkdir(parents=True, exist_ok=True)
-    target = _load_causal_lm(args.target)
-    draft = _load_causal_lm(args.draft)
-    if target.config.vocab_size != draft.config.vocab_size:
+    target = _load_causal_lm(target_dir)
+    draft = _load_causal_lm(args.draft) if args.draft else None
+    if draft is not None and target.config.vocab_size != draft.config.vocab_size:
         print(f"specd distill: vocab sizes differ (target {target.config.vocab_size}, "
               f"draft {draft.config.vocab_size}) although the tokenizers match", file=sys.stderr)
         return 2
+    if draft is None and not getattr(target.config, "tie_word_embeddings", False):
+        print("specd distill: a draft made from the target alone shares its tied embedding and output layer; "
+              f"{args.target} does not tie them. Give a --draft to start from", file=sys.stderr)
+        return 2
     target.eval()
     torch.manual_seed(args.seed)
+    eos_ids = sorted({*([tok.eos_token_id] if tok.eos_token_id is not None else []),
+                      *_config_eos(target)})
+    draw, eval_prompts = _prompts(args, tok)
 
-    # Prompts: training prompts from each data file, held-out ones from --eval-data
-    # or from the tail of each data file that training never sees.
-    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.data]
-    if args.eval_data:
-        train_texts = texts
-        evals = {Path(f).stem: Path(f).read_text(encoding="utf-8", errors="replace")
-                 for f in args.eval_data}
-    else:
-        cut = [int(len(t) * 0.9) for t in texts]
-        train_texts = [t[:c] for t, c in zip(texts, cut)]
-        evals = {Path(f).stem: t[c:] for f, t, c in zip(args.data, texts, cut)}
-    eval_prompts = {name: sample_prompts(tok, text, args.eval_prompts, args.prompt_tokens,
-                                         random.Random(args.seed + 1))
-                    for name, text in evals.items()}
+    samples = _sample_target(target, draw, eos_ids, args, work / "samples.pt")
+    positions = int(sum(v.sum() for v in samples["valid"]))
+    sequences = sum(len(s) for s in samples["seqs"])
+    print(f"sampled {sequences} sequences ({positions:,} positions) in {samples['elapsed']:.0f}s", file=sys.stderr)
+    if draft is None:
+        draft = sharing.build(target, list(range(args.layers)), _vocabulary(samples, args.draft_vocabulary, eos_ids))
 
     report_path = work / "eval_before.json"
     if report_path.exists():
@@ -439,11 +572,6 @@ def run(args: argparse.Namespace) -> int:
                                            seed=args.seed) for name, ps in eval_prompts.items()}
         report_path.write_text(json.dumps(before, indent=2))
     print(f"before: {json.dumps(before)}", file=sys.stderr)
-
-    samples = _sample_target(target, tok, train_texts, args, work / "samples.pt")
-    seqs = torch.cat(samples["seqs"])
-    print(f"sampled {len(seqs)} sequences ({seqs[:, 1:].numel():,} positions) "
-          f"in {samples['elapsed']:.0f}s", file=sys.stderr)
     try:
         state = _train_draft(draft, samples, max(args.time_budget - samples["elapsed"], 0.0), args,
                              work / "train.pt")
@@ -455,15 +583,22 @@ def run(args: argparse.Namespace) -> int:
     after = {name: measure_acceptance(target, draft, ps, args.gamma, args.eval_new_tokens,
                                       seed=args.seed) for name, ps in eval_prompts.items()}
     out.mkdir(parents=True, exist_ok=True)
-    draft.to(_stored_dtype(args.draft)).save_pretrained(out, safe_serialization=True)
-    draft.float()
+    if args.draft:
+        draft.to(_stored_dtype(args.draft)).save_pretrained(out, safe_serialization=True)
+        draft.float()
+    else:
+        sharing.save(draft, out, target_dir, hub.model_name(args.target), torch.bfloat16)
     tok.save_pretrained(out)
     kl = state["kl"]
     report = {
-        "target": str(args.target), "draft": str(args.draft),
-        "data": list(args.data), "eval_data": args.eval_data,
-        "samples": len(seqs), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "top_k": args.top_k, "sampling_dtype": "float32" if args.fp32_sampling else "bf16-autocast",
+        "target": str(args.target), "draft": str(args.draft) if args.draft else None,
+        "layers": None if args.draft else args.layers,
+        "draft_vocabulary": None if args.draft else len(draft.lm_head.ids),
+        "data": args.data, "eval_data": args.eval_data,
+        "questions": args.questions, "eval_questions": args.eval_questions, "greedy_share": args.greedy_share,
+        "samples": sequences, "positions": positions, "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens, "top_k": args.top_k,
+        "sampling_dtype": "float32" if args.fp32_sampling else "bf16-autocast",
         "sampling_s": samples["elapsed"], "training_s": state["elapsed"],
         "steps": state["step"], "batch_size": args.batch_size, "lr": args.lr, "divergence": args.divergence,
         "kl_first": sum(kl[:10]) / max(len(kl[:10]), 1), "kl_last": sum(kl[-10:]) / max(len(kl[-10:]), 1),
@@ -476,6 +611,11 @@ def run(args: argparse.Namespace) -> int:
               f"tokens/step@{args.gamma} {b['tokens_per_step']:.2f} -> {a['tokens_per_step']:.2f}, "
               f"alpha {b['alpha']:.3f} -> {a['alpha']:.3f}")
     return 0
+
+
+def _config_eos(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def main(argv: list[str] | None = None) -> int:

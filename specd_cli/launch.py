@@ -186,11 +186,12 @@ def cmd_draft(args: argparse.Namespace) -> int:
     try:
         drafts = {name: resolve(model, args.revision) for name, model in
                   parse_drafts(args.draft or [str(demo_pair()[1])]).items()}
+        base = resolve(args.draft_base, args.revision) if args.draft_base else None
     except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
     _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
-    settings = _settings(DRAFT, args, drafts=drafts)
+    settings = _settings(DRAFT, args, drafts=drafts, draft_base=base)
     return _serve(_then_single_threaded(create_server), settings, "draft", args.port_file)
 
 

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--draft", action="append", metavar="[NAME=]MODEL",
                        help=f"a draft model: a directory or a hub id ORG/NAME[@REVISION]; repeat to host several "
                             f"(the first is the default; default: the demo draft: {DEMO_HELP})")
+    draft.add_argument("--draft-base", metavar="TARGET",
+                       help="the target model a draft made by `specd distill` from the target alone reads the "
+                            "weights it shares from (a directory, a .gguf file or a hub id); specd serve passes "
+                            "its --target")
     _revision_arg(draft)
     draft.set_defaults(func=cmd_draft)
 

@@ -180,6 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               "--threads", str(args.threads), *worker_tls, *forward_flags(MODEL, args),
                               *fractions["verifier"], *(["--cpus", args.verifier_cpus] if args.verifier_cpus else [])],
             "draft": me + ["draft", "--socket", str(sockets["draft"]), "--revision", args.revision,
+                           "--draft-base", target,
                            *[f"--draft={n}={p}" for n, p in drafts.items()],
                            "--threads", str(draft_threads), *worker_tls, *forward_flags(MODEL, args),
                            *forward_flags(DRAFT, args, nested=False), *fractions.get("draft", []),

@@ -187,18 +187,19 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
                 drafts: tuple[str, ...] = ("close", "unrelated", "padded"), front=None,
                 device: str = TEST_DEVICE, dtype: str = TEST_DTYPE, draft_grammar_mask_budget_ms: float = 20.0,
-                **gateway_options) -> Stack:
+                draft_base: Path | None = None, **gateway_options) -> Stack:
     """The three services on loopback, their models on `device` in `dtype`; `drafts` names the
     model_dirs the draft service hosts (the first is the default draft). front(loop, role,
     port) -> port: what the gateway dials for a worker ("draft", "verifier") instead of its
     port (a proxy, in fault tests). draft_grammar_mask_budget_ms: 0 leaves the draft's q
-    unguided by a request's grammar."""
+    unguided by a request's grammar. draft_base: where a draft that shares its target's
+    weights reads them (`specd.worker.sharing`)."""
     loop = LoopThread()
     server = ServerSettings("127.0.0.1", 0, grace_s=1.0)
     model = ModelSettings(dtype=dtype, max_sessions=max_sessions, device=device, batching=batching)
     draft_settings = DraftSettings(server, {name: model_dirs[name] for name in drafts}, model,
                                    metrics_port=draft_metrics_port, pre_draft_branches=pre_draft_branches,
-                                   grammar_mask_budget_ms=draft_grammar_mask_budget_ms)
+                                   grammar_mask_budget_ms=draft_grammar_mask_budget_ms, draft_base=draft_base)
     verifier_settings = VerifierSettings(server, model_dirs["target"], model, metrics_port=verifier_metrics_port)
     draft = loop.run(create_draft(draft_settings))
     verifier = loop.run(create_verifier(verifier_settings))

@@ -161,7 +161,8 @@ def _options(parser, command: str) -> set[str]:
 def test_serve_takes_every_setting_a_service_takes():
     """A setting is declared once (`specd.flags`): `specd serve` has every flag of the three
     services but those declared serve=False (where a process listens, how the gateway finds
-    its workers) and a few it puts otherwise (its own TLS, --draft-cpus for --cpus)."""
+    its workers) and a few it puts otherwise (its own TLS, --draft-cpus for --cpus, its
+    --target for --draft-base)."""
     from specd.flags import _flagged
     from specd_cli.launch import DRAFT, GATEWAY, VERIFIER
     from specd_cli.parser import build_parser
@@ -171,7 +172,7 @@ def test_serve_takes_every_setting_a_service_takes():
     for command, defaults in (("draft", DRAFT), ("verifier", VERIFIER), ("gateway", GATEWAY)):
         not_serves = {field.metadata["flag"] for field, _ in _flagged(defaults) if not field.metadata["serve"]}
         otherwise = {"--port-file", "--cpus", "--worker-ca", "--worker-cert", "--worker-key", "--worker-server-name",
-                     "-h", "--help"}
+                     "--draft-base", "-h", "--help"}
         missing = _options(parser, command) - serve - not_serves - otherwise
         assert not missing, f"specd serve lacks {sorted(missing)} of specd {command}"
         assert {"--port", "--socket", "--tls-cert"} <= not_serves  # read from the declarations

@@ -59,8 +59,9 @@ from specd.worker.attention import paged_attention
 from specd.worker.kvstore import KVPool
 from specd.worker.layout import BatchInputs
 from specd.worker.packing import PackedLinear
+from specd.worker.sharing import SubsetHead
 
-_LINEARS = (nn.Linear, PackedLinear)
+_LINEARS = (nn.Linear, PackedLinear, SubsetHead)  # an output layer over part of the vocabulary too
 
 
 def _config_window(attention: Any) -> int | None:

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.steps import ModelInfo
-from specd.worker import forwards, graphs, lean, memory, packing, rope, trials
+from specd.worker import forwards, graphs, lean, memory, packing, rope, sharing, trials
 from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
@@ -147,7 +147,7 @@ class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
     def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
-                 kept_rows_bytes: int = 0,
+                 kept_rows_bytes: int = 0, draft_base: Path | None = None,
                  on_session_gone: Callable[[str], None] = lambda session_id: None) -> None:
         """path: the model directory; name: the model's name as the worker reports it (None:
         the directory's). Both say which model; `settings` says how it runs, and is shared by
@@ -155,6 +155,9 @@ class ModelRunner:
 
         kept_rows_bytes: device memory its role keeps beside the KV pool (a draft's kept q
         rows), which a pool sized by --gpu-memory-fraction leaves room for.
+
+        draft_base: the target model directory a draft that shares its target's weights
+        reads them from (`specd.worker.sharing`); None for any other model.
 
         on_session_gone(session_id): the role's hook, called whenever a session goes, evicted
         under memory pressure or ended (`end_session`). The runner owns the sessions and
@@ -173,6 +176,7 @@ class ModelRunner:
         if settings.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {FORWARDS}, got {settings.forward!r}")
         self.path = path
+        self.draft_base = draft_base
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(settings.device)
@@ -197,6 +201,8 @@ class ModelRunner:
         run on a small pool first, then a profiling forward, and the pool is sized after
         (`specd.worker.memory`)."""
         def load() -> PreTrainedModel:
+            if sharing.is_shared_draft(path):
+                return sharing.load(path, self.dtype, self.draft_base).to(self.device)
             return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
 
         batching, max_sessions = self.settings.batching, self.settings.max_sessions

@@ -129,6 +129,9 @@ class DraftSettings:
                                             help="a session whose grammar mask takes longer drafts unguided by its "
                                                  "grammar from then on (its masks run between every session's "
                                                  "forwards); the gateway's grammar still decides the output")
+    # A draft made from its target alone reads the embedding it shares from here
+    # (specd.worker.sharing); `specd serve` passes its --target, resolved.
+    draft_base: Path | None = None
 
 @dataclass(frozen=True)
 class VerifierSettings:
