@@ -131,6 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
     add_api_key_argument(parser)
     parser.add_argument("--workload", help="JSON file {task_type: [prompts]} (default: the demo workload)")
+    parser.add_argument("--questions", metavar="FILE",
+                        help="instead of --workload: chat requests, one a line, each rendered as a user message "
+                             "with --target's chat template (task type 'chat')")
+    parser.add_argument("--questions-count", type=int, default=16, metavar="N",
+                        help="the first N requests of --questions (default 16)")
     parser.add_argument("--configs", default="fixed:2,fixed:4,fixed:6,fixed:8,ema,cost,confidence",
                         help="comma list of fixed:γ, ema, cost, confidence, each optionally +overlap "
                              "(e.g. fixed:4+overlap; target-only always runs)")
@@ -302,16 +307,41 @@ def run_transformers(args: argparse.Namespace, workload: dict[str, list[str]]) -
         return pool.apply(transformers_rates, (args.target, args.draft, args.dtype, prompts, args.max_new_tokens))
 
 
-def transformers_rates(target_path: str, draft_path: str | None, dtype_name: str, prompts: list[str],
+def chat_workload(args: argparse.Namespace) -> dict[str, list[str]]:
+    """--questions' first --questions-count lines, each a user message rendered with the
+    target's chat template up to the assistant's turn."""
+    from transformers import AutoTokenizer
+
+    from specd.worker.hub import resolve
+
+    if not args.target:
+        raise SystemExit("specd bench: --questions needs --target, whose chat template renders them")
+    tokenizer = AutoTokenizer.from_pretrained(resolve(args.target))
+    lines = [q for q in Path(args.questions).read_text(encoding="utf-8").splitlines() if q.strip()]
+    return {"chat": [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                   tokenize=False) for q in lines[:args.questions_count]]}
+
+
+def transformers_rates(target_spec: str, draft_path: str | None, dtype_name: str, prompts: list[str],
                        max_new_tokens: int) -> dict[str, float]:
-    """In the spawned process: each configuration warmed up, then timed over every prompt."""
+    """In the spawned process: each configuration warmed up, then timed over every prompt.
+    A draft made by `specd distill` from the target alone loads with the target's shared
+    weights, as the draft worker loads it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specd.worker import sharing
+    from specd.worker.hub import resolve
+
+    target_path = resolve(target_spec)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     dtype = getattr(torch, dtype_name)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval() if draft_path else None
+    draft = None
+    if draft_path and sharing.is_shared_draft(Path(draft_path)):
+        draft = sharing.load(Path(draft_path), dtype, target_path)
+    elif draft_path:
+        draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
     # Prompt lookup as transformers does it: a fixed 10 tokens per match (its documented setting).
     runs: dict[str, dict[str, object]] = {"transformers target-only": {}}
     if draft is not None:
@@ -518,7 +548,8 @@ def run(args: argparse.Namespace) -> int:
         with client_channel(args.gateway, client_tls_from_args(args)) as channel:
             grpc.channel_ready_future(channel).result(timeout=300)
             return prefixbench.run(args, gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env)))
-    workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
+    workload = chat_workload(args) if args.questions else \
+        json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     configs = parse_configs(args.configs)
     if args.concurrency:
         return run_load(args, workload, configs)
