@@ -171,6 +171,7 @@ def _parse_cpus(value: str) -> set[int]:
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.predraft import check_branches
     from draft_service.server import create_server
+    from specd.worker import sharing
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-draft")
@@ -186,7 +187,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
     try:
         drafts = {name: resolve(model, args.revision) for name, model in
                   parse_drafts(args.draft or [str(demo_pair()[1])]).items()}
-        base = resolve(args.draft_base, args.revision) if args.draft_base else None
+        # The target is resolved (on a hub id, fetched) only for a draft that reads from it.
+        shares = any(sharing.is_shared_draft(path) for path in drafts.values())
+        base = resolve(args.draft_base, args.revision) if args.draft_base and shares else None
     except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
