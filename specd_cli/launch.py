@@ -171,8 +171,8 @@ def _parse_cpus(value: str) -> set[int]:
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.predraft import check_branches
     from draft_service.server import create_server
-    from specd.worker import sharing
     from specd.telemetry import setup_tracing
+    from specd.worker import sharing
 
     setup_tracing("specd-draft")
 
