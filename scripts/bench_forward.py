@@ -3,7 +3,7 @@ and 32 sessions, through transformers' layers and through specd's lean forward
 (specd.worker.lean), beside the same sessions one at a time and transformers' own one-token
 step of as many rows with a DynamicCache, side by side in one run.
 
-    python scripts/bench_forward.py [--model models/demo/target] [--threads 2] [--prefix 128]
+    python scripts/bench_forward.py [--model models/demo/target] [--draft-base TARGET] [--threads 2] [--prefix 128]
         [--cpu-linear onednn|torch]
 
 Each session holds `prefix` cached tokens and feeds one new token per forward (a plain
@@ -19,12 +19,13 @@ import argparse
 import functools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specd.config import DEMO_TARGET
-from specd.worker import forwards, lean, packing
+from specd.worker import forwards, lean, packing, sharing
 from specd.worker.attention import use_paged_attention
 from specd.worker.kvstore import KVPool, SessionKV
 from specd.worker.layout import BatchRow
@@ -50,6 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEMO_TARGET))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--draft-base", type=Path, default=None,
+                        help="the target a draft made by `specd distill` from the target alone shares weights with")
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cpu-linear", choices=CPU_LINEARS, default="onednn",
@@ -57,7 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    if sharing.is_shared_draft(Path(args.model)):
+        model = sharing.load(Path(args.model), torch.float32, args.draft_base)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     cfg, cpu = model.config, torch.device("cpu")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
