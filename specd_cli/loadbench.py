@@ -121,6 +121,9 @@ def transformers_batched(target_dir: str, prompts: list[str], levels: list[int],
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specd.worker.hub import resolve
+
+    target_dir = str(resolve(target_dir))  # a .gguf file or a hub id, as the services take it
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
