@@ -145,3 +145,23 @@ def test_distill_makes_a_draft_from_the_target_alone(tmp_path):
     draft = sharing.load(out, torch.float32, tmp_path / "target")
     assert draft.config.num_hidden_layers == 1
     assert (out / "model.safetensors").stat().st_size < (tmp_path / "target" / "model.safetensors").stat().st_size / 3
+
+
+def test_the_shipped_smollm2_draft_is_what_its_manifest_says():
+    """models/smollm2-draft: four layers of its own in bfloat16, SmolLM2's embedding shared
+    (not stored), 8,192 tokens proposed, EOS (<|im_end|>, id 2) among them. Served beside
+    the GGUF file from PyPI (scripts/fetch_smollm2.sh), it loads only if that file's
+    embedding has the manifest's digest."""
+    draft = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"
+    manifest = json.loads((draft / sharing.MANIFEST).read_text())
+    config = json.loads((draft / "config.json").read_text())
+    assert manifest["shared"] == ["model.embed_tokens.weight"] and len(manifest["digest"]) == 64
+    assert len(manifest["vocabulary"]) == 8192 and 2 in manifest["vocabulary"]
+    assert config["num_hidden_layers"] == 4 and config["vocab_size"] == 49152
+    with safe_open(str(draft / "model.safetensors"), framework="pt") as weights:
+        names = set(weights.keys())
+        assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    assert names == {"model.norm.weight"} | {f"model.layers.{i}.{part}" for i in range(4) for part in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight")}
