@@ -469,10 +469,9 @@ def _stored_dtype(path) -> torch.dtype:
 def _vocabulary(samples: dict, size: int, eos_ids: list[int]) -> list[int]:
     """The `size` tokens the target emitted most in `samples` (up to each row's end), and
     its EOS ids: a new draft's vocabulary."""
-    counts = torch.zeros(max(int(seq.max()) for seq in samples["seqs"]) + 1, dtype=torch.long)
-    for seq, valid in zip(samples["seqs"], samples["valid"]):
-        for row, n in zip(seq, valid.tolist()):
-            counts += torch.bincount(row[:n + 1], minlength=len(counts))[:len(counts)]
+    emitted = torch.cat([row[:n + 1] for seq, valid in zip(samples["seqs"], samples["valid"])
+                         for row, n in zip(seq, valid.tolist())])
+    counts = torch.bincount(emitted)
     ranked = [t for t in counts.argsort(descending=True).tolist() if counts[t] > 0]
     chosen = list(dict.fromkeys(eos_ids + ranked))[:size]
     return sorted(chosen)

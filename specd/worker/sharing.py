@@ -58,14 +58,14 @@ def is_shared_draft(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors `names` from a model directory's safetensors files, in float32."""
+def read_tensors(model_dir: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors `names` (None: all) from a model directory's safetensors files, in float32."""
     found: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
-            for name in set(names) & set(weights.keys()):
+            for name in weights.keys() if names is None else set(names) & set(weights.keys()):
                 found[name] = weights.get_tensor(name).float()
-    missing = [name for name in names if name not in found]
+    missing = [name for name in names or [] if name not in found]
     if missing:
         raise ValueError(f"{model_dir} has no tensor {missing[0]} in its safetensors files")
     return found
@@ -84,7 +84,7 @@ def _vocabulary_head(model: Any, ids: list[int]) -> None:
     """Give `model` a `SubsetHead` over `ids`, its rows from the (shared) embedding."""
     embedding = model.get_input_embeddings().weight
     index = torch.tensor(ids, dtype=torch.long, device=embedding.device)
-    model.lm_head = SubsetHead(embedding.detach()[index].clone(), index, int(model.config.vocab_size))
+    model.lm_head = SubsetHead(embedding.detach()[index], index, int(model.config.vocab_size))  # indexing copies
 
 
 def load(path: Path, dtype: torch.dtype, base: Path | None) -> Any:
@@ -106,7 +106,7 @@ def load(path: Path, dtype: torch.dtype, base: Path | None) -> Any:
                          f"Serve the draft with its own target, or make one for this target with specd distill")
     config = AutoConfig.from_pretrained(path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    own = read_tensors(path, _own_names(path))
+    own = read_tensors(path)
     missing, unexpected = model.load_state_dict({**own, **shared}, strict=False)
     missing = [name for name in missing if name != "lm_head.weight"]  # the head is made from the embedding
     if missing or unexpected:
@@ -114,14 +114,6 @@ def load(path: Path, dtype: torch.dtype, base: Path | None) -> Any:
                          f"unexpected {unexpected[:3]}")
     _vocabulary_head(model, manifest["vocabulary"])
     return model.to(dtype).eval()
-
-
-def _own_names(path: Path) -> list[str]:
-    names: list[str] = []
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as weights:
-            names += list(weights.keys())
-    return names
 
 
 def build(target: Any, layers: list[int], vocabulary: list[int]) -> Any:
