@@ -24,11 +24,12 @@ from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
 from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
+from gateway.floor import FloorSchedule, PlainRates, RequestFloor
 from gateway.grammar import Grammar, GrammarWork
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.loadcap import LoadCap, SharedLevel
 from gateway.paircosts import PairCosts
-from gateway.policy import CostPolicy, ProbeSchedule, build_policy
+from gateway.policy import CostPolicy, ProbeSchedule, SharedState, build_policy
 from gateway.priors import ForwardTable, Overheads, prior_rates
 from gateway.proposers import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
@@ -135,11 +136,12 @@ class _GatewayCounts:
         batch = record.verify_batch
         if record.index > 0:  # the first step also prefills the prompt: its time is not a step's cost
             # Another proposer's step says nothing of the draft's pre-drafting: neither a hit nor a miss.
-            costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size,
+            costs.observe(self.model_pair, record.draft_length, record.draft_ms, record.rest_ms, batch.size,
                           record.pre_draft_asked and own, record.pre_drafted, verify_only=not own)
             if not own:
-                costs.observe(pair, record.draft_length, record.draft_ms, record.verify_ms, batch.size)
+                costs.observe(pair, record.draft_length, record.draft_ms, record.rest_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
+        self.servicer.plain_rates.observe(record)
         if record.pre_draft_asked and record.draft_model_tokens:
             stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
@@ -172,6 +174,10 @@ class GatewayCore:
         # type), the load cap per model pair.
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
         self._load_caps: dict[str, LoadCap] = {}
+        # AUTO's floor (`gateway.floor`): plain decoding's measured rates on the target, and the
+        # bursts' schedule per (model pair, task type, greedy).
+        self.plain_rates = PlainRates()
+        self._floors: dict[tuple[str, str, bool], FloorSchedule] = {}
         # What the other gateways of the target learned (the verifiers' table, `gateway.loadshare`):
         # model pair → load → level; a pair's load cap starts from it.
         self._shared_caps: dict[str, dict[int, SharedLevel]] = {}
@@ -308,19 +314,24 @@ class GatewayCore:
         labels = self.stats.labels(model_pair, parsed.task_type, parsed.user_segment,
                                    len(generation.prompt_ids))
         diagnostic = parsed.user_segment == DIAGNOSTIC_SEGMENT
-        # Keyed by the capped label: task_type is free text, and a new one per request
-        # must not grow these tables without bound.
-        shared = (model_pair, labels.task_type)
+        load_cap = None
         if diagnostic:  # the doctor's requests learn on their own, so they change no serving state
-            probes, load_cap = ProbeSchedule(), None
+            shared = SharedState(ProbeSchedule())
         else:
-            probes = self._probes.setdefault(shared, ProbeSchedule())
+            # Keyed by the capped label: task_type is free text, and a new one per request
+            # must not grow these tables without bound.
+            probes = self._probes.setdefault((model_pair, labels.task_type), ProbeSchedule())
             load_cap = self._load_caps.get(model_pair)
             if load_cap is None:  # one per pair: every task's sessions share the target's forwards
                 load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length,
                                                                  prior=self.prior(generation.draft_model),
                                                                  shared=self.shared_caps(model_pair))
-        policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, probes, load_cap)
+            # Greedy and sampled requests apart: a sampled step's acceptance and its recovery
+            # hop make speculation pay differently.
+            schedule = self._floors.setdefault((model_pair, labels.task_type, generation.transform.greedy),
+                                               FloorSchedule())
+            shared = SharedState(probes, load_cap, RequestFloor(self.plain_rates, schedule))
+        policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, shared)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
                                            user_segment=parsed.user_segment, mode=parsed.mode.name,

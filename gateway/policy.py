@@ -12,7 +12,8 @@
   The step costs are measured per load level (`gateway.costmodel.StepCosts`), and a
   `LoadCap` (`gateway.loadcap`) shared by the pair's requests caps γ at each load level by
   measured goodput, so γ follows the load of the target's batched forwards, down to 0 when
-  the target is saturated.
+  the target is saturated. A `RequestFloor` (`gateway.floor`) checks the outcome: where the
+  request's speculative steps measure slower than plain decoding, it decodes plainly.
 - `confidence`: proposes up to the maximum γ but the draft stops inside a step as soon
   as its own top probability falls below a threshold.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import StepCosts, best_draft_length
+from gateway.floor import RequestFloor
 from gateway.loadcap import LoadCap
 from gateway.records import DraftLengthPolicy, StepRecord
 from gateway.request import Mode, ParsedRequest
@@ -110,9 +112,10 @@ class CostPolicy:
                  curve: Callable[[], list[float] | None] = lambda: None,
                  probe_every: int = 16, memory_steps: int = 20, prior_weight: float = 8.0,
                  overlap: bool = False, probes: ProbeSchedule | None = None,
-                 load_cap: LoadCap | None = None) -> None:
+                 load_cap: LoadCap | None = None, floor: RequestFloor | None = None) -> None:
         self.costs = costs
         self.load_cap = load_cap
+        self.floor = floor
         self._cap = 0  # the load cap the last γ was chosen under
         self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
@@ -144,6 +147,10 @@ class CostPolicy:
         return None if self.load_cap is None else (self.load_cap.cap(), self.load_cap.origin())
 
     def next_draft_length(self) -> int:
+        gamma = self._capped_draft_length()
+        return gamma if self.floor is None else self.floor.admit(gamma)
+
+    def _capped_draft_length(self) -> int:
         if self.load_cap is None:
             return self._own_draft_length()
         self._cap = self.load_cap.cap()
@@ -156,6 +163,8 @@ class CostPolicy:
         (shared with the pair's other requests) change their mind."""
         if self.load_cap is not None and self._cap == 0:
             return limit
+        if self.floor is not None and (ahead := self.floor.plain_steps_ahead()) is not None:
+            return min(limit, ahead)
         if self.plain_steps == 0 or self._probing:  # what _own_draft_length last chose
             return 0
         # The k-th step ahead counts plain_steps + k; the first whose count the interval
@@ -181,6 +190,8 @@ class CostPolicy:
     def observe(self, record: StepRecord) -> None:
         if self.load_cap is not None:
             self.load_cap.observe(self._cap, record)
+        if self.floor is not None:
+            self.floor.observe(record)
         if record.draft_model_tokens == 0:  # learned from the draft model's tokens only
             return
         if self._probing:
@@ -214,26 +225,36 @@ class ConfidencePolicy:
 
 # -- one request's policy -------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class SharedState:
+    """What a request's cost policy shares with other requests: the probe schedule (the
+    pair and task's requests), the load cap (the pair's) and its floor (`gateway.floor`,
+    over plain decoding's rates on the target and the schedule of the pair, task and
+    sampling kind). None: a request that learns alone (the doctor's)."""
+
+    probes: ProbeSchedule | None = None
+    load_cap: LoadCap | None = None
+    floor: RequestFloor | None = None
+
+
 # A builder: (the request, the gateway's acceptance statistics, the pair's measured step
-# costs, the model pair, the probe schedule shared by the pair and task's requests, the
-# load cap shared by the pair's) → the policy.
-PolicyBuilder = Callable[["ParsedRequest", AcceptanceStats, StepCosts, str, "ProbeSchedule | None",
-                          "LoadCap | None"], DraftLengthPolicy]
+# costs, the model pair, the state shared with other requests) → the policy.
+PolicyBuilder = Callable[["ParsedRequest", AcceptanceStats, StepCosts, str, SharedState], DraftLengthPolicy]
 
 
 def _fixed(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
-           probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
+           shared: SharedState) -> DraftLengthPolicy:
     return FixedPolicy(parsed.draft_length)
 
 
 def _ema(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
-         probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
+         shared: SharedState) -> DraftLengthPolicy:
     profile = parsed.profile
     return EmaPolicy(parsed.draft_length, profile.min_draft_length, profile.max_draft_length)
 
 
 def _cost(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
-          probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
+          shared: SharedState) -> DraftLengthPolicy:
     profile = parsed.profile
     # The request's acceptance estimate starts from what this pair has measured on this
     # task, when it has, rather than from the table's prior.
@@ -242,11 +263,12 @@ def _cost(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model
         profile = replace(profile, prior_alpha=measured)
     return CostPolicy(costs, profile,
                       curve=lambda: stats.position_curve(model_pair, parsed.task_type),
-                      overlap=parsed.generation.overlap, probes=probes, load_cap=load_cap)
+                      overlap=parsed.generation.overlap, probes=shared.probes, load_cap=shared.load_cap,
+                      floor=shared.floor)
 
 
 def _confidence(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
-                probes: ProbeSchedule | None, load_cap: LoadCap | None) -> DraftLengthPolicy:
+                shared: SharedState) -> DraftLengthPolicy:
     return ConfidencePolicy(parsed.profile.max_draft_length)
 
 
@@ -255,13 +277,13 @@ POLICIES = tuple(REGISTRY)  # the policy names a request (or --policy) may give
 
 
 def build_policy(parsed: ParsedRequest, stats: AcceptanceStats, costs: StepCosts, model_pair: str,
-                 probes: ProbeSchedule | None = None, load_cap: LoadCap | None = None) -> DraftLengthPolicy:
+                 shared: SharedState = SharedState()) -> DraftLengthPolicy:
     """The γ policy object of one request; `costs`: its model pair's measured step costs;
-    `probes` is shared by the pair and task's requests, `load_cap` by the pair's.
+    `shared`: what it shares with other requests.
 
     Mode OFF, or no draft: plain decoding (γ = 0). Otherwise the registry's builder of the
     request's policy name (`parse_request` admits only registered names; "fixed" else).
     """
     if parsed.mode is Mode.OFF or not parsed.generation.draft_model:
         return FixedPolicy(0)
-    return REGISTRY.get(parsed.policy, _fixed)(parsed, stats, costs, model_pair, probes, load_cap)
+    return REGISTRY.get(parsed.policy, _fixed)(parsed, stats, costs, model_pair, shared)

@@ -64,6 +64,21 @@ class StepRecord:
     load_cap: tuple[int, str] | None = None  # the load cap γ was chosen under, and its origin (traces)
 
     @property
+    def rest_ms(self) -> float:
+        """What the step cost the request beyond its draft hop: the interval between its
+        commits less that hop, never less than the verify hop alone; the verify hop where
+        the interval was not measured.
+
+        Why the interval and not the verify hop: a sampled step that rejects also takes a
+        recovery hop to the draft, and every step takes the gateway's own work (the verdict,
+        the grammar, the text, the stream). Priced by its hops alone, speculation at T = 1
+        looked cheaper than it was, and AUTO chose it where plain decoding was faster. A
+        plain step's interval holds its own share of the same work, so γ = 0 is priced alike."""
+        if self.interval_ms <= 0.0:
+            return self.verify_ms
+        return max(self.interval_ms - self.draft_ms, self.verify_ms)
+
+    @property
     def first_rejected(self) -> int | None:
         """1-based position in the draft of the first rejected token; None if none was."""
         return None if self.bonus or self.draft_length == 0 else self.accepted + 1

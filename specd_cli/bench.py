@@ -1,16 +1,20 @@
 """`specd bench`: every γ policy and target-only decoding, side by side, against a running gateway.
 
 For each prompt of a workload (prompts per task type), every configuration runs once, in
-turn, so slow drift of a shared machine hits them all alike. It prints a table
-(acceptance, mean tokens per step, tokens/s, ratio to target-only, and how many outputs
-equal target-only's — all of them when greedy) overall and per task type, and writes a
-report folder: report.md, results.json and PNG plots (acceptance by draft position, γ
-over a request, tokens/s per configuration). With --target/--draft it
-also times transformers' own target-only, assisted and prompt-lookup generation on the
-same pair, in a process of its own and warmed up, for the "ours vs transformers" ratio. --repeat K sends the
-workload K times and reports each pass: an agent's workload, where prompts come back.
-Each configuration's requests carry a user segment of their own, so the gateway's suffix
-cache (one per tenant) never drafts one configuration from another's responses; under
+turn, each going first on every n-th prompt, so slow drift of a shared machine hits them
+all alike. It prints a table (acceptance, mean tokens per step, tokens/s, ratio to
+target-only, and how many outputs equal target-only's — all of them when greedy) overall
+and per task type, and writes a report folder: report.md, results.json and PNG plots
+(acceptance by draft position, γ over a request, tokens/s per configuration). With
+--target/--draft it also times transformers' own target-only, assisted and prompt-lookup
+generation on the same pair, in a process of its own and warmed up, for the "ours vs
+transformers" ratio. --repeat K sends the workload K times and reports each pass: an
+agent's workload, where prompts come back.
+
+Each request carries a cache salt of its own configuration and prompt, so neither the
+workers' prefix caches nor the gateway's suffix cache give one configuration or prompt what
+another prefilled or generated; a --repeat pass meets its own earlier pass, as an agent's
+prompts do. Each configuration's requests also carry a user segment of their own; under
 --concurrency, one per level and round too, since every level sends the same prompts.
 """
 from __future__ import annotations
@@ -167,14 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_request(prompt: str, task: str, config: Config, *, temperature: float, max_new_tokens: int, seed: int,
-                  draft_model: str = "", user_segment: str = "", top_k: int = 0):
+                  draft_model: str = "", user_segment: str = "", top_k: int = 0, cache_salt: str = ""):
     """The GenerateRequest of one prompt under one configuration (the config's draft wins)."""
     from specd.v1 import gateway_pb2
 
     mode = {"auto": gateway_pb2.SPECULATION_MODE_AUTO, "fixed": gateway_pb2.SPECULATION_MODE_FIXED,
             "off": gateway_pb2.SPECULATION_MODE_OFF}[config.mode]
     return gateway_pb2.GenerateRequest(
-        prompt=prompt, task_type=task, user_segment=user_segment,
+        prompt=prompt, task_type=task, user_segment=user_segment, cache_salt=cache_salt,
         sampling=gateway_pb2.SamplingParams(temperature=temperature, top_k=top_k, seed=seed,
                                             max_new_tokens=max_new_tokens),
         speculation=gateway_pb2.SpeculationParams(mode=mode, policy=config.policy,
@@ -183,9 +187,11 @@ def build_request(prompt: str, task: str, config: Config, *, temperature: float,
                                                   overlap=config.overlap))
 
 
-def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int, segment: str = ""):
+def _request(prompt: str, task: str, config: Config, args: argparse.Namespace, seed: int, segment: str = "",
+             cache_salt: str = ""):
     return build_request(prompt, task, config, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                         seed=seed, draft_model=args.draft_model, user_segment=segment or config.segment)
+                         seed=seed, draft_model=args.draft_model, user_segment=segment or config.segment,
+                         cache_salt=cache_salt)
 
 
 def add_stats(result: Result, task: str, stats, seconds: float) -> None:
@@ -266,9 +272,14 @@ def run_gateway(args: argparse.Namespace, workload: dict[str, list[str]],
             for task, prompts in workload.items():
                 for prompt in prompts:
                     seed += 1
-                    for result in results:
+                    # Each configuration first in turn, prompt by prompt, and each request under
+                    # a cache salt of its own (the same in every --repeat pass): no configuration
+                    # meets the prefill or the output of another, or of another prompt.
+                    turn = seed % len(results)
+                    for result in results[turn:] + results[:turn]:
                         began = time.perf_counter()
-                        response = stub.Generate(_request(prompt, task, result.config, args, seed))
+                        response = stub.Generate(_request(prompt, task, result.config, args, seed,
+                                                          cache_salt=f"{result.config.segment}-{seed}"))
                         add_stats(result, task, response.stats, time.perf_counter() - began)
                         result.outputs.append(list(response.token_ids))
         costs = fetch_costs(stub, args.draft_model)

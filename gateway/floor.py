@@ -1,0 +1,180 @@
+"""AUTO's floor: a request speculates only while speculating measures faster than plain decoding.
+
+The cost policy (`gateway.policy.CostPolicy`) chooses γ from a model: acceptance, and step
+costs fitted per γ. A model misses what it does not price — a machine whose speed differs
+from the one its figures came from, a sampled step's recovery hop, the draft's catch-up
+after plain steps, the gateway's own work — and then it speculates at a loss without
+noticing. The floor checks the outcome instead of the model: the request's own goodput
+over its speculative steps (tokens committed per millisecond between commits, everything
+included) against plain decoding's goodput measured on the same target at the same load.
+Where speculation loses, the request decodes plainly; a short burst of speculation now and
+then measures it again, so a change of traffic or acceptance is found.
+
+- `PlainRates` (one per gateway: the target's): plain decoding's measured milliseconds per
+  token at each load level, from every plain step of every request, AUTO's and OFF's.
+- `FloorSchedule` (shared by the requests of one model pair, task and sampling kind): how
+  many plain steps pass between bursts (doubling while bursts lose, as vLLM's users asked of
+  an adaptive K that collapsed to 0 and never came back: it always comes back), and whether
+  a new request starts shut (the last verdicts lost) or open.
+- `RequestFloor` (one per AUTO request): its speculative steps' goodput, and the verdict.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.costmodel import load_bucket
+from gateway.records import StepRecord
+
+BURST_STEPS = 8  # speculative steps a verdict is taken over (a burst's length)
+# An open request's goodput forgets its speculative steps over about this many. Why so many:
+# a step's tokens vary (1 to γ+1), and over 8 steps at acceptance 0.4 their mean wavers by ~20%.
+WINDOW_STEPS = 32
+FIRST_INTERVAL = 16  # plain steps before the first burst after a loss
+MAX_INTERVAL = 256  # ...and at most, after bursts kept losing
+PLAIN_SAMPLE_STEPS = 4  # plain steps a request takes to measure plain decoding where no figure is fresh
+PLAIN_FRESH_S = 30.0  # a plain figure older than this no longer counts: the machine's speed drifts
+
+
+@dataclass
+class _Rate:
+    """Milliseconds per token of plain steps at one load level (an EMA), and when last measured."""
+
+    ms_per_token: float
+    updated: float
+
+
+class PlainRates:
+    """Plain decoding's goodput on one target, by load level, from every plain step taken."""
+
+    def __init__(self, weight: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.weight = weight
+        self.clock = clock
+        self._rates: dict[int, _Rate] = {}
+
+    def observe(self, record: StepRecord) -> None:
+        """A step of any request: a plain one past the first (which prefills) is counted."""
+        if record.draft_length or record.index == 0 or record.interval_ms <= 0.0:
+            return
+        load = load_bucket(max(record.verify_batch.sessions, 1))
+        sample = record.interval_ms / len(record.emitted)
+        rate = self._rates.get(load)
+        now = self.clock()
+        if rate is None or now - rate.updated > PLAIN_FRESH_S:
+            self._rates[load] = _Rate(sample, now)
+        else:
+            rate.ms_per_token += self.weight * (sample - rate.ms_per_token)
+            rate.updated = now
+
+    def ms_per_token(self, load: int) -> float | None:
+        """A fresh figure at this load level; None where there is none."""
+        rate = self._rates.get(load)
+        if rate is None or self.clock() - rate.updated > PLAIN_FRESH_S:
+            return None
+        return rate.ms_per_token
+
+    def rates(self) -> dict[int, float]:
+        """Tokens per ms of plain decoding at each load measured (fresh or not): for metrics."""
+        return {load: 1.0 / rate.ms_per_token for load, rate in sorted(self._rates.items()) if rate.ms_per_token > 0}
+
+
+@dataclass
+class FloorSchedule:
+    """The floor's state shared by the requests of one model pair, task and sampling kind."""
+
+    interval: int = FIRST_INTERVAL  # plain steps between bursts
+    plain_steps: int = 0  # plain steps taken under a shut floor since the last burst
+    losing: bool = False  # the last verdict: speculation lost; a new request starts shut
+    verdicts: list[float] = field(default_factory=list)  # the last few speedups measured, for metrics
+
+    def burst_due(self, load: int) -> bool:
+        """One plain step under a shut floor, at `load` sessions; whether a burst is due now.
+
+        The burst goes to the request that asks when it falls due. If that request ends
+        before its burst is judged (bursts would otherwise fall on the last step of requests
+        as long as the spacing), the next shut request takes it once the others have taken
+        two bursts' worth of plain steps each."""
+        self.plain_steps += 1
+        if self.plain_steps < self.interval:
+            return False
+        self.plain_steps = max(self.interval - 2 * BURST_STEPS * load, 0)
+        return True
+
+    def steps_to_burst(self) -> int:
+        return max(self.interval - self.plain_steps - 1, 0)
+
+    def record(self, speedup: float) -> None:
+        """A verdict: speculation's goodput over plain decoding's. A loss doubles the spacing
+        of bursts; a win resets it, since the traffic changed."""
+        self.losing = speedup < 1.0
+        self.interval = min(2 * self.interval, MAX_INTERVAL) if self.losing else FIRST_INTERVAL
+        self.plain_steps = 0
+        self.verdicts = [*self.verdicts[-7:], speedup]
+
+
+class RequestFloor:
+    """One AUTO request's floor: open (γ as the cost policy chooses it) or shut (plain
+    decoding, with a burst of speculation when the shared schedule says)."""
+
+    def __init__(self, plain: PlainRates, schedule: FloorSchedule) -> None:
+        self.plain = plain
+        self.schedule = schedule
+        self.shut = schedule.losing
+        self.burst = 0  # speculative steps left in a burst under a shut floor
+        self.sampling_plain = 0  # plain steps left to measure plain decoding
+        self.load = 1
+        self._tokens = 0.0  # this request's speculative steps, decayed (`WINDOW_STEPS`)
+        self._ms = 0.0
+        self._steps = 0  # speculative steps since the last verdict
+        self._decay = 1.0 - 1.0 / WINDOW_STEPS
+
+    def admit(self, gamma: int) -> int:
+        """The γ this step may take, given the cost policy's choice."""
+        if self.sampling_plain:
+            self.sampling_plain -= 1
+            return 0
+        if not self.shut:
+            return gamma
+        if self.burst:
+            self.burst -= 1
+            return max(gamma, 1)
+        if self.schedule.burst_due(self.load):
+            self.burst = BURST_STEPS - 1
+            self._forget()
+            return max(gamma, 1)
+        return 0
+
+    def plain_steps_ahead(self) -> int | None:
+        """Steps ahead that surely decode plainly under the floor; None: the cost policy says."""
+        if self.sampling_plain:
+            return self.sampling_plain
+        if self.shut and not self.burst:
+            return self.schedule.steps_to_burst()
+        return None
+
+    def observe(self, record: StepRecord) -> None:
+        self.load = load_bucket(max(record.verify_batch.sessions, 1))
+        if record.index == 0 or not record.draft_model_tokens or record.interval_ms <= 0.0:
+            return  # the first step prefills; a plain step or a model-free match says nothing of the draft
+        self._tokens = self._decay * self._tokens + len(record.emitted)
+        self._ms = self._decay * self._ms + record.interval_ms
+        self._steps += 1
+        if self._steps < BURST_STEPS or self.burst:
+            return  # judged over a burst's worth of steps, a burst when it ends
+        plain = self.plain.ms_per_token(self.load)
+        if plain is None:  # nothing to compare with: measure plain decoding for a few steps
+            self.sampling_plain = PLAIN_SAMPLE_STEPS
+            self._steps = BURST_STEPS - 1  # ...then judge at the next speculative step
+            return
+        speedup = self._tokens / self._ms * plain
+        self.schedule.record(speedup)
+        self.shut = speedup < 1.0
+        self._steps = 0
+        if self.shut:
+            self._forget()
+
+    def _forget(self) -> None:
+        """A burst is judged on its own steps."""
+        self._tokens = self._ms = 0.0
+        self._steps = 0
