@@ -28,11 +28,17 @@ from gateway.costmodel import load_bucket
 from gateway.records import StepRecord
 
 BURST_STEPS = 8  # speculative steps a verdict is taken over (a burst's length)
+# A burst that measures below CLEAR_LOSS of plain decoding over its first EARLY_STEPS ends
+# there: where speculation loses badly, most of what the floor costs is its bursts.
+EARLY_STEPS = 4
+CLEAR_LOSS = 0.75
 # An open request's goodput forgets its speculative steps over about this many. Why so many:
 # a step's tokens vary (1 to γ+1), and over 8 steps at acceptance 0.4 their mean wavers by ~20%.
 WINDOW_STEPS = 32
 FIRST_INTERVAL = 16  # plain steps before the first burst after a loss
-MAX_INTERVAL = 256  # ...and at most, after bursts kept losing
+MAX_INTERVAL = 512  # ...and at most, after bursts kept losing
+POOL_DECAY = 1.0 - 1.0 / 256  # the pool of every request's speculative steps forgets over ~256
+PRIOR_STEPS = 8  # ...and counts for this many steps of a request's own
 PLAIN_SAMPLE_STEPS = 4  # plain steps a request takes to measure plain decoding where no figure is fresh
 PLAIN_FRESH_S = 30.0  # a plain figure older than this no longer counts: the machine's speed drifts
 
@@ -87,6 +93,18 @@ class FloorSchedule:
     plain_steps: int = 0  # plain steps taken under a shut floor since the last burst
     losing: bool = False  # the last verdict: speculation lost; a new request starts shut
     verdicts: list[float] = field(default_factory=list)  # the last few speedups measured, for metrics
+    # Every request's speculative steps, by load: [steps, tokens, ms], decayed over POOL_STEPS.
+    pooled: dict[int, list[float]] = field(default_factory=dict)
+
+    def pool(self, load: int, tokens: int, ms: float) -> None:
+        steps_tokens_ms = self.pooled.setdefault(load, [0.0, 0.0, 0.0])
+        for i, value in enumerate((1.0, tokens, ms)):
+            steps_tokens_ms[i] = POOL_DECAY * steps_tokens_ms[i] + value
+
+    def prior(self, load: int) -> tuple[float, float]:
+        """(tokens, ms) of PRIOR_STEPS average pooled speculative steps at `load`; (0, 0) before any."""
+        steps, tokens, ms = self.pooled.get(load, (0.0, 0.0, 0.0))
+        return (PRIOR_STEPS * tokens / steps, PRIOR_STEPS * ms / steps) if steps else (0.0, 0.0)
 
     def burst_due(self, load: int) -> bool:
         """One plain step under a shut floor, at `load` sessions; whether a burst is due now.
@@ -127,6 +145,7 @@ class RequestFloor:
         self._tokens = 0.0  # this request's speculative steps, decayed (`WINDOW_STEPS`)
         self._ms = 0.0
         self._steps = 0  # speculative steps since the last verdict
+        self._catching_up = False  # the next speculative step opens a burst (left out of its verdict)
         self._decay = 1.0 - 1.0 / WINDOW_STEPS
 
     def admit(self, gamma: int) -> int:
@@ -140,8 +159,13 @@ class RequestFloor:
             self.burst -= 1
             return max(gamma, 1)
         if self.schedule.burst_due(self.load):
-            self.burst = BURST_STEPS - 1
+            # This step catches the draft up on the plain steps since it last ran: a cost of
+            # the burst, not of speculating, which pays it once. Left out of the verdict, or a
+            # burst after a long spacing (a long catch-up) would lose for it and keep the floor
+            # shut for good; BURST_STEPS more follow to be judged on.
+            self.burst = BURST_STEPS
             self._forget()
+            self._catching_up = True
             return max(gamma, 1)
         return 0
 
@@ -157,17 +181,29 @@ class RequestFloor:
         self.load = load_bucket(max(record.verify_batch.sessions, 1))
         if record.index == 0 or not record.draft_model_tokens or record.interval_ms <= 0.0:
             return  # the first step prefills; a plain step or a model-free match says nothing of the draft
+        if self._catching_up:
+            self._catching_up = False
+            return
         self._tokens = self._decay * self._tokens + len(record.emitted)
         self._ms = self._decay * self._ms + record.interval_ms
+        self.schedule.pool(self.load, len(record.emitted), record.interval_ms)
         self._steps += 1
-        if self._steps < BURST_STEPS or self.burst:
-            return  # judged over a burst's worth of steps, a burst when it ends
+        in_burst = self.shut and self.burst > 0
+        if self._steps < (EARLY_STEPS if in_burst else BURST_STEPS):
+            return
         plain = self.plain.ms_per_token(self.load)
         if plain is None:  # nothing to compare with: measure plain decoding for a few steps
             self.sampling_plain = PLAIN_SAMPLE_STEPS
             self._steps = BURST_STEPS - 1  # ...then judge at the next speculative step
             return
-        speedup = self._tokens / self._ms * plain
+        # The request's own steps, with the pool's (every request's) weighed in as PRIOR_STEPS
+        # more: over 8 steps a request's own goodput wavers by ~20%, and judged on it alone a
+        # request that gains 10% shut itself one verdict in three.
+        prior_tokens, prior_ms = self.schedule.prior(self.load)
+        speedup = (self._tokens + prior_tokens) / (self._ms + prior_ms) * plain
+        if in_burst and speedup >= CLEAR_LOSS:
+            return  # not clearly lost: the burst runs out
+        self.burst = 0
         self.schedule.record(speedup)
         self.shut = speedup < 1.0
         self._steps = 0

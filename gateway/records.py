@@ -65,18 +65,21 @@ class StepRecord:
 
     @property
     def rest_ms(self) -> float:
-        """What the step cost the request beyond its draft hop: the interval between its
-        commits less that hop, never less than the verify hop alone; the verify hop where
-        the interval was not measured.
+        """What the step cost the request beyond drafting its proposal: the interval between
+        its commits less its own draft hop and any recovery hop, never less than the verify
+        hop alone; the verify hop where the interval was not measured.
 
-        Why the interval and not the verify hop: a sampled step that rejects also takes a
-        recovery hop to the draft, and every step takes the gateway's own work (the verdict,
-        the grammar, the text, the stream). Priced by its hops alone, speculation at T = 1
-        looked cheaper than it was, and AUTO chose it where plain decoding was faster. A
-        plain step's interval holds its own share of the same work, so γ = 0 is priced alike."""
+        Why the interval and not the verify hop: every step also takes the gateway's own
+        work (the verdict, the grammar, the text, the stream), priced alike for γ = 0 since a
+        plain step's interval holds its share of it. Why less the recovery hop: a sampled
+        step that rejects takes a hop to the draft that draws the recovered token and drafts
+        the next proposal, which then comes in hand (`proposal_in_hand`) with that hop's
+        figures as its draft hop. Counted in both steps, each rejection would pay its
+        drafting twice, and at T = 1 AUTO priced speculation 25% dearer than it was."""
         if self.interval_ms <= 0.0:
             return self.verify_ms
-        return max(self.interval_ms - self.draft_ms, self.verify_ms)
+        own_draft_hop = 0.0 if self.proposal_in_hand else self.draft_ms
+        return max(self.interval_ms - own_draft_hop - self.recovery_ms, self.verify_ms)
 
     @property
     def first_rejected(self) -> int | None:
