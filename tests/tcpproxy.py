@@ -2,7 +2,8 @@
 
 `pause()` stops forwarding in both directions (a partition: nothing arrives, nothing
 fails); `resume()` lets it flow again; `cut()` closes every proxied connection at once
-(new connections are still accepted, as after a network blip).
+(new connections are still accepted, as after a network blip). `latency_s` holds back
+every reply that long (a worker in another zone).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class TcpProxy:
         self.target_port = target_port
         self.port = 0
         self.connections = 0  # accepted so far
+        self.latency_s = 0.0  # added before each chunk forwarded from the target back
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -35,15 +37,17 @@ class TcpProxy:
             client_writer.close()
             return
         self._writers |= {client_writer, upstream_writer}
-        await asyncio.gather(self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer),
-                             return_exceptions=True)
+        await asyncio.gather(self._pump(client_reader, upstream_writer),
+                             self._pump(upstream_reader, client_writer, reply=True), return_exceptions=True)
         for writer in (client_writer, upstream_writer):
             self._writers.discard(writer)
             writer.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: bool = False) -> None:
         try:
             while data := await reader.read(65536):
+                if reply and self.latency_s:
+                    await asyncio.sleep(self.latency_s)
                 await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from conftest import SEEDED_DRAFT_FLOOR_S, request, start_stack
 from gateway.costmodel import StepCosts
 from gateway.floor import MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor
 from gateway.policy import CostPolicy, FixedPolicy, ProbeSchedule
 from gateway.records import DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
+from tcpproxy import proxy_front
 
 REQUEST_TOKENS = 128
 
@@ -205,3 +210,68 @@ def test_a_request_with_no_plain_figure_to_compare_with_measures_plain_decoding(
     rng = random.Random(0)
     tokens, ms, gammas = run_request(gateway.auto(prior_alpha=0.9), SLOW, 0.9, gateway, rng)
     assert 0 in gammas[1:20] and gateway.plain.ms_per_token(1) is not None, gammas
+
+
+# -- through the services ---------------------------------------------------------------------
+
+def make_deep_twin(draft: Path, directory: Path, dead_layers: int) -> None:
+    """A target that computes exactly what `draft` computes, at the cost of `dead_layers` more
+    decoder layers: each adds nothing to the residual stream (its attention and MLP output
+    projections are zero) but costs a layer's forward all the same. A model with set step
+    costs: greedy acceptance is 100%, and the target's step costs what its depth says."""
+    small = AutoModelForCausalLM.from_pretrained(draft)
+    config = LlamaConfig(**{**small.config.to_dict(),
+                            "num_hidden_layers": small.config.num_hidden_layers + dead_layers})
+    deep = LlamaForCausalLM(config)
+    deep.load_state_dict(small.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer in deep.model.layers[small.config.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    deep.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(draft).save_pretrained(directory)
+
+
+def auto_speculated(stack, prompts: int = 8) -> list[int]:
+    """γ per step of AUTO's last three requests (first steps left out: they prefill); each
+    request's greedy output checked against plain decoding's."""
+    lengths = []
+    for i in range(prompts):
+        prompt = f"def function_{i}(values):\n    total = {i}\n"
+        auto = stack.stub.Generate(request(prompt, mode="AUTO", max_new_tokens=40))
+        off = stack.stub.Generate(request(prompt, mode="OFF", max_new_tokens=40))
+        assert list(auto.token_ids) == list(off.token_ids)
+        if i >= prompts - 3:
+            lengths += list(auto.stats.draft_lengths)[1:]
+    return lengths
+
+
+def test_auto_speculates_where_the_target_is_dear_and_its_draft_agrees(model_dirs, tmp_path):
+    """A target 40 layers deeper than its draft and computing the same function: speculating
+    saves whole target steps, and AUTO does it."""
+    dirs = {**model_dirs, "target": tmp_path / "deep", "twin": model_dirs["unrelated"]}
+    make_deep_twin(model_dirs["unrelated"], dirs["target"], dead_layers=40)
+    stack = start_stack(dirs, drafts=("twin",), draft_step_floor_s=SEEDED_DRAFT_FLOOR_S)
+    try:
+        lengths = auto_speculated(stack)
+        assert sum(gamma > 0 for gamma in lengths) > 0.8 * len(lengths), lengths
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("slow", ["draft", "verifier"])
+def test_auto_decodes_plainly_where_each_reply_of_a_worker_crosses_a_slow_link(model_dirs, slow):
+    """Each of one worker's replies held back 40 ms (a worker in another zone), while a step of
+    the tiny models here takes a few ms. Behind a slow draft link every speculative step
+    pays 40 ms more. Behind a slow verifier link, plain decoding pays nothing for it: the
+    verifier scores plain steps ahead (`verifier_service.runahead`), so their replies
+    overlap the wait, while a speculative step waits its reply out; plain decoding measured
+    3 ms a token there, speculating 10 to 15. AUTO decodes plainly behind either."""
+    front, proxies = proxy_front(slow)
+    stack = start_stack(model_dirs, front=front, drafts=("close",), draft_step_floor_s=SEEDED_DRAFT_FLOOR_S)
+    try:
+        proxies[slow].latency_s = 0.04
+        lengths = auto_speculated(stack)
+        assert sum(gamma > 0 for gamma in lengths) < 0.25 * len(lengths), lengths
+    finally:
+        stack.close()
