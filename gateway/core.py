@@ -24,7 +24,7 @@ from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
 from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
-from gateway.floor import FloorSchedule, PlainRates, RequestFloor
+from gateway.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
 from gateway.grammar import Grammar, GrammarWork
 from gateway.hybrid import HybridChoice, ModelFreeProposer
 from gateway.loadcap import LoadCap, SharedLevel
@@ -393,6 +393,11 @@ class GatewayCore:
             for link in (draft, verifier):
                 if link is not None:
                     link.close()
+
+    def floors(self) -> tuple[dict[int, float], list[FloorRow]]:
+        """Plain decoding's measured goodput by load, and each floor schedule (copies: the
+        metrics thread reads them)."""
+        return floor_snapshot(self.plain_rates, dict(self._floors))
 
     def load_caps(self) -> dict[str, LoadCap]:
         """Each model pair's load cap (a copy of the table: the metrics thread reads it)."""

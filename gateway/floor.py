@@ -131,6 +131,28 @@ class FloorSchedule:
         self.verdicts = [*self.verdicts[-7:], speedup]
 
 
+@dataclass(frozen=True)
+class FloorRow:
+    """One schedule as /metrics shows it (`gateway.metrics`)."""
+
+    model_pair: str
+    task_type: str
+    sampling: str  # "greedy" or "sampled"
+    shut: bool  # the last verdict lost: new requests of this kind start decoding plainly
+    speedup: float | None  # the last verdict
+    interval: int  # plain steps between bursts
+
+
+def floor_snapshot(plain: PlainRates, schedules: dict[tuple[str, str, bool], FloorSchedule]
+                   ) -> tuple[dict[int, float], list[FloorRow]]:
+    """Plain decoding's goodput by load, and the schedules keyed (model pair, task type, greedy)
+    as rows: what /metrics shows."""
+    rows = [FloorRow(pair, task, "greedy" if greedy else "sampled", schedule.losing,
+                     schedule.verdicts[-1] if schedule.verdicts else None, schedule.interval)
+            for (pair, task, greedy), schedule in sorted(schedules.items())]
+    return plain.rates(), rows
+
+
 class RequestFloor:
     """One AUTO request's floor: open (γ as the cost policy chooses it) or shut (plain
     decoding, with a burst of speculation when the shared schedule says)."""

@@ -31,6 +31,10 @@ Metric names stay as released; their help says which of the two quantities each 
 Under load, `specd_spec_decode_load_cap{model_pair,load}` is the γ cap AUTO requests share
 at each load level (`gateway.loadcap.LoadCap`; 0: plain decoding there), and
 `specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured.
+AUTO's floor (`gateway.floor`): `specd_plain_goodput_tokens_per_ms{load}` is plain
+decoding's measured goodput, and `specd_spec_decode_floor_speedup{model_pair,task_type,sampling}`
+the last verdict of speculation's goodput over it; `specd_spec_decode_floor_shut` is 1 where
+that verdict lost, so new AUTO requests of that kind start plain.
 
 The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
 time; it never writes.
@@ -45,6 +49,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.registry import Collector
 
 from gateway.acceptance import LABEL_NAMES, AcceptanceStats
+from gateway.floor import FloorRow
 from gateway.loadcap import LoadCap
 from gateway.paircosts import PairCosts
 from gateway.proposers import SuffixCache
@@ -68,8 +73,10 @@ class AcceptanceCollector(Collector):
 
     def __init__(self, stats: AcceptanceStats, costs: PairCosts | None = None,
                  selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None,
-                 load_caps: Callable[[], dict[str, LoadCap]] | None = None) -> None:
+                 load_caps: Callable[[], dict[str, LoadCap]] | None = None,
+                 floors: Callable[[], tuple[dict[int, float], list[FloorRow]]] | None = None) -> None:
         self.stats = stats
+        self.floors = floors
         self.costs = costs or PairCosts()
         self.selector = selector
         self.suffix_cache = suffix_cache
@@ -113,6 +120,36 @@ class AcceptanceCollector(Collector):
         yield from self._selection()
         yield from self._suffix_cache()
         yield from self._load_caps()
+        yield from self._floors()
+
+    def _floors(self):
+        """AUTO's floor: plain decoding's goodput, and whether speculating measured faster."""
+        if self.floors is None:
+            return []
+        plain = GaugeMetricFamily("specd_plain_goodput_tokens_per_ms",
+                                  "Plain decoding's measured goodput on the target at this load (sessions in the "
+                                  "verifier's forward, bucketed): tokens per ms between a request's commits.",
+                                  labels=["load"])
+        labels = ["model_pair", "task_type", "sampling"]
+        speedup = GaugeMetricFamily(PREFIX + "floor_speedup",
+                                    "The last verdict of AUTO's floor: speculative steps' goodput over plain "
+                                    "decoding's at the same load (below 1: speculating lost).", labels=labels)
+        shut = GaugeMetricFamily(PREFIX + "floor_shut",
+                                 "1 while the last verdict lost: new AUTO requests of this kind decode plainly, "
+                                 "with a burst of speculation every floor_burst_interval plain steps.", labels=labels)
+        interval = GaugeMetricFamily(PREFIX + "floor_burst_interval",
+                                     "Plain steps between the floor's bursts of speculation (doubles while they lose).",
+                                     labels=labels)
+        rates, rows = self.floors()
+        for load, rate in rates.items():
+            plain.add_metric([str(load)], rate)
+        for row in rows:
+            values = [row.model_pair, row.task_type, row.sampling]
+            if row.speedup is not None:
+                speedup.add_metric(values, row.speedup)
+            shut.add_metric(values, float(row.shut))
+            interval.add_metric(values, row.interval)
+        return [plain, speedup, shut, interval]
 
     def _load_caps(self):
         """The γ cap AUTO requests share at each load level, and the goodput measured under
@@ -243,8 +280,9 @@ class AcceptanceCollector(Collector):
 
 def start_metrics_server(stats: AcceptanceStats, costs: PairCosts, host: str, port: int,
                          selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None,
-                         load_caps: Callable[[], dict[str, LoadCap]] | None = None):
+                         load_caps: Callable[[], dict[str, LoadCap]] | None = None,
+                         floors: Callable[[], tuple[dict[int, float], list[FloorRow]]] | None = None):
     """Serve /metrics on host:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry()
-    registry.register(AcceptanceCollector(stats, costs, selector, suffix_cache, load_caps))
+    registry.register(AcceptanceCollector(stats, costs, selector, suffix_cache, load_caps, floors))
     return start_http_server(port, addr=host, registry=registry)

@@ -289,7 +289,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     metrics = None
     if settings.metrics_port:
         metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
-                                          selector, suffix_cache, core.load_caps)
+                                          selector, suffix_cache, core.load_caps, core.floors)
 
     watch: asyncio.Task | None = None  # the verifiers' liveness, once the server runs
     sharing: asyncio.Task | None = None  # the load caps' sharing rounds (`gateway.loadshare`)

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import SEEDED_DRAFT_FLOOR_S, request, start_stack
+from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import StepCosts
-from gateway.floor import MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor
+from gateway.floor import MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
+from gateway.metrics import AcceptanceCollector
 from gateway.policy import CostPolicy, FixedPolicy, ProbeSchedule
 from gateway.records import DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
@@ -275,3 +279,21 @@ def test_auto_decodes_plainly_where_each_reply_of_a_worker_crosses_a_slow_link(m
         assert sum(gamma > 0 for gamma in lengths) < 0.25 * len(lengths), lengths
     finally:
         stack.close()
+
+
+def test_the_floor_and_plain_decodings_goodput_are_in_prometheus():
+    """An operator asking why AUTO decodes plainly reads plain decoding's goodput and the
+    floor's last verdict from /metrics."""
+    gateway = Gateway.fresh()
+    speedup(FAST_SAMPLED, 0.4, requests=6, gateway=gateway)
+    registry = CollectorRegistry()
+    snapshot = floor_snapshot(gateway.plain, {("d->t", "code", False): gateway.schedule})
+    registry.register(AcceptanceCollector(AcceptanceStats(), floors=lambda: snapshot))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    (plain,) = families["specd_plain_goodput_tokens_per_ms"].samples
+    assert plain.labels == {"load": "1"} and plain.value == pytest.approx(1 / FAST_SAMPLED.plain_ms, rel=0.1)
+    labels = {"model_pair": "d->t", "task_type": "code", "sampling": "sampled"}
+    (shut,) = families["specd_spec_decode_floor_shut"].samples
+    (verdict,) = families["specd_spec_decode_floor_speedup"].samples
+    assert shut.labels == verdict.labels == labels
+    assert shut.value == 1 and verdict.value < 1
