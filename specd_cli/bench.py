@@ -502,13 +502,14 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
         for n in levels:
             # Rounds take turns configuration by configuration, so that the machine's drift falls
             # on all of them alike. Each level's and round's requests carry segments of their
-            # own: the suffix cache must not draft them from another level's or round's responses
-            # to the same prompts.
+            # own, and each request a cache salt of its own: neither the suffix cache nor the
+            # prefix caches may give them another level's, round's or request's work.
             for number, this_round in enumerate(rounds, start=1):
                 for config in configs:
                     segment = f"{config.segment}-at-{n}-round-{number}"
                     reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1,
-                                     segment=segment) for i in range(args.requests_per_level)]
+                                     segment=segment, cache_salt=f"{segment}-{i}")
+                            for i in range(args.requests_per_level)]
                     this_round.append(loadbench.run_level(stub, reqs, config.label, n))
                     print(f"  N={n:<3} {config.label:<24} {this_round[-1].tokens_per_s:8.1f} tokens/s"
                           + (f" (round {number})" if len(rounds) > 1 else ""), flush=True)
