@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from gateway.acceptance import AcceptanceStats, Labels
 from gateway.backend import Backend
+from gateway.costmodel import load_bucket
 from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
 from gateway.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
@@ -330,7 +331,8 @@ class GatewayCore:
             # hop make speculation pay differently.
             schedule = self._floors.setdefault((model_pair, labels.task_type, generation.transform.greedy),
                                                FloorSchedule())
-            shared = SharedState(probes, load_cap, RequestFloor(self.plain_rates, schedule))
+            floor = RequestFloor(self.plain_rates, schedule, load_bucket(self._in_flight))
+            shared = SharedState(probes, load_cap, floor)
         policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, shared)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,

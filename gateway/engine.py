@@ -236,7 +236,8 @@ class _Speculation:
                 return _Verdict(verdict.accepted, False, ended_at, scores, ms, self.verifier.last_exchange_bytes)
             # The recovered token is drawn where q is, which the proposal's proposer knows.
             assert proposal.proposer is not None  # only a proposed token is rejected
-            recovered = await proposal.proposer.recover(proposal, verdict, draws, self.context(carrier))
+            next_gamma = self.policy.recovery_draft_length(len(proposal.tokens), verdict.accepted)
+            recovered = await proposal.proposer.recover(proposal, verdict, draws, self.context(carrier), next_gamma)
             return _Verdict(verdict.accepted, False, recovered.token, scores, ms, self.verifier.last_exchange_bytes,
                             recovered.held, recovered.hop_ms)
         return _Verdict(outcome.accepted, outcome.bonus, outcome.token, scores, ms, self.verifier.last_exchange_bytes)

@@ -33,8 +33,8 @@ at each load level (`gateway.loadcap.LoadCap`; 0: plain decoding there), and
 `specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured.
 AUTO's floor (`gateway.floor`): `specd_plain_goodput_tokens_per_ms{load}` is plain
 decoding's measured goodput, and `specd_spec_decode_floor_speedup{model_pair,task_type,sampling}`
-the last verdict of speculation's goodput over it; `specd_spec_decode_floor_shut` is 1 where
-that verdict lost, so new AUTO requests of that kind start plain.
+every request's recent speculative steps over it: below 1, new AUTO requests of that kind
+start plain.
 
 The collector reads snapshots of `AcceptanceStats` (and the draft selector) at scrape
 time; it never writes.
@@ -132,11 +132,10 @@ class AcceptanceCollector(Collector):
                                   labels=["load"])
         labels = ["model_pair", "task_type", "sampling"]
         speedup = GaugeMetricFamily(PREFIX + "floor_speedup",
-                                    "The last verdict of AUTO's floor: speculative steps' goodput over plain "
-                                    "decoding's at the same load (below 1: speculating lost).", labels=labels)
-        shut = GaugeMetricFamily(PREFIX + "floor_shut",
-                                 "1 while the last verdict lost: new AUTO requests of this kind decode plainly, "
-                                 "with a burst of speculation every floor_burst_interval plain steps.", labels=labels)
+                                    "AUTO's floor: every request's recent speculative steps at one session, their "
+                                    "goodput over plain decoding's. Below 1, new AUTO requests of this kind start "
+                                    "decoding plainly, with a burst of speculation every floor_burst_interval plain "
+                                    "steps.", labels=labels)
         interval = GaugeMetricFamily(PREFIX + "floor_burst_interval",
                                      "Plain steps between the floor's bursts of speculation (doubles while they lose).",
                                      labels=labels)
@@ -147,9 +146,8 @@ class AcceptanceCollector(Collector):
             values = [row.model_pair, row.task_type, row.sampling]
             if row.speedup is not None:
                 speedup.add_metric(values, row.speedup)
-            shut.add_metric(values, float(row.shut))
             interval.add_metric(values, row.interval)
-        return [plain, speedup, shut, interval]
+        return [plain, speedup, interval]
 
     def _load_caps(self):
         """The γ cap AUTO requests share at each load level, and the goodput measured under

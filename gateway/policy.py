@@ -50,6 +50,9 @@ class FixedPolicy:
     def next_draft_length(self) -> int:
         return self.draft_length
 
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
+        return self.draft_length
+
     def plain_steps_ahead(self, limit: int) -> int:
         return limit if self.draft_length == 0 else 0
 
@@ -75,6 +78,9 @@ class EmaPolicy:
 
     def next_draft_length(self) -> int:
         return self.draft_length
+
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
+        return min(self.draft_length + 1, self.highest)  # one step moves γ by one at most
 
     def plain_steps_ahead(self, limit: int) -> int:
         return 0  # γ never falls below its lowest, at least 1
@@ -133,14 +139,14 @@ class CostPolicy:
         """This request's current estimate of per-token acceptance."""
         return self.accepted / self.trials
 
-    def _shaped_curve(self) -> list[float] | None:
-        """The measured per-position curve, rescaled to this request's acceptance level."""
+    def _shaped_curve(self, alpha: float) -> list[float] | None:
+        """The measured per-position curve, rescaled to acceptance level α."""
         curve = self.curve()
         if not curve:
             return None
         level = sum(curve) / len(curve)
-        scale = self.alpha / level if level > 0 else 1.0
-        return [min(rate * scale, 0.999) for rate in curve] + [min(self.alpha, 0.999)] * 32
+        scale = alpha / level if level > 0 else 1.0
+        return [min(rate * scale, 0.999) for rate in curve] + [min(alpha, 0.999)] * 32
 
     def cap_in_force(self) -> tuple[int, str] | None:
         """The shared load cap at the current load, and its origin."""
@@ -156,6 +162,15 @@ class CostPolicy:
         self._cap = self.load_cap.cap()
         # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
         return min(self._own_draft_length(), self._cap) if self._cap else 0
+
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
+        """The γ the next step will choose, as this step's outcome moves the acceptance
+        estimate (the load cap and probes aside): drafted longer, the unused tokens cost
+        draft time; shorter, γ could not grow after a rejection. 0 where the next step
+        decodes plainly: the hop then only draws the recovered token."""
+        alpha = ((self.decay * self.accepted + accepted) / (self.decay * self.trials + accepted + 1))
+        gamma = self._best_length(alpha)
+        return min(gamma, self._cap) if self.load_cap is not None else gamma
 
     def plain_steps_ahead(self, limit: int) -> int:
         """Settled on plain decoding: γ = 0 now, and the steps before the next probe (a cap of
@@ -174,8 +189,7 @@ class CostPolicy:
     def _own_draft_length(self) -> int:
         """The γ this request's own acceptance and the measured step costs call for."""
         self._probing = False
-        span = range(self.profile.min_draft_length, self.profile.max_draft_length + 1)
-        best = best_draft_length(self.alpha, self.costs, [0, *span], self._shaped_curve(), self.overlap)
+        best = self._best_length(self.alpha)
         if best > 0:
             self.plain_steps = 0
             return best
@@ -186,6 +200,11 @@ class CostPolicy:
         # than a plain one), and a failed probe costs almost nothing.
         self._probing = self.plain_steps % self.probes.interval == 0
         return 1 if self._probing else 0
+
+    def _best_length(self, alpha: float) -> int:
+        """The γ (0 included) with the most expected tokens per ms at acceptance α."""
+        span = range(self.profile.min_draft_length, self.profile.max_draft_length + 1)
+        return best_draft_length(alpha, self.costs, [0, *span], self._shaped_curve(alpha), self.overlap)
 
     def observe(self, record: StepRecord) -> None:
         if self.load_cap is not None:
@@ -214,6 +233,9 @@ class ConfidencePolicy:
         return None
 
     def next_draft_length(self) -> int:
+        return self.highest
+
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
         return self.highest
 
     def plain_steps_ahead(self, limit: int) -> int:

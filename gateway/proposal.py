@@ -81,10 +81,12 @@ class Proposer(Protocol):
     name: str  # the draft model's name, or the model-free proposer's (`specd.contract.MODEL_FREE`)
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
-                      context: StepContext) -> Recovered:
+                      context: StepContext, next_gamma: int) -> Recovered:
         """The recovered token after the target rejected the proposal's token at
         `verdict.accepted`: drawn from norm(max(0, p − q)), p = `verdict.rejected_row`, with
-        the step's last uniform (`draws.final`), where q is."""
+        the step's last uniform (`draws.final`), where q is. next_gamma: the longest γ the
+        next step may ask (`DraftLengthPolicy.recovery_draft_length`), for a proposer that
+        drafts it in the same hop."""
         ...
 
     def settle(self, proposal: Proposal, position: int) -> None:
@@ -159,17 +161,18 @@ class DraftModelProposer:
         return self._proposal(reply, began, pre_draft)
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
-                      context: StepContext) -> Recovered:
+                      context: StepContext, next_gamma: int) -> Recovered:
         """Drawn by the draft, which holds q there. The same hop drafts the next step's
-        proposal from it, for at most this step's γ (the policy has not seen this step yet; a
-        smaller γ takes a prefix): one draft hop a step, as without a rejection. WorkerError
-        (UNAVAILABLE) when no draft answers: nothing else can draw this token exactly."""
+        proposal from it, for at most `next_gamma` tokens (the policy has not seen this step
+        yet; a smaller γ takes a prefix): one draft hop a step, as without a rejection.
+        WorkerError (UNAVAILABLE) when no draft answers: nothing else can draw this token
+        exactly."""
         assert verdict.rejected_row is not None  # a rejection carries p's row
         began = time.perf_counter()
         request = self.request
         kept = context.committed + proposal.tokens[:verdict.accepted]
         remaining = context.remaining - verdict.accepted - 1  # after this step
-        gamma = max(0, min(len(proposal.tokens), remaining - 1, self.draft_context - len(kept) - 1))
+        gamma = max(0, min(next_gamma, remaining - 1, self.draft_context - len(kept) - 1))
         seed = draft_seed(request.seed, context.index + 1)
         pre_draft = (PreDraftRequest(gamma, draft_seed(request.seed, context.index + 2))
                      if request.overlap and gamma else None)

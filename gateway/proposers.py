@@ -232,7 +232,7 @@ class GatewayProposer:
     name: str
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
-                      context: StepContext) -> Recovered:
+                      context: StepContext, next_gamma: int) -> Recovered:
         """Drawn here from norm(max(0, p − q)) with q one-hot on the rejected token."""
         assert verdict.rejected_row is not None  # a rejection carries p's row
         vocab_size = len(verdict.rejected_row)

@@ -107,6 +107,14 @@ class DraftLengthPolicy(StepObserver, Protocol):
         "learned", "alone"); None when the policy shares no cap."""
         ...
 
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
+        """How many tokens a sampled rejection's recovery hop drafts for the next step, after
+        a step that proposed `gamma` and had `accepted` of them kept (the next step takes a
+        prefix): the γ the policy will choose next. Why not `gamma`: the next step could
+        then never propose more than this one, and at T = 1, where most steps end in a
+        rejection, γ would only shrink."""
+        ...
+
     def plain_steps_ahead(self, limit: int) -> int:
         """How many of the (at most `limit`) steps after the one just chosen will surely
         propose nothing, whatever they commit: the verifier may score them ahead

@@ -397,6 +397,9 @@ class WrongGuesses(FixedPolicy):
     def plain_steps_ahead(self, limit: int) -> int:
         return limit  # the verifier scores ahead as far as it may, and many uniforms are drawn early
 
+    def recovery_draft_length(self, gamma: int, accepted: int) -> int:
+        return gamma
+
 
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma: int):

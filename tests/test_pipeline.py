@@ -159,6 +159,9 @@ class ScriptedPolicy:
     def cap_in_force(self):
         return None  # no load cap
 
+    def recovery_draft_length(self, gamma, accepted):
+        return gamma
+
     def observe(self, record):
         pass
 

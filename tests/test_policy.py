@@ -583,3 +583,19 @@ def test_plain_decodings_dips_do_not_bring_a_losing_cap_back(seed):
         cap.observe(arm, capped_step(index, min(arm, 1), 1.0 / goodput))
     trials = 1 + sum(1 for previous, i in zip(on_trial, on_trial[1:]) if i - previous > 300)
     assert cap.caps()[16] == 0 and trials <= 16, (trials, cap.rates())
+
+
+def test_a_sampled_rejection_drafts_the_next_proposal_as_long_as_the_next_step_will_ask():
+    """At T = 1 most steps end in a rejection, whose recovery hop drafts the next proposal;
+    the next step takes a prefix. Drafted only as long as this step's, γ could never grow
+    there; drafted longer than the next step asks, the extra tokens cost draft time. AUTO's
+    cost policy foresees its next choice from this step's outcome; fixed γ asks its own."""
+    policy = CostPolicy(measured_costs(0.5), TaskProfile(0.95, 1, 8))
+    foreseen = policy.recovery_draft_length(2, accepted=1)
+    policy.observe(step(2, 1))
+    assert foreseen == policy.next_draft_length() > 2
+    losing = CostPolicy(measured_costs(3.0), TaskProfile(0.3, 1, 8))
+    assert losing.recovery_draft_length(2, accepted=0) == 0  # the hop only draws the recovered token
+    assert EmaPolicy(start=4, lowest=2, highest=8).recovery_draft_length(4, accepted=1) == 5
+    assert FixedPolicy(4).recovery_draft_length(4, accepted=0) == 4
+    assert ConfidencePolicy(highest=12).recovery_draft_length(3, accepted=0) == 12
