@@ -20,12 +20,15 @@ then measures it again, so a change of traffic or acceptance is found.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.costmodel import load_bucket
 from gateway.records import StepRecord
+
+log = logging.getLogger(__name__)
 
 BURST_STEPS = 8  # speculative steps a verdict is taken over (a burst's length)
 # A burst that measures below CLEAR_LOSS of plain decoding over its first EARLY_STEPS ends
@@ -247,6 +250,9 @@ class RequestFloor:
         speedup = (self._tokens + prior_tokens) / (self._ms + prior_ms) * plain
         if in_burst and speedup >= CLEAR_LOSS:
             return  # not clearly lost: the burst runs out
+        log.debug("floor verdict at load %d: %.2f (own %.1f tokens in %.0f ms, pool's %.1f in %.0f ms, plain "
+                  "%.2f ms a token) %s", self.load, speedup, self._tokens, self._ms, prior_tokens, prior_ms, plain,
+                  "in a burst" if self.shut else "open")
         self.schedule.record(won=speedup >= 1.0, burst=self.shut)
         self.burst = 0
         self.shut = speedup < 1.0
