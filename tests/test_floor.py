@@ -237,7 +237,7 @@ def make_deep_twin(draft: Path, directory: Path, dead_layers: int) -> None:
     AutoTokenizer.from_pretrained(draft).save_pretrained(directory)
 
 
-def auto_speculated(stack, prompts: int = 8) -> list[int]:
+def auto_speculated(stack, prompts: int = 12) -> list[int]:
     """γ per step of AUTO's last three requests (first steps left out: they prefill); each
     request's greedy output checked against plain decoding's."""
     lengths = []
