@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.costmodel import load_bucket
 from gateway.records import StepRecord
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,8 @@ BURST_STEPS = 8  # speculative steps a verdict is taken over (a burst's length)
 EARLY_STEPS = 4
 CLEAR_LOSS = 0.75
 # An open request's goodput forgets its speculative steps over about this many. Why so many:
-# a step's tokens vary (1 to γ+1), and over 8 steps at acceptance 0.4 their mean wavers by ~20%.
+# a step's tokens vary (1 to γ+1): at γ = 4 and acceptance 0.4 to 0.7 (independent draws), the
+# mean of 8 steps has a standard deviation of about 20% of itself.
 WINDOW_STEPS = 32
 FIRST_INTERVAL = 16  # plain steps before the first burst after a loss
 MAX_INTERVAL = 512  # ...and at most, after bursts kept losing
@@ -67,7 +67,7 @@ class PlainRates:
         """A step of any request: a plain one past the first (which prefills) is counted."""
         if record.draft_length or record.index == 0 or record.interval_ms <= 0.0:
             return
-        load = load_bucket(max(record.verify_batch.sessions, 1))
+        load = record.load
         sample = record.interval_ms / len(record.emitted)
         rate = self._rates.get(load)
         now = self.clock()
@@ -138,13 +138,16 @@ class FloorSchedule:
         return max(self.interval - self.plain_steps - 1, 0)
 
     def record(self, won: bool, burst: bool) -> None:
-        """A verdict. A burst that lost doubles the spacing of bursts; a win resets it, since
-        the traffic changed."""
+        """A verdict, a burst's or an open request's. A burst that lost doubles the spacing of
+        bursts; a win resets it, since the traffic changed. Only a burst's verdict restarts
+        the count of plain steps: an open request's verdicts come every 8 of its steps, and
+        restarting the count at each would starve the shut requests beside it of bursts."""
         if won:
             self.interval = FIRST_INTERVAL
         elif burst:
             self.interval = min(2 * self.interval, MAX_INTERVAL)
-        self.plain_steps = 0
+        if burst:
+            self.plain_steps = 0
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ class RequestFloor:
         return None
 
     def observe(self, record: StepRecord) -> None:
-        self.load = load_bucket(max(record.verify_batch.sessions, 1))
+        self.load = record.load
         if record.index == 0 or not record.draft_model_tokens or record.interval_ms <= 0.0:
             # The first step prefills; a plain step or a model-free match says nothing of the
             # draft, and leaves it behind by the tokens it committed.
@@ -244,8 +247,9 @@ class RequestFloor:
             self._steps = BURST_STEPS - 1  # ...then judge at the next speculative step
             return
         # The request's own steps, with the pool's (every request's) weighed in as PRIOR_STEPS
-        # more: over 8 steps a request's own goodput wavers by ~20%, and judged on it alone a
-        # request that gains 10% shut itself one verdict in three.
+        # more. Judged on its own 8 steps alone (WINDOW_STEPS: why they waver), a request that
+        # truly gains 10% reads below 1 in a third or more of its verdicts (33% to 44% at γ = 4,
+        # acceptance 0.4 to 0.7, independent draws).
         prior_tokens, prior_ms = self.schedule.prior(self.load)
         speedup = (self._tokens + prior_tokens) / (self._ms + prior_ms) * plain
         if in_burst and speedup >= CLEAR_LOSS:

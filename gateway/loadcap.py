@@ -389,7 +389,7 @@ class LoadCap:
     def observe(self, cap: int, record: StepRecord) -> None:
         """A step taken under `cap`; steps from a cap no longer in force are left out. The step
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
-        self.load = load_bucket(max(record.verify_batch.sessions, 1))
+        self.load = record.load
         load = self._current_load()
         # Quiet: a round of steps since a prompt last rode in the forwards (`_Goodput`). The
         # other sessions' steps that shared a prompt's last forward come back around its

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.acceptance import Counts
+from gateway.costmodel import load_bucket
 from specd.contract import MODEL_FREE
 from specd.steps import BatchStats
 
@@ -64,6 +65,11 @@ class StepRecord:
     load_cap: tuple[int, str] | None = None  # the load cap γ was chosen under, and its origin (traces)
 
     @property
+    def load(self) -> int:
+        """The load level its verify forward ran at: the sessions in it, bucketed (`load_bucket`)."""
+        return load_bucket(max(self.verify_batch.sessions, 1))
+
+    @property
     def rest_ms(self) -> float:
         """What the step cost the request beyond drafting its proposal: the interval between
         its commits less its own draft hop and any recovery hop, never less than the verify
@@ -75,7 +81,7 @@ class StepRecord:
         step that rejects takes a hop to the draft that draws the recovered token and drafts
         the next proposal, which then comes in hand (`proposal_in_hand`) with that hop's
         figures as its draft hop. Counted in both steps, each rejection would pay its
-        drafting twice, and at T = 1 AUTO priced speculation 25% dearer than it was."""
+        drafting twice."""
         if self.interval_ms <= 0.0:
             return self.verify_ms
         own_draft_hop = 0.0 if self.proposal_in_hand else self.draft_ms

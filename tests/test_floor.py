@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from conftest import SEEDED_DRAFT_FLOOR_S, request, start_stack
 from gateway.acceptance import AcceptanceStats
 from gateway.costmodel import StepCosts
-from gateway.floor import MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
+from gateway.floor import FIRST_INTERVAL, MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
 from gateway.metrics import AcceptanceCollector
 from gateway.policy import CostPolicy, FixedPolicy, ProbeSchedule
 from gateway.records import DraftLengthPolicy, StepRecord
@@ -198,6 +198,19 @@ def test_speculation_comes_back_when_the_traffic_changes():
     ratio, traces = speedup(SLOW, 0.85, requests=20, gateway=gateway, seed=1)
     late = [g for trace in traces[5:] for g in trace]
     assert sum(g > 0 for g in late) > 0.8 * len(late) and ratio >= 1.3, ratio
+
+
+def test_a_request_that_keeps_winning_does_not_starve_a_shut_one_of_bursts():
+    """Two requests of one kind in flight, taking steps in turn: one open and winning (a verdict
+    every 8 of its steps), one shut. The shut one still gets its burst once the spacing's
+    plain steps have passed."""
+    schedule = FloorSchedule()
+    bursts = 0
+    for step in range(1, 200):
+        if step % 8 == 0:
+            schedule.record(won=True, burst=False)  # the open request's verdict
+        bursts += schedule.burst_due(load=2)  # the shut request's plain step
+    assert bursts >= 199 // (FIRST_INTERVAL + 2 * 8) - 1, bursts
 
 
 def test_a_shut_floor_foresees_its_plain_steps_for_the_verifier_to_run_ahead():
