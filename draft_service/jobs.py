@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from draft_service.grammar import GrammarCursor
-from specd.devices import to_device, upload
+from specd.devices import select_rows, to_device
 from specd.rejection import recovered_token, sample, sample_rows
 from specd.sampling import penalized, probs_from_logits, restricted
 from specd.steps import DraftRequest, Proposal, Recovery
@@ -30,10 +30,12 @@ class ProposeJob(Job):
     token is sampled from it and fed on, and the proposal follows it. With `grammar`, q at
     every position is restricted to what a structured request's grammar allows there.
 
-    A plain greedy step without `ranked` finds only each position's argmax: q at the token
-    and the runner-up are for a confidence threshold, pre-drafting and trace spans, and on
-    a CPU the top two and the softmax cost the demo draft about 0.05 ms a token, after a
-    forward of 1.4 (docs/performance.md). Its proposal then carries no `token_probs`.
+    A plain step without `ranked` finds only what the verdict needs: a greedy one each
+    position's argmax, a sampled one its token and q there. The runner-up and q's largest
+    are for a confidence threshold, pre-drafting and trace spans, and on a CPU the top two
+    and the softmax cost the demo draft about 0.05 ms a token, after a forward of 1.4
+    (docs/performance.md); at a vocabulary of 131,072 the top two alone take about 0.3 ms.
+    An unranked greedy proposal carries no `token_probs`.
     """
 
     def __init__(self, session: SessionKV, feed: list[int], request: DraftRequest, guess_first: bool = False,
@@ -56,9 +58,10 @@ class ProposeJob(Job):
         # `post_process` computed it with the forward's other plain greedy steps; unranked,
         # (best, None, None).
         self.decided: tuple[int, int | None, float | None] | None = None
-        # A plain sampled step's (token, second, best, q of the token, q's largest, q's row),
-        # when `post_process` sampled it with the forward's other steps of the same law.
-        self.sampled: tuple[int, int, int, float, float, torch.Tensor] | None = None
+        # A plain sampled step's (token, q of the token, q's row, and when ranked the
+        # draft's best other token and q's largest), when `post_process` sampled it with the
+        # forward's other steps of the same law.
+        self.sampled: tuple[int, float, torch.Tensor, int | None, float | None] | None = None
 
     def _plain(self) -> bool:
         """Whether this forward's law is the draft's own logits under the request's
@@ -85,7 +88,7 @@ class ProposeJob(Job):
             if transform.greedy:
                 greedy.setdefault((limit, job.ranked), []).append((job, rows.start))
             else:
-                law = (limit, transform.temperature, transform.top_k, transform.top_p, transform.min_p)
+                law = (limit, job.ranked, transform.temperature, transform.top_k, transform.top_p, transform.min_p)
                 sampled.setdefault(law, []).append((job, rows.start))
         for (limit, ranked), jobs in greedy.items():
             if not ranked:
@@ -98,17 +101,23 @@ class ProposeJob(Job):
             # One copy back: ids are exact in float64.
             for (job, _), (best, second, q) in zip(jobs, torch.cat((top.double(), best_q.double()), 1).tolist()):
                 job.decided = (int(best), int(second), q)
-        for (limit, *_), jobs in sampled.items():
+        for (limit, ranked, *_), jobs in sampled.items():
             chosen = _rows(logits, jobs, limit)
             q = probs_from_logits(chosen, jobs[0][0].request.transform)
             uniforms = to_device(torch.stack([torch.rand((), generator=job.generator, dtype=torch.float64)
                                               for job, _ in jobs]), logits.device)
             token = sample_rows(q, uniforms)
-            top = chosen.topk(2, dim=-1).indices
-            figures = torch.cat((token.double(), top.double(), q.gather(1, token).double(),
-                                 q.max(dim=1, keepdim=True).values.double()), 1)
-            for row, ((job, _), (tok, best, second, token_q, largest)) in enumerate(zip(jobs, figures.tolist())):
-                job.sampled = (int(tok), int(second), int(best), token_q, largest, q[row])
+            figures = [token.double(), q.gather(1, token).double()]
+            if ranked:
+                figures += [chosen.topk(2, dim=-1).indices.double(), q.max(dim=1, keepdim=True).values.double()]
+            # One copy back: ids are exact in float64.
+            for row, ((job, _), drawn) in enumerate(zip(jobs, torch.cat(figures, 1).tolist())):
+                tok = int(drawn[0])
+                if ranked:
+                    best, second, largest = int(drawn[2]), int(drawn[3]), drawn[4]
+                    job.sampled = (tok, drawn[1], q[row], second if tok == best else best, largest)
+                else:
+                    job.sampled = (tok, drawn[1], q[row], None, None)
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
@@ -119,14 +128,14 @@ class ProposeJob(Job):
             self.decided = None
             if self.drafted and best_q is not None and best_q < request.min_confidence:
                 return True
-            return self._propose(best, second, best, best_q)
+            return self._propose(best, best_q, second)
         if self.sampled is not None:
-            token, second, best, token_q, largest, q_row = self.sampled
+            token, token_q, q_row, alternative, largest = self.sampled
             self.sampled = None
-            if self.drafted and largest < request.min_confidence:
+            if self.drafted and largest is not None and largest < request.min_confidence:
                 return True
             self.probs.append(q_row)
-            return self._propose(token, second, best, token_q)
+            return self._propose(token, token_q, alternative)
         embeddings = logits.shape[-1]  # the ids this model can be fed
         if request.vocab_limit:
             logits = logits[:, :request.vocab_limit]
@@ -160,15 +169,16 @@ class ProposeJob(Job):
         token = best if greedy else sample(q, float(torch.rand((), generator=self.generator, dtype=torch.float64)))
         if not greedy:
             self.probs.append(q)
-        return self._propose(token, second, best, float(q[token]))
+        return self._propose(token, float(q[token]), second if token == best else best)
 
-    def _propose(self, token: int, second: int | None, best: int, token_q: float | None) -> bool:
-        """Take `token` (q `token_q`, None when unranked) into the proposal; True when the step is done."""
+    def _propose(self, token: int, token_q: float | None, alternative: int | None) -> bool:
+        """Take `token` (q `token_q`: None for an unranked greedy step) into the proposal,
+        with the draft's best other token there (None when unranked); True when the step is done."""
         self.drafted.append(token)
         if token_q is not None:
-            assert second is not None  # ranked: the top two were found
-            self.alternatives.append(second if token == best else best)
             self.token_probs.append(token_q)
+        if alternative is not None:
+            self.alternatives.append(alternative)
         if len(self.drafted) == self.request.draft_length:
             return True
         # The last proposal is not fed: nothing needs its logits yet; it stays known, so
@@ -183,6 +193,5 @@ class ProposeJob(Job):
 
 
 def _rows(logits: torch.Tensor, jobs: Sequence[tuple[Job, int]], limit: int) -> torch.Tensor:
-    """The jobs' rows of a forward's logits, cut at the vocabulary limit (one index upload)."""
-    index = upload([row for _, row in jobs], logits.device)
-    return logits.index_select(0, index)[:, :limit]
+    """The jobs' rows of a forward's logits, cut at the vocabulary limit."""
+    return select_rows(logits, [row for _, row in jobs])[:, :limit]

@@ -24,3 +24,12 @@ def upload(values: Sequence[int] | Sequence[float], device: torch.device, dtype:
            ) -> torch.Tensor:
     """Python numbers as one tensor of `dtype` on `device`: one copy, without a wait on a GPU."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def select_rows(tensor: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """`tensor`'s rows at `rows`, in their order: the tensor itself when they are all of it
+    in order (one session in a forward: no copy of rows as wide as a vocabulary), else one
+    index upload and one gather."""
+    if len(rows) == tensor.shape[0] and all(row == i for i, row in enumerate(rows)):
+        return tensor
+    return tensor.index_select(0, upload(rows, tensor.device))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.devices import upload
+from specd.devices import select_rows, upload
 
 
 @dataclass(frozen=True)
@@ -144,12 +144,13 @@ def target_verdicts(target_probs: torch.Tensor,
         proposed_rows += range(start, start + gamma)
         proposed_tokens += draft_tokens
         last_rows.append(start + gamma)
-    picks = upload(proposed_rows + proposed_tokens + last_rows, device)
     uniforms = upload([draws.final for _, _, draws in steps], device, torch.float64)
-    proposed_at, last_at = picks[:2 * len(proposed_rows)].view(2, -1), picks[2 * len(proposed_rows):]
-    bonus = sample_rows(target_probs.index_select(0, last_at), uniforms)
-    figures = torch.cat((target_probs[proposed_at[0], proposed_at[1]].double(), bonus[:, 0].double())).tolist()
-    proposed, bonus_tokens = figures[:len(proposed_rows)], figures[len(proposed_rows):]
+    figures = sample_rows(select_rows(target_probs, last_rows), uniforms)[:, 0].double()  # the bonus tokens
+    if proposed_rows:  # none in plain steps: no upload and no gather
+        proposed_at = upload(proposed_rows + proposed_tokens, device).view(2, -1)
+        figures = torch.cat((target_probs[proposed_at[0], proposed_at[1]].double(), figures))
+    listed = figures.tolist()  # one copy to the host
+    proposed, bonus_tokens = listed[:len(proposed_rows)], listed[len(proposed_rows):]
     verdicts: list[TargetVerdict | None] = []
     rejected: list[tuple[int, int, int]] = []  # (step, accepted, p's row)
     for i, ((draft_tokens, draft_token_probs, draws), last, bonus_token) in enumerate(

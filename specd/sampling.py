@@ -173,7 +173,9 @@ def probs_from_logits(logits: torch.Tensor, transform: Transform) -> torch.Tenso
     """
     assert logits.dim() == 2, f"expected [n, V] logits, got {tuple(logits.shape)}"
     assert not transform.greedy, "greedy decoding uses argmax, not probabilities"
-    scores = logits.float() / transform.temperature
+    scores = logits.float()
+    if transform.temperature != 1.0:  # a division at T = 1 would only copy the row
+        scores = scores / transform.temperature
     if transform.min_p > 0.0:
         probs = torch.softmax(scores, dim=-1)
         threshold = transform.min_p * probs.max(dim=-1, keepdim=True).values

@@ -172,21 +172,22 @@ def test_a_seeded_sampled_step_is_the_same_alone_or_batched(model_dirs, device, 
     assert len({str(result) for result in together}) > 1  # the seeds differ, and so do the draws
 
 
-def test_an_unranked_greedy_step_finds_only_argmaxes_and_the_same_tokens(model_dirs, device, monkeypatch):
-    """Greedy steps of 3 sessions, ranked (what a traced or pre-drafting step asks) and not
-    (every other greedy step the draft service serves): the same tokens, and the unranked
-    forwards' post-processing runs no softmax or top two, so their proposals carry no q.
-    A confidence threshold needs q, so a step with one is ranked whatever it was asked.
-    Operators recorded in `ProposeJob.post_process` with a `TorchDispatchMode`."""
+SOFTMAX = {"_softmax", "softmax"}  # the name it dispatches under depends on whether its input is a view
+
+
+def recorded_proposals(model_dirs, device, monkeypatch, transform: Transform, ranked: bool,
+                       min_confidence: float = 0.0) -> tuple[list, set[str]]:
+    """Steps of 3 sessions on a fresh drafter, and the operators that ran in their forwards'
+    `ProposeJob.post_process` (recorded with a `TorchDispatchMode`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from draft_service import jobs as draft_jobs
 
-    ran: list[str] = []
+    ran: set[str] = set()
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ran.append(func.overloadpacket.__name__)
+            ran.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
     inner = draft_jobs.ProposeJob.post_process
@@ -196,26 +197,44 @@ def test_an_unranked_greedy_step_finds_only_argmaxes_and_the_same_tokens(model_d
             inner(logits, members)
 
     monkeypatch.setattr(draft_jobs.ProposeJob, "post_process", staticmethod(recorded))
+    drafter = Drafter(model_dirs["close"], ModelSettings(max_sessions=16, device=device))
 
-    def steps(ranked: bool, min_confidence: float = 0.0) -> tuple[list, set[str]]:
-        drafter = Drafter(model_dirs["close"], ModelSettings(max_sessions=16, device=device))
-        ran.clear()
+    async def run() -> list:
+        return list(await asyncio.gather(*(
+            drafter.propose(f"s{i}", 0, p, DraftRequest(4, transform, seed=i, min_confidence=min_confidence),
+                            ranked=ranked) for i, p in enumerate(prompts(3)))))
 
-        async def run() -> list:
-            return list(await asyncio.gather(*(
-                drafter.propose(f"s{i}", 0, p, DraftRequest(4, Transform(), min_confidence=min_confidence),
-                                ranked=ranked) for i, p in enumerate(prompts(3)))))
+    return asyncio.run(run()), ran
 
-        return asyncio.run(run()), set(ran)
 
-    ranked, ranked_ops = steps(ranked=True)
-    unranked, unranked_ops = steps(ranked=False)
+def test_an_unranked_greedy_step_finds_only_argmaxes_and_the_same_tokens(model_dirs, device, monkeypatch):
+    """Greedy steps of 3 sessions, ranked (what a traced or pre-drafting step asks) and not
+    (every other greedy step the draft service serves): the same tokens, and the unranked
+    forwards' post-processing runs no softmax or top two, so their proposals carry no q.
+    A confidence threshold needs q, so a step with one is ranked whatever it was asked."""
+    ranked, ranked_ops = recorded_proposals(model_dirs, device, monkeypatch, Transform(), ranked=True)
+    unranked, unranked_ops = recorded_proposals(model_dirs, device, monkeypatch, Transform(), ranked=False)
     assert [p.tokens for p in unranked] == [p.tokens for p in ranked]
     assert all(len(p.tokens) == 4 and len(p.token_probs) == 4 for p in ranked)
     assert all(p.token_probs == () for p in unranked)
-    assert {"_softmax", "topk"} <= ranked_ops
-    assert "argmax" in unranked_ops and not unranked_ops & {"_softmax", "topk"}, unranked_ops
-    confident, confident_ops = steps(ranked=False, min_confidence=1e-6)
+    assert "topk" in ranked_ops and ranked_ops & SOFTMAX, ranked_ops
+    assert "argmax" in unranked_ops and not unranked_ops & (SOFTMAX | {"topk"}), unranked_ops
+    confident, confident_ops = recorded_proposals(model_dirs, device, monkeypatch, Transform(), ranked=False,
+                                                  min_confidence=1e-6)
     assert [q for p in confident for q in p.token_probs] == pytest.approx([q for p in ranked for q in p.token_probs],
                                                                           rel=1e-5)
-    assert {"_softmax", "topk"} <= confident_ops
+    assert "topk" in confident_ops and confident_ops & SOFTMAX, confident_ops
+
+
+def test_an_unranked_sampled_step_draws_the_same_tokens_without_the_top_two(model_dirs, device, monkeypatch):
+    """Seeded sampled steps of 3 sessions, ranked and not: the same tokens and the same q at
+    each (the acceptance test needs them), and the unranked forwards run no top two and no
+    largest q, which at a vocabulary of 131,072 cost about as much as the draw."""
+    ranked, ranked_ops = recorded_proposals(model_dirs, device, monkeypatch, SAMPLED, ranked=True)
+    unranked, unranked_ops = recorded_proposals(model_dirs, device, monkeypatch, SAMPLED, ranked=False)
+    assert [p.tokens for p in unranked] == [p.tokens for p in ranked]
+    assert [p.token_probs for p in unranked] == [p.token_probs for p in ranked]
+    assert all(len(p.tokens) == 4 and len(p.token_probs) == 4 for p in unranked)
+    assert all(torch.equal(a.probs, b.probs) for a, b in zip(unranked, ranked))
+    assert {"topk", "max"} <= ranked_ops, ranked_ops
+    assert "searchsorted" in unranked_ops and not unranked_ops & {"topk", "max"}, unranked_ops

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specd.devices import upload
+from specd.devices import select_rows, upload
 from specd.rejection import Draws, TargetVerdict, target_verdict, target_verdicts, verify_greedy
 from specd.sampling import Transform, penalized, probs_from_logits, raw_logprobs, restricted
 from specd.steps import PositionLogprobs, Scores
@@ -21,8 +21,8 @@ from specd.worker.kvstore import SessionKV
 def _verdicts(logits: torch.Tensor, jobs: Sequence[tuple[ScoreJob, slice]]) -> None:
     """The target's verdicts of sampled steps of one law, decided together
     (`specd.rejection.target_verdicts`: two copies to the host for all of them)."""
-    index = upload([row for _, rows in jobs for row in range(rows.start, rows.stop)], logits.device)
-    p = probs_from_logits(logits.index_select(0, index), jobs[0][0].transform)
+    chosen = select_rows(logits, [row for _, rows in jobs for row in range(rows.start, rows.stop)])
+    p = probs_from_logits(chosen, jobs[0][0].transform)
     steps = []
     for job, _ in jobs:
         assert job.draws is not None  # grouped for its draws
