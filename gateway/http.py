@@ -74,15 +74,15 @@ from gateway.records import Finish
 from gateway.request import ClientRequest, Mode
 from gateway.text import token_bytes
 from gateway.tools import (
+    FORMATS,
     ToolCalling,
     ToolReader,
     chat_messages,
     chunk_delta,
-    hermes_history,
     renders_tools,
     reply_message,
     tool_calling,
-    tool_preamble,
+    tools_as_text,
     with_preamble,
 )
 from specd.grpcserver import PortInUse
@@ -528,9 +528,10 @@ class OpenAIApp:
             if calling is not None:
                 tools["tools"] = [tool.spec for tool in calling.tools]
         else:
-            plain = hermes_history(plain)
+            parser = self.core.settings.tool_call_parser
+            plain = tools_as_text(plain, parser)
             if calling is not None:
-                plain = with_preamble(plain, tool_preamble(calling.tools, calling.parallel))
+                plain = with_preamble(plain, FORMATS[parser].preamble(calling.tools, calling.parallel))
         try:
             text = render(plain, **extra, **tools)
         except Exception as exc:  # the template's own checks (roles, order) raise anything

@@ -16,7 +16,7 @@ DRAFT_SELECTIONS = ("task-map", "goodput")
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
 # vLLM's --tool-call-parser formats this gateway reads (gateway.tools.FORMATS).
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)

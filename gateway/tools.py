@@ -7,7 +7,9 @@ Which tool calls are read, and how:
 - `none`: the reply is text, as without tools;
 - `auto`: the model writes its calls in its own format, and the reader finds them in the
   text (vLLM's --tool-call-parser; specd implements `hermes`:
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks);
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; `llama3_json`: a reply
+  that is `{"name": ..., "parameters": {...}}` objects, `; ` apart; `mistral`: `[TOOL_CALLS]`
+  and a JSON list of `{"name": ..., "arguments": {...}}`);
 - `required`: one call or more (one without `parallel_tool_calls`) in that format,
   generated under a grammar whose calls each name one of the tools and give arguments of
   its schema (llguidance's Lark, with each tool's schema inline as `%json`);
@@ -15,8 +17,8 @@ Which tool calls are read, and how:
 
 The two forced choices are structured output (`gateway.grammar`), so they are exact under
 speculation for every proposer, as structured output is. A template that does not
-render `tools` gets the hermes format in the prompt instead (`tool_preamble`,
-`hermes_history`), so that a model whatever its template can be asked for calls.
+render `tools` gets the format's instructions in the prompt instead (`ToolFormat.preamble`,
+`tools_as_text`), so that a model whatever its template can be asked for calls.
 No gRPC, no model here.
 """
 from __future__ import annotations
@@ -240,16 +242,34 @@ def renders_tools(render: Callable[..., str]) -> bool:
         return False
 
 
-def tool_preamble(tools: tuple[Tool, ...], parallel: bool) -> str:
-    """The system text that asks for hermes calls, for a template that does not render tools
-    (the wording of Qwen 2.5's and Hermes 2 Pro's templates, which models of that format
-    were trained on)."""
+def hermes_preamble(tools: tuple[Tool, ...], parallel: bool) -> str:
+    """The system text that asks for hermes calls (the wording of Qwen 2.5's and Hermes 2
+    Pro's templates, which models of that format were trained on)."""
     listed = "\n".join(json.dumps(t.spec, ensure_ascii=False) for t in tools)
     many = "one or more functions" if parallel else "one function"
     return (f"# Tools\n\nYou may call {many} to assist with the user query.\n\nYou are provided with function "
             f"signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
             f"return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
             f"<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def llama3_preamble(tools: tuple[Tool, ...], parallel: bool) -> str:
+    """The system text that asks for Llama 3 JSON calls (the instruction Llama 3.1's own
+    template gives with tools)."""
+    listed = "\n\n".join(json.dumps(t.spec, ensure_ascii=False, indent=4) for t in tools)
+    many = " Several calls are written one after another, separated by '; '." if parallel else ""
+    return ("Given the following functions, please respond with a JSON for a function call with its proper "
+            "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+            f"\"parameters\": dictionary of argument name and its value}}. Do not use variables.{many}\n\n{listed}")
+
+
+def mistral_preamble(tools: tuple[Tool, ...], parallel: bool) -> str:
+    """The system text that asks for Mistral calls: the tools as Mistral's templates list
+    them, and the form of a call."""
+    many = "a JSON list of one or more calls" if parallel else "a JSON list of one call"
+    return (f"[AVAILABLE_TOOLS]{json.dumps([t.spec for t in tools], ensure_ascii=False)}[/AVAILABLE_TOOLS]\n\n"
+            f"To call a function, reply with [TOOL_CALLS] followed by {many}, each "
+            "{\"name\": <function-name>, \"arguments\": <args-json-object>}.")
 
 
 def with_preamble(messages: list[dict[str, Any]], preamble: str) -> list[dict[str, Any]]:
@@ -260,10 +280,11 @@ def with_preamble(messages: list[dict[str, Any]], preamble: str) -> list[dict[st
     return [{"role": "system", "content": preamble}, *messages]
 
 
-def hermes_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def tools_as_text(messages: list[dict[str, Any]], parser: str) -> list[dict[str, Any]]:
     """The conversation in text a template that knows no tools renders: an assistant's calls
-    as hermes `<tool_call>` blocks after its text, and each run of tool results as one user
+    written in the parser's format after its text, and each run of tool results as one user
     message of `<tool_response>` blocks (Qwen 2.5's template does the same)."""
+    write_calls = FORMATS[parser].write_calls
     plain: list[dict[str, Any]] = []
     results = False  # whether the last message made is a run of tool results
     for message in messages:
@@ -277,16 +298,28 @@ def hermes_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         results = False
         if "tool_calls" in message:
-            blocks = [_hermes_block(call["function"]) for call in message["tool_calls"]]
-            text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
+            calls = write_calls([call["function"] for call in message["tool_calls"]])
+            text = "\n".join(([message["content"]] if message["content"] else []) + [calls])
             message = {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
         plain.append(message)
     return plain
 
 
-def _hermes_block(function: dict[str, Any]) -> str:
-    call = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
-    return f"{HermesCalls.START}\n{call}\n{HermesCalls.END}"
+def _hermes_calls(functions: list[dict[str, Any]]) -> str:
+    return "\n".join(f"{HermesCalls.START}\n{_call_json(f, 'arguments')}\n{HermesCalls.END}" for f in functions)
+
+
+def _llama3_calls(functions: list[dict[str, Any]]) -> str:
+    return Llama3Calls.SEPARATOR.join(_call_json(f, "parameters") for f in functions)
+
+
+def _mistral_calls(functions: list[dict[str, Any]]) -> str:
+    return MistralCalls.START + json.dumps([{"name": f["name"], "arguments": f["arguments"]} for f in functions],
+                                           ensure_ascii=False)
+
+
+def _call_json(function: dict[str, Any], key: str) -> str:
+    return json.dumps({"name": function["name"], key: function["arguments"]}, ensure_ascii=False)
 
 
 # -- reading the reply ------------------------------------------------------------------------
@@ -337,22 +370,71 @@ class NamedCall(ToolReader):
         return self.feed("")
 
 
-class HermesCalls(ToolReader):
+class _TextAndCalls(ToolReader):
+    """A reader whose text may hold calls: the whitespace around a call is not the reply's
+    text, so trailing whitespace is held until more text follows."""
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        self.names, self.parallel = names, parallel
+        self.space = ""  # whitespace held after the text read: it is sent only if text follows
+        self.after_call = False  # the whitespace right after a call is not the reply's text
+
+    def _text(self, text: str, pieces: list[Piece]) -> None:
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
+        body = text.rstrip()
+        if body:
+            pieces.append(Piece(self.space + body))
+            self.space = ""
+        self.space += text[len(body):]
+
+    def _flush(self, pieces: list[Piece]) -> None:
+        if self.space:
+            pieces.append(Piece(self.space))
+            self.space = ""
+
+    def _parts(self, value: Any, keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+        """The name and arguments of `value` if it is a call: a JSON object naming one of the
+        tools, with its arguments, an object, under the first of `keys` it holds (none: {})."""
+        if not isinstance(value, dict):
+            return None
+        name = value.get("name")
+        arguments: Any = next((value[key] for key in keys if key in value), {})
+        if not isinstance(arguments, dict) or not isinstance(name, str) or name not in self.names:
+            return None
+        return name, arguments
+
+    def _call(self, value: Any, keys: tuple[str, ...], pieces: list[Piece]) -> bool:
+        """Take `value` as the next call if it is one (with `parallel` false, only while no
+        call was taken). The call is sent whole: its name, then its arguments in one piece,
+        written back with `json.dumps` as vLLM's parsers do."""
+        parts = self._parts(value, keys)
+        if parts is None or self.calls and not self.parallel:
+            return False
+        index = self.calls
+        self.calls += 1
+        pieces += [Piece("", index, _call_id(), parts[0]), Piece(json.dumps(parts[1], ensure_ascii=False), index)]
+        self.after_call = True
+        return True
+
+
+class HermesCalls(_TextAndCalls):
     """vLLM's `hermes` parser: `<tool_call>` JSON `</tool_call>` blocks in the text, each
     `{"name": ..., "arguments": {...}}`. A block is a call when its JSON names one of the
     tools (with `parallel` false, only the first block is); any other block stays text, as
-    does the rest of the text, less the whitespace around the calls. A call is sent whole
-    once its block closes: its name, then its arguments in one piece. A block the text ends
-    inside (EOS or max_tokens before `</tool_call>`) is read as if closed there."""
+    does the rest of the text, less the whitespace around the calls. A call is sent once its
+    block closes. A block the text ends inside (EOS or max_tokens before `</tool_call>`) is
+    read as if closed there."""
 
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self, names: frozenset[str], parallel: bool) -> None:
-        self.names, self.parallel = names, parallel
+        super().__init__(names, parallel)
         self.pending = ""  # text not yet read: a block still open, or what may begin one
         self.inside = False  # whether `pending` is inside a block
-        self.space = ""  # whitespace held after the text read: it is sent only if text follows
-        self.after_call = False  # the whitespace right after a call is not the reply's text
 
     def feed(self, text: str) -> list[Piece]:
         self.pending += text
@@ -382,39 +464,131 @@ class HermesCalls(ToolReader):
         else:
             self._text(self.pending, pieces)
         self.pending = ""
-        if self.space:
-            pieces.append(Piece(self.space))
-            self.space = ""
+        self._flush(pieces)
         return pieces
-
-    def _text(self, text: str, pieces: list[Piece]) -> None:
-        if self.after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self.after_call = False
-        body = text.rstrip()
-        if body:
-            pieces.append(Piece(self.space + body))
-            self.space = ""
-        self.space += text[len(body):]
 
     def _block(self, block: str, pieces: list[Piece], closed: bool = True) -> None:
         try:
             value = json.loads(block)
         except ValueError:
             value = None
-        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
-        name = value.get("name") if isinstance(value, dict) else None
-        if not isinstance(arguments, dict) or not isinstance(name, str) or name not in self.names \
-                or self.calls and not self.parallel:
+        if not self._call(value, ("arguments",), pieces):
             self._text(self.START + block + (self.END if closed else ""), pieces)
-            return
-        index = self.calls
-        self.calls += 1
-        pieces += [Piece("", index, _call_id(), name),
-                   Piece(json.dumps(arguments, ensure_ascii=False), index)]
-        self.after_call = True
+
+
+class Llama3Calls(_TextAndCalls):
+    """vLLM's `llama3_json` parser: a reply that begins (after whitespace, and Llama's
+    `<|python_tag|>` where the text keeps special tokens) with `{` is read as calls: JSON
+    objects `{"name": ..., "parameters": {...}}` ("arguments" is read too), `; ` apart. Such
+    a reply is held until it is whole. When every object is a call of one of the tools they
+    are the calls (with `parallel` false the first, the rest text); otherwise the whole
+    reply is text, as vLLM returns it. Any other reply is text, sent as it comes."""
+
+    TAG, SEPARATOR = "<|python_tag|>", "; "
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        super().__init__(names, parallel)
+        self.held = ""  # the reply so far, while it may still be calls
+        self.text = False  # the reply is text
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.text:
+            return [Piece(text)] if text else []
+        self.held += text
+        head = self.held.lstrip()
+        if not head or self.TAG.startswith(head) or head.startswith((self.TAG, "{")):
+            return []
+        self.text, held, self.held = True, self.held, ""
+        return [Piece(held)]
+
+    def end(self) -> list[Piece]:
+        held, self.held = self.held, ""
+        if self.text or not held:
+            return []
+        body = held.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        objects = _json_run(body, self.SEPARATOR.strip())
+        keys = ("parameters", "arguments")
+        if not objects or any(self._parts(value, keys) is None for value, _ in objects):
+            return [Piece(held)]
+        pieces: list[Piece] = []
+        for value, _ in objects:
+            self._call(value, keys, pieces)
+        if self.calls < len(objects):  # parallel_tool_calls false: the calls after the first stay text
+            pieces.append(Piece(body[objects[0][1]:].lstrip().removeprefix(self.SEPARATOR.strip()).lstrip()))
+        return pieces
+
+
+class MistralCalls(_TextAndCalls):
+    """vLLM's `mistral` parser: the text before `[TOOL_CALLS]` is text, sent as it comes;
+    after it, a JSON list of `{"name": ..., "arguments": {...}}`, held until the reply is
+    whole. When every entry is a call of one of the tools they are the calls (with
+    `parallel` false the first; the rest, as a JSON list, text); otherwise the marker and
+    all after it stay text."""
+
+    START = "[TOOL_CALLS]"
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        super().__init__(names, parallel)
+        self.pending = ""  # text not yet read: what may begin the marker, or all after it
+        self.inside = False  # whether the marker was read
+
+    def feed(self, text: str) -> list[Piece]:
+        self.pending += text
+        pieces: list[Piece] = []
+        if self.inside:
+            return pieces
+        at = self.pending.find(self.START)
+        if at >= 0:
+            self._text(self.pending[:at], pieces)
+            self.space = ""  # the whitespace before the calls is not the reply's text
+            self.pending, self.inside = self.pending[at + len(self.START):], True
+            return pieces
+        kept = _partial_suffix(self.pending, self.START)
+        self._text(self.pending[:len(self.pending) - kept], pieces)
+        self.pending = self.pending[len(self.pending) - kept:]
+        return pieces
+
+    def end(self) -> list[Piece]:
+        pieces: list[Piece] = []
+        pending, self.pending = self.pending, ""
+        if not self.inside:
+            self._text(pending, pieces)
+            self._flush(pieces)
+            return pieces
+        try:
+            entries = json.loads(pending)
+        except ValueError:
+            entries = None
+        if not isinstance(entries, list) or not entries or \
+                any(self._parts(entry, ("arguments",)) is None for entry in entries):
+            self._text(self.START + pending, pieces)
+        else:
+            rest = [entry for entry in entries if not self._call(entry, ("arguments",), pieces)]
+            if rest:  # parallel_tool_calls false: the calls after the first stay text
+                self._text(json.dumps(rest, ensure_ascii=False), pieces)
+        self._flush(pieces)
+        return pieces
+
+
+def _json_run(text: str, separator: str) -> list[tuple[Any, int]] | None:
+    """The JSON values `text` holds one after another, `separator` (and whitespace) apart,
+    each with the index just past it; None when it holds anything else."""
+    decoder = json.JSONDecoder()
+    values: list[tuple[Any, int]] = []
+    at = 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append((value, at))
+        rest = text[at:].lstrip()
+        if not rest:
+            return values
+        if not rest.startswith(separator):
+            return None
+        at = len(text) - len(rest[len(separator):].lstrip())
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -425,17 +599,39 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def _calls_grammar(tools: tuple[Tool, ...], parallel: bool, head: Callable[[str], str], tail: str, separator: str,
+                   before: str = "", after: str = "") -> str:
+    """llguidance Lark for `required`: `before`, one call (with `parallel` one or more,
+    `separator` apart), `after`. A call of tool t is `head(t.name)`, arguments of its
+    schema, `tail`. The schema is its own root under `%json`, so its `$ref`s resolve as the
+    client wrote them."""
+    calls = [f"call_{i}: {json.dumps(head(tool.name))} %json {_inline_schema(tool.parameters)} {json.dumps(tail)}"
+             for i, tool in enumerate(tools)]
+    more = f" ({json.dumps(separator)} call)*" if parallel else ""
+    start = " ".join(part for part in (json.dumps(before) if before else "", f"call{more}",
+                                       json.dumps(after) if after else "") if part)
+    return "\n".join([f"start: {start}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *calls]) + "\n"
+
+
+def _call_head(key: str, before: str = "") -> Callable[[str], str]:
+    """The text of a call up to its arguments: `before`, then the JSON object's name and `key`."""
+    return lambda name: f'{before}{{"name": {json.dumps(name)}, "{key}": '
+
+
 def hermes_grammar(tools: tuple[Tool, ...], parallel: bool) -> str:
-    """llguidance Lark for `required`: hermes blocks (one, or with `parallel` one or more, a
-    line apart), each naming one tool and giving arguments of its schema. The schema is its
-    own root under `%json`, so its `$ref`s resolve as the client wrote them."""
-    calls = []
-    for i, tool in enumerate(tools):
-        head = f'{HermesCalls.START}\n{{"name": {json.dumps(tool.name)}, "arguments": '
-        calls.append(f"call_{i}: {json.dumps(head)} %json {_inline_schema(tool.parameters)} "
-                     f"{json.dumps(chr(125) + chr(10) + HermesCalls.END)}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *calls]) + "\n"
+    """`required` as hermes blocks, a line apart."""
+    return _calls_grammar(tools, parallel, _call_head("arguments", HermesCalls.START + "\n"),
+                          "}\n" + HermesCalls.END, "\n")
+
+
+def llama3_grammar(tools: tuple[Tool, ...], parallel: bool) -> str:
+    """`required` as Llama 3 JSON objects, `; ` apart."""
+    return _calls_grammar(tools, parallel, _call_head("parameters"), "}", Llama3Calls.SEPARATOR)
+
+
+def mistral_grammar(tools: tuple[Tool, ...], parallel: bool) -> str:
+    """`required` as `[TOOL_CALLS]` and a JSON list of calls."""
+    return _calls_grammar(tools, parallel, _call_head("arguments"), "}", ", ", MistralCalls.START + "[", "]")
 
 
 def _inline_schema(schema: dict[str, Any]) -> str:
@@ -447,13 +643,19 @@ def _inline_schema(schema: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A --tool-call-parser: the grammar of `required` calls, and the reader of a reply."""
+    """A --tool-call-parser: the grammar of `required` calls, the reader of a reply, and for
+    a template that does not render tools, the system text that asks for calls and how an
+    assistant's calls are written in the history."""
 
     grammar: Callable[[tuple[Tool, ...], bool], str]
     reader: Callable[[frozenset[str], bool], ToolReader]
+    preamble: Callable[[tuple[Tool, ...], bool], str]
+    write_calls: Callable[[list[dict[str, Any]]], str]
 
 
-FORMATS = {"hermes": ToolFormat(hermes_grammar, HermesCalls)}
+FORMATS = {"hermes": ToolFormat(hermes_grammar, HermesCalls, hermes_preamble, _hermes_calls),
+           "llama3_json": ToolFormat(llama3_grammar, Llama3Calls, llama3_preamble, _llama3_calls),
+           "mistral": ToolFormat(mistral_grammar, MistralCalls, mistral_preamble, _mistral_calls)}
 
 
 # -- the reply's objects ----------------------------------------------------------------------

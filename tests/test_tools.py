@@ -1,10 +1,11 @@
-"""Function calling on the chat endpoint (`gateway.tools`): the hermes reader and grammar on
-their own, then tools, tool_choice and tool calls in the history against a real gateway
+"""Function calling on the chat endpoint (`gateway.tools`): each format's reader and grammar
+on their own, then tools, tool_choice and tool calls in the history against a real gateway
 over real workers on loopback, through the official `openai` client."""
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -20,13 +21,16 @@ from gateway.settings import TOOL_CALL_PARSERS
 from gateway.tools import (
     FORMATS,
     HermesCalls,
+    Llama3Calls,
+    MistralCalls,
     chat_messages,
     hermes_grammar,
-    hermes_history,
+    llama3_grammar,
+    mistral_grammar,
     renders_tools,
     reply_message,
     tool_calling,
-    tool_preamble,
+    tools_as_text,
     with_preamble,
 )
 
@@ -45,15 +49,29 @@ SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 ASK = [{"role": "user", "content": "What will the weather be in Paris for 3 days?"}]
 
 
-def read(text: str, splits: list[int] | None = None, names=frozenset(SCHEMAS), parallel: bool = True) -> dict:
-    """The message a hermes reader makes of `text`, fed whole or cut at `splits`; call ids left out."""
-    reader = HermesCalls(names, parallel)
+def read(text: str, splits: list[int] | None = None, names=frozenset(SCHEMAS), parallel: bool = True,
+         reader_class=HermesCalls) -> dict:
+    """The message a reader (hermes unless said) makes of `text`, fed whole or cut at
+    `splits`; call ids left out."""
+    reader = reader_class(names, parallel)
     cuts = [0, *(splits or []), len(text)]
     pieces = [piece for a, b in zip(cuts, cuts[1:]) for piece in reader.feed(text[a:b])] + reader.end()
     message = reply_message(pieces)
     for call in message.get("tool_calls", []):
         assert call.pop("id").startswith("call_") and call.pop("type") == "function"
     return message
+
+
+def read_cut_anyhow(text: str, reader_class=HermesCalls, seed: int = 0) -> dict:
+    """The message `text` makes whole, checked to be the same cut at random places, and fed
+    a character at a time."""
+    whole = read(text, reader_class=reader_class)
+    rng = random.Random(seed)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        assert read(text, cuts, reader_class=reader_class) == whole
+    assert read(text, list(range(1, len(text))), reader_class=reader_class) == whole
+    return whole
 
 
 def call_block(name: str, arguments: dict) -> str:
@@ -65,14 +83,10 @@ def call_block(name: str, arguments: dict) -> str:
 def test_hermes_calls_are_read_out_of_the_text_however_it_is_cut():
     text = (f"Let me look.\n{call_block('get_weather', {'city': 'Oslo', 'days': 2})}\n"
             f"{call_block('search', {'query': 'rain'})}\n<tool_call>not json</tool_call> done\n")
-    whole = read(text)
+    whole = read_cut_anyhow(text)
     assert whole["content"] == "Let me look.<tool_call>not json</tool_call> done\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] == [
         ("get_weather", {"city": "Oslo", "days": 2}), ("search", {"query": "rain"})]
-    rng = random.Random(0)
-    for _ in range(50):
-        assert read(text, sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))) == whole
-    assert read(text, list(range(1, len(text)))) == whole  # a character at a time
 
 
 def test_what_the_hermes_reader_keeps_as_text():
@@ -88,17 +102,23 @@ def test_what_the_hermes_reader_keeps_as_text():
     assert cut["content"] is None and cut["tool_calls"][0]["function"]["arguments"] == '{"query": "x"}'
 
 
-def test_the_required_grammar_takes_calls_of_the_tools_only(tokenizer):
-    describe = {**SEARCH, "properties": {"query": {**SEARCH["properties"]["query"], "description": "q ::= words"}}}
-    tools = tool_calling({"tools": [TOOLS[0], {"type": "function", "function": {
-        "name": "search", "parameters": {"$defs": {"Q": describe}, "$ref": "#/$defs/Q"}}}]}, "hermes").tools
+@pytest.fixture
+def takes(tokenizer):
+    """Whether a Lark grammar takes a text whole, token by token as llguidance reads it."""
     llg = tokenizer_for(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
 
-    def takes(grammar: str, text: str) -> bool:
+    def taken(grammar: str, text: str) -> bool:
         matcher = llguidance.LLMatcher(llg, llguidance.LLMatcher.grammar_from_lark(grammar))
         ids = tokenizer.encode(text, add_special_tokens=False)
         return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
 
+    return taken
+
+
+def test_the_required_grammar_takes_calls_of_the_tools_only(takes):
+    describe = {**SEARCH, "properties": {"query": {**SEARCH["properties"]["query"], "description": "q ::= words"}}}
+    tools = tool_calling({"tools": [TOOLS[0], {"type": "function", "function": {
+        "name": "search", "parameters": {"$defs": {"Q": describe}, "$ref": "#/$defs/Q"}}}]}, "hermes").tools
     many, one = hermes_grammar(tools, parallel=True), hermes_grammar(tools, parallel=False)
     weather, search = call_block("get_weather", {"city": "Lima", "days": 14}), call_block("search", {"query": "x"})
     assert takes(many, weather) and takes(many, f"{weather}\n{search}") and takes(one, search)
@@ -140,11 +160,88 @@ def test_a_template_without_tools_gets_them_in_hermes_text(tokenizer):
     assert history[1]["tool_calls"][0]["function"]["arguments"] == {"query": "x"}  # an object, as templates take
     calling = tool_calling({"tools": TOOLS}, "hermes")
     assert calling is not None
-    plain = with_preamble(hermes_history(history), tool_preamble(calling.tools, calling.parallel))
+    plain = with_preamble(tools_as_text(history, "hermes"), FORMATS["hermes"].preamble(calling.tools, calling.parallel))
     assert [m["role"] for m in plain] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in plain[0]["content"] and "<tool_call>" in plain[0]["content"]
     assert plain[2]["content"] == call_block("search", {"query": "x"})
     assert plain[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response>"
+
+
+def llama3_call(name: str, arguments: dict) -> str:
+    return json.dumps({"name": name, "parameters": arguments})
+
+
+def test_llama3_json_calls_are_read_however_the_text_is_cut():
+    """vLLM's `llama3_json`: a reply that begins with `{` (or `<|python_tag|>`) is calls,
+    `; ` apart, held until it is whole; "arguments" reads as "parameters" does."""
+    text = f"  <|python_tag|>{llama3_call('get_weather', {'city': 'Oslo', 'days': 2})}; " \
+           f"{json.dumps({'name': 'search', 'arguments': {'query': 'rain'}})}\n"
+    whole = read_cut_anyhow(text, Llama3Calls)
+    assert whole["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("search", {"query": "rain"})]
+    single = read(text, parallel=False, reader_class=Llama3Calls)
+    assert len(single["tool_calls"]) == 1 and single["content"] == '{"name": "search", "arguments": {"query": "rain"}}'
+    # Anything else is text, whole: prose, a tool it does not have, JSON that is not calls.
+    for plain in ["The weather is {fine}.", llama3_call("launch", {"now": True}), '{"name": "search"', "{} junk",
+                  f"{llama3_call('search', {'query': 'a'})} and more"]:
+        assert read(plain, reader_class=Llama3Calls) == {"role": "assistant", "content": plain}, plain
+
+
+def test_a_llama3_text_reply_is_sent_as_it_comes():
+    reader = Llama3Calls(frozenset(SCHEMAS), True)
+    assert reader.feed(" ") == [] and reader.feed("<|python") == []  # may still become calls
+    assert reader.feed("_tag|>") == [] and reader.end() != []
+    reader = Llama3Calls(frozenset(SCHEMAS), True)
+    assert [p.text for p in reader.feed(" Hello")] == [" Hello"]
+    assert [p.text for p in reader.feed(" there")] == [" there"]
+
+
+def test_mistral_calls_are_read_after_their_marker_however_the_text_is_cut():
+    calls = [{"name": "get_weather", "arguments": {"city": "Lima", "days": 3}}, {"name": "search", "arguments": {}}]
+    text = f"Checking. [TOOL_CALLS]{json.dumps(calls)}"
+    whole = read_cut_anyhow(text, MistralCalls)
+    assert whole["content"] == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] == [
+        ("get_weather", {"city": "Lima", "days": 3}), ("search", {})]
+    single = read(text, parallel=False, reader_class=MistralCalls)
+    assert len(single["tool_calls"]) == 1 and json.loads(single["content"][len("Checking."):]) == calls[1:]
+    for plain in ["no calls [TOOL here", "[TOOL_CALLS]not json", '[TOOL_CALLS][{"name": "launch", "arguments": {}}]']:
+        assert read(plain, reader_class=MistralCalls) == {"role": "assistant", "content": plain}, plain
+
+
+def test_each_format_s_grammar_takes_its_calls_of_the_tools_only(takes):
+    tools = tool_calling({"tools": TOOLS}, "hermes").tools
+    weather, search = {"city": "Lima", "days": 14}, {"query": "x"}
+    llama3 = [llama3_call("get_weather", weather), llama3_call("search", search)]
+    assert takes(llama3_grammar(tools, True), "; ".join(llama3)) and takes(llama3_grammar(tools, False), llama3[1])
+    assert not takes(llama3_grammar(tools, False), "; ".join(llama3))
+    assert not takes(llama3_grammar(tools, True), llama3_call("launch", {}))
+    assert not takes(llama3_grammar(tools, True), llama3_call("get_weather", {"city": "Rome", "days": 2}))
+    mistral = [{"name": "get_weather", "arguments": weather}, {"name": "search", "arguments": search}]
+    assert takes(mistral_grammar(tools, True), f"[TOOL_CALLS]{json.dumps(mistral)}")
+    assert takes(mistral_grammar(tools, False), f"[TOOL_CALLS]{json.dumps(mistral[:1])}")
+    assert not takes(mistral_grammar(tools, False), f"[TOOL_CALLS]{json.dumps(mistral)}")
+    assert not takes(mistral_grammar(tools, True), json.dumps(mistral))  # the marker first
+    # What each format's grammar makes, its reader reads back as the same calls.
+    for parser, text in (("llama3_json", "; ".join(llama3)), ("mistral", f"[TOOL_CALLS]{json.dumps(mistral)}")):
+        message = read(text, reader_class=FORMATS[parser].reader)
+        assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [weather, search]
+
+
+def test_a_template_without_tools_gets_each_format_s_own_calls():
+    history = chat_messages([*ASK, {"role": "assistant", "content": "Looking.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    calling = tool_calling({"tools": TOOLS}, "llama3_json")
+    assert calling is not None
+    llama3 = with_preamble(tools_as_text(history, "llama3_json"),
+                           FORMATS["llama3_json"].preamble(calling.tools, calling.parallel))
+    assert '"parameters": dictionary' in llama3[0]["content"] and '"get_weather"' in llama3[0]["content"]
+    assert llama3[2]["content"] == "Looking.\n" + llama3_call("search", {"query": "x"})
+    mistral = tools_as_text(history, "mistral")
+    assert mistral[1]["content"] == 'Looking.\n[TOOL_CALLS][{"name": "search", "arguments": {"query": "x"}}]'
+    assert FORMATS["mistral"].preamble(calling.tools, False).startswith("[AVAILABLE_TOOLS]")
 
 
 # -- over HTTP ---------------------------------------------------------------------------------
@@ -216,6 +313,23 @@ def test_required_with_parallel_calls_gives_valid_ones(client, model):
         calls = choice.message.tool_calls
         whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
         assert choice.finish_reason in ("tool_calls", "length") and calls and len(valid_calls(whole)) == len(whole)
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_required_in_another_format_gives_valid_calls(tool_stack, client, model, monkeypatch, parser):
+    """The gateway started with `--tool-call-parser` llama3_json or mistral (its settings
+    swapped on the running gateway, which reads them per request): `required` is generated
+    in that format and read back as valid calls, with that format's preamble in the prompt
+    (the demo template renders no tools)."""
+    core = tool_stack.gateway.servicer.core
+    monkeypatch.setattr(core, "settings", replace(core.settings, tool_call_parser=parser))
+    for seed in range(1, 4):
+        reply = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, temperature=0.8, seed=seed,
+                                               max_tokens=400)
+        choice = choice_of(reply)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(valid_calls(choice.message.tool_calls)) == 1
 
 
 def choice_of(reply):
