@@ -489,12 +489,13 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
 
     from specd.v1 import gateway_pb2_grpc
     from specd_cli import loadbench
-    from specd_cli.clientauth import with_api_key
+    from specd_cli.clientauth import api_key_metadata, with_api_key
 
     levels = [int(n) for n in args.concurrency.split(",")]
+    tls, metadata = client_tls_from_args(args), api_key_metadata(args.api_key_env)
     tasks = [(task, prompt) for task, prompts in workload.items() for prompt in prompts]
     rounds: list[list[loadbench.LoadResult]] = [[] for _ in range(args.rounds)]
-    with client_channel(args.gateway, client_tls_from_args(args)) as channel:
+    with client_channel(args.gateway, tls) as channel:
         stub = gateway_pb2_grpc.GatewayStub(with_api_key(channel, args.api_key_env))
         grpc.channel_ready_future(channel).result(timeout=300)
         for config in configs:  # warm-up: first-call costs, the cost policy's first measurements
@@ -510,7 +511,7 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
                     reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1,
                                      segment=segment, cache_salt=f"{segment}-{i}")
                             for i in range(args.requests_per_level)]
-                    this_round.append(loadbench.run_level(stub, reqs, config.label, n))
+                    this_round.append(loadbench.run_level(args.gateway, tls, metadata, reqs, config.label, n))
                     print(f"  N={n:<3} {config.label:<24} {this_round[-1].tokens_per_s:8.1f} tokens/s"
                           + (f" (round {number})" if len(rounds) > 1 else ""), flush=True)
     results = rounds[0]

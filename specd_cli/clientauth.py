@@ -23,6 +23,17 @@ def api_key_from_env(variable: str) -> str:
     return key
 
 
+def bearer(key: str) -> tuple[str, str]:
+    """The metadata entry that carries `key`."""
+    return ("authorization", f"Bearer {key}")
+
+
+def api_key_metadata(variable: str) -> tuple[tuple[str, str], ...]:
+    """The metadata that sends the key in `variable` with a call (for a grpc.aio stub); none
+    when `variable` is empty."""
+    return (bearer(api_key_from_env(variable)),) if variable else ()
+
+
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
                                                            "wait_for_ready", "compression")),
                    grpc.ClientCallDetails):
@@ -34,7 +45,7 @@ class BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
     """Adds `authorization: Bearer KEY` to every call of a channel."""
 
     def __init__(self, key: str) -> None:
-        self._entry = ("authorization", f"Bearer {key}")
+        self._entry = bearer(key)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [*(details.metadata or ()), self._entry]

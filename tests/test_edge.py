@@ -113,6 +113,22 @@ def test_health_and_reflection_stay_open(keyed):
     assert "specd.v1.Gateway" in {s.name for s in replies[0].list_services_response.service}
 
 
+def test_the_load_bench_sends_the_key_on_every_stream(keyed, monkeypatch):
+    """`specd bench --concurrency` with --api-key-env: its clients (grpc.aio streams, one
+    event loop) send the key with every request; without it every stream is refused."""
+    from specd.tls import ClientTLS
+    from specd_cli import loadbench
+    from specd_cli.clientauth import api_key_metadata
+
+    monkeypatch.setenv("SPECD_TEST_BENCH_KEY", KEYS["alpha"])
+    requests = [request("def f():", max_new_tokens=3) for _ in range(2)]
+    sent = loadbench.run_level(keyed.gateway_address, ClientTLS(), api_key_metadata("SPECD_TEST_BENCH_KEY"),
+                               requests, "target-only", 1)
+    assert (sent.failures, sent.tokens, len(sent.latencies)) == (0, 6, 2)
+    bare = loadbench.run_level(keyed.gateway_address, ClientTLS(), (), requests, "target-only", 1)
+    assert (bare.failures, bare.tokens) == (2, 0)
+
+
 def test_the_key_decides_the_segment(keyed):
     claimed = request("def fibonacci(n):", max_new_tokens=4)
     claimed.user_segment = "beta"  # alpha's key, claiming to be beta
