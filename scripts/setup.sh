@@ -8,7 +8,11 @@ if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install --quiet --upgrade pip
+# The stack CI tests: pyproject.toml allows torch 2.11 to 2.13 (2.11 is the GPU image's),
+# and this venv takes 2.13.0 before specd, so that the range leaves it as it is.
 if [[ -n "${TORCH_INDEX:-}" ]]; then
   .venv/bin/pip install --quiet torch==2.13.0 --index-url "${TORCH_INDEX}"
+else
+  .venv/bin/pip install --quiet torch==2.13.0
 fi
 .venv/bin/pip install --quiet -e '.[dev]'

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -222,10 +222,10 @@ def _mlp(mlp: Any) -> Step:
     return gated
 
 
-@dataclass(frozen=True)
-class _Rotation:
+class _Rotation(NamedTuple):
     """The cos and sin [B, 1, T, width] of one kind of layer, and the sin with its first
-    half negated (`signed_sin`; None for a partial rotation)."""
+    half negated (`signed_sin`; None for a partial rotation). A named tuple, not a frozen
+    dataclass: torch 2.11's graph tracer (the GPU image's) cannot build the latter."""
 
     cos: torch.Tensor
     sin: torch.Tensor
