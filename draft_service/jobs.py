@@ -112,12 +112,11 @@ class ProposeJob(Job):
                 figures += [chosen.topk(2, dim=-1).indices.double(), q.max(dim=1, keepdim=True).values.double()]
             # One copy back: ids are exact in float64.
             for row, ((job, _), drawn) in enumerate(zip(jobs, torch.cat(figures, 1).tolist())):
-                tok = int(drawn[0])
+                tok, alternative, largest = int(drawn[0]), None, None
                 if ranked:
                     best, second, largest = int(drawn[2]), int(drawn[3]), drawn[4]
-                    job.sampled = (tok, drawn[1], q[row], second if tok == best else best, largest)
-                else:
-                    job.sampled = (tok, drawn[1], q[row], None, None)
+                    alternative = second if tok == best else best
+                job.sampled = (tok, drawn[1], q[row], alternative, largest)
 
     def consume(self, logits: torch.Tensor) -> bool:
         if logits.shape[0] == 0:  # a prefill chunk: nothing to sample yet
