@@ -1,12 +1,12 @@
 """The gateway's generation core: one request from the client's fields to chunks of text,
 whatever the transport.
 
-The gRPC servicer (`gateway.server`) and the OpenAI-compatible HTTP app (`gateway.http`)
+The gRPC servicer (`gateway.edge.servicer`) and the OpenAI-compatible HTTP app (`gateway.edge.http`)
 are thin adapters over `GatewayCore`: each turns its wire format into a `ClientRequest`,
 passes the caller's principal (the API key's segment) as `user_segment`, and turns
 `Chunk`s and the typed errors (`InvalidRequest`, `Busy`, `WorkerError`) back into its own.
 Per request: validate (`gateway.validation`, every problem named), open one session on
-each worker, run `gateway.engine.speculate`, turn tokens into text. A finished request's
+each worker, run `gateway.step.engine.speculate`, turn tokens into text. A finished request's
 figures travel as a plain `RequestSummary`, which each adapter renders in its own format.
 """
 from __future__ import annotations
@@ -20,28 +20,28 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from gateway.acceptance import AcceptanceStats, Labels
-from gateway.backend import Backend
-from gateway.costmodel import load_bucket
-from gateway.engine import ModelBounds, TokenLogprob, speculate
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
-from gateway.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
 from gateway.grammar import Grammar, GrammarWork
-from gateway.hybrid import HybridChoice, ModelFreeProposer
-from gateway.loadcap import LoadCap, SharedLevel
-from gateway.paircosts import PairCosts
-from gateway.policy import CostPolicy, ProbeSchedule, SharedState, build_policy
-from gateway.priors import ForwardTable, Overheads, prior_rates
-from gateway.proposers import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
-from gateway.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
+from gateway.policy.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
+from gateway.policy.gamma import CostPolicy, ProbeSchedule, SharedState, build_policy
+from gateway.policy.loadcap import LoadCap, SharedLevel
+from gateway.policy.priors import ForwardTable, Overheads, prior_rates
+from gateway.policy.selection import DraftSelector
+from gateway.proposers.hybrid import HybridChoice, ModelFreeProposer
+from gateway.proposers.modelfree import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
-from gateway.selection import DraftSelector
 from gateway.settings import GatewaySettings
+from gateway.stats.acceptance import AcceptanceStats, Labels
+from gateway.stats.costmodel import load_bucket
+from gateway.stats.paircosts import PairCosts
+from gateway.step.engine import ModelBounds, TokenLogprob, speculate
+from gateway.step.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
+from gateway.step.text import TextAssembler
+from gateway.step.tracing import RequestTrace
 from gateway.tasks import DEFAULT_PROFILES, GENERAL
-from gateway.text import TextAssembler
-from gateway.tracing import RequestTrace
 from gateway.validation import parse_request
-from gateway.workers import DraftLink, LinkSettings, VerifierLink
+from gateway.workers.backend import Backend
+from gateway.workers.links import DraftLink, LinkSettings, VerifierLink
 from specd.contract import DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class RequestSummary:
     """What speculation did for one request, reported when it ends. Field for field the
     public API's `GenerationStats` (proto/specd/v1/gateway.proto says what each means):
-    `gateway.server` renders it as that message, `gateway.http` as the JSON `usage`."""
+    `gateway.edge.servicer` renders it as that message, `gateway.edge.http` as the JSON `usage`."""
 
     steps: int
     proposed_tokens: int
@@ -175,16 +175,16 @@ class GatewayCore:
         # type), the load cap per model pair.
         self._probes: dict[tuple[str, str], ProbeSchedule] = {}
         self._load_caps: dict[str, LoadCap] = {}
-        # AUTO's floor (`gateway.floor`): plain decoding's measured rates on the target, and the
+        # AUTO's floor (`gateway.policy.floor`): plain decoding's measured rates on the target, and the
         # bursts' schedule per (model pair, task type, greedy).
         self.plain_rates = PlainRates()
         self._floors: dict[tuple[str, str, bool], FloorSchedule] = {}
-        # What the other gateways of the target learned (the verifiers' table, `gateway.loadshare`):
+        # What the other gateways of the target learned (the verifiers' table, `gateway.workers.loadshare`):
         # model pair → load → level; a pair's load cap starts from it.
         self._shared_caps: dict[str, dict[int, SharedLevel]] = {}
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
-        self.serving = True  # a verifier answers its health checks (gateway.liveness says)
-        # Per-session step costs beyond the forwards, timed at start-up (`gateway.priors`):
+        self.serving = True  # a verifier answers its health checks (gateway.edge.liveness says)
+        # Per-session step costs beyond the forwards, timed at start-up (`gateway.policy.priors`):
         # with the workers' forward costs, where each pair's load cap starts.
         self.overheads: Overheads | None = None
 
@@ -197,7 +197,7 @@ class GatewayCore:
         self.grammars.close()
 
     def prior(self, draft_model: str) -> dict[int, list[float]] | None:
-        """A pair's predicted goodput of each γ at each load (`gateway.priors`): where its
+        """A pair's predicted goodput of each γ at each load (`gateway.policy.priors`): where its
         load cap starts. None before the start-up probes measured the overheads, or without
         the workers' forward costs."""
         target = ForwardTable(self.backend.target.forward_costs)

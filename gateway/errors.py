@@ -23,7 +23,7 @@ class WorkerError(SpecdError):
 
 
 class DraftSkipped(SpecdError):
-    """The draft sits this step out: it is marked slow (`gateway.budgets`), or this step ran
+    """The draft sits this step out: it is marked slow (`gateway.workers.budgets`), or this step ran
     past its budget. The step goes on without a proposal; the request is not affected."""
 
 

@@ -4,7 +4,7 @@
   (the gRPC `GenerateRequest`, an HTTP body); not yet validated;
 - `ParsedRequest`: the request validated (`gateway.validation.parse_request`): its
   speculation settings and labels, which the core and the γ policy read;
-- `Generation`: inside it, what the engine generates (`gateway.engine.speculate`): the
+- `Generation`: inside it, what the engine generates (`gateway.step.engine.speculate`): the
   prompt in token ids and how to sample, stop and speculate.
 
 Plain records: importing this loads neither grpc nor torch.
@@ -103,11 +103,11 @@ class ParsedRequest:
     user_segment: str
     stop: list[str]
     selected: bool = False  # the draft was chosen by goodput selection (the request named none)
-    # The model-free proposers the request's steps may use (gateway.proposers): all the
+    # The model-free proposers the request's steps may use (gateway.proposers.modelfree): all the
     # gateway hosts under AUTO, the one named in draft_model, none under OFF or FIXED.
     model_free: tuple[str, ...] = ()
     forced: str = ""  # the model-free proposer the request named (it alone proposes)
     model_free_max: int = 0  # the longest model-free proposal (`gateway.validation._draft_lengths`: why)
     cache_salt: bytes = b""  # the salt of its prefix cache keys on the workers (`gateway.validation.cache_salt`)
-    include_stop: bool = False  # ClientRequest's: how the text is made (`gateway.text.TextAssembler`)
+    include_stop: bool = False  # ClientRequest's: how the text is made (`gateway.step.text.TextAssembler`)
     skip_special_tokens: bool = True

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.drift import DriftSettings
-from gateway.policy import POLICIES
+from gateway.policy.gamma import POLICIES
+from gateway.stats.drift import DriftSettings
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
 from specd.contract import MODEL_FREE
@@ -15,7 +15,7 @@ DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
-# vLLM's --tool-call-parser formats this gateway reads (gateway.tools.FORMATS).
+# vLLM's --tool-call-parser formats this gateway reads (gateway.edge.tools.FORMATS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
@@ -51,7 +51,7 @@ class GatewaySettings:
     worker_timeout_s: float = setting(60.0, flag="--worker-timeout",
                                       help="seconds to wait at start-up for a ready verifier (and draft) to answer "
                                            "(0: without limit, as on Kubernetes, where workers load for minutes)")
-    # Step budgets (gateway.budgets): max(floor, factor × measured p99 step time) per forward.
+    # Step budgets (gateway.workers.budgets): max(floor, factor × measured p99 step time) per forward.
     draft_step_floor_s: float = setting(0.5, flag="--draft-step-floor", metavar="SECONDS",
                                         help="shortest draft step budget; a draft step past its budget is skipped "
                                              "and the draft probed later")

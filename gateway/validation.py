@@ -13,13 +13,13 @@ import secrets
 from collections.abc import Callable
 from dataclasses import replace
 
-from gateway.backend import Backend
 from gateway.errors import InvalidRequest
 from gateway.grammar import structure_grammar
-from gateway.policy import POLICIES
+from gateway.policy.gamma import POLICIES
 from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
 from gateway.settings import GatewaySettings
 from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
+from gateway.workers.backend import Backend
 from specd.errors import clip
 from specd.sampling import MAX_LOGPROBS, Transform
 
@@ -30,7 +30,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
 
     Values echoed back are clipped (`specd.errors.clip`).
     choose(task type, user segment): picks the draft of a request that names none
-    (`gateway.selection`); None: the task map, else the default draft.
+    (`gateway.policy.selection`); None: the task map, else the default draft.
     """
     transform = Transform.from_fields(request.temperature, request.top_k, request.top_p, request.presence_penalty,
                                       request.frequency_penalty, request.repetition_penalty, request.logit_bias,
@@ -91,8 +91,8 @@ def _draft_lengths(request: ClientRequest, settings: GatewaySettings, task_type:
     own bound wins over its task's. A model-free proposal is bounded by the request or the
     gateway, not by the task: the task's bound prices a model draft's tokens, while a
     confident match costs nothing to draft, only to verify, and the hybrid cuts it where
-    that pays (`gateway.hybrid`). Per step, the engine bounds γ further by the tokens left
-    and the context, and AUTO by the load cap (`gateway.engine`, `gateway.loadcap`).
+    that pays (`gateway.proposers.hybrid`). Per step, the engine bounds γ further by the tokens left
+    and the context, and AUTO by the load cap (`gateway.step.engine`, `gateway.policy.loadcap`).
     """
     draft_length = request.draft_length or settings.default_draft_length
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])

@@ -14,7 +14,7 @@ the last measure. With the first it measures, each figure the median over --roun
   usage.prompt_tokens_details.cached_tokens;
 - n = 4 completions of a 600-token prompt, sampled, 8 tokens each, ÷ one completion of
   another such prompt, on this server and on the one without caching (the first
-  completion prefills; the others start after its first step, gateway.choices);
+  completion prefills; the others start after its first step, `gateway.edge.choices`);
 - a soak of 1,000 requests with distinct prefixes, more than the KV pool holds: how many
   failed (a full pool must evict cached blocks, not refuse), and how many hit.
 

@@ -1,7 +1,7 @@
 """The gateway's text assembly per step as an output grows: ms per step of two tokens,
 averaged over the steps up to 100, 1,000, 2,000 and 4,000 tokens of the demo tokenizer.
 
-    python scripts/bench_text.py [gateway/text.py]
+    python scripts/bench_text.py [gateway/step/text.py]
 
 The argument is the file holding `TextAssembler`, so that another checkout's version can
 be timed beside this one. docs/serving-path.md ("Text by window") keeps the figures.
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from specd.config import DEMO_TARGET
 
-path = sys.argv[1] if len(sys.argv) > 1 else "gateway/text.py"
+path = sys.argv[1] if len(sys.argv) > 1 else "gateway/step/text.py"
 spec = importlib.util.spec_from_file_location("text_under_test", path)
 assert spec is not None and spec.loader is not None
 module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""AUTO against plain decoding from a cold start under load: the bar of gateway/priors.py.
+"""AUTO against plain decoding from a cold start under load: the bar of gateway/policy/priors.py.
 
     python scripts/coldstart_check.py [--rounds 4] [--pairs 1] [--alternate]
 

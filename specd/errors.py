@@ -28,11 +28,11 @@ hit them prints the message and exits.
         │                                                     step for good (the gateway passes it on)
         ├── DraftSkipped                    gateway/errors.py none: the draft was too slow for a step,
         │                                                     which goes on without a proposal
-        ├── NoEndpoint (RuntimeError)       gateway/router.py none: the links report it as
+        ├── NoEndpoint (RuntimeError)       gateway/workers/router.py none: the links report it as
         │                                                     UNAVAILABLE and re-open or give up
         ├── UnsupportedModel (ValueError)   specd/errors.py   start-up: the KV store cannot serve a model
-        ├── IncompatibleDraft (RuntimeError) gateway/backend.py  start-up: a draft's tokenizer differs
-        ├── KeyFileError (ValueError)       gateway/auth.py   start-up: a malformed API key file
+        ├── IncompatibleDraft (RuntimeError) gateway/workers/backend.py  start-up: a draft's tokenizer differs
+        ├── KeyFileError (ValueError)       gateway/edge/auth.py   start-up: a malformed API key file
         ├── TLSConfigError (ValueError)     specd/tls.py      start-up: a TLS flag names a bad file
         ├── PortInUse (OSError)             specd/grpcserver.py  start-up: the port is taken
         └── MissingApiKey (RuntimeError)    specd_cli/clientauth.py  a client's key variable is unset

@@ -3,7 +3,7 @@
 One module for both ends of the gateway ↔ worker streams, so what one side packs the
 other unpacks by the same hand: the workers (draft_service, verifier_service) turn
 requests into a `Transform` and their results into responses; the gateway's links
-(`gateway.workers`) build requests and turn responses back into `specd.steps` types.
+(`gateway.workers.links`) build requests and turn responses back into `specd.steps` types.
 One contract, one module. Light: protobuf and torch, no transformers.
 
 Distributions travel as raw little-endian bytes read with torch.frombuffer, not as a

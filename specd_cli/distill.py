@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from gateway.costmodel import expected_tokens
+from gateway.stats.costmodel import expected_tokens
 from specd.worker import hub, sharing
 from specd.worker.sharing import SubsetHead
 from specd_cli.training import resume, save_atomic, train_for_budget
@@ -243,7 +243,7 @@ def measure_acceptance(target, draft, prompts_ids, gamma: int = 4, max_new_token
     - ``alpha``: sampled acceptance rate E[sum_v min(p(v), q(v))] at temperature 1,
       averaged over every position of target-sampled continuations (p target, q draft);
     - ``expected_tokens_per_step_sampled``: (1 - alpha^(gamma+1)) / (1 - alpha)
-      (`gateway.costmodel.expected_tokens`), the standard formula for sampled decoding if
+      (`gateway.stats.costmodel.expected_tokens`), the standard formula for sampled decoding if
       acceptances were independent;
     - ``prompts``, ``new_tokens``, ``gamma``.
 

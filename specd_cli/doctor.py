@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gateway.acceptance import Counts
+from gateway.stats.acceptance import Counts
 from specd.contract import DIAGNOSTIC_SEGMENT, baseline_document, model_pair_label
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 from specd_cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request

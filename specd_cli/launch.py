@@ -216,9 +216,9 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.auth import KeyFileError
-    from gateway.backend import IncompatibleDraft
-    from gateway.server import create_server
+    from gateway.edge.auth import KeyFileError
+    from gateway.edge.servicer import create_server
+    from gateway.workers.backend import IncompatibleDraft
     from specd.telemetry import setup_tracing
 
     setup_tracing("specd-gateway")

@@ -318,7 +318,7 @@ class StepRow:
 
     @property
     def model_free(self) -> bool:
-        """The step's proposal was made in the gateway, with no draft hop (gateway.proposers)."""
+        """The step's proposal was made in the gateway, with no draft hop (gateway.proposers.modelfree)."""
         return self.attr("specd.proposer", "") in MODEL_FREE
 
     @property

@@ -7,10 +7,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import request
-from gateway.acceptance import AcceptanceStats, Counts, bucket
-from gateway.costmodel import StepCosts, best_draft_length, expected_tokens, expected_tokens_from_curve
-from gateway.metrics import AcceptanceCollector
-from gateway.paircosts import PairCosts
+from gateway.edge.metrics import AcceptanceCollector
+from gateway.stats.acceptance import AcceptanceStats, Counts, bucket
+from gateway.stats.costmodel import StepCosts, best_draft_length, expected_tokens, expected_tokens_from_curve
+from gateway.stats.paircosts import PairCosts
 from specd.v1 import gateway_pb2
 
 

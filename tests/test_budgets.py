@@ -1,9 +1,9 @@
-"""Step budgets from measured step times, and the slow mark's probes (gateway.budgets)."""
+"""Step budgets from measured step times, and the slow mark's probes (gateway.workers.budgets)."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.budgets import MIN_SAMPLES, PREFILL_CHUNK, BudgetSettings, SlowMark, StepBudget
+from gateway.workers.budgets import MIN_SAMPLES, PREFILL_CHUNK, BudgetSettings, SlowMark, StepBudget
 
 
 def test_the_floor_holds_until_steps_are_measured():

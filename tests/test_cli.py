@@ -226,8 +226,8 @@ def test_log_level_reaches_the_services_loggers_and_the_workers_serve_starts(mon
     levels = {name: logging.getLogger(name).level for name in SPECD_LOGGERS}
     try:
         configure_logging(build_parser().parse_args(["serve", "--log-level", "info"]).log_level)
-        assert logging.getLogger("gateway.loadcap").isEnabledFor(logging.INFO)
-        assert not logging.getLogger("gateway.loadcap").isEnabledFor(logging.DEBUG)
+        assert logging.getLogger("gateway.policy.loadcap").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("gateway.policy.loadcap").isEnabledFor(logging.DEBUG)
         assert not logging.getLogger("urllib3").isEnabledFor(logging.INFO)
         assert build_parser().parse_args(["draft"]).log_level == "info"  # as a worker of serve parses it
     finally:

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import make_model, request, start_stack
-from gateway.drift import load_baseline
+from gateway.stats.drift import load_baseline
 from specd.contract import DIAGNOSTIC_SEGMENT
 from specd.v1 import gateway_pb2
 from specd_cli import main

@@ -10,10 +10,10 @@ import urllib.request
 import pytest
 
 from conftest import request, start_stack
-from gateway.acceptance import AcceptanceStats
-from gateway.drift import DriftSettings, Sample, judge, load_baseline
-from gateway.server import create_server as create_gateway
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
+from gateway.stats.acceptance import AcceptanceStats
+from gateway.stats.drift import DriftSettings, Sample, judge, load_baseline
 from specd.config import ServerSettings
 from specd.contract import baseline_document
 from test_cli import free_port

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import request, start_stack
-from gateway.auth import KeyFileError, KeyRing
+from gateway.edge.auth import KeyFileError, KeyRing
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from tcpproxy import proxy_front
 
@@ -317,7 +317,7 @@ def test_deadline_travels_to_the_workers_and_frees_their_sessions(stalled):
 
 def test_requests_that_end_anyhow_leave_the_load_cap_as_they_found_it(stalled):
     """Every request of a pair counts at the pair's load cap while it runs, and its prompt
-    as prefilling until its first step (`LoadCap` in gateway/loadcap.py). Requests of each
+    as prefilling until its first step (`LoadCap` in gateway/policy/loadcap.py). Requests of each
     mode, and one whose first step never came back, leave nothing counted: a prompt left
     counted would keep every later step from being measured as quiet."""
     for mode in ("FIXED", "AUTO", "OFF"):

@@ -1,6 +1,7 @@
 """The speculative loop against scripted draft and verifier clients: every verdict, a draft
 lost mid-request, EOS inside the accepted tokens, sampled steps. No models, no gRPC: the
-engine's seam is the two client Protocols (`gateway.proposal.DraftClient`, `gateway.engine.VerifierClient`)."""
+engine's seam is the two client Protocols (`gateway.proposers.base.DraftClient`,
+`gateway.step.engine.VerifierClient`)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,14 +10,14 @@ import grpc
 import pytest
 import torch
 
-from gateway.costmodel import StepCosts
-from gateway.engine import QUIET_RUN_STEPS, ModelBounds, speculate
 from gateway.errors import WorkerError
-from gateway.hybrid import QUIET_STEPS, HybridChoice
-from gateway.policy import FixedPolicy
-from gateway.proposers import GatewayProposer, Match
-from gateway.records import Finish, RequestStats, StepRecord
+from gateway.policy.gamma import FixedPolicy
+from gateway.proposers.hybrid import QUIET_STEPS, HybridChoice
+from gateway.proposers.modelfree import GatewayProposer, Match
 from gateway.request import Generation
+from gateway.stats.costmodel import StepCosts
+from gateway.step.engine import QUIET_RUN_STEPS, ModelBounds, speculate
+from gateway.step.records import Finish, RequestStats, StepRecord
 from specd.contract import SUFFIX
 from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
@@ -471,7 +472,7 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
 
 
 def test_a_deadline_too_far_for_the_wire_is_sent_as_the_longest_it_can_say():
-    from gateway.workers import _expires_in_ms
+    from gateway.workers.links import _expires_in_ms
 
     assert _expires_in_ms(None) == 0
     assert _expires_in_ms(0.0001) == 1  # a deadline just ahead is never "none"

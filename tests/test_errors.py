@@ -7,9 +7,9 @@ import pytest
 
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
-from gateway.backend import IncompatibleDraft
-from gateway.server import create_server as create_gateway
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
+from gateway.workers.backend import IncompatibleDraft
 from specd.config import ServerSettings
 from specd.contract import MAX_DRAFT_LENGTH
 from specd.v1 import worker_pb2, worker_pb2_grpc

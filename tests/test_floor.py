@@ -1,4 +1,4 @@
-"""AUTO against plain decoding on simulated machines of set step costs (`gateway.floor`).
+"""AUTO against plain decoding on simulated machines of set step costs (`gateway.policy.floor`).
 
 Each machine sets what a step costs: a plain target step, the draft hop per proposed token,
 how much the verify step grows per proposed token, and costs the hops do not show (a
@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import SEEDED_DRAFT_FLOOR_S, request, start_stack
-from gateway.acceptance import AcceptanceStats
-from gateway.costmodel import StepCosts
-from gateway.floor import FIRST_INTERVAL, MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
-from gateway.metrics import AcceptanceCollector
-from gateway.policy import CostPolicy, FixedPolicy, ProbeSchedule
-from gateway.records import DraftLengthPolicy, StepRecord
+from gateway.edge.metrics import AcceptanceCollector
+from gateway.policy.floor import FIRST_INTERVAL, MAX_INTERVAL, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
+from gateway.policy.gamma import CostPolicy, FixedPolicy, ProbeSchedule
+from gateway.stats.acceptance import AcceptanceStats
+from gateway.stats.costmodel import StepCosts
+from gateway.step.records import DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
 from tcpproxy import proxy_front

@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request, start_stack
-from gateway.bodies import LARGE_BODY_BYTES
+from gateway.edge.bodies import LARGE_BODY_BYTES
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.errors import InvalidRequest
-from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ServerSettings
 from specd.v1 import gateway_pb2_grpc
@@ -360,13 +360,13 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
     per interval, with a count; anything else reaches the loop's handler as before."""
     import asyncio
 
-    from gateway.httpedge import quiet_accept_errors
+    from gateway.edge.connections import quiet_accept_errors
 
     loop = asyncio.new_event_loop()
     seen = []
     loop.set_exception_handler(lambda loop, context: seen.append(context["message"]))
     quiet_accept_errors(loop)
-    caplog.set_level("ERROR", logger="gateway.http")
+    caplog.set_level("ERROR", logger="gateway.edge.http")
     for _ in range(500):
         loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                      "exception": OSError(24, "Too many open files")})

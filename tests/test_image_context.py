@@ -35,7 +35,7 @@ def test_the_build_context_is_an_allow_list():
     for secret in ("certs/server-key.pem", "certs/ca.pem", "keys.txt", "my-model/model.safetensors", ".env",
                    "models/other/model.safetensors", "tests/conftest.py"):
         assert ignored_by_docker(secret, patterns), secret
-    for needed in ("pyproject.toml", "README.md", "specd_cli/parser.py", "gateway/http.py",
+    for needed in ("pyproject.toml", "README.md", "specd_cli/parser.py", "gateway/edge/http.py",
                    "draft_service/server.py", "verifier_service/server.py", "models/demo/target/config.json"):
         assert not ignored_by_docker(needed, patterns), needed
 

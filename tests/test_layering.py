@@ -28,7 +28,7 @@ WORKERS = ("draft_service", "verifier_service")  # the services that run a model
 APPLICATION = "specd_cli"
 WORKER = "specd.worker"
 # The pure math imports no gRPC (docs/design.md §1).
-MATH = ("specd.sampling", "specd.rejection", "gateway.costmodel")
+MATH = ("specd.sampling", "specd.rejection", "gateway.stats.costmodel")
 
 
 def _within(module: str, package: str) -> bool:
@@ -95,7 +95,7 @@ def imports_of(module: str) -> list[tuple[int, str]]:
 
 def test_the_scan_sees_imports_inside_functions():
     hidden = [name for _, name in imports_of("specd_cli.launch") if layer(name) in SERVICES]
-    assert "draft_service.server" in hidden and "gateway.server" in hidden  # both inside functions
+    assert "draft_service.server" in hidden and "gateway.edge.servicer" in hidden  # both inside functions
 
 
 @pytest.mark.parametrize("module", [m for m in our_modules() if layer(m) != "application"])
@@ -159,15 +159,16 @@ def test_importing_a_layer_pulls_in_nothing_above_it(package):
 def test_the_gateways_records_and_policies_load_neither_grpc_nor_torch():
     """The policies, the step records and the request types are plain: a module that borrows
     one of their types does not load the engine, gRPC or torch with it."""
-    loaded = pulled_in(["gateway.records", "gateway.request", "gateway.policy", "gateway.hybrid", "specd.steps"])
-    heavy = ("grpc", "torch", "transformers", "gateway.engine", "gateway.workers", "gateway.backend")
+    loaded = pulled_in(["gateway.step.records", "gateway.request", "gateway.policy.gamma", "gateway.proposers.hybrid",
+                        "specd.steps"])
+    heavy = ("grpc", "torch", "transformers", "gateway.step.engine", "gateway.workers.links", "gateway.workers.backend")
     assert not [m for m in loaded if any(_within(m, h) for h in heavy)]
 
 
 def test_the_gateways_step_code_loads_no_model_code():
     """The links and the step types they return are plain: importing them loads neither
-    transformers nor the workers' runtime (the gateway's tokenizer, in gateway.backend, does)."""
-    loaded = pulled_in(["gateway.workers", "specd.steps", "specd.wire"])
+    transformers nor the workers' runtime (the gateway's tokenizer, in `gateway.workers.backend`, does)."""
+    loaded = pulled_in(["gateway.workers.links", "specd.steps", "specd.wire"])
     assert not [m for m in loaded if m.split(".")[0] == "transformers" or m.startswith("specd.worker")]
 
 

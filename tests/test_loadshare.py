@@ -1,5 +1,5 @@
 """Load caps shared between gateways through the verifier: a new gateway replica starts where
-the older ones' trials got to (gateway/loadshare.py, verifier_service/loadcaps.py), so it
+the older ones' trials got to (gateway/workers/loadshare.py, verifier_service/loadcaps.py), so it
 does not learn again by losing."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import grpc
 import pytest
 
 from conftest import start_stack
-from gateway.loadcap import LoadCap, SharedLevel
-from gateway.loadshare import from_tables, share_once, to_table
-from gateway.priors import best_caps
-from gateway.server import create_server as create_gateway
+from gateway.edge.servicer import create_server as create_gateway
+from gateway.policy.loadcap import LoadCap, SharedLevel
+from gateway.policy.priors import best_caps
 from gateway.settings import GatewaySettings
+from gateway.workers.loadshare import from_tables, share_once, to_table
 from specd.config import ServerSettings
 from specd.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from test_policy import run_under_load

@@ -20,11 +20,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import LoopThread, request, start_stack
-from gateway.engine import TokenLogprob
-from gateway.http import _Logprobs
-from gateway.server import create_server as create_gateway
+from gateway.edge.http import _Logprobs
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
-from gateway.text import token_bytes
+from gateway.step.engine import TokenLogprob
+from gateway.step.text import token_bytes
 from specd.config import ServerSettings
 from specd.v1 import gateway_pb2
 

@@ -99,8 +99,8 @@ def test_serve_a_gguf_target_with_no_draft_chats_as_generate_does(gguf_target, t
 def test_a_request_that_leaves_a_sampling_field_unset_takes_the_models_default():
     """generation_config.json's sampling fields, as vLLM's --generation-config auto applies
     them: what the request sets wins, then the model's, then OpenAI's."""
-    from gateway.backend import sampling_defaults
-    from gateway.http import _sampling
+    from gateway.edge.http import _sampling
+    from gateway.workers.backend import sampling_defaults
 
     files = {"generation_config.json": json.dumps({"temperature": 0.6, "top_p": 0.9, "do_sample": True,
                                                    "eos_token_id": [2, 7]}).encode()}

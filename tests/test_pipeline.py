@@ -173,11 +173,11 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     (The unrelated draft is rejected at once, so its cache holds stale proposals to crop.)"""
     from transformers import AutoModelForCausalLM
 
-    from gateway.backend import connect
     from gateway.core import open_links
-    from gateway.engine import ModelBounds, speculate
     from gateway.request import Generation
     from gateway.settings import GatewaySettings
+    from gateway.step.engine import ModelBounds, speculate
+    from gateway.workers.backend import connect
     from specd.config import ServerSettings
     from specd.sampling import Transform
 

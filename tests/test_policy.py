@@ -8,12 +8,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.acceptance import AcceptanceStats
-from gateway.costmodel import STALE_AFTER_STEPS, StepCosts
-from gateway.loadcap import LoadCap
-from gateway.metrics import AcceptanceCollector
-from gateway.policy import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy
-from gateway.records import StepRecord
+from gateway.edge.metrics import AcceptanceCollector
+from gateway.policy.gamma import ConfidencePolicy, CostPolicy, EmaPolicy, FixedPolicy
+from gateway.policy.loadcap import LoadCap
+from gateway.stats.acceptance import AcceptanceStats
+from gateway.stats.costmodel import STALE_AFTER_STEPS, StepCosts
+from gateway.step.records import StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
 
@@ -183,7 +183,7 @@ def test_overlap_hits_make_longer_drafts_pay():
 def test_probe_spacing_is_shared_across_requests():
     """A draft the target never agrees with: each new request of the pair starts from the
     spacing the last one reached, so probes thin out across requests, not just within one."""
-    from gateway.policy import ProbeSchedule
+    from gateway.policy.gamma import ProbeSchedule
 
     costs, schedule = measured_costs(3.0), ProbeSchedule(4, 4)
     probes_per_request = []

@@ -1,13 +1,13 @@
 """AUTO's load cap starts where measured costs say: the workers time their forwards at
 load, the gateway times its overheads at start-up, and each load level's first cap is the
-γ those costs favour (gateway/priors.py), not the longest draft."""
+γ those costs favour (gateway/policy/priors.py), not the longest draft."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import request
-from gateway.loadcap import LoadCap
-from gateway.priors import ForwardTable, Overheads, prior_caps, prior_rates
+from gateway.policy.loadcap import LoadCap
+from gateway.policy.priors import ForwardTable, Overheads, prior_caps, prior_rates
 
 # A target whose forward grows with the tokens it carries, as on a CPU; a cheap draft.
 TARGET = ForwardTable([(b, w, 8.0 + 0.9 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9)])
@@ -103,8 +103,8 @@ def test_the_gateway_says_where_its_caps_start(stack):
 
 def test_a_step_says_which_cap_it_ran_under():
     """The cost policy reports the cap in force and its origin; the trace carries them."""
-    from gateway.records import StepRecord
-    from gateway.tracing import step_attributes
+    from gateway.step.records import StepRecord
+    from gateway.step.tracing import step_attributes
 
     rates = prior_rates(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
     cap = LoadCap(8, prior=rates)

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request
-from gateway.acceptance import Counts
-from gateway.server import create_server as create_gateway
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
+from gateway.stats.acceptance import Counts
 from specd.config import ServerSettings
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 from test_cli import free_port

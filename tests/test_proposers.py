@@ -11,12 +11,12 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from conftest import LoopThread, request, start_stack
-from gateway.costmodel import StepCosts
-from gateway.hybrid import HybridChoice
-from gateway.metrics import AcceptanceCollector
-from gateway.proposers import PromptLookup, SuffixCache, SuffixProposer, follow
-from gateway.server import create_server as create_gateway
+from gateway.edge.metrics import AcceptanceCollector
+from gateway.edge.servicer import create_server as create_gateway
+from gateway.proposers.hybrid import HybridChoice
+from gateway.proposers.modelfree import PromptLookup, SuffixCache, SuffixProposer, follow
 from gateway.settings import GatewaySettings
+from gateway.stats.costmodel import StepCosts
 from specd.config import ServerSettings
 from specd.contract import PROMPT_LOOKUP, SUFFIX
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -136,7 +136,7 @@ class Fixed:
         self.name, self.tokens, self.confidence = name, tokens, confidence
 
     def propose(self, committed, max_tokens):
-        from gateway.proposers import Match
+        from gateway.proposers.modelfree import Match
         return Match(self.name, self.tokens[:max_tokens], self.confidence and self.confidence[:max_tokens])
 
 
@@ -230,7 +230,7 @@ def test_a_repeated_request_is_drafted_from_the_cache(hybrid_stack):
     stats = second.stats
     # The whole response is in the cache: the first step already proposes from it, and
     # every suffix token proposed is accepted (greedy: the same continuation). How many
-    # tokens a match proposes is priced with measured step costs (gateway.hybrid), which a
+    # tokens a match proposes is priced with measured step costs (gateway.proposers.hybrid), which a
     # loaded machine inflates: at least one, and fewer steps than the first time.
     assert stats.proposers[0] == SUFFIX and stats.accepted_lengths[0] == stats.draft_lengths[0] >= 1
     suffix_steps = [i for i, p in enumerate(stats.proposers) if p == SUFFIX]

@@ -231,9 +231,9 @@ def test_a_full_draft_is_asked_again_for_a_recovery_and_no_answer_is_unavailable
     re-opens are tested with real services in tests/test_failover.py)."""
     from types import SimpleNamespace
 
-    from gateway.budgets import SlowMark
     from gateway.errors import DraftSkipped, WorkerError
-    from gateway.workers import DraftLink, LinkSettings, StepOverBudget
+    from gateway.workers.budgets import SlowMark
+    from gateway.workers.links import DraftLink, LinkSettings, StepOverBudget
     from specd.v1 import worker_pb2
 
     outcomes: list = []

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from gateway.endpointslices import Backoff, EndpointSliceWatcher, endpoints_from_slices
-from gateway.router import NoEndpoint, Router, parse_addresses
+from gateway.workers.endpointslices import Backoff, EndpointSliceWatcher, endpoints_from_slices
+from gateway.workers.router import NoEndpoint, Router, parse_addresses
 from k8s_standin import StandinApiServer, endpoint_slice
 
 A, B, C = "10.0.0.1:50053", "10.0.0.2:50053", "10.0.0.3:50053"
@@ -236,7 +236,7 @@ def test_watch_backs_off_and_recovers_from_server_errors(api, watched):
 
 
 def test_a_new_session_follows_its_prefix_within_a_bounded_load():
-    from gateway.router import prefix_keys
+    from gateway.workers.router import prefix_keys
 
     router = Router.static("verifier", [A, B, C])
     system = list(range(100))  # a shared system prompt of 6 full blocks

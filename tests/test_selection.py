@@ -8,8 +8,8 @@ import random
 import urllib.request
 
 from conftest import request, start_stack
-from gateway.costmodel import predicted_speedup
-from gateway.selection import DraftSelector
+from gateway.policy.selection import DraftSelector
+from gateway.stats.costmodel import predicted_speedup
 from test_cli import free_port
 from test_pipeline import reference_greedy
 from test_policy import measured_costs

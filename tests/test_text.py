@@ -1,5 +1,5 @@
 """The gateway's text: streamed deltas concatenate to the whole decode, stop strings cut
-it, and a step decodes a window of tokens, not the whole output (gateway/text.py)."""
+it, and a step decodes a window of tokens, not the whole output (gateway/step/text.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gateway.text import TextAssembler
+from gateway.step.text import TextAssembler
 from specd.config import DEMO_TARGET
 
 TEXTS = [

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
-from gateway.server import create_server as create_gateway
+from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ClientTLS, ServerSettings, ServerTLS
 from specd.grpcserver import start_server
@@ -219,9 +219,9 @@ def test_the_cli_refuses_bad_tls_flags_before_loading_anything(argv, message, ca
 def test_pods_dialled_by_ip_are_checked_against_their_service_name(secure, pki, server_name, ok):
     """How the gateway reaches pods found through EndpointSlices: by IP, checking the
     certificate for the Service's name (`_pool` passes it as server_name)."""
-    from gateway.backend import WorkerPool
-    from gateway.budgets import BudgetSettings
-    from gateway.router import Router
+    from gateway.workers.backend import WorkerPool
+    from gateway.workers.budgets import BudgetSettings
+    from gateway.workers.router import Router
 
     async def infos():
         pool = WorkerPool("verifier", Router.static("verifier", [f"127.0.0.1:{secure['verifier']}"]),
@@ -286,7 +286,7 @@ def test_https_takes_renewed_certificate_files_without_a_restart(secure, pki, tm
     import time
     import urllib.request
 
-    from gateway import http as http_module
+    from gateway.edge import http as http_module
 
     swap_in({"server.pem": pki["server.pem"], "server-key.pem": pki["server-key.pem"]}, tmp_path)
     loop = LoopThread()

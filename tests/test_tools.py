@@ -1,4 +1,4 @@
-"""Function calling on the chat endpoint (`gateway.tools`): each format's reader and grammar
+"""Function calling on the chat endpoint (`gateway.edge.tools`): each format's reader and grammar
 on their own, then tools, tool_choice and tool calls in the history against a real gateway
 over real workers on loopback, through the official `openai` client."""
 from __future__ import annotations
@@ -15,10 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import SEEDED_DRAFT_FLOOR_S, make_model, start_stack
-from gateway.bodies import HttpError
-from gateway.grammar import tokenizer_for
-from gateway.settings import TOOL_CALL_PARSERS
-from gateway.tools import (
+from gateway.edge.bodies import HttpError
+from gateway.edge.tools import (
     FORMATS,
     HermesCalls,
     Llama3Calls,
@@ -33,6 +31,8 @@ from gateway.tools import (
     tools_as_text,
     with_preamble,
 )
+from gateway.grammar import tokenizer_for
+from gateway.settings import TOOL_CALL_PARSERS
 
 DEMO_TEMPLATE = Path(__file__).resolve().parents[1] / "models" / "demo" / "chat.jinja"
 WEATHER = {"type": "object", "properties": {

@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 from conftest import request, start_stack
-from gateway.drift import DriftSettings
-from gateway.records import NoTracer
 from gateway.request import Generation
-from gateway.tracing import RequestTrace
+from gateway.stats.drift import DriftSettings
+from gateway.step.records import NoTracer
+from gateway.step.tracing import RequestTrace
 from specd.contract import MODEL_FREE, baseline_document
 from specd.sampling import Transform
 from specd.telemetry import tracing_configured, tracing_enabled, worker_step_span

@@ -6,7 +6,7 @@ import queue
 
 import grpc
 
-from gateway.streams import STEP_TYPES
+from gateway.workers.streams import STEP_TYPES
 from specd.v1 import worker_pb2_grpc
 from specd.wire import status_from_pb
 

@@ -1,7 +1,7 @@
 """The load caps every gateway of this target has learned, kept for the next gateway.
 
 Each gateway learns AUTO's γ cap per model pair and load level by trials
-(`gateway.loadcap.LoadCap`). Those trials cost goodput, and a new gateway replica (a
+(`gateway.policy.loadcap.LoadCap`). Those trials cost goodput, and a new gateway replica (a
 restart, a rollout, the autoscaler adding a pod) would pay them again. Every gateway of a
 target already talks to its verifiers, so the verifier keeps the table: a gateway sends
 the levels it has learned and gets back what all of them sent.

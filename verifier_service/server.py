@@ -28,7 +28,7 @@ from verifier_service.scorer import Scorer
 # A proxy: it finds the provider that setup_tracing installs, whenever that happens.
 _TRACER = trace.get_tracer("specd.verifier")
 # The most plain steps one step may ask the verifier to score ahead (each reserves a step
-# id at the gateway); the gateway asks fewer (`gateway.engine.RUN_AHEAD_STEPS`).
+# id at the gateway); the gateway asks fewer (`gateway.step.engine.RUN_AHEAD_STEPS`).
 MAX_RUN_AHEAD_STEPS = 4096
 
 

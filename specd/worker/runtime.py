@@ -306,7 +306,7 @@ class ModelRunner:
         (a plain step is width 1, a verification of γ tokens width γ+1), each session holding
         `context` cached positions: the median of `repeats`, by (batch, width). On the
         model's thread, at load; what a gateway prices γ with at every load from its first
-        request (`gateway.priors`). Batches the pool cannot hold are left out."""
+        request (`gateway.policy.priors`). Batches the pool cannot hold are left out."""
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(1, self.info.vocab_size, (max(batches), context + max(widths)), generator=generator)
         sessions: list[SessionKV] = []

@@ -1,0 +1,179 @@
+"""Which proposal a step takes: a model-free match, the model draft, or none.
+
+Each step, the request's model-free proposers (`gateway.proposers.modelfree`) look for a match
+first: they cost microseconds. A match is then priced like any draft, in expected
+tokens per millisecond of step (`gateway.stats.costmodel`):
+
+    match of k tokens:  E = 1 + Σ_{i≤k} Π_{j≤i} r_j   over   the step at k (its draft part
+                        measured on the proposer's own steps: near zero)
+    model draft at γ:   E = (1 − α^(γ+1)) / (1 − α)  over   draft hop + verify hop at γ
+    no draft:           1 token                      over   a plain target step
+
+where r_j is the proposer's confidence in its j-th token (a suffix match's share of
+agreeing occurrences), capped by the acceptance the proposer actually achieved in this
+request, and α is the γ policy's estimate for the model draft. The match is cut to the
+length k with the best rate, and taken when that rate beats the model draft's at the γ
+the policy chose (0 included): a confident match wins the step, a weak one proposes
+nothing, and otherwise the model drafts, or nothing does, as without these proposers.
+Before any step is measured, costs are taken relative to a plain step (a verified token
+adds 5%, a draft token 20%). The match taken becomes the step's proposal
+(`gateway.proposers.base.Proposal`), carrying the proposer that made it: the engine asks that
+proposer for the recovered token at a sampled rejection and tells it of the commit.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from gateway.proposers.base import Proposal, Proposer
+from gateway.stats.costmodel import CostEstimate, StepCosts, expected_tokens
+from specd.contract import PROMPT_LOOKUP
+
+if TYPE_CHECKING:  # the proposers themselves load torch (a rejection's one-hot q); the choice does not
+    from gateway.proposers.modelfree import Match
+
+# Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
+PRIORS = {PROMPT_LOOKUP: 0.5}
+DEFAULT_PRIOR = 0.8
+PRIOR_WEIGHT = 2.0
+MEMORY_STEPS = 20
+# Steps without a model-free token accepted after which the request's matches are "quiet":
+# the engine then lets the verifier run plain steps ahead and looks for a match only
+# between runs (`gateway.step.engine`).
+QUIET_STEPS = 2
+# Relative step costs before anything is measured (a plain target step = 1).
+VERIFY_PER_TOKEN, DRAFT_PER_TOKEN = 0.05, 0.2
+
+
+class ModelFreeProposer(Proposer, Protocol):
+    """A proposer in the gateway (`gateway.proposers.modelfree`): what the choice asks of it, beside
+    what the engine asks of every proposer."""
+
+    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
+        """Up to max_tokens tokens to follow `committed` (none when nothing matches)."""
+        ...
+
+    def index(self, committed: Sequence[int]) -> None:
+        """Take in the tokens of `committed` not seen yet, proposing nothing."""
+        ...
+
+
+class _Acceptance:
+    """A proposer's α in one request (accepted ÷ positions reached): an EMA of pseudo-counts
+    from a prior."""
+
+    def __init__(self, prior: float) -> None:
+        self.accepted, self.trials = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.decay = 1.0 - 1.0 / MEMORY_STEPS
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        rejected = 0 if accepted == proposed else 1
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + rejected
+
+
+class HybridChoice:
+    """One request's model-free proposers and the choice between their matches and the model draft.
+
+    costs: the step costs of the request's model pair (the model draft's, or the target's
+    alone), whose verify line every step feeds; proposer_costs(name): the steps `name`
+    proposed, whose draft part says what its proposals cost; model_alpha(): the γ
+    policy's acceptance estimate of the model draft; fixed: mode FIXED's γ, when a
+    model-free proposer is forced (its match is cut to γ and always taken); timed: price
+    steps by the measured costs. Untimed, the relative priors price them, so the choice
+    depends only on the request's own tokens and steps (and the suffix cache): what a
+    policy that replays a seed needs.
+    """
+
+    def __init__(self, proposers: Sequence[ModelFreeProposer], costs: StepCosts,
+                 proposer_costs: Callable[[str], StepCosts], model_alpha: Callable[[], float],
+                 fixed: int | None = None, timed: bool = True) -> None:
+        self.proposers = list(proposers)
+        self.costs = costs if timed else StepCosts()  # never observed: the priors price every step
+        self.proposer_costs = proposer_costs
+        self.model_alpha = model_alpha
+        self.fixed = fixed
+        self._acceptance = {p.name: _Acceptance(PRIORS.get(p.name, DEFAULT_PRIOR)) for p in self.proposers}
+        self.timed = timed
+        self._since_paid = 0  # steps since a model-free proposal last had a token accepted
+
+    def index(self, committed: Sequence[int]) -> None:
+        """Let every proposer take in `committed` (the prompt) before the first step."""
+        for proposer in self.proposers:
+            proposer.index(committed)
+
+    def observe(self, proposer: str, accepted: int, proposed: int) -> None:
+        """A step ended with `accepted` of `proposed` tokens kept; `proposer` names who made
+        them (`StepRecord.proposer`): a model-free proposer learns from its own steps only."""
+        acceptance = self._acceptance.get(proposer)
+        self._since_paid = 0 if acceptance is not None and accepted > 0 else self._since_paid + 1
+        if acceptance is not None and proposed:
+            acceptance.observe(accepted, proposed)
+
+    @property
+    def quiet(self) -> bool:
+        """No model-free token was accepted in the last `QUIET_STEPS` steps (counted from
+        the request's first step: its first steps are not quiet)."""
+        return self._since_paid >= QUIET_STEPS
+
+    def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Proposal | None:
+        """The match this step should verify, as the step's proposal, or None: the model
+        draft (at model_gamma) or a plain step does better."""
+        if max_tokens <= 0:
+            return None
+        began = time.perf_counter()
+        # Every length's step cost at once: one fit of the measured lines per step, not one
+        # per length priced ([] before any measurement: the priors price them).
+        estimates = self.costs.estimates(range(max(max_tokens, model_gamma) + 1))
+        best: tuple[float, ModelFreeProposer, list[int]] | None = None
+        for proposer in self.proposers:
+            match = proposer.propose(committed, max_tokens)
+            if not match.tokens:
+                continue
+            if self.fixed is not None:
+                return _proposal(proposer, match.tokens[: self.fixed], began)
+            rate, length = self._best_cut(match, estimates)
+            if best is None or rate > best[0]:
+                best = (rate, proposer, match.tokens[:length])
+        if best is None or best[0] <= self._model_rate(model_gamma, estimates):
+            return None
+        return _proposal(best[1], best[2], began)
+
+    def _rates(self, match: Match) -> list[float]:
+        learned = self._acceptance[match.proposer].alpha
+        if match.confidence is None:
+            return [learned] * len(match.tokens)
+        return [min(share, learned) for share in match.confidence]
+
+    def _best_cut(self, match: Match, estimates: list[CostEstimate]) -> tuple[float, int]:
+        """The best expected tokens per ms over the match's prefixes, and that prefix's length."""
+        draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token() if self.timed else 0.0
+        best_rate, best_length = 0.0, 0
+        tokens, survive = 1.0, 1.0  # E[tokens] of the prefix so far, and P(all of it accepted)
+        for length, rate in enumerate(self._rates(match), start=1):
+            survive *= rate
+            tokens += survive
+            step = (estimates[length].verify_ms + draft_ms * length if estimates
+                    else 1.0 + VERIFY_PER_TOKEN * length)
+            if tokens / step > best_rate:
+                best_rate, best_length = tokens / step, length
+        return best_rate, best_length
+
+    def _model_rate(self, gamma: int, estimates: list[CostEstimate]) -> float:
+        """Expected tokens per ms of the model draft at γ (γ = 0: of a plain step)."""
+        tokens = expected_tokens(self.model_alpha(), gamma) if gamma > 0 else 1.0
+        if not estimates:
+            return tokens / (1.0 + (VERIFY_PER_TOKEN + DRAFT_PER_TOKEN) * gamma)
+        return tokens / estimates[gamma].step_ms
+
+
+def _proposal(proposer: ModelFreeProposer, tokens: list[int], began: float) -> Proposal:
+    """A match as the step's proposal: q(x) = 1 for each token, since the match is
+    deterministic (its proposer builds the one-hot row a rejection needs), and the time
+    since `began` (the lookups) as what it cost."""
+    return Proposal(tokens, (1.0,) * len(tokens), (time.perf_counter() - began) * 1e3, proposer=proposer)
