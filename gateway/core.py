@@ -22,17 +22,14 @@ from dataclasses import dataclass, replace
 
 from gateway.errors import RETRY_PUSHBACK_MS, Busy, WorkerError
 from gateway.grammar import Grammar, GrammarWork
-from gateway.policy.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
 from gateway.policy.gamma import CostPolicy, ProbeSchedule, SharedState, build_policy
-from gateway.policy.loadcap import LoadCap, SharedLevel
-from gateway.policy.priors import ForwardTable, Overheads, prior_rates
 from gateway.policy.selection import DraftSelector
+from gateway.policy.shared import PolicyTables
 from gateway.proposers.hybrid import HybridChoice, ModelFreeProposer
 from gateway.proposers.modelfree import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
 from gateway.settings import GatewaySettings
 from gateway.stats.acceptance import AcceptanceStats, Labels
-from gateway.stats.costmodel import load_bucket
 from gateway.stats.paircosts import PairCosts
 from gateway.step.engine import ModelBounds, TokenLogprob, speculate
 from gateway.step.records import DraftLengthPolicy, Finish, RequestStats, StepObserver, StepRecord
@@ -142,7 +139,7 @@ class _GatewayCounts:
             if not own:
                 costs.observe(pair, record.draft_length, record.draft_ms, record.rest_ms, batch.size)
         costs.record_load(self.model_pair, batch.size, batch.tokens, batch.queue_ms)
-        self.servicer.plain_rates.observe(record)
+        self.servicer.policies.observe(record)
         if record.pre_draft_asked and record.draft_model_tokens:
             stats.record_pre_draft(labels, record.pre_drafted)
         if record.draft_length:
@@ -171,22 +168,10 @@ class GatewayCore:
         self.grammars = GrammarWork(lambda: backend.grammar_tokenizer, target.vocab_size, target.eos_token_ids,
                                     threads=settings.grammar_threads, step_budget_ms=settings.grammar_step_budget_ms,
                                     compile_budget_s=settings.grammar_compile_budget_s)
-        # The cost policy's state shared across requests: probe spacing per (model pair, task
-        # type), the load cap per model pair.
-        self._probes: dict[tuple[str, str], ProbeSchedule] = {}
-        self._load_caps: dict[str, LoadCap] = {}
-        # AUTO's floor (`gateway.policy.floor`): plain decoding's measured rates on the target, and the
-        # bursts' schedule per (model pair, task type, greedy).
-        self.plain_rates = PlainRates()
-        self._floors: dict[tuple[str, str, bool], FloorSchedule] = {}
-        # What the other gateways of the target learned (the verifiers' table, `gateway.workers.loadshare`):
-        # model pair → load → level; a pair's load cap starts from it.
-        self._shared_caps: dict[str, dict[int, SharedLevel]] = {}
+        general = settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
+        self.policies = PolicyTables(settings.max_draft_length, general.prior_alpha, target, backend.drafts)
         self._drifting: set[tuple[str, str, str]] = set()  # segments whose drift flag is up
         self.serving = True  # a verifier answers its health checks (gateway.edge.liveness says)
-        # Per-session step costs beyond the forwards, timed at start-up (`gateway.policy.priors`):
-        # with the workers' forward costs, where each pair's load cap starts.
-        self.overheads: Overheads | None = None
 
     def set_serving(self, serving: bool) -> None:
         self.serving = serving
@@ -195,18 +180,6 @@ class GatewayCore:
         """Stop the tokenizing thread (the gateway is stopping)."""
         self._parser.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
-
-    def prior(self, draft_model: str) -> dict[int, list[float]] | None:
-        """A pair's predicted goodput of each γ at each load (`gateway.policy.priors`): where its
-        load cap starts. None before the start-up probes measured the overheads, or without
-        the workers' forward costs."""
-        target = ForwardTable(self.backend.target.forward_costs)
-        if self.overheads is None or not target:
-            return None
-        draft = self.backend.drafts.get(draft_model)
-        draft_table = ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None
-        general = self.settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-        return prior_rates(target, draft_table, general.prior_alpha, self.settings.max_draft_length, self.overheads)
 
     def _choose(self, task_type: str, user_segment: str) -> str:
         """The draft of a request that names none, under --draft-selection goodput."""
@@ -319,20 +292,9 @@ class GatewayCore:
         if diagnostic:  # the doctor's requests learn on their own, so they change no serving state
             shared = SharedState(ProbeSchedule())
         else:
-            # Keyed by the capped label: task_type is free text, and a new one per request
-            # must not grow these tables without bound.
-            probes = self._probes.setdefault((model_pair, labels.task_type), ProbeSchedule())
-            load_cap = self._load_caps.get(model_pair)
-            if load_cap is None:  # one per pair: every task's sessions share the target's forwards
-                load_cap = self._load_caps[model_pair] = LoadCap(self.settings.max_draft_length,
-                                                                 prior=self.prior(generation.draft_model),
-                                                                 shared=self.shared_caps(model_pair))
-            # Greedy and sampled requests apart: a sampled step's acceptance and its recovery
-            # hop make speculation pay differently.
-            schedule = self._floors.setdefault((model_pair, labels.task_type, generation.transform.greedy),
-                                               FloorSchedule())
-            floor = RequestFloor(self.plain_rates, schedule, load_bucket(self._in_flight))
-            shared = SharedState(probes, load_cap, floor)
+            shared = self.policies.for_request(model_pair, generation.draft_model, labels.task_type,
+                                               generation.transform.greedy, self._in_flight)
+            load_cap = shared.load_cap
         policy = build_policy(parsed, self.stats, self.costs.costs(model_pair), model_pair, shared)
         request_trace = RequestTrace.start(generation, target_model=self.backend.target.name,
                                            model_pair=model_pair, task_type=parsed.task_type,
@@ -395,30 +357,6 @@ class GatewayCore:
             for link in (draft, verifier):
                 if link is not None:
                     link.close()
-
-    def floors(self) -> tuple[dict[int, float], list[FloorRow]]:
-        """Plain decoding's measured goodput by load, and each floor schedule (copies: the
-        metrics thread reads them)."""
-        return floor_snapshot(self.plain_rates, dict(self._floors))
-
-    def load_caps(self) -> dict[str, LoadCap]:
-        """Each model pair's load cap (a copy of the table: the metrics thread reads it)."""
-        return dict(self._load_caps)
-
-    def learned_caps(self) -> dict[str, dict[int, SharedLevel]]:
-        """What this gateway's trials learned, by model pair and load, to share."""
-        return {pair: learned for pair, load_cap in self._load_caps.items() if (learned := load_cap.learned())}
-
-    def shared_caps(self, model_pair: str) -> dict[int, SharedLevel]:
-        """What the other gateways learned for a pair, by load."""
-        return self._shared_caps.get(model_pair, {})
-
-    def adopt_caps(self, shared: dict[str, dict[int, SharedLevel]]) -> None:
-        """The other gateways' levels: the load caps made since start from them, and each
-        pair's load cap takes a level where it holds more evidence (`LoadCap.adopt`)."""
-        self._shared_caps = shared
-        for pair, load_cap in self._load_caps.items():
-            load_cap.adopt(shared.get(pair, {}))
 
     def _summary(self, stats: RequestStats, parsed: ParsedRequest, policy: DraftLengthPolicy,
                  model_pair: str, draft: DraftLink | None, verifier: VerifierLink, text: TextAssembler,

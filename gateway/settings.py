@@ -8,7 +8,7 @@ from gateway.policy.gamma import POLICIES
 from gateway.stats.drift import DriftSettings
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
-from specd.contract import MODEL_FREE
+from specd.contract import MAX_DRAFT_LENGTH, MODEL_FREE
 from specd.flags import comma_list, name_pairs, optional_path, setting
 
 DRAFT_SELECTIONS = ("task-map", "goodput")
@@ -167,3 +167,27 @@ class GatewaySettings:
                                                    "refused while this gateway remembers it")
     max_chat_messages: int = setting(2048, flag="--max-chat-messages", metavar="N",
                                      help="messages one chat request may hold; more get 400 before rendering")
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, in words a person can act on; checked before any
+        worker is contacted."""
+        found = self.drift.problems()
+        if self.draft_selection not in DRAFT_SELECTIONS:
+            found.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {self.draft_selection!r}")
+        unknown = [name for name in self.model_free if name not in MODEL_FREE]
+        if unknown:
+            found.append(f"unknown model-free proposers {unknown}; choose from {list(MODEL_FREE)}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            found.append(f"prompt lookup needs 1 ≤ min n ≤ max n, got {self.prompt_lookup_min} and "
+                         f"{self.prompt_lookup_max}")
+        if self.suffix_cache_tokens < 0:
+            found.append(f"the suffix cache cannot hold {self.suffix_cache_tokens} tokens; give 0 or more")
+        if not 1 <= self.max_draft_length <= MAX_DRAFT_LENGTH:  # the workers refuse a longer step
+            found.append(f"--max-draft-length must be in [1, {MAX_DRAFT_LENGTH}], got {self.max_draft_length}")
+        elif not 0 <= self.default_draft_length <= self.max_draft_length:
+            found.append(f"--draft-length must be in [0, {self.max_draft_length}] (--max-draft-length), got "
+                         f"{self.default_draft_length}")
+        if self.http_header_timeout_s <= 0 or self.http_max_connections < 0 or self.max_chat_messages < 1:
+            found.append("--http-header-timeout must be above 0, --http-max-connections 0 or more and "
+                         "--max-chat-messages 1 or more")
+        return found

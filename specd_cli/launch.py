@@ -216,8 +216,8 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import create_server
     from gateway.edge.auth import KeyFileError
-    from gateway.edge.servicer import create_server
     from gateway.workers.backend import IncompatibleDraft
     from specd.telemetry import setup_tracing
 

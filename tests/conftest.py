@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from draft_service.server import DraftServicer
 from draft_service.server import create_server as create_draft
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ServerSettings
 from specd.grpcserver import RunningServer

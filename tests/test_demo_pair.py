@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import DEMO_DRAFT, DEMO_TARGET, ServerSettings
 from specd.v1 import gateway_pb2_grpc

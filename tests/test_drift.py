@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from conftest import request, start_stack
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from gateway.stats.acceptance import AcceptanceStats
 from gateway.stats.drift import DriftSettings, Sample, judge, load_baseline

@@ -326,7 +326,7 @@ def test_requests_that_end_anyhow_leave_the_load_cap_as_they_found_it(stalled):
     with pytest.raises(grpc.RpcError) as err:
         stalled.stub.Generate(request("def g():", max_new_tokens=4), timeout=2.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    caps = stalled.gateway.servicer.core._load_caps
+    caps = stalled.gateway.servicer.core.policies.load_caps()
     deadline = time.monotonic() + 10.0  # the gateway's handler ends a moment after the client gave up
     while any(cap.requests for cap in caps.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -384,4 +384,4 @@ def test_free_text_task_types_do_not_grow_the_gateway_without_bound(stack):
         stack.stub.Generate(req)
     task_types = {labels["task_type"] for labels, _ in servicer.stats.query(["task_type"], {})}
     assert len(task_types) <= servicer.stats.max_task_types + 1 and "other" in task_types
-    assert len({task for _, task in servicer._probes}) <= servicer.stats.max_task_types + 1  # per model pair
+    assert len({task for _, task in servicer.policies._probes}) <= servicer.stats.max_task_types + 1  # per model pair

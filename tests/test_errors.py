@@ -7,7 +7,7 @@ import pytest
 
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from gateway.workers.backend import IncompatibleDraft
 from specd.config import ServerSettings

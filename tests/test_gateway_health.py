@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes import config as kubernetes_config
 
 from conftest import LoopThread, request
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from k8s_standin import StandinApiServer
 from specd.config import ServerSettings

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LoopThread, request, start_stack
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from gateway.validation import parse_request
 from specd.config import ServerSettings

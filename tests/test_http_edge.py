@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request, start_stack
+from gateway.app import create_server as create_gateway
 from gateway.edge.bodies import LARGE_BODY_BYTES
-from gateway.edge.servicer import create_server as create_gateway
 from gateway.errors import InvalidRequest
 from gateway.settings import GatewaySettings
 from specd.config import ServerSettings

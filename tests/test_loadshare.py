@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from conftest import start_stack
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.policy.loadcap import LoadCap, SharedLevel
 from gateway.policy.priors import best_caps
 from gateway.settings import GatewaySettings
@@ -86,13 +86,13 @@ def test_a_second_gateway_replica_starts_from_the_first_ones_caps(model_dirs):
     second = None
     try:
         core = stack.gateway.servicer.core
-        pair = next(iter(core.load_caps()), None) or _first_pair(stack)
-        load_cap = core._load_caps[pair]
+        pair = next(iter(core.policies.load_caps()), None) or _first_pair(stack)
+        load_cap = core.policies.load_caps()[pair]
         load_cap.prior, load_cap.prior_caps = PRIOR, best_caps(PRIOR)
         load_cap._levels.clear()
         run_under_load(load_cap, compute_bound, sessions=SESSIONS, steps=12000)
         assert load_cap.origins()[SESSIONS] == "learned"
-        stack.loop.run(share_once(core))
+        stack.loop.run(share_once(core.policies, core.backend.verifier))
         # What the verifier now keeps, asked as any gateway would.
         with grpc.insecure_channel(f"127.0.0.1:{stack.verifier.port}") as channel:
             kept = worker_pb2_grpc.VerifierStub(channel).ShareLoadCaps(worker_pb2.LoadCapTable())
@@ -107,7 +107,7 @@ def test_a_second_gateway_replica_starts_from_the_first_ones_caps(model_dirs):
         assert settings.share_load_caps_s > 0  # on by default
         second = stack.loop.run(create_gateway(settings))
         second_core = second.servicer.core
-        assert second_core.shared_caps(pair)[SESSIONS].cap == load_cap.caps()[SESSIONS]
+        assert second_core.policies.shared_caps(pair)[SESSIONS].cap == load_cap.caps()[SESSIONS]
         with grpc.insecure_channel(f"127.0.0.1:{second.port}") as channel:
             info = gateway_pb2_grpc.GatewayStub(channel).GetGatewayInfo(gateway_pb2.GatewayInfoRequest())
         row = next(r for r in info.load_caps if r.model_pair == pair and r.load == SESSIONS)
@@ -123,4 +123,4 @@ def _first_pair(stack) -> str:
     from conftest import request
 
     stack.stub.Generate(request("def add(a, b):", max_new_tokens=2, mode="AUTO"))
-    return next(iter(stack.gateway.servicer.core.load_caps()))
+    return next(iter(stack.gateway.servicer.core.policies.load_caps()))

@@ -20,8 +20,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import LoopThread, request, start_stack
+from gateway.app import create_server as create_gateway
 from gateway.edge.http import _Logprobs
-from gateway.edge.servicer import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from gateway.step.engine import TokenLogprob
 from gateway.step.text import token_bytes

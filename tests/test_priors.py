@@ -68,9 +68,10 @@ def test_a_level_starts_at_the_prior_and_says_so():
 
 def test_a_fresh_gateway_measures_its_overheads_and_prices_its_caps(stack):
     core = stack.gateway.servicer.core
-    assert core.overheads is not None and core.overheads.spec_ms >= 0 and core.overheads.plain_ms >= 0
+    overheads = core.policies.overheads
+    assert overheads is not None and overheads.spec_ms >= 0 and overheads.plain_ms >= 0
     assert core.backend.target.forward_costs  # the verifier timed its forwards at load
-    prior = core.prior("close")
+    prior = core.policies.prior("close")
     assert prior is not None and set(prior) >= {1, 8, 32}
     # The probes were the doctor's kind of request: they count in no statistic.
     assert not stack.stub.GetAcceptanceStats(request_stats()).rows or all(

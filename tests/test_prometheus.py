@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from conftest import LoopThread, request
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from gateway.stats.acceptance import Counts
 from specd.config import ServerSettings

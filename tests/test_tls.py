@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import LoopThread, request
 from draft_service.server import create_server as create_draft
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.app import create_server as create_gateway
 from gateway.settings import GatewaySettings
 from specd.config import ClientTLS, ServerSettings, ServerTLS
 from specd.grpcserver import start_server

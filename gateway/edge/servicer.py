@@ -1,15 +1,12 @@
-"""The public `specd.v1.Gateway` servicer and the gateway's server factory.
+"""The public `specd.v1.Gateway` servicer.
 
-The servicer is a thin adapter over `gateway.core.GatewayCore`: it turns a
-GenerateRequest into a `ClientRequest`, and the core's chunks (the last with its
-`RequestSummary`) and errors into protobuf and statuses (the interceptors map the typed
-errors; Busy gets gRPC's retry pushback here).
-`create_server` builds the core once and serves it over gRPC, and over OpenAI-compatible
-HTTP (`gateway.edge.http`) when --http-port is given.
+A thin adapter over `gateway.core.GatewayCore`: it turns a GenerateRequest into a
+`ClientRequest`, and the core's chunks (the last with its `RequestSummary`) and errors into
+protobuf and statuses (the interceptors map the typed errors; Busy gets gRPC's retry
+pushback here). `gateway.app` builds the core and serves this over gRPC.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -20,28 +17,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway.core import Chunk, GatewayCore, RequestSummary
-from gateway.edge.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.edge.choices import choice_requests, merged
-from gateway.edge.connections import EdgeLimits, default_max_connections
-from gateway.edge.http import HttpServer, OpenAIApp
-from gateway.edge.liveness import watch_verifiers
-from gateway.edge.metrics import start_metrics_server
+from gateway.edge.http import HttpServer
 from gateway.grammar import StructureSpec
 from gateway.policy.loadcap import LoadCap
-from gateway.policy.priors import best_caps, measure_overheads
-from gateway.policy.selection import DraftSelector
-from gateway.proposers.modelfree import SuffixCache
 from gateway.request import ClientRequest, Mode
-from gateway.settings import DRAFT_SELECTIONS, GatewaySettings
-from gateway.stats.acceptance import AcceptanceStats
-from gateway.stats.drift import load_baseline
-from gateway.stats.paircosts import PairCosts
 from gateway.step.engine import TokenLogprob
 from gateway.step.records import Finish
-from gateway.workers.backend import connect
-from gateway.workers.loadshare import keep_sharing, share_once
-from specd.contract import DIAGNOSTIC_SEGMENT, MAX_DRAFT_LENGTH, MODEL_FREE, SUFFIX, model_pair_label
-from specd.grpcserver import RunningServer, start_health, start_server
+from specd.contract import DIAGNOSTIC_SEGMENT, model_pair_label
 from specd.steps import ModelInfo
 from specd.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -203,12 +186,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 def _load_cap_rows(core: GatewayCore) -> list[gateway_pb2.LoadCapRow]:
     """Each pair's load caps: the prior's at every load it priced, the cap in force where a
     level has run (a pair with no request yet: the default draft's prior alone)."""
-    caps = core.load_caps()
+    policies = core.policies
+    caps = policies.load_caps()
     if not caps and core.backend.default_draft:
-        prior = core.prior(core.backend.default_draft)
+        prior = policies.prior(core.backend.default_draft)
         pair = model_pair_label(core.backend.default_draft, core.backend.target.name)
-        caps = {pair: LoadCap(core.settings.max_draft_length, prior=prior,
-                              shared=core.shared_caps(pair))} if prior else {}
+        caps = {pair: LoadCap(policies.max_draft_length, prior=prior,
+                              shared=policies.shared_caps(pair))} if prior else {}
     rows = []
     for pair, load_cap in sorted(caps.items()):
         in_force, origins = load_cap.caps(), load_cap.origins()
@@ -228,167 +212,3 @@ def _served_model(info: ModelInfo, problem: str, path: bool) -> gateway_pb2.Serv
         tokenizer_fingerprint=info.tokenizer_fingerprint, weights_digest=info.weights_digest,
         parameter_bytes=info.parameter_bytes, card_json=info.card_json, model_path=info.model_path if path else "",
         usable=not problem, problem=problem)
-
-
-async def create_server(settings: GatewaySettings) -> RunningServer:
-    """Connect to the workers (checking their models) and start serving the public API:
-    gRPC, and OpenAI-compatible HTTP on settings.http_port when it is set.
-
-    A malformed API key file raises `gateway.edge.auth.KeyFileError`, a bad baseline file,
-    chat template file or setting ValueError, before any worker is contacted.
-    """
-    keys, quota = edge_keys(settings)
-    problems = settings.drift.problems()
-    if settings.draft_selection not in DRAFT_SELECTIONS:
-        problems.append(f"draft selection must be one of {list(DRAFT_SELECTIONS)}, got {settings.draft_selection!r}")
-    problems += model_free_problems(settings)
-    if not 1 <= settings.max_draft_length <= MAX_DRAFT_LENGTH:  # the workers refuse a longer step
-        problems.append(f"--max-draft-length must be in [1, {MAX_DRAFT_LENGTH}], got {settings.max_draft_length}")
-    elif not 0 <= settings.default_draft_length <= settings.max_draft_length:
-        problems.append(f"--draft-length must be in [0, {settings.max_draft_length}] (--max-draft-length), got "
-                        f"{settings.default_draft_length}")
-    if settings.http_header_timeout_s <= 0 or settings.http_max_connections < 0 or settings.max_chat_messages < 1:
-        problems.append("--http-header-timeout must be above 0, --http-max-connections 0 or more and "
-                        "--max-chat-messages 1 or more")
-    chat_template = None
-    if settings.chat_template is not None:
-        try:
-            chat_template = settings.chat_template.read_text(encoding="utf-8")
-        except OSError as exc:
-            problems.append(f"cannot read the chat template {settings.chat_template}: {exc.strerror}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
-    # The health port first: while the gateway waits for its workers (minutes, for a GPU
-    # deploy), a liveness probe finds it alive and a readiness probe finds it not ready.
-    health_port = await start_health(settings.server)
-    try:
-        backend = await connect(settings)
-    except BaseException:
-        if health_port.server is not None:
-            await health_port.server.stop(0)
-        raise
-    stats = AcceptanceStats(window_steps=settings.window_steps, drift=settings.drift, baseline=baseline)
-    selector = None
-    costs = PairCosts()
-    if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
-        target, max_gamma = backend.target.name, settings.max_draft_length
-        selector = DraftSelector(
-            list(backend.drafts), settings.task_drafts,
-            speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha, max_gamma))
-    suffix_cache = SuffixCache(settings.suffix_cache_tokens) if SUFFIX in settings.model_free else None
-    core = GatewayCore(backend, settings, stats, costs, selector, suffix_cache)
-    core.overheads = await measure_overheads(core)
-    if core.overheads is not None:
-        log.info("step overheads beyond the forwards: %.2f ms plain, %.2f ms speculative; AUTO's load cap starts "
-                 "at %s (load → γ)", core.overheads.plain_ms, core.overheads.spec_ms,
-                 best_caps(core.prior(backend.default_draft) or {}))
-    if settings.share_load_caps_s > 0:  # start from what the other gateways of the target learned
-        await share_once(core)
-    servicer = GatewayServicer(core)
-    metrics = None
-    if settings.metrics_port:
-        metrics, _ = start_metrics_server(stats, costs, settings.metrics_host, settings.metrics_port,
-                                          selector, suffix_cache, core.load_caps, core.floors)
-
-    watch: asyncio.Task | None = None  # the verifiers' liveness, once the server runs
-    sharing: asyncio.Task | None = None  # the load caps' sharing rounds (`gateway.workers.loadshare`)
-
-    async def stop() -> None:
-        for task in (watch, sharing):
-            if task is not None:
-                task.cancel()
-        if servicer.http is not None:
-            await servicer.http.stop()
-        core.close()
-        if metrics is not None:
-            metrics.shutdown()
-            metrics.server_close()
-        await backend.close()
-
-    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-    interceptors = [ApiKeyInterceptor(keys, settings.protect_reflection, quota)] if keys is not None else []
-    running = await start_server(
-        settings.server, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        [service], interceptors=interceptors, on_stop=stop, options=edge_options(settings), health_port=health_port)
-    running.servicer = servicer
-    if settings.http_port is not None:
-        tls = settings.server.tls
-        limits = EdgeLimits(settings.http_header_timeout_s,
-                            settings.http_max_connections or default_max_connections())
-        try:
-            http = HttpServer(OpenAIApp(core, keys, quota, chat_template, lambda: core.serving),
-                              settings.server.host, settings.http_port, limits, *(
-                                  str(path) if path else None for path in (tls.cert, tls.key, tls.client_ca)))
-            await http.start()
-        except BaseException:
-            await running.stop(0)
-            raise
-        servicer.http = http
-
-    async def drain(grace_s: float) -> None:
-        core.set_serving(False)  # /health answers 503 at once, as gRPC health says NOT_SERVING
-        if servicer.http is not None:
-            await servicer.http.drain(grace_s)
-
-    running.draining = drain
-    watch = asyncio.get_running_loop().create_task(
-        watch_verifiers(backend.verifier, running.health, [service], on_change=core.set_serving))
-    if settings.share_load_caps_s > 0:
-        sharing = asyncio.get_running_loop().create_task(keep_sharing(core, settings.share_load_caps_s))
-    return running
-
-
-def model_free_problems(settings: GatewaySettings) -> list[str]:
-    """What is wrong with the model-free proposer settings."""
-    problems = []
-    unknown = [name for name in settings.model_free if name not in MODEL_FREE]
-    if unknown:
-        problems.append(f"unknown model-free proposers {unknown}; choose from {list(MODEL_FREE)}")
-    if not 1 <= settings.prompt_lookup_min <= settings.prompt_lookup_max:
-        problems.append(f"prompt lookup needs 1 ≤ min n ≤ max n, got {settings.prompt_lookup_min} and "
-                        f"{settings.prompt_lookup_max}")
-    if settings.suffix_cache_tokens < 0:
-        problems.append(f"the suffix cache cannot hold {settings.suffix_cache_tokens} tokens; give 0 or more")
-    return problems
-
-
-def edge_keys(settings: GatewaySettings) -> tuple[KeyRing | None, TenantQuota]:
-    """The API keys, when the gateway has a key file (KeyFileError when it is malformed),
-    and the per-tenant share both front ends hold requests against.
-
-    Each tenant (segment) may hold --key-max-in-flight requests; unset, three quarters of
-    --max-concurrent-requests when the file names more than one tenant (a lone tenant
-    may use everything): no tenant takes all the capacity while another waits.
-    """
-    if settings.api_keys_file is None:
-        return None, TenantQuota()
-    keys = KeyRing.load(settings.api_keys_file)
-    share = settings.key_max_in_flight
-    if not share and len(keys.segments) > 1:
-        share = max(1, settings.max_concurrent_requests * 3 // 4)
-    return keys, TenantQuota(share)
-
-
-def edge_options(settings: GatewaySettings) -> list[tuple[str, int]]:
-    """The public server's small limits; the worker channels keep `specd.grpcserver`'s large ones."""
-    return [
-        ("grpc.max_receive_message_length", settings.max_request_bytes),
-        ("grpc.max_send_message_length", 16 * 1024 * 1024),  # replies are text and ids, never distributions
-        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
-        ("grpc.max_metadata_size", 16 * 1024),
-        # Keepalive policy: clients may ping every min_client_ping_interval_s, with or
-        # without calls in flight; a client pinging faster gets GOAWAY after 2 strikes.
-        ("grpc.http2.min_ping_interval_without_data_ms", int(settings.min_client_ping_interval_s * 1000)),
-        ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # The server pings an idle connection every 2 minutes and drops it when no answer
-        # comes within 20 s: a vanished client does not hold its streams for ever.
-        ("grpc.keepalive_time_ms", 120_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        # gRPC clients keep one connection to one gateway: without an age, gateways the
-        # autoscaler adds get no traffic from clients already connected. gRPC spreads the
-        # age by ±10%; a call in flight then has half an hour to finish.
-        *([("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
-           ("grpc.max_connection_age_grace_ms", 1_800_000)] if settings.max_connection_age_s > 0 else []),
-    ]

@@ -29,13 +29,15 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from opentelemetry import context, trace
 
 from gateway.request import ClientRequest
 from gateway.stats.costmodel import LOAD_BUCKETS, expected_tokens
+from specd.steps import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +132,27 @@ PROBE_TOKENS = 24
 PROBE_GAMMA = 4
 
 
-async def measure_overheads(core) -> Overheads | None:
-    """Time one plain and one speculative request alone through `core` (a
-    `gateway.core.GatewayCore`, as the doctor's requests are: left out of every statistic)
-    and take from each step's time what the workers' forwards cost; None when there is no
-    draft, no forward costs, or a probe fails."""
+class _Summary(Protocol):
+    @property
+    def steps(self) -> int: ...
+
+
+class _Chunk(Protocol):
+    @property
+    def summary(self) -> _Summary | None: ...
+
+
+async def measure_overheads(target_info: ModelInfo, draft_info: ModelInfo | None,
+                            generate: Callable[[ClientRequest], AsyncIterator[_Chunk]]) -> Overheads | None:
+    """Time one plain and one speculative request alone through `generate` (the core's, with
+    the doctor's segment: left out of every statistic) and take from each step's time what
+    the workers' forwards cost; None when there is no draft, no forward costs, or a probe
+    fails."""
     from specd.contract import DIAGNOSTIC_SEGMENT
 
-    backend = core.backend
-    target = ForwardTable(backend.target.forward_costs)
-    draft_info = backend.drafts.get(backend.default_draft)
+    target = ForwardTable(target_info.forward_costs)
     draft = ForwardTable(draft_info.forward_costs if draft_info is not None else ())
-    if not target or not draft:
+    if not target or not draft or draft_info is None:
         return None
     per_step = {}
     # Under a parent span that is not sampled, so the probes leave no trace in the
@@ -153,11 +164,11 @@ async def measure_overheads(core) -> Overheads | None:
         # warm-up, not counted.
         for mode, gamma in (("off", 0), ("off", 0), ("fixed", PROBE_GAMMA)):
             probe = ClientRequest(prompt=PROBE_PROMPT, max_new_tokens=PROBE_TOKENS, mode=mode, draft_length=gamma,
-                                  draft_model=backend.default_draft if gamma else "",
+                                  draft_model=draft_info.name if gamma else "",
                                   user_segment=DIAGNOSTIC_SEGMENT, seed=1)
             began = time.perf_counter()
             summary = None
-            async for chunk in core.generate(probe):
+            async for chunk in generate(probe):
                 summary = chunk.summary or summary
             total_ms = (time.perf_counter() - began) * 1e3
             if summary is None or not summary.steps:

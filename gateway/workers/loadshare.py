@@ -15,6 +15,8 @@ import logging
 import grpc
 
 from gateway.policy.loadcap import SharedLevel
+from gateway.policy.shared import PolicyTables
+from gateway.workers.backend import WorkerPool
 from specd.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -45,11 +47,10 @@ def from_tables(tables: list[worker_pb2.LoadCapTable]) -> dict[str, dict[int, Sh
     return merged
 
 
-async def share_once(core) -> None:
-    """Send this gateway's learned levels to every ready verifier at once (a slow one
-    delays the round by `SHARE_TIMEOUT_S` at most); adopt what they keep."""
-    pool = core.backend.verifier
-    sent = to_table(core.learned_caps())
+async def share_once(policies: PolicyTables, pool: WorkerPool) -> None:
+    """Send this gateway's learned levels to every ready verifier of `pool` at once (a slow
+    one delays the round by `SHARE_TIMEOUT_S` at most); adopt what they keep."""
+    sent = to_table(policies.learned_caps())
 
     async def share(address: str) -> worker_pb2.LoadCapTable | None:
         try:
@@ -63,14 +64,14 @@ async def share_once(core) -> None:
     answers = await asyncio.gather(*(share(e.address) for e in pool.router.snapshot() if e.ready))
     tables = [table for table in answers if table is not None]
     if tables:
-        core.adopt_caps(from_tables(tables))
+        policies.adopt_caps(from_tables(tables))
 
 
-async def keep_sharing(core, interval_s: float) -> None:
+async def keep_sharing(policies: PolicyTables, pool: WorkerPool, interval_s: float) -> None:
     """Share every `interval_s` seconds while the gateway runs (cancelled at stop)."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await share_once(core)
+            await share_once(policies, pool)
         except Exception:  # noqa: BLE001 - sharing is a hint; a failed round must not end the loop
             log.warning("sharing the load caps failed this round", exc_info=True)
