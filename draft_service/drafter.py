@@ -27,7 +27,7 @@ from draft_service.jobs import ProposeJob
 from draft_service.predraft import Branch, PreDrafts
 from specd.errors import InvalidArgument
 from specd.rejection import recovered_token
-from specd.steps import DraftRequest, PreDraftRequest, Proposal, Recovery
+from specd.steps import DraftReply, DraftRequest, PreDraftRequest, Recovery
 from specd.worker.metrics import RoleLoad
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
@@ -119,7 +119,7 @@ class Drafter:
 
     async def propose(self, session_id: str, start: int, tokens: list[int], request: DraftRequest,
                       pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None,
-                      salt: bytes = b"", ranked: bool = True) -> Proposal:
+                      salt: bytes = b"", ranked: bool = True) -> DraftReply:
         """Bring the session up to date and propose up to `request.draft_length` tokens.
 
         The draft forwards are shared with every session proposing at the same time.
@@ -133,7 +133,7 @@ class Drafter:
         rejected this draft's token at position `start`: the recovered token is sampled
         first, from p's row and the q kept for that position (or, in a session rebuilt from
         the committed tokens, the q its forward finds there), and the proposal follows it
-        (`Proposal.recovered`). γ may then be 0: the recovered token alone.
+        (`DraftReply.recovered`). γ may then be 0: the recovered token alone.
 
         ranked: a greedy proposal also carries each token's q and the draft's runner-up
         (`ProposeJob`); pre-drafting needs them, so a step that asks it is ranked anyway.
@@ -147,7 +147,7 @@ class Drafter:
             recovered = await self._draw_recovered(recovery, kept.row(start))
             if recovered >= self.runner.info.vocab_size:  # a target id this draft has no embedding for
                 self.pre_drafts.cancel(session_id)
-                return Proposal([], None, 0.0, recovered=recovered)  # nothing to draft after it
+                return DraftReply([], None, 0.0, recovered=recovered)  # nothing to draft after it
             tokens, recovery = [recovered], None
         if recovery is not None:  # rebuilt: no branch assumed what the forward will draw
             self.pre_drafts.cancel(session_id)
@@ -170,7 +170,7 @@ class Drafter:
             if draft_length == 0 and recovery is None:  # the recovered token alone, sampled above
                 self.runner.sessions.put(session_id, session)
                 self.runner.sessions.release()
-                return Proposal([], None, 0.0, recovered=recovered)
+                return DraftReply([], None, 0.0, recovered=recovered)
             grammar = (await self.grammars.cursor(session_id, request.grammar, request.transform.output_start)
                        if request.grammar else None)
             job = ProposeJob(session, feed, request, recovery=recovery, grammar=grammar,
@@ -197,7 +197,7 @@ class Drafter:
                                                            recovery.uniform)
 
     async def _adopt(self, session_id: str, branch: Branch,
-                     draft_length: int) -> tuple[Proposal | None, ProposeJob | None]:
+                     draft_length: int) -> tuple[DraftReply | None, ProposeJob | None]:
         """Answer from a pre-drafted branch: its session becomes the session's (None: it failed)."""
         try:
             full = await branch.task
@@ -213,5 +213,5 @@ class Drafter:
         self.runner.sessions.put(session_id, session)
         kept = len(full.tokens) - cut
         probs = None if full.probs is None else full.probs[:kept]
-        return Proposal(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
+        return DraftReply(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
                         pre_drafted=True), branch.job

@@ -1,5 +1,5 @@
 """A draft step as the batch scheduler runs it: `ProposeJob` samples up to γ draft tokens,
-one per batched forward. Its result, a `Proposal` (`specd.steps`), is what the draft
+one per batched forward. Its result, a `DraftReply` (`specd.steps`), is what the draft
 service sends back. Pure torch on the model's thread (`consume`); no gRPC.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from draft_service.grammar import GrammarCursor
 from specd.devices import select_rows, to_device
 from specd.rejection import recovered_token, sample, sample_rows
 from specd.sampling import penalized, probs_from_logits, restricted
-from specd.steps import DraftRequest, Proposal, Recovery
+from specd.steps import DraftReply, DraftRequest, Recovery
 from specd.worker.batching import Job
 from specd.worker.kvstore import SessionKV
 
@@ -185,9 +185,9 @@ class ProposeJob(Job):
         self.pending = [token]
         return False
 
-    def result(self) -> Proposal:
+    def result(self) -> DraftReply:
         self.session.tokens.extend(self.drafted)
-        return Proposal(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
+        return DraftReply(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
                         tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
 
 

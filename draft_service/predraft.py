@@ -25,7 +25,7 @@ from typing import Any
 
 from draft_service.grammar import GrammarCursor
 from draft_service.jobs import ProposeJob
-from specd.steps import DraftRequest, PreDraftRequest, Proposal
+from specd.steps import DraftReply, DraftRequest, PreDraftRequest
 from specd.worker.kvstore import SessionKV
 
 
@@ -71,7 +71,7 @@ class PendingPreDraft:
 class PreDrafts:
     """Pending branches by session, on the event loop; `submit` queues a job on the model."""
 
-    def __init__(self, submit: Callable[[ProposeJob], Coroutine[Any, Any, Proposal]], mode: str = "3") -> None:
+    def __init__(self, submit: Callable[[ProposeJob], Coroutine[Any, Any, DraftReply]], mode: str = "3") -> None:
         self._submit = submit
         self.mode = check_branches(mode)
         self._pending: dict[str, PendingPreDraft] = {}

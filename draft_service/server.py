@@ -18,7 +18,7 @@ from specd import wire
 from specd.contract import MAX_DRAFT_LENGTH
 from specd.errors import InvalidArgument, clip
 from specd.grpcserver import RunningServer, start_server
-from specd.steps import PreDraftRequest, Proposal
+from specd.steps import DraftReply, PreDraftRequest
 from specd.telemetry import start_worker_span
 from specd.v1 import worker_pb2, worker_pb2_grpc
 from specd.worker import service
@@ -29,7 +29,7 @@ from specd.worker.settings import DraftSettings
 _TRACER = trace.get_tracer("specd.draft")
 
 
-def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: Proposal) -> dict:
+def _span_attributes(name: str, request: worker_pb2.ProposeRequest, proposal: DraftReply) -> dict:
     """Attributes of a `specd.draft.propose` or `specd.draft.recover` span (docs/tracing.md)."""
     probs = proposal.token_probs
     attributes = {

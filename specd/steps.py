@@ -2,7 +2,7 @@
 
 A model's facts (`ModelInfo`), how to draft one step (`DraftRequest`), the next one
 early (`PreDraftRequest`) and the token after a rejection (`Recovery`), how a step was
-batched (`BatchStats`), and a step's two results: the draft's `Proposal` and the
+batched (`BatchStats`), and a step's two results: the draft's `DraftReply` and the
 target's `Scores`. The workers build them (`draft_service.drafter` and its jobs,
 `verifier_service.scorer` and its jobs), `specd.wire` turns them into worker messages and back, and the
 gateway's engine reads them. Light on purpose: nothing that loads torch, transformers or
@@ -86,7 +86,7 @@ class BatchStats:
 
 
 @dataclass(frozen=True)
-class Proposal:
+class DraftReply:
     """x₁..x_γ and, unless greedy, q₁..q_γ [γ, V] (on the draft's side only: its rows stay
     there, and the gateway gets q_i(x_i), `token_probs`)."""
 

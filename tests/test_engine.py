@@ -12,8 +12,9 @@ import torch
 
 from gateway.errors import WorkerError
 from gateway.policy.gamma import FixedPolicy
+from gateway.proposers.base import Proposal, StepContext
 from gateway.proposers.hybrid import QUIET_STEPS, HybridChoice
-from gateway.proposers.modelfree import GatewayProposer, Match
+from gateway.proposers.modelfree import GatewayProposer
 from gateway.request import Generation
 from gateway.stats.costmodel import StepCosts
 from gateway.step.engine import QUIET_RUN_STEPS, ModelBounds, speculate
@@ -21,7 +22,7 @@ from gateway.step.records import Finish, RequestStats, StepRecord
 from specd.contract import SUFFIX
 from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
-from specd.steps import DraftRequest, Proposal, Scores
+from specd.steps import DraftReply, DraftRequest, Scores
 
 VOCAB = 16
 EOS = 15
@@ -45,8 +46,8 @@ class ScriptedDraft:
         self.last_exchange_bytes = 0
         self.prompt_length: int | None = None
 
-    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
-                      pre_draft=None) -> Proposal:
+    async def draft(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
+                      pre_draft=None) -> DraftReply:
         self.min_confidence = request.min_confidence
         if self.steps == self.fail_at:
             raise WorkerError(self.fail, "scripted failure")
@@ -59,7 +60,7 @@ class ScriptedDraft:
                 token = (token + 1) % 10
             tokens.append(token)
             prefix.append(token)
-        return Proposal(tokens, None, 0.0)
+        return DraftReply(tokens, None, 0.0)
 
     def advance(self, position: int) -> None:
         pass
@@ -191,14 +192,14 @@ class Echo(GatewayProposer):
     def __init__(self, at: set[int]) -> None:
         self.at, self.lookups = at, 0
 
-    def propose(self, committed, max_tokens: int) -> Match:
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
         self.lookups += 1
-        if len(committed) not in self.at:
-            return Match(self.name, [])
-        prefix = list(committed)
+        if len(context.committed) not in self.at:
+            return self.proposal([])
+        prefix = list(context.committed)
         for _ in range(min(3, max_tokens)):
             prefix.append(truth(prefix))
-        return Match(self.name, prefix[len(committed):], [1.0] * (len(prefix) - len(committed)))
+        return self.proposal(prefix[len(context.committed):], (1.0,) * (len(prefix) - len(context.committed)))
 
     def index(self, committed) -> None:
         pass
@@ -299,9 +300,9 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
     accepts with probability min(1, p/q) = 1)."""
 
     class SampledDraft(ScriptedDraft):
-        async def propose(self, committed, request, *args, **kwargs) -> Proposal:
-            proposal = await super().propose(committed, request, *args, **kwargs)
-            return Proposal(proposal.tokens, None, 0.0, token_probs=(1.0 / VOCAB,) * request.draft_length)
+        async def draft(self, committed, request, *args, **kwargs) -> DraftReply:
+            proposal = await super().draft(committed, request, *args, **kwargs)
+            return DraftReply(proposal.tokens, None, 0.0, token_probs=(1.0 / VOCAB,) * request.draft_length)
 
     class SampledVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(),
@@ -338,7 +339,7 @@ class KeepingDraft(ScriptedDraft):
         self.proposals: list[tuple[int, list[int], torch.Tensor]] = []  # (position of x₁, tokens, q rows)
         self.recoveries: list[tuple[int, float]] = []  # (position, uniform)
 
-    async def propose(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None) -> Proposal:
+    async def draft(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None) -> DraftReply:
         self.steps += 1
         prefix, recovered = list(committed), None
         if recovery is not None:
@@ -358,7 +359,7 @@ class KeepingDraft(ScriptedDraft):
         q_rows = torch.stack(rows) if rows else torch.zeros(0, VOCAB)
         self.kept = (start, q_rows)
         self.proposals.append((start, tokens, q_rows))
-        return Proposal(tokens, None, 0.0, token_probs=tuple(float(q[t]) for q, t in zip(rows, tokens)),
+        return DraftReply(tokens, None, 0.0, token_probs=tuple(float(q[t]) for q, t in zip(rows, tokens)),
                         recovered=recovered)
 
 
@@ -449,9 +450,9 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
     asked: list = []
 
     class EosDraft(ScriptedDraft):
-        async def propose(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None):
+        async def draft(self, committed, request, draft_model, carrier, pre_draft=None, recovery=None):
             asked.append(recovery)
-            return Proposal([EOS, 3], None, 0.0, token_probs=(1.0, 1.0))
+            return DraftReply([EOS, 3], None, 0.0, token_probs=(1.0, 1.0))
 
     class EosVerifier(ScriptedVerifier):
         async def verify(self, committed, draft_tokens, transform, carrier, draft_token_probs=(), draws=None,

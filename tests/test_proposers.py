@@ -2,6 +2,7 @@
 suffix cache's budget, tenants and salts, alone and through the three services."""
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -11,10 +12,11 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from conftest import LoopThread, request, start_stack
+from gateway.app import create_server as create_gateway
 from gateway.edge.metrics import AcceptanceCollector
-from gateway.edge.servicer import create_server as create_gateway
+from gateway.proposers.base import Proposal, StepContext
 from gateway.proposers.hybrid import HybridChoice
-from gateway.proposers.modelfree import PromptLookup, SuffixCache, SuffixProposer, follow
+from gateway.proposers.modelfree import GatewayProposer, PromptLookup, SuffixCache, SuffixProposer, follow
 from gateway.settings import GatewaySettings
 from gateway.stats.costmodel import StepCosts
 from specd.config import ServerSettings
@@ -25,23 +27,33 @@ from test_sampled_distribution import TRANSFORM, assert_follows_joint, target_jo
 # -- the proposers alone ----------------------------------------------------------------------
 
 
+def propose(proposer: GatewayProposer, committed: list[int], max_tokens: int) -> Proposal:
+    """One proposal of `proposer` after `committed`, as a step asks for it."""
+    return asyncio.run(proposer.propose(StepContext(0, committed, max_tokens, {}), max_tokens))
+
+
+def choose(choice: HybridChoice, committed: list[int], max_tokens: int, model_gamma: int) -> Proposal | None:
+    """The hybrid choice of a step after `committed`."""
+    return asyncio.run(choice.choose(StepContext(0, committed, max_tokens, {}), max_tokens, model_gamma))
+
+
 def test_prompt_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
     lookup = PromptLookup(min_n=2, max_n=3)
     # "7 8" occurs twice; "1 7 8" only once, at the start: the longest n-gram wins.
     tokens = [1, 7, 8, 2, 3, 5, 7, 8, 4, 9, 1, 7, 8]
-    assert lookup.propose(tokens, 3).tokens == [2, 3, 5]
+    assert propose(lookup, tokens, 3).tokens == [2, 3, 5]
     # Growing: "9 7 8" is new, so n = 2 decides: the latest earlier "7 8" (the old end,
     # followed now) goes on with 9 7.
-    assert lookup.propose(tokens + [9, 7, 8], 2).tokens == [9, 7]
+    assert propose(lookup, tokens + [9, 7, 8], 2).tokens == [9, 7]
     # A suffix seen nowhere before proposes nothing; n = 1 is below min_n.
-    assert lookup.propose(tokens + [9, 7, 8, 6], 4).tokens == []
+    assert propose(lookup, tokens + [9, 7, 8, 6], 4).tokens == []
 
 
 def test_prompt_lookup_never_matches_its_own_end():
     lookup = PromptLookup(min_n=2, max_n=4)
-    assert lookup.propose([5, 6, 7, 8], 4).tokens == []
+    assert propose(lookup, [5, 6, 7, 8], 4).tokens == []
     # A run of one token repeats itself: the continuation is the run.
-    assert lookup.propose([5, 6, 7, 8, 1, 1, 1, 1], 3).tokens == [1]
+    assert propose(lookup, [5, 6, 7, 8, 1, 1, 1, 1], 3).tokens == [1]
 
 
 def test_suffix_follows_the_most_frequent_continuation_while_confident():
@@ -49,13 +61,13 @@ def test_suffix_follows_the_most_frequent_continuation_while_confident():
     for response in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 7]):
         cache.add("t", b"", response)
     proposer = SuffixProposer(cache, "t", b"", min_token_prob=0.5, spec_factor=1.0)
-    match = proposer.propose([8, 2, 3, 4], 8)
+    match = propose(proposer, [8, 2, 3, 4], 8)
     # Pattern "2 3 4" (3 tokens, so at most 3 proposed): 5 follows in 2 of 3 occurrences,
     # then the two that agree go on with 6.
     assert match.tokens == [5, 6]
     assert match.confidence == pytest.approx([2 / 3, 1.0])
     # A stricter running-probability floor stops before the 2-of-3 token.
-    assert SuffixProposer(cache, "t", b"", min_token_prob=0.7).propose([8, 2, 3, 4], 8).tokens == []
+    assert propose(SuffixProposer(cache, "t", b"", min_token_prob=0.7), [8, 2, 3, 4], 8).tokens == []
 
 
 def test_suffix_draft_length_follows_the_pattern_length():
@@ -79,16 +91,16 @@ def test_suffix_cache_stays_within_its_budget_oldest_out():
 def test_suffix_cache_keeps_tenants_apart():
     cache = SuffixCache(max_tokens=1000)
     cache.add("alice", b"", [1, 2, 3, 4, 5, 6, 7])
-    assert SuffixProposer(cache, "alice", b"").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
-    assert SuffixProposer(cache, "bob", b"").propose([9, 1, 2, 3], 4).tokens == []
+    assert propose(SuffixProposer(cache, "alice", b""), [9, 1, 2, 3], 4).tokens == [4, 5, 6]
+    assert propose(SuffixProposer(cache, "bob", b""), [9, 1, 2, 3], 4).tokens == []
 
 
 def test_suffix_cache_keeps_salts_apart_within_a_tenant():
     cache = SuffixCache(max_tokens=1000)
     cache.add("acme", b"user-x", [1, 2, 3, 4, 5, 6, 7])
-    assert SuffixProposer(cache, "acme", b"user-x").propose([9, 1, 2, 3], 4).tokens == [4, 5, 6]
-    assert SuffixProposer(cache, "acme", b"user-y").propose([9, 1, 2, 3], 4).tokens == []
-    assert SuffixProposer(cache, "acme", b"").propose([9, 1, 2, 3], 4).tokens == []
+    assert propose(SuffixProposer(cache, "acme", b"user-x"), [9, 1, 2, 3], 4).tokens == [4, 5, 6]
+    assert propose(SuffixProposer(cache, "acme", b"user-y"), [9, 1, 2, 3], 4).tokens == []
+    assert propose(SuffixProposer(cache, "acme", b""), [9, 1, 2, 3], 4).tokens == []
 
 
 
@@ -129,15 +141,18 @@ def test_within_a_tenant_the_largest_salt_gives_up_its_oldest():
 # -- the hybrid choice --------------------------------------------------------------------------
 
 
-class Fixed:
+class Fixed(GatewayProposer):
     """A proposer that always proposes the same match (the choice is what is tested)."""
 
     def __init__(self, name: str, tokens: list[int], confidence: list[float] | None) -> None:
         self.name, self.tokens, self.confidence = name, tokens, confidence
 
-    def propose(self, committed, max_tokens):
-        from gateway.proposers.modelfree import Match
-        return Match(self.name, self.tokens[:max_tokens], self.confidence and self.confidence[:max_tokens])
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        confidence = None if self.confidence is None else tuple(self.confidence[:max_tokens])
+        return self.proposal(self.tokens[:max_tokens], confidence)
+
+    def index(self, committed) -> None:
+        pass
 
 
 def measured_costs() -> StepCosts:
@@ -154,14 +169,14 @@ def test_a_confident_match_beats_the_model_draft_and_a_weak_one_does_not():
     free = StepCosts()
     confident = Fixed(SUFFIX, list(range(8)), [1.0] * 8)
     choice = HybridChoice([confident], costs, lambda name: free, model_alpha=lambda: 0.6)
-    assert choice.choose([1, 2, 3], 8, model_gamma=4).tokens == list(range(8))
+    assert choose(choice, [1, 2, 3], 8, model_gamma=4).tokens == list(range(8))
     weak = Fixed(SUFFIX, list(range(8)), [0.3] + [0.5] * 7)
     choice = HybridChoice([weak], costs, lambda name: free, model_alpha=lambda: 0.8)
-    assert choice.choose([1, 2, 3], 8, model_gamma=4) is None
+    assert choose(choice, [1, 2, 3], 8, model_gamma=4) is None
     # Against a plain step (no model draft) the weak match pays, cut where tokens per ms
     # peak: E = 1.3, 1.45, 1.525, 1.5625 over 10.5, 11, 11.5, 12 ms → 3 tokens.
     choice = HybridChoice([weak], costs, lambda name: free, model_alpha=lambda: 0.0)
-    assert choice.choose([1, 2, 3], 8, model_gamma=0).tokens == [0, 1, 2]
+    assert choose(choice, [1, 2, 3], 8, model_gamma=0).tokens == [0, 1, 2]
 
 
 def test_prompt_lookup_confidence_is_learned_from_its_own_steps():
@@ -169,16 +184,16 @@ def test_prompt_lookup_confidence_is_learned_from_its_own_steps():
     lookup = Fixed(PROMPT_LOOKUP, list(range(8)), None)
     choice = HybridChoice([lookup], costs, lambda name: StepCosts(), model_alpha=lambda: 0.9)
     # The prior (0.5): 1.875 tokens in 11.5 ms at best, against the draft's 4.1 in 20 ms.
-    assert choice.choose([1], 8, model_gamma=4) is None
+    assert choose(choice, [1], 8, model_gamma=4) is None
     for _ in range(10):
         choice.observe(PROMPT_LOOKUP, 8, 8)  # ...until its matches keep being accepted
-    assert choice.choose([1], 8, model_gamma=4).tokens == list(range(8))
+    assert choose(choice, [1], 8, model_gamma=4).tokens == list(range(8))
 
 
 def test_a_forced_proposer_under_fixed_proposes_gamma_tokens():
     choice = HybridChoice([Fixed(SUFFIX, list(range(8)), [0.2] * 8)], StepCosts(), lambda name: StepCosts(),
                           model_alpha=lambda: 0.9, fixed=3)
-    assert choice.choose([1], 8, model_gamma=0).tokens == [0, 1, 2]
+    assert choose(choice, [1], 8, model_gamma=0).tokens == [0, 1, 2]
 
 
 # -- through the services -----------------------------------------------------------------------

@@ -60,10 +60,14 @@ class Proposal:
     pre_draft_asked: bool = False  # this proposal asked the draft to pre-draft the next step
     proposer: Proposer | None = None  # None: nobody proposed
     in_hand: bool = False  # made by the last step's recovery hop
+    # A model-free proposer's estimate, for each token, that the target agrees (None: it has
+    # no such figure, and the gateway learns one): what the hybrid choice prices a match by.
+    confidence: tuple[float, ...] | None = None
 
     def prefix(self, gamma: int) -> Proposal:
         """The first γ tokens (a proposal made for a longer γ than the step's)."""
-        return replace(self, tokens=self.tokens[:gamma], token_probs=self.token_probs[:gamma])
+        confidence = None if self.confidence is None else self.confidence[:gamma]
+        return replace(self, tokens=self.tokens[:gamma], token_probs=self.token_probs[:gamma], confidence=confidence)
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,14 @@ class Recovered:
 
 class Proposer(Protocol):
     """Whatever makes proposals: the draft model, or a model-free proposer. The engine asks a
-    proposal's proposer for the two parts of a step that depend on who proposed."""
+    proposer for a proposal, and the proposal's proposer for the two parts of a step that
+    depend on who proposed."""
 
     name: str  # the draft model's name, or the model-free proposer's (`specd.contract.MODEL_FREE`)
+
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        """Up to `max_tokens` tokens to follow `context.committed` (none: nothing to propose)."""
+        ...
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
                       context: StepContext, next_gamma: int) -> Recovered:
@@ -102,11 +111,11 @@ class DraftClient(Protocol):
 
     last_exchange_bytes: int  # request + response bytes of the last hop
 
-    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
-                      pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> steps.Proposal:
+    async def draft(self, committed: list[int], request: DraftRequest, draft_model: str, carrier: dict[str, str],
+                    pre_draft: PreDraftRequest | None = None, recovery: Recovery | None = None) -> steps.DraftReply:
         """Up to γ draft tokens after `committed`, with qᵢ(xᵢ) unless greedy; DraftSkipped when
         the draft cannot answer this step in time. With `recovery`, the recovered token at
-        the end of `committed` first (`specd.steps.Proposal.recovered`), which the tokens follow."""
+        the end of `committed` first (`specd.steps.DraftReply.recovered`), which the tokens follow."""
         ...
 
     def advance(self, position: int) -> None:
@@ -142,10 +151,11 @@ class DraftModelProposer:
         # step that takes another proposer's proposal, or none, leaves it unused.
         self._in_hand: tuple[int, Proposal] | None = None
 
-    async def propose(self, gamma: int, context: StepContext) -> Proposal:
-        """Up to γ draft tokens after the committed ones: the proposal in hand when the last
-        step's recovery hop drafted one for this step (for at most its γ: a prefix), else a
-        draft hop. DraftSkipped or WorkerError as `DraftClient.propose`."""
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        """Up to γ = `max_tokens` draft tokens after the committed ones: the proposal in hand
+        when the last step's recovery hop drafted one for this step (for at most its γ: a
+        prefix), else a draft hop. DraftSkipped or WorkerError as `DraftClient.draft`."""
+        gamma = max_tokens
         in_hand, self._in_hand = self._in_hand, None
         if in_hand is not None and in_hand[0] == context.index:
             return in_hand[1].prefix(gamma)
@@ -157,7 +167,7 @@ class DraftModelProposer:
             # The next step most likely asks for the same γ (a shorter one takes a prefix).
             next_seed = 0 if transform.greedy else draft_seed(request.seed, context.index + 1)
             pre_draft = PreDraftRequest(gamma, next_seed)
-        reply = await self.client.propose(context.committed, self._draft_request(gamma, seed), self.name,
+        reply = await self.client.draft(context.committed, self._draft_request(gamma, seed), self.name,
                                           context.carrier, pre_draft)
         return self._proposal(reply, began, pre_draft)
 
@@ -179,7 +189,7 @@ class DraftModelProposer:
                      if request.overlap and gamma else None)
         self.client.advance(len(kept))  # it holds the accepted tokens; the rest of its proposal is stale
         drafting = time.perf_counter()
-        reply = await self.client.propose(kept, self._draft_request(gamma, seed), self.name, context.carrier,
+        reply = await self.client.draft(kept, self._draft_request(gamma, seed), self.name, context.carrier,
                                           pre_draft, Recovery(verdict.rejected_row, draws.final))
         assert reply.recovered is not None  # the link checks that a recovery was answered
         if reply.tokens:  # none when γ = 0, or the recovered token is one the draft cannot feed
@@ -200,7 +210,7 @@ class DraftModelProposer:
         return DraftRequest(gamma, request.transform, seed, request.min_confidence, self.vocab_size,
                             request.grammar)
 
-    def _proposal(self, reply: steps.Proposal, began: float, pre_draft: PreDraftRequest | None,
+    def _proposal(self, reply: steps.DraftReply, began: float, pre_draft: PreDraftRequest | None,
                   in_hand: bool = False) -> Proposal:
         """The draft's reply as the step's proposal; `began`: when its hop started."""
         return Proposal(reply.tokens, reply.token_probs, (time.perf_counter() - began) * 1e3, reply.forward_ms,

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import replace
+from typing import Protocol
 
-from gateway.proposers.base import Proposal, Proposer
+from gateway.proposers.base import Proposal, Proposer, StepContext
 from gateway.stats.costmodel import CostEstimate, StepCosts, expected_tokens
 from specd.contract import PROMPT_LOOKUP
-
-if TYPE_CHECKING:  # the proposers themselves load torch (a rejection's one-hot q); the choice does not
-    from gateway.proposers.modelfree import Match
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
 PRIORS = {PROMPT_LOOKUP: 0.5}
@@ -47,12 +45,8 @@ VERIFY_PER_TOKEN, DRAFT_PER_TOKEN = 0.05, 0.2
 
 
 class ModelFreeProposer(Proposer, Protocol):
-    """A proposer in the gateway (`gateway.proposers.modelfree`): what the choice asks of it, beside
-    what the engine asks of every proposer."""
-
-    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
-        """Up to max_tokens tokens to follow `committed` (none when nothing matches)."""
-        ...
+    """A proposer in the gateway (`gateway.proposers.modelfree`): what the choice asks of it,
+    beside what the engine asks of every proposer."""
 
     def index(self, committed: Sequence[int]) -> None:
         """Take in the tokens of `committed` not seen yet, proposing nothing."""
@@ -121,41 +115,41 @@ class HybridChoice:
         the request's first step: its first steps are not quiet)."""
         return self._since_paid >= QUIET_STEPS
 
-    def choose(self, committed: Sequence[int], max_tokens: int, model_gamma: int) -> Proposal | None:
-        """The match this step should verify, as the step's proposal, or None: the model
-        draft (at model_gamma) or a plain step does better."""
+    async def choose(self, context: StepContext, max_tokens: int, model_gamma: int) -> Proposal | None:
+        """The match this step should verify, as the step's proposal (with the time all the
+        lookups took), or None: the model draft (at model_gamma) or a plain step does better."""
         if max_tokens <= 0:
             return None
         began = time.perf_counter()
         # Every length's step cost at once: one fit of the measured lines per step, not one
         # per length priced ([] before any measurement: the priors price them).
         estimates = self.costs.estimates(range(max(max_tokens, model_gamma) + 1))
-        best: tuple[float, ModelFreeProposer, list[int]] | None = None
+        best: tuple[float, Proposal] | None = None
         for proposer in self.proposers:
-            match = proposer.propose(committed, max_tokens)
+            match = await proposer.propose(context, max_tokens)
             if not match.tokens:
                 continue
             if self.fixed is not None:
-                return _proposal(proposer, match.tokens[: self.fixed], began)
-            rate, length = self._best_cut(match, estimates)
+                return _timed(match.prefix(self.fixed), began)
+            rate, length = self._best_cut(proposer.name, match, estimates)
             if best is None or rate > best[0]:
-                best = (rate, proposer, match.tokens[:length])
+                best = (rate, match.prefix(length))
         if best is None or best[0] <= self._model_rate(model_gamma, estimates):
             return None
-        return _proposal(best[1], best[2], began)
+        return _timed(best[1], began)
 
-    def _rates(self, match: Match) -> list[float]:
-        learned = self._acceptance[match.proposer].alpha
+    def _rates(self, proposer: str, match: Proposal) -> list[float]:
+        learned = self._acceptance[proposer].alpha
         if match.confidence is None:
             return [learned] * len(match.tokens)
         return [min(share, learned) for share in match.confidence]
 
-    def _best_cut(self, match: Match, estimates: list[CostEstimate]) -> tuple[float, int]:
+    def _best_cut(self, proposer: str, match: Proposal, estimates: list[CostEstimate]) -> tuple[float, int]:
         """The best expected tokens per ms over the match's prefixes, and that prefix's length."""
-        draft_ms = self.proposer_costs(match.proposer).draft_ms_per_token() if self.timed else 0.0
+        draft_ms = self.proposer_costs(proposer).draft_ms_per_token() if self.timed else 0.0
         best_rate, best_length = 0.0, 0
         tokens, survive = 1.0, 1.0  # E[tokens] of the prefix so far, and P(all of it accepted)
-        for length, rate in enumerate(self._rates(match), start=1):
+        for length, rate in enumerate(self._rates(proposer, match), start=1):
             survive *= rate
             tokens += survive
             step = (estimates[length].verify_ms + draft_ms * length if estimates
@@ -172,8 +166,6 @@ class HybridChoice:
         return tokens / estimates[gamma].step_ms
 
 
-def _proposal(proposer: ModelFreeProposer, tokens: list[int], began: float) -> Proposal:
-    """A match as the step's proposal: q(x) = 1 for each token, since the match is
-    deterministic (its proposer builds the one-hot row a rejection needs), and the time
-    since `began` (the lookups) as what it cost."""
-    return Proposal(tokens, (1.0,) * len(tokens), (time.perf_counter() - began) * 1e3, proposer=proposer)
+def _timed(match: Proposal, began: float) -> Proposal:
+    """The match with what it cost: the time since `began` (every proposer's lookup)."""
+    return replace(match, ms=(time.perf_counter() - began) * 1e3)

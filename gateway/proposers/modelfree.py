@@ -30,9 +30,9 @@ proposal a step takes is `gateway.proposers.hybrid`'s choice.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -43,16 +43,6 @@ from specd.rejection import Draws, TargetVerdict, finish_verdict
 ANCHOR = 3  # tokens of the n-gram an occurrence is indexed by: the shortest suffix match
 MAX_PATTERN = 32  # how far back a match is measured
 MAX_OCCURRENCES = 32  # most recent occurrences kept per anchor (older ones are the likeliest stale)
-
-
-@dataclass(frozen=True)
-class Match:
-    """A model-free proposal: the tokens, and for each the proposer's confidence that the
-    target agrees (None: the proposer has no such figure; the gateway learns one)."""
-
-    proposer: str
-    tokens: list[int]
-    confidence: list[float] | None = None
 
 
 class TokenIndex:
@@ -220,9 +210,9 @@ class SuffixCache:
             return index.occurrences(context) if index is not None else []
 
 
-class GatewayProposer:
-    """What a proposer running in the gateway does once its proposal is made
-    (`gateway.proposers.base.Proposer`).
+class GatewayProposer(ABC):
+    """A proposer running in the gateway (`gateway.proposers.base.Proposer`): each kind makes
+    its proposals its own way, and does alike what follows.
 
     Its proposal is deterministic, so q is one-hot and the gateway holds it: the recovered
     token is drawn here. It holds no session anywhere and reads the committed tokens afresh
@@ -230,6 +220,14 @@ class GatewayProposer:
     """
 
     name: str
+
+    @abstractmethod
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        """Up to `max_tokens` tokens that follow `context.committed` somewhere this proposer looks."""
+
+    @abstractmethod
+    def index(self, committed: Sequence[int]) -> None:
+        """Take in the tokens of `committed` not seen yet, proposing nothing."""
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
                       context: StepContext, next_gamma: int) -> Recovered:
@@ -247,6 +245,13 @@ class GatewayProposer:
 
     def settle(self, proposal: Proposal, position: int) -> None:
         """Nothing to settle."""
+        return None
+
+    def proposal(self, tokens: list[int], confidence: tuple[float, ...] | None = None) -> Proposal:
+        """A match as a proposal: q(x) = 1 for each token, since the match is deterministic
+        (`recover` builds the one-hot row a rejection needs). What the lookups cost is the
+        hybrid choice's to time, over all the request's proposers."""
+        return Proposal(tokens, (1.0,) * len(tokens), proposer=self, confidence=confidence)
 
 
 class PromptLookup(GatewayProposer):
@@ -270,14 +275,14 @@ class PromptLookup(GatewayProposer):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._after[tuple(tokens[end - n:end])] = end
 
-    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
-        self.index(committed)
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        self.index(context.committed)
         tokens = self._tokens
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             after = self._after.get(tuple(tokens[-n:]))
             if after is not None:
-                return Match(self.name, tokens[after:after + max_tokens])
-        return Match(self.name, [])
+                return self.proposal(tokens[after:after + max_tokens])
+        return self.proposal([])
 
 
 class SuffixProposer(GatewayProposer):
@@ -297,10 +302,11 @@ class SuffixProposer(GatewayProposer):
         own = self._own.sequences.get(0, [])
         self._own.extend(0, committed[len(own):])
 
-    def propose(self, committed: Sequence[int], max_tokens: int) -> Match:
+    async def propose(self, context: StepContext, max_tokens: int) -> Proposal:
+        committed = context.committed
         self.index(committed)
         found = self._own.occurrences(committed)
         if self.cache is not None:
             found += self.cache.occurrences(self.tenant, self.salt, committed)
         tokens, shares, _ = follow(found, max_tokens, self.min_token_prob, self.spec_factor)
-        return Match(self.name, tokens, shares)
+        return self.proposal(tokens, tuple(shares))

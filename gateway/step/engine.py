@@ -155,14 +155,14 @@ class _Speculation:
         """Where the request stands as this step begins, for its proposer."""
         return StepContext(self.steps, self.committed, self.request.max_new_tokens - self.generated, carrier)
 
-    def propose_match(self, gamma: int, max_tokens: int) -> Proposal | None:
+    async def propose_match(self, gamma: int, max_tokens: int, carrier: dict[str, str]) -> Proposal | None:
         """A model-free proposal (up to max_tokens) when one beats the model draft at γ
         (`gateway.proposers.hybrid`)."""
         if self.hybrid is None or self.blind:
             return None
         room = self.bounds.target_context - len(self.committed) - 1
         remaining = self.request.max_new_tokens - self.generated - 1
-        return self.hybrid.choose(self.committed, min(max_tokens, room, remaining), gamma)
+        return await self.hybrid.choose(self.context(carrier), min(max_tokens, room, remaining), gamma)
 
     async def within_grammar(self, proposal: Proposal) -> tuple[Proposal, torch.Tensor | None]:
         """The proposal kept up to and with its first token the request's grammar forbids (a
@@ -184,7 +184,7 @@ class _Speculation:
         if gamma == 0 or self.draft is None:
             return self.no_proposal
         try:
-            return await self.draft.propose(gamma, self.context(carrier))
+            return await self.draft.propose(self.context(carrier), gamma)
         except DraftSkipped as exc:
             log.info("%s", exc)
             return self.no_proposal
@@ -359,7 +359,7 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
         carrier = tracer.begin_step(speculation.steps)
         speculation.cap = policy.cap_in_force()
         speculation.longest = max_model_free if speculation.cap is None else min(max_model_free, speculation.cap[0])
-        proposal = (speculation.propose_match(gamma, speculation.longest)
+        proposal = (await speculation.propose_match(gamma, speculation.longest, carrier)
                     or await speculation.propose(gamma, carrier))
         proposal, allowed = await speculation.within_grammar(proposal)
         verdict = await speculation.decide(proposal, carrier, allowed)

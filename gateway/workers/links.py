@@ -38,7 +38,7 @@ from gateway.workers.router import prefix_keys
 from gateway.workers.streams import StepFailed, WorkerStream
 from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
-from specd.steps import DraftRequest, ModelInfo, PreDraftRequest, Proposal, Recovery, Scores
+from specd.steps import DraftReply, DraftRequest, ModelInfo, PreDraftRequest, Recovery, Scores
 from specd.v1 import worker_pb2
 from specd.wire import (
     allowed_to_bytes,
@@ -271,14 +271,14 @@ class WorkerLink:
 class DraftLink(WorkerLink):
     """Asks the draft service for proposals."""
 
-    async def propose(self, committed: list[int], request: DraftRequest, draft_model: str,
-                      trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None,
-                      recovery: Recovery | None = None) -> Proposal:
+    async def draft(self, committed: list[int], request: DraftRequest, draft_model: str,
+                    trace_carrier: dict[str, str], pre_draft: PreDraftRequest | None = None,
+                    recovery: Recovery | None = None) -> DraftReply:
         """One proposal; with pre_draft, the draft then pre-drafts the next step (overlap).
 
         With `recovery` (the last step rejected this draft's token at the end of `committed`),
         the draft first samples the recovered token from its q there, and the proposal
-        follows it (`Proposal.recovered`). Only the draft holds that q, so this step is not
+        follows it (`DraftReply.recovered`). Only the draft holds that q, so this step is not
         skipped when the draft is slow: it is asked again (the session re-opened, on another
         draft if there is one; after a pause when the draft is full) and fails with
         UNAVAILABLE when no draft answers.
@@ -326,7 +326,7 @@ class DraftLink(WorkerLink):
             asked = "asked" if recovery is not None else "not asked"
             raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} was {asked} for a recovered token, and "
                                                         f"{'sent none' if recovered is None else 'sent one'}")
-        return Proposal(list(response.draft_tokens), None, response.forward_ms,
+        return DraftReply(list(response.draft_tokens), None, response.forward_ms,
                         tuple(response.draft_token_probs), batch_from_pb(response.batch),
                         pre_drafted=response.pre_drafted, recovered=recovered)
 
