@@ -13,7 +13,8 @@ import logging
 from gateway.core import GatewayCore
 from gateway.edge.auth import ApiKeyInterceptor, KeyRing, TenantQuota
 from gateway.edge.connections import EdgeLimits, default_max_connections
-from gateway.edge.http import HttpServer, OpenAIApp
+from gateway.edge.http import OpenAIApp
+from gateway.edge.httpserver import HttpServer
 from gateway.edge.liveness import watch_verifiers
 from gateway.edge.metrics import start_metrics_server
 from gateway.edge.servicer import GatewayServicer

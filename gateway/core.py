@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class RequestSummary:
     """What speculation did for one request, reported when it ends. Field for field the
     public API's `GenerationStats` (proto/specd/v1/gateway.proto says what each means):
-    `gateway.edge.servicer` renders it as that message, `gateway.edge.http` as the JSON `usage`."""
+    `gateway.edge.servicer` renders it as that message, `gateway.edge.replies` as the JSON `usage`."""
 
     steps: int
     proposed_tokens: int

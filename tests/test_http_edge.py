@@ -366,7 +366,7 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
     seen = []
     loop.set_exception_handler(lambda loop, context: seen.append(context["message"]))
     quiet_accept_errors(loop)
-    caplog.set_level("ERROR", logger="gateway.edge.http")
+    caplog.set_level("ERROR", logger="gateway.edge.connections")
     for _ in range(500):
         loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                      "exception": OSError(24, "Too many open files")})

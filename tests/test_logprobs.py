@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import LoopThread, request, start_stack
 from gateway.app import create_server as create_gateway
-from gateway.edge.http import _Logprobs
+from gateway.edge.replies import Logprobs
 from gateway.settings import GatewaySettings
 from gateway.step.engine import TokenLogprob
 from gateway.step.text import token_bytes
@@ -164,7 +164,7 @@ def test_a_tokens_bytes_are_its_own_not_its_texts(tokenizer, family):
 def test_chat_logprob_entries_carry_each_tokens_bytes(tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     entries = tuple(TokenLogprob(token, -0.1, ((token, -0.1), (ids[0], -2.0))) for token in ids)
-    content = _Logprobs(tokenizer, chat=True).render(0, entries)["content"]
+    content = Logprobs(tokenizer, chat=True).render(0, entries)["content"]
     assert bytes(b for entry in content for b in entry["bytes"]) == TEXT.encode("utf-8")
     assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
     assert {tuple(entry["top_logprobs"][1]["bytes"]) for entry in content} == {(TEXT.encode("utf-8")[0],)}

@@ -99,17 +99,17 @@ def test_serve_a_gguf_target_with_no_draft_chats_as_generate_does(gguf_target, t
 def test_a_request_that_leaves_a_sampling_field_unset_takes_the_models_default():
     """generation_config.json's sampling fields, as vLLM's --generation-config auto applies
     them: what the request sets wins, then the model's, then OpenAI's."""
-    from gateway.edge.http import _sampling
+    from gateway.edge.fields import read_sampling
     from gateway.workers.backend import sampling_defaults
 
     files = {"generation_config.json": json.dumps({"temperature": 0.6, "top_p": 0.9, "do_sample": True,
                                                    "eos_token_id": [2, 7]}).encode()}
     model = sampling_defaults(files)
     assert model == {"temperature": 0.6, "top_p": 0.9}
-    unset = _sampling({}, None, model)
+    unset = read_sampling({}, None, model)
     assert (unset["temperature"], unset["top_p"], unset["top_k"]) == (0.6, 0.9, 0)
-    assert _sampling({"temperature": 0, "top_p": 1}, None, model)["temperature"] == 0
-    assert _sampling({}, None, {})["temperature"] == 1.0
+    assert read_sampling({"temperature": 0, "top_p": 1}, None, model)["temperature"] == 0
+    assert read_sampling({}, None, {})["temperature"] == 1.0
     assert sampling_defaults({}) == {} and sampling_defaults({"generation_config.json": b"not json"}) == {}
 
 

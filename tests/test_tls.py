@@ -286,7 +286,7 @@ def test_https_takes_renewed_certificate_files_without_a_restart(secure, pki, tm
     import time
     import urllib.request
 
-    from gateway.edge import http as http_module
+    from gateway.edge import httpserver as http_module
 
     swap_in({"server.pem": pki["server.pem"], "server-key.pem": pki["server-key.pem"]}, tmp_path)
     loop = LoopThread()

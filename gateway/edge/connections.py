@@ -1,6 +1,6 @@
 """The HTTP port's connection limits, which uvicorn lacks and a public edge needs
 (docs/http.md, "Limits"): a deadline for a request's headers, a cap on open connections,
-and accept() failures logged once per interval. `gateway.edge.http` serves through
+and accept() failures logged once per interval. `gateway.edge.httpserver` serves through
 `edge_protocol`."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import grpc
 
 from gateway.core import Chunk, GatewayCore, RequestSummary
 from gateway.edge.choices import choice_requests, merged
-from gateway.edge.http import HttpServer
+from gateway.edge.httpserver import HttpServer
 from gateway.grammar import StructureSpec
 from gateway.policy.loadcap import LoadCap
 from gateway.request import ClientRequest, Mode
