@@ -59,12 +59,12 @@ class ClientRequest:
     structure: StructureSpec | None = None  # what the output must match
     cache_salt: str = ""  # vLLM's: prefix cache hits only among requests with the same salt
     mode: str = Mode.AUTO.value  # a `Mode` value
-    draft_length: int = 0
-    min_draft_length: int = 0
-    max_draft_length: int = 0
+    draft_length: int | None = None  # None: the gateway's --draft-length (γ of FIXED, EMA's first)
+    min_draft_length: int | None = None  # None: the task's bound
+    max_draft_length: int | None = None  # None: the task's bound (a model-free proposal's: --max-draft-length)
     draft_model: str = ""
     policy: str = ""
-    min_draft_confidence: float = 0.0
+    min_draft_confidence: float | None = None  # None: the gateway's --min-draft-confidence
     overlap: bool | None = None  # None: the gateway's --overlap
     task_type: str = ""
     user_segment: str = ""  # the caller's principal when the gateway has API keys

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from gateway.errors import InvalidRequest
 from gateway.grammar import structure_grammar
@@ -22,6 +23,8 @@ from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from gateway.workers.backend import Backend
 from specd.errors import clip
 from specd.sampling import MAX_LOGPROBS, Transform
+
+T = TypeVar("T")
 
 
 def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySettings,
@@ -67,7 +70,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     seed = request.seed if request.seed is not None else secrets.randbits(63)
     overlap = settings.overlap if request.overlap is None else request.overlap
     # The confidence policy's threshold is carried out by the draft, inside each step.
-    min_confidence = ((request.min_draft_confidence or settings.default_min_confidence)
+    min_confidence = (_given(request.min_draft_confidence, settings.default_min_confidence)
                       if policy == "confidence" and draft_model else 0.0)
     # Penalties count output tokens from where the prompt ends; until min_tokens, no token
     # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
@@ -94,13 +97,19 @@ def _draft_lengths(request: ClientRequest, settings: GatewaySettings, task_type:
     that pays (`gateway.proposers.hybrid`). Per step, the engine bounds γ further by the tokens left
     and the context, and AUTO by the load cap (`gateway.step.engine`, `gateway.policy.loadcap`).
     """
-    draft_length = request.draft_length or settings.default_draft_length
+    draft_length = _given(request.draft_length, settings.default_draft_length)
     prior = settings.task_profiles.get(task_type) or settings.task_profiles.get(GENERAL, DEFAULT_PROFILES[GENERAL])
-    highest = min(request.max_draft_length or prior.max_draft_length, settings.max_draft_length)
-    lowest = min(request.min_draft_length or prior.min_draft_length, highest)
-    profile = TaskProfile(prior.prior_alpha, max(lowest, 1), max(highest, 1))
-    model_free_max = (request.max_draft_length or settings.max_draft_length) if mode is Mode.AUTO else draft_length
+    max_draft_length = min(_given(request.max_draft_length, prior.max_draft_length), settings.max_draft_length)
+    min_draft_length = min(_given(request.min_draft_length, prior.min_draft_length), max_draft_length)
+    profile = TaskProfile(prior.prior_alpha, max(min_draft_length, 1), max(max_draft_length, 1))
+    model_free_max = (_given(request.max_draft_length, settings.max_draft_length) if mode is Mode.AUTO
+                      else draft_length)
     return draft_length, profile, model_free_max
+
+
+def _given(value: T | None, default: T) -> T:
+    """A request's value, or the default where the client left it unset (None)."""
+    return default if value is None else value
 
 
 def cache_salt(settings: GatewaySettings, user_segment: str, own: str) -> bytes:
@@ -218,10 +227,10 @@ def _speculation(request: ClientRequest, settings: GatewaySettings, problems: li
     if mode is None:
         problems.append(f"unknown speculation mode {clip(request.mode)}; use one of {[m.value for m in Mode]}")
     for name in ("draft_length", "min_draft_length", "max_draft_length"):
-        if getattr(request, name) > settings.max_draft_length:
-            problems.append(f"{name}={getattr(request, name)} exceeds this gateway's maximum of "
-                            f"{settings.max_draft_length}")
-    if request.min_draft_length > (request.max_draft_length or settings.max_draft_length):
+        value = getattr(request, name)
+        if value is not None and value > settings.max_draft_length:
+            problems.append(f"{name}={value} exceeds this gateway's maximum of {settings.max_draft_length}")
+    if _given(request.min_draft_length, 0) > _given(request.max_draft_length, settings.max_draft_length):
         problems.append("min_draft_length must not exceed max_draft_length")
     policy = request.policy or (settings.auto_policy if mode is Mode.AUTO else "fixed")
     if mode is Mode.FIXED and policy != "fixed":
@@ -229,7 +238,7 @@ def _speculation(request: ClientRequest, settings: GatewaySettings, problems: li
                         f"draft_length tokens every step")
     elif policy not in POLICIES:
         problems.append(f"unknown policy {clip(request.policy)}; use one of {list(POLICIES)}")
-    if not 0.0 <= request.min_draft_confidence < 1.0:
+    if request.min_draft_confidence is not None and not 0.0 <= request.min_draft_confidence < 1.0:
         problems.append(f"min_draft_confidence must be in [0, 1), got {request.min_draft_confidence}")
     return mode, policy
 

@@ -149,12 +149,13 @@ def _speculation(body: dict[str, Any]) -> dict[str, Any]:
         raise HttpError(400, f"unknown speculation fields {unknown}; known: {sorted(_SPECULATION)}",
                         param="speculation")
     mode = read_typed(spec, "mode", (str,), Mode.AUTO.value, "a string").lower()
-    return {"mode": mode, "draft_length": read_integer(spec, "draft_length", 0),
-            "min_draft_length": read_integer(spec, "min_draft_length", 0),
-            "max_draft_length": read_integer(spec, "max_draft_length", 0),
+    return {"mode": mode, "draft_length": read_integer(spec, "draft_length", None),
+            "min_draft_length": read_integer(spec, "min_draft_length", None),
+            "max_draft_length": read_integer(spec, "max_draft_length", None),
             "draft_model": read_typed(spec, "draft_model", (str,), "", "a string"),
             "policy": read_typed(spec, "policy", (str,), "", "a string"),
-            "min_draft_confidence": _number(spec, "min_draft_confidence", 0.0),
+            "min_draft_confidence": (None if spec.get("min_draft_confidence") is None
+                                     else _number(spec, "min_draft_confidence", 0.0)),
             "overlap": read_typed(spec, "overlap", (bool,), None, "true or false")}
 
 

@@ -72,9 +72,10 @@ def client_request_from_pb(request: gateway_pb2.GenerateRequest) -> ClientReques
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         structure=structure_from_pb(sampling.structured),
         mode=mode.value if mode is not None else str(speculation.mode),
-        draft_length=speculation.draft_length, min_draft_length=speculation.min_draft_length,
-        max_draft_length=speculation.max_draft_length, draft_model=speculation.draft_model,
-        policy=speculation.policy, min_draft_confidence=speculation.min_draft_confidence,
+        # proto3 cannot tell 0 from unset: a γ field of 0 is unset, as the API says.
+        draft_length=speculation.draft_length or None, min_draft_length=speculation.min_draft_length or None,
+        max_draft_length=speculation.max_draft_length or None, draft_model=speculation.draft_model,
+        policy=speculation.policy, min_draft_confidence=speculation.min_draft_confidence or None,
         overlap=speculation.overlap if speculation.HasField("overlap") else None,
         task_type=request.task_type, user_segment=request.user_segment, cache_salt=request.cache_salt)
 
