@@ -29,6 +29,7 @@ The core's modules:
     config        the settings every service shares: where it listens, TLS, default ports, demo models
     flags         settings declared once: a settings field's flag, help and default (`setting`)
     grammars      compiled grammars cached by text, and llguidance's limits: the gateway's and the draft's
+    prefixkeys    the prefix-cache key chain of a sequence's blocks: the workers' KV store and the router's
     worker        the workers' model runtime (specd/worker/__init__.py maps it)
     v1            generated protobuf code (proto/specd/v1; scripts/gen_proto.py)
 

@@ -42,7 +42,6 @@ directly from the event loop while the watcher thread calls `set_endpoints`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -50,18 +49,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from specd.prefixkeys import prompt_keys
+
 log = logging.getLogger(__name__)
 
 # How long an endpoint that failed a session is avoided for new sessions, unless it is
 # the only one left. Outside Kubernetes nothing else reports a dead static address.
 DEFAULT_SUSPECT_S = 5.0
-# Prefix-aware placement: the prompt's leading blocks of this many tokens are keyed (the
-# workers' KV block size), each endpoint remembers the keys of the prompts it was given
-# (at most this many, least recently placed first out), and a new session follows its
-# longest match unless that endpoint would carry more than LOAD_SLACK × the mean load
-# plus LOAD_ROOM sessions (a relative and an absolute threshold, as SGLang's cache-aware
-# router has: with few sessions the cache wins, with many the load is bounded).
-PREFIX_BLOCK_TOKENS = 16
+# Prefix-aware placement: the prompt's leading full blocks are keyed as the workers key
+# their KV blocks (`specd.prefixkeys`: the same bytes and block size), each endpoint
+# remembers the keys of the prompts it was given (at most this many, least recently
+# placed first out), and a new session follows its longest match unless that endpoint
+# would carry more than LOAD_SLACK × the mean load plus LOAD_ROOM sessions (a relative
+# and an absolute threshold, as SGLang's cache-aware router has: with few sessions the
+# cache wins, with many the load is bounded).
 PREFIX_KEYS_PER_ENDPOINT = 1 << 16
 LOAD_SLACK = 1.25
 LOAD_ROOM = 4
@@ -69,13 +70,9 @@ LOAD_ROOM = 4
 
 def prefix_keys(salt: bytes, tokens: Sequence[int]) -> list[bytes]:
     """Keys of a prompt's full leading blocks, each chained over those before it and the
-    salt (so two tenants' equal prompts never share a key, as on the workers)."""
-    keys, before = [], hashlib.blake2b(salt, digest_size=16).digest()
-    for end in range(PREFIX_BLOCK_TOKENS, len(tokens), PREFIX_BLOCK_TOKENS):
-        block = ",".join(map(str, tokens[end - PREFIX_BLOCK_TOKENS:end])).encode()
-        before = hashlib.blake2b(before + block, digest_size=16).digest()
-        keys.append(before)
-    return keys
+    salt (so two tenants' equal prompts never share a key): the keys the workers' prefix
+    cache gives the same blocks (`specd.prefixkeys.prompt_keys`)."""
+    return prompt_keys(salt, tokens)
 
 
 class NoEndpoint(RuntimeError):

@@ -16,14 +16,14 @@ how its attention reads them `specd.worker.attention`'s, which forward runs
 """
 from __future__ import annotations
 
-import array
-import hashlib
 import heapq
 import threading
 import weakref
 from collections import OrderedDict
 
 import torch
+
+from specd import prefixkeys
 
 NULL_BLOCK = 0  # a block never handed out: a block table's padding points at it
 
@@ -42,13 +42,14 @@ class KVPool:
 
     Prefix caching (vLLM's automatic prefix caching, in this pool's blocks): a full block
     whose tokens a session has cached is registered under a key chained over every token
-    before it and the session's salt (`SessionKV.publish`). A new session takes the blocks
-    its prompt shares with the index by reference (`SessionKV.take_prefix`), and computes
-    only the rest. Blocks are counted by reference; a registered block no session holds
-    stays cached, and the pool evicts those least recently let go first when it needs a
-    block. A fork (`SessionKV.fork`) shares the same way: it takes the kept blocks by
-    reference. A block that is shared or registered is never written: a session about to
-    write into one copies it first (`SessionKV.own_from`).
+    before it and the session's salt (`SessionKV.publish`; `specd.prefixkeys`, whose keys
+    the gateway's router follows too). A new session takes the blocks its prompt shares
+    with the index by reference (`SessionKV.take_prefix`), and computes only the rest.
+    Blocks are counted by reference; a registered block no session holds stays cached,
+    and the pool evicts those least recently let go first when it needs a block. A fork
+    (`SessionKV.fork`) shares the same way: it takes the kept blocks by reference. A block
+    that is shared or registered is never written: a session about to write into one
+    copies it first (`SessionKV.own_from`).
     """
 
     def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
@@ -238,14 +239,11 @@ class SessionKV:
         return True
 
     def _chain(self, tokens: list[int], blocks: int) -> list[bytes]:
-        """The prefix keys of the first `blocks` full blocks of `tokens`, after self.keys."""
+        """The prefix keys of the first `blocks` full blocks of `tokens`, after self.keys
+        (`specd.prefixkeys`: the keys the gateway's router gives the same blocks)."""
         assert self.root is not None
-        size, keys = self.pool.block_tokens, list(self.keys)
-        for i in range(len(keys), blocks):
-            before = keys[-1] if keys else self.root
-            block = array.array("q", tokens[i * size:(i + 1) * size]).tobytes()
-            keys.append(hashlib.blake2b(before + block, digest_size=16).digest())
-        return keys[len(self.keys):]
+        before = self.keys[-1] if self.keys else self.root
+        return prefixkeys.chain(before, tokens, len(self.keys), blocks, self.pool.block_tokens)
 
     def take_prefix(self, tokens: list[int], salt: bytes) -> int:
         """A new session: take by reference the cached blocks `tokens` starts with (never
@@ -254,7 +252,7 @@ class SessionKV:
         if not self.pool.prefix_caching:
             return 0
         assert not self.blocks and not self.length, "a prefix is taken by a new session"
-        self.root = hashlib.blake2b(salt, digest_size=16).digest()
+        self.root = prefixkeys.root(salt)
         keys = self._chain(tokens, (len(tokens) - 1) // self.pool.block_tokens)
         found = self.pool.lookup(keys)
         self.blocks.extend(found)

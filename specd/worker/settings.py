@@ -10,6 +10,7 @@ from typing import Any
 
 from specd.config import DEMO_TARGET, ServerSettings
 from specd.flags import setting
+from specd.prefixkeys import BLOCK_TOKENS
 
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.worker.runtime maps them to torch
 CPU_LINEARS = ("onednn", "torch")  # how a CPU multiplies a large linear layer (specd.worker.packing)
@@ -26,7 +27,9 @@ class BatchSettings:
                                  help="feed a long prompt this many tokens per forward, so it does not hold up "
                                       "other sessions' steps")
     max_queue: int = setting(256, flag="--max-queue", help="steps waiting for the model; beyond, RESOURCE_EXHAUSTED")
-    block_tokens: int = 16  # positions per block of the KV pool (specd.worker.kvstore; 16 measured best on a CPU)
+    # positions per block of the KV pool (specd.worker.kvstore; 16 measured best on a CPU), the
+    # gateway's router's prefix blocks too (specd.prefixkeys)
+    block_tokens: int = BLOCK_TOKENS
     kv_cache_tokens: int = setting(0, flag="--kv-cache-tokens",
                                    help="positions the KV pool holds, all sessions together (0: every session at "
                                         "full context, within half the memory free at load, the GPU's or the host's)")
