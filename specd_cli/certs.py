@@ -17,6 +17,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +120,18 @@ def write_dev_certs(directory: Path, extra_names: Sequence[str] = (), namespace:
     return paths
 
 
+def specd_command() -> str:
+    """How to run `specd` from the user's shell, for the hints `specd certs` and `specd
+    serve` print: bare when the PATH finds this one, else its path (a .venv not activated),
+    so that a printed hint runs as it is. It lives here because serve imports this module
+    (for FILES), never the other way."""
+    here = Path(sys.executable).with_name("specd")
+    found = shutil.which("specd")
+    if not here.exists() or found is not None and Path(found).resolve() == here.resolve():
+        return "specd"
+    return str(here)
+
+
 def _write(path: Path, data: bytes, private: bool = False) -> None:
     if path.exists():
         path.unlink()
@@ -146,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"specd certs: {exc}", file=sys.stderr)
         return 2
-    from specd_cli.serve import specd_command
-
     specd = specd_command()
     print(f"specd certs: wrote {', '.join(str(p) for p in paths.values())}\n"
           f"server names: {', '.join(server_names(args.name, args.namespace))}\n"

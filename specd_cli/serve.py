@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,16 +55,6 @@ def wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
     return False
 
 
-def specd_command() -> str:
-    """How to run `specd` from the user's shell: bare when the PATH finds this one, else its
-    path (a .venv not activated), so that a printed hint runs as it is."""
-    here = Path(sys.executable).with_name("specd")
-    found = shutil.which("specd")
-    if not here.exists() or found is not None and Path(found).resolve() == here.resolve():
-        return "specd"
-    return str(here)
-
-
 def _tls_dir(directory: Path) -> dict[str, Path]:
     """The files of `specd certs DIR`; TLSConfigError naming the missing ones."""
     from specd_cli.certs import FILES
@@ -102,6 +91,9 @@ def worker_fractions(fraction: float, target: Path, drafts: list[Path], dtype: s
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `specd` command imports this module, and certs loads cryptography.
+    from specd_cli.certs import specd_command
+
     try:
         # No model arguments: the demo pair. A target of the user's own with no --draft: no
         # draft worker, the model-free proposers alone (the demo draft's tokenizer is not

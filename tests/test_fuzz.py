@@ -2,7 +2,8 @@
 
 Every case must end in a status a client can act on: never UNKNOWN or INTERNAL (a bug),
 never UNAVAILABLE or a hang (a crash). The services keep serving, and once the streams
-end the workers hold no session. Each test prints how many cases it ran.
+end the workers hold no session: each test checks both after its cases, in the same test,
+and fails if no case ran. The module prints how many cases ran, of each kind.
 """
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def fuzzed(model_dirs):
 
 def still_serving(stack) -> None:
     assert len(stack.stub.Generate(request("def fibonacci(n):", max_new_tokens=4)).token_ids) == 4
+
+
+def fuzz_then_check(stack, name: str, cases) -> None:
+    """Run `cases` (a hypothesis test of no arguments, which counts each case under `name`),
+    then check in the same test that they ran and left the services serving with no session
+    held: a check that runs after no case proves nothing, so it fails instead."""
+    before = stack.cases.get(name, 0)
+    cases()
+    assert stack.cases.get(name, 0) > before, f"no {name!r} case ran"
+    still_serving(stack)
+    assert stack.wait_no_sessions() == 0
 
 
 def count(stack, name: str, *codes: grpc.StatusCode) -> None:
@@ -95,51 +107,58 @@ requests = st.builds(
     user_segment=mostly(st.sampled_from(["", "free", "pro"]), st.text(max_size=80)))
 
 
-@settings(FUZZ, max_examples=300)
-@given(req=requests, streamed=st.booleans())
-def test_random_field_values(fuzzed, req, streamed):
-    call = (lambda: list(fuzzed.stub.GenerateStream(req, timeout=CALL_TIMEOUT_S))) if streamed else \
-        (lambda: fuzzed.stub.Generate(req, timeout=CALL_TIMEOUT_S))
-    code = outcome(call)
-    assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
-    count(fuzzed, "public: field values", code)
+# Each test runs its cases, then checks that they ran and that the gateway still serves
+# (`fuzz_then_check`): run alone, or after no case, it cannot pass without having fuzzed.
+
+def test_random_field_values(fuzzed):
+    @settings(FUZZ, max_examples=300)
+    @given(req=requests, streamed=st.booleans())
+    def cases(req, streamed):
+        call = (lambda: list(fuzzed.stub.GenerateStream(req, timeout=CALL_TIMEOUT_S))) if streamed else \
+            (lambda: fuzzed.stub.Generate(req, timeout=CALL_TIMEOUT_S))
+        code = outcome(call)
+        assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+        count(fuzzed, "public: field values", code)
+
+    fuzz_then_check(fuzzed, "public: field values", cases)
 
 
-@settings(FUZZ, max_examples=200)
-@given(body=st.one_of(st.binary(max_size=300),
-                      # a valid request with bytes spliced in: field tags that parse, values that do not
-                      st.tuples(st.binary(max_size=8), st.binary(max_size=40)).map(
-                          lambda p: b"\x0a" + bytes([len(p[1])]) + p[1] + p[0])),
-       method=st.sampled_from(["Generate", "GenerateStream", "GetAcceptanceStats"]))
-def test_random_bytes_as_a_request(fuzzed, body, method):
-    if method == "GenerateStream":
-        raw = fuzzed.channel.unary_stream(f"/specd.v1.Gateway/{method}")
-        call = lambda: list(raw(body, timeout=CALL_TIMEOUT_S))  # noqa: E731
-    else:
-        raw = fuzzed.channel.unary_unary(f"/specd.v1.Gateway/{method}")
-        call = lambda: raw(body, timeout=CALL_TIMEOUT_S)  # noqa: E731
-    code = outcome(call)
-    assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
-    count(fuzzed, "public: random bytes", code)
+def test_random_bytes_as_a_request(fuzzed):
+    @settings(FUZZ, max_examples=200)
+    @given(body=st.one_of(st.binary(max_size=300),
+                          # a valid request with bytes spliced in: field tags that parse, values that do not
+                          st.tuples(st.binary(max_size=8), st.binary(max_size=40)).map(
+                              lambda p: b"\x0a" + bytes([len(p[1])]) + p[1] + p[0])),
+           method=st.sampled_from(["Generate", "GenerateStream", "GetAcceptanceStats"]))
+    def cases(body, method):
+        if method == "GenerateStream":
+            raw = fuzzed.channel.unary_stream(f"/specd.v1.Gateway/{method}")
+            call = lambda: list(raw(body, timeout=CALL_TIMEOUT_S))  # noqa: E731
+        else:
+            raw = fuzzed.channel.unary_unary(f"/specd.v1.Gateway/{method}")
+            call = lambda: raw(body, timeout=CALL_TIMEOUT_S)  # noqa: E731
+        code = outcome(call)
+        assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+        count(fuzzed, "public: random bytes", code)
+
+    fuzz_then_check(fuzzed, "public: random bytes", cases)
 
 
-@settings(FUZZ, max_examples=12)
-@given(entries=st.integers(0, 400_000), size=st.integers(0, 40))
-def test_huge_repeated_fields(fuzzed, entries, size):
-    req = request("def f():", max_new_tokens=2, stop=["s" * size] * entries)
-    code = outcome(lambda: fuzzed.stub.Generate(req, timeout=CALL_TIMEOUT_S))
-    if req.ByteSize() > 1024 * 1024:
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the gateway's 1 MiB receive limit
-    elif entries > 16 or size > 256:
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
-    else:
-        assert code == grpc.StatusCode.OK
-    count(fuzzed, "public: huge repeated fields", code)
+def test_huge_repeated_fields(fuzzed):
+    @settings(FUZZ, max_examples=12)
+    @given(entries=st.integers(0, 400_000), size=st.integers(0, 40))
+    def cases(entries, size):
+        req = request("def f():", max_new_tokens=2, stop=["s" * size] * entries)
+        code = outcome(lambda: fuzzed.stub.Generate(req, timeout=CALL_TIMEOUT_S))
+        if req.ByteSize() > 1024 * 1024:
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the gateway's 1 MiB receive limit
+        elif entries > 16 or size > 256:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            assert code == grpc.StatusCode.OK
+        count(fuzzed, "public: huge repeated fields", code)
 
-
-def test_public_api_still_serves_after_fuzzing(fuzzed):
-    still_serving(fuzzed)
-    assert fuzzed.wait_no_sessions() == 0
+    fuzz_then_check(fuzzed, "public: huge repeated fields", cases)
 
 
 # -- the worker protocol --------------------------------------------------------------------
@@ -244,10 +263,9 @@ def test_worker_protocol(fuzzed, worker):
         count(fuzzed, f"{worker} protocol", *codes)
 
     try:
-        fuzz()
+        fuzz_then_check(fuzzed, f"{worker} protocol", fuzz)
     finally:
         channel.close()
-    still_serving(fuzzed)
 
 
 def test_worker_streams_dropped_mid_step_leak_nothing(fuzzed):

@@ -18,6 +18,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,14 +69,41 @@ def our_modules() -> list[str]:
     return [module_name(p) for p in paths]
 
 
-def imports_of(module: str) -> list[tuple[int, str]]:
-    """(line, module) of every import in `module`'s source, wherever it stands; `from A
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _running(tree: ast.Module, functions: bool) -> Iterator[ast.AST]:
+    """The nodes of `tree` whose code runs: none in an `if TYPE_CHECKING:` block, and, unless
+    `functions`, none in a function's body (what runs when the module is imported)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if not functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            # Its decorators and defaults run when it is defined, its body when it is called.
+            stack.extend([*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)])
+            stack.extend(getattr(node, "decorator_list", []))
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(module: str, scope: str = "anywhere") -> list[tuple[int, str]]:
+    """(line, module) of every import in `module`'s source, wherever it stands (`scope`
+    "anywhere"), or of those that run ("run": not under `if TYPE_CHECKING:`), or of those
+    that run when the module is imported ("load": not in a function's body either); `from A
     import B` counts as A and A.B (B may be a submodule); relative imports are resolved."""
     path = REPO / Path(*module.split("."))
     path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    nodes = ast.walk(tree) if scope == "anywhere" else _running(tree, functions={"run": True, "load": False}[scope])
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -95,7 +123,7 @@ def imports_of(module: str) -> list[tuple[int, str]]:
 
 def test_the_scan_sees_imports_inside_functions():
     hidden = [name for _, name in imports_of("specd_cli.launch") if layer(name) in SERVICES]
-    assert "draft_service.server" in hidden and "gateway.edge.servicer" in hidden  # both inside functions
+    assert "draft_service.server" in hidden and "gateway.app" in hidden  # both inside functions
 
 
 @pytest.mark.parametrize("module", [m for m in our_modules() if layer(m) != "application"])
@@ -117,6 +145,93 @@ def test_the_top_level_folders_import_one_another_without_a_cycle():
     for folder, imported in folders.items():
         for other in imported - {folder}:
             assert folder not in folders.get(other, set()), f"{folder} imports {other}, which imports {folder}"
+
+
+def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle (its modules in import order, the first again at the end) through each
+    strongly connected group of `graph` (module → the modules it imports) of two or more."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, []):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(group) > 1:
+                found.append(_cycle_in(graph, set(group)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _cycle_in(graph: dict[str, list[str]], group: set[str]) -> list[str]:
+    """A shortest cycle through the group's first module, by breadth-first search."""
+    start = min(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for other in graph.get(node, []):
+                if other == start:  # back where it began: the path there, and the way back
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if other in group and other not in came_from:
+                    came_from[other] = node
+                    following.append(other)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")
+
+
+# Packages whose modules import one another without a cycle (every package of ours).
+ACYCLIC = ("specd", *SERVICES, APPLICATION)
+
+
+def import_graph(scope: str) -> dict[str, list[str]]:
+    """Each module of ACYCLIC → those of ours it imports (`imports_of` at `scope`); a module's
+    own packages are left out: Python imports them before it, so they never close a cycle."""
+    modules = [m for m in our_modules() if m.split(".")[0] in ACYCLIC]
+    known = set(modules)
+    return {m: sorted({name for _, name in imports_of(m, scope) if name in known and not _within(m, name)})
+            for m in modules}
+
+
+def test_the_cycle_search_finds_a_cycle_and_the_scopes_leave_out_what_does_not_run():
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": [], "e": ["a"]}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": ["b"], "b": [], "c": ["a"]}) == []
+    # specd_cli.loadbench imports specd.tls under `if TYPE_CHECKING:` (ClientTLS) and in a
+    # function (aio_channel); specd_cli.serve imports specd_cli.certs in functions only.
+    loadbench = {scope: {name for _, name in imports_of("specd_cli.loadbench", scope)}
+                 for scope in ("anywhere", "run", "load")}
+    assert {"specd.tls.ClientTLS", "specd.tls.aio_channel"} <= loadbench["anywhere"]
+    assert "specd.tls.ClientTLS" not in loadbench["run"] and "specd.tls.aio_channel" in loadbench["run"]
+    assert not {name for name in loadbench["load"] if _within(name, "specd.tls")}
+    serve = {scope: {name for _, name in imports_of("specd_cli.serve", scope)} for scope in ("run", "load")}
+    assert "specd_cli.certs" in serve["run"] and "specd_cli.certs" not in serve["load"]
+
+
+@pytest.mark.parametrize("scope", ["load", "run"])
+def test_no_module_imports_one_that_imports_it_back(scope):
+    """No import cycle among our modules: none among the imports that run when a module is
+    imported ("load": a cycle there fails or half-initializes a module, depending on which
+    is imported first), and none either counting the imports inside functions ("run": a
+    cycle there is two modules that each need the other, which one of them should not)."""
+    found = cycles(import_graph(scope))
+    assert not found, "import cycles: " + "; ".join(" → ".join(cycle) for cycle in found)
 
 
 @pytest.mark.parametrize("module", MATH)
@@ -186,8 +301,43 @@ def test_the_maps_name_every_module():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     layout = readme[readme.index("## Layout"):]
     layout = layout[:layout.index("\n## ")] if "\n## " in layout else layout
-    folders = ("specd", "specd/worker", "specd_cli", "gateway")
+    folders = ("specd", "specd/worker", "specd_cli", "gateway", *GATEWAY_ROOMS)
     files = {path.name for folder in folders for path in (REPO / folder).glob("*.py")
              if path.name not in ("__init__.py", "__main__.py")}
     missing = sorted(f for f in files if f not in layout)
     assert not missing, f"the README's Layout does not name {missing}"
+
+
+# The gateway's rooms: its sub-packages, each a folder a newcomer finds by name.
+GATEWAY_ROOMS = tuple(str(p.relative_to(REPO)) for p in sorted((REPO / "gateway").iterdir())
+                      if (p / "__init__.py").is_file())
+
+
+def _gateway_place(module: str) -> str | None:
+    """A gateway module's place in its floor plan: its room (`gateway.step`), or itself
+    when it stands at the top level (`gateway.core`)."""
+    parts = module.split(".")
+    if parts[0] != "gateway" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def test_the_gateways_rooms_and_top_level_modules_import_one_another_without_a_cycle():
+    """No arrow runs back up inside the gateway: taking each room as one place and each
+    top-level module as its own, every import (those inside functions and under
+    TYPE_CHECKING too) runs one way."""
+    arrows: dict[str, set[str]] = {}
+    for module in our_modules():
+        place = _gateway_place(module)
+        if place is not None:
+            arrows.setdefault(place, set()).update(
+                other for _, name in imports_of(module) if (other := _gateway_place(name)) not in (None, place))
+    assert len(arrows) > len(GATEWAY_ROOMS)  # the scan found the rooms and the top level
+    assert not cycles({place: sorted(others) for place, others in arrows.items()})
+
+
+def test_the_gateways_top_level_stays_small():
+    """Rooms, not an open-plan floor: at most 12 modules at gateway/'s top level."""
+    top = sorted(p.name for p in (REPO / "gateway").glob("*.py"))
+    assert len(top) <= 12, top
+    assert len(GATEWAY_ROOMS) >= 6, GATEWAY_ROOMS
