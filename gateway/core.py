@@ -222,7 +222,7 @@ class GatewayCore:
             vocab_size=target.vocab_size,
             eos_token_ids=frozenset(target.eos_token_ids),
             target_context=target.max_context,
-            stop_token_ids=generation.stop_token_ids, ignore_eos=generation.ignore_eos,
+            stop_token_ids=generation.stopping.stop_token_ids, ignore_eos=generation.stopping.ignore_eos,
         )
 
     def _hybrid(self, parsed: ParsedRequest, policy: DraftLengthPolicy, model_pair: str,
@@ -302,8 +302,9 @@ class GatewayCore:
                                            policy=parsed.policy)
         draft, verifier = open_links(self.backend, self.settings, generation.draft_model, deadline,
                                      parsed.cache_salt)
-        text = TextAssembler(self.backend.tokenizer, parsed.stop, generation.transform.min_tokens,
-                             parsed.include_stop, parsed.skip_special_tokens)
+        stopping = generation.stopping
+        text = TextAssembler(self.backend.tokenizer, list(stopping.stop), generation.transform.min_tokens,
+                             stopping.include_stop, parsed.skip_special_tokens)
         stats = RequestStats()
         observers: list[StepObserver] = [stats]
         if not diagnostic:

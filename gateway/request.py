@@ -71,20 +71,33 @@ class ClientRequest:
 
 
 @dataclass(frozen=True)
+class Stopping:
+    """When a generation ends, apart from how its tokens are sampled (TGI's StoppingCriteria
+    beside its NextTokenChooser): the engine ends it on a count or a token, the text on a
+    stop string (`gateway.step.text.TextAssembler`)."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # these end the request too (finish STOP)
+    ignore_eos: bool = False  # EOS does not end the request
+    stop: tuple[str, ...] = ()  # stop strings: the text ends at the first one it holds
+    include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's include_stop_str_in_output)
+
+
+@dataclass(frozen=True)
 class Generation:
-    """What the engine generates for a validated request, in token ids."""
+    """What the engine generates for a validated request, in token ids: the prompt, how each
+    token is sampled (`transform`, `seed`), when generation stops (`stopping`), and how the
+    draft speculates."""
 
     prompt_ids: list[int]
     transform: Transform
     seed: int
-    max_new_tokens: int
+    stopping: Stopping
     draft_model: str  # empty: no draft (plain decoding)
     overlap: bool = False  # pre-draft the next step while the target verifies (draft_service.predraft)
     # > 0: the draft stops proposing inside a step once its top probability falls below
     # this (the confidence policy's setting, carried out by the draft).
     min_confidence: float = 0.0
-    stop_token_ids: frozenset[int] = frozenset()  # these end the request too (finish STOP)
-    ignore_eos: bool = False  # EOS does not end the request
     logprobs: int | None = None  # report the target's raw log-probabilities, with this many alternatives
     grammar: str = ""  # the grammar text the output must match (`gateway.grammar`); empty: none
 
@@ -101,7 +114,6 @@ class ParsedRequest:
     profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)
     task_type: str
     user_segment: str
-    stop: list[str]
     selected: bool = False  # the draft was chosen by goodput selection (the request named none)
     # The model-free proposers the request's steps may use (gateway.proposers.modelfree): all the
     # gateway hosts under AUTO, the one named in draft_model, none under OFF or FIXED.
@@ -109,5 +121,4 @@ class ParsedRequest:
     forced: str = ""  # the model-free proposer the request named (it alone proposes)
     model_free_max: int = 0  # the longest model-free proposal (`gateway.validation._draft_lengths`: why)
     cache_salt: bytes = b""  # the salt of its prefix cache keys on the workers (`gateway.validation.cache_salt`)
-    include_stop: bool = False  # ClientRequest's: how the text is made (`gateway.step.text.TextAssembler`)
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # ClientRequest's: how the text is made (`gateway.step.text.TextAssembler`)

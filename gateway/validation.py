@@ -17,7 +17,7 @@ from typing import TypeVar
 from gateway.errors import InvalidRequest
 from gateway.grammar import structure_grammar
 from gateway.policy.gamma import POLICIES
-from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
+from gateway.request import ClientRequest, Generation, Mode, ParsedRequest, Stopping
 from gateway.settings import GatewaySettings
 from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from gateway.workers.backend import Backend
@@ -76,12 +76,13 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     # that would end the output may be chosen (EOS even with ignore_eos, as vLLM does).
     eos, stops = frozenset(backend.target.eos_token_ids), frozenset(request.stop_token_ids)
     transform = replace(transform, output_start=len(prompt_ids), suppressed=tuple(sorted(eos | stops)))
-    generation = Generation(list(prompt_ids), transform, seed, max_new, draft_model, overlap, min_confidence,
-                            stops, request.ignore_eos, request.logprobs, grammar)
+    stopping = Stopping(max_new, stops, request.ignore_eos, tuple(request.stop), request.include_stop)
+    generation = Generation(list(prompt_ids), transform, seed, stopping, draft_model, overlap, min_confidence,
+                            request.logprobs, grammar)
     return ParsedRequest(
-        generation, mode, policy, draft_length, profile, task_type, request.user_segment, list(request.stop),
+        generation, mode, policy, draft_length, profile, task_type, request.user_segment,
         selected, model_free, forced, model_free_max, cache_salt(settings, request.user_segment, request.cache_salt),
-        request.include_stop, request.skip_special_tokens)
+        request.skip_special_tokens)
 
 
 def _draft_lengths(request: ClientRequest, settings: GatewaySettings, task_type: str,

@@ -15,10 +15,10 @@ from gateway.policy.gamma import FixedPolicy
 from gateway.proposers.base import Proposal, StepContext
 from gateway.proposers.hybrid import QUIET_STEPS, HybridChoice
 from gateway.proposers.modelfree import GatewayProposer
-from gateway.request import Generation
+from gateway.request import Generation, Stopping
 from gateway.stats.costmodel import StepCosts
 from gateway.step.engine import QUIET_RUN_STEPS, ModelBounds, speculate
-from gateway.step.records import Finish, RequestStats, StepRecord
+from gateway.step.records import Bound, Finish, RequestStats, StepRecord
 from specd.contract import SUFFIX
 from specd.rejection import Draws, recovered_token, sample, target_verdict
 from specd.sampling import Transform
@@ -98,7 +98,7 @@ BOUNDS = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozense
 
 
 def run(draft, verifier, gamma: int, max_new_tokens: int = 12) -> tuple[list[int], Finish | None, list[StepRecord]]:
-    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    request = Generation(PROMPT, Transform(), seed=1, stopping=Stopping(max_new_tokens), draft_model="d")
     stats = RequestStats()
     tokens: list[int] = []
     finish = None
@@ -144,7 +144,7 @@ def test_each_verdict_commits_the_target_token_at_the_first_rejection(wrong, ver
 def test_the_requests_confidence_threshold_goes_to_the_draft():
     """A draft setting carried by the request, not by the γ policy."""
     draft = ScriptedDraft()
-    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=4, draft_model="d", min_confidence=0.7)
+    request = Generation(PROMPT, Transform(), seed=1, stopping=Stopping(4), draft_model="d", min_confidence=0.7)
 
     async def drive() -> None:
         async for _ in speculate(request, FixedPolicy(3), draft, ScriptedVerifier(), BOUNDS):
@@ -206,7 +206,7 @@ class Echo(GatewayProposer):
 
 
 def run_hybrid(proposer: Echo, verifier: ScriptedVerifier, max_new_tokens: int) -> list[StepRecord]:
-    request = Generation(PROMPT, Transform(), seed=1, max_new_tokens=max_new_tokens, draft_model="d")
+    request = Generation(PROMPT, Transform(), seed=1, stopping=Stopping(max_new_tokens), draft_model="d")
     hybrid = HybridChoice([proposer], StepCosts(), lambda name: StepCosts(), model_alpha=lambda: 0.0, timed=False)
     bounds = ModelBounds(draft_context=256, vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), target_context=256)
     stats = RequestStats()
@@ -252,7 +252,7 @@ def test_a_sampled_request_sends_the_uniforms_of_the_steps_ahead_early_and_in_or
             p = torch.full((1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict([], [], p, draws), 0.0)
 
-    request = Generation(PROMPT, Transform(temperature=1.0), seed=11, max_new_tokens=6, draft_model="")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=11, stopping=Stopping(6), draft_model="")
 
     async def drive() -> list[int]:
         return [t async for c in speculate(request, FixedPolicy(0), None, PlainSampledVerifier(), BOUNDS)
@@ -310,7 +310,7 @@ def test_sampled_steps_use_the_draft_q_and_the_target_p():
             p = torch.full((len(draft_tokens) + 1, VOCAB), 1.0 / VOCAB)
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
-    request = Generation(PROMPT, Transform(temperature=1.0), seed=7, max_new_tokens=12, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=7, stopping=Stopping(12), draft_model="d")
     stats = RequestStats()
 
     async def drive() -> list[int]:
@@ -391,7 +391,7 @@ class WrongGuesses(FixedPolicy):
         self.script = script
         self.steps = 0
 
-    def next_draft_length(self) -> int:
+    def next_draft_length(self, bound: Bound | None) -> int:
         gamma = self.script[self.steps % len(self.script)]
         self.steps += 1
         return gamma
@@ -412,7 +412,7 @@ def test_a_recovered_token_drawn_by_the_draft_is_the_papers_draw_for_draw(gamma:
     from test_rejection import reference_rejection_sample
 
     draft, verifier = KeepingDraft(), LawVerifier()
-    request = Generation(PROMPT, Transform(temperature=1.0), seed=5, max_new_tokens=40, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=5, stopping=Stopping(40), draft_model="d")
     stats = RequestStats()
     # γ = 0 between proposing steps, each plain step guessing (wrongly, before a proposing
     # one) that the next is plain too: the uniform it drew early opens the next step's draws.
@@ -461,7 +461,7 @@ def test_no_recovered_token_is_asked_for_after_an_accepted_eos():
             p[0, EOS], p[1:, 5] = 1.0, 1.0  # EOS surely accepted, 3 surely rejected
             return Scores(None, target_verdict(draft_tokens, draft_token_probs, p, draws), 0.0)
 
-    request = Generation(PROMPT, Transform(temperature=1.0), seed=3, max_new_tokens=12, draft_model="d")
+    request = Generation(PROMPT, Transform(temperature=1.0), seed=3, stopping=Stopping(12), draft_model="d")
     stats = RequestStats()
 
     async def drive() -> list:

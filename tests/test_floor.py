@@ -31,6 +31,7 @@ from gateway.step.records import DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
 from tcpproxy import proxy_front
+from test_policy import choose
 
 REQUEST_TOKENS = 128
 
@@ -83,7 +84,7 @@ def run_request(policy: DraftLengthPolicy, machine: Machine, alpha: float, gatew
     """One request of REQUEST_TOKENS tokens at per-token acceptance α: (tokens, ms, γ per step)."""
     generated, index, since_draft, total_ms, gammas = 0, 0, 0, 0.0, []
     while generated < REQUEST_TOKENS:
-        gamma = min(policy.next_draft_length(), REQUEST_TOKENS - generated - 1)
+        gamma = min(choose(policy), REQUEST_TOKENS - generated - 1)
         noise = rng.uniform(1 - machine.noise, 1 + machine.noise)
         accepted, draft_ms = 0, 0.0
         verify_ms = machine.plain_ms * (1 + machine.verify_growth * gamma) * noise
@@ -217,7 +218,7 @@ def test_a_shut_floor_foresees_its_plain_steps_for_the_verifier_to_run_ahead():
     gateway = Gateway.fresh()
     speedup(FAST_SAMPLED, 0.4, requests=3, gateway=gateway, seed=1)  # the pool says speculating loses
     policy = gateway.auto()
-    assert policy.next_draft_length() == 0
+    assert choose(policy) == 0
     assert policy.plain_steps_ahead(8) == min(8, gateway.schedule.steps_to_burst()) > 0
 
 

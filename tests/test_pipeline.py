@@ -149,14 +149,14 @@ class ScriptedPolicy:
     def __init__(self, script):
         self.script = list(script)
 
-    def next_draft_length(self):
+    def next_draft_length(self, bound):
         return self.script.pop(0) if self.script else 3
 
     def plain_steps_ahead(self, limit):
         zeros = next((i for i, gamma in enumerate(self.script) if gamma), len(self.script))
         return min(zeros, limit)  # the script's end proposes 3
 
-    def cap_in_force(self):
+    def bound(self):
         return None  # no load cap
 
     def recovery_draft_length(self, gamma, accepted):
@@ -174,7 +174,7 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     from transformers import AutoModelForCausalLM
 
     from gateway.core import open_links
-    from gateway.request import Generation
+    from gateway.request import Generation, Stopping
     from gateway.settings import GatewaySettings
     from gateway.step.engine import ModelBounds, speculate
     from gateway.workers.backend import connect
@@ -189,16 +189,16 @@ def test_draft_proposes_from_the_committed_sequence_after_plain_steps(stack, mod
     async def scenario():
         backend = await connect(settings)
         draft, verifier = open_links(backend, settings, draft_name)
-        propose = draft.propose
+        hop = draft.draft
 
-        async def recording_propose(committed, *args):
-            proposal = await propose(committed, *args)
+        async def recording_hop(committed, *args):
+            proposal = await hop(committed, *args)
             proposals.append((list(committed), proposal.tokens))
             return proposal
 
-        draft.propose = recording_propose
+        draft.draft = recording_hop
         prompt = backend.tokenizer(PROMPTS[0])["input_ids"]
-        request_ = Generation(prompt, Transform(), seed=1, max_new_tokens=40, draft_model=draft_name)
+        request_ = Generation(prompt, Transform(), seed=1, stopping=Stopping(40), draft_model=draft_name)
         bounds = ModelBounds(draft_context=256, vocab_size=backend.target.vocab_size,
                         eos_token_ids=frozenset(backend.target.eos_token_ids))
         async for _ in speculate(request_, ScriptedPolicy([3, 0, 0, 2, 0, 3, 0, 0, 0, 4]), draft, verifier,

@@ -13,9 +13,14 @@ from gateway.policy.gamma import ConfidencePolicy, CostPolicy, EmaPolicy, FixedP
 from gateway.policy.loadcap import LoadCap
 from gateway.stats.acceptance import AcceptanceStats
 from gateway.stats.costmodel import STALE_AFTER_STEPS, StepCosts
-from gateway.step.records import StepRecord
+from gateway.step.records import DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
 from specd.steps import BatchStats
+
+
+def choose(policy: DraftLengthPolicy) -> int:
+    """The policy's γ for a step, under the bound it reads as the step begins."""
+    return policy.next_draft_length(policy.bound())
 
 
 def step(draft_length: int, accepted: int) -> StepRecord:
@@ -36,36 +41,36 @@ def test_fixed_never_changes():
     policy = FixedPolicy(5)
     for accepted in (0, 5, 2):
         policy.observe(step(5, accepted))
-        assert policy.next_draft_length() == 5
+        assert choose(policy) == 5
 
 
 def test_ema_grows_on_full_acceptance_and_shrinks_on_rejection():
-    policy = EmaPolicy(start=4, lowest=2, highest=8, target_rate=0.85, steps=50)
+    policy = EmaPolicy(start=4, min_draft_length=2, max_draft_length=8, target_rate=0.85, steps=50)
     for _ in range(30):
-        policy.observe(step(policy.next_draft_length(), policy.next_draft_length()))
-    assert policy.next_draft_length() == 8
+        policy.observe(step(choose(policy), choose(policy)))
+    assert choose(policy) == 8
     for _ in range(200):
-        policy.observe(step(policy.next_draft_length(), 0))
-    assert policy.next_draft_length() == 2
+        policy.observe(step(choose(policy), 0))
+    assert choose(policy) == 2
     # Slow by design (EMA over ~50 steps): one bad step does not move γ.
-    steady = EmaPolicy(start=4, lowest=2, highest=8)
+    steady = EmaPolicy(start=4, min_draft_length=2, max_draft_length=8)
     steady.observe(step(4, 0))
-    assert steady.next_draft_length() == 4
+    assert choose(steady) == 4
 
 
 def test_cost_policy_speculates_long_when_acceptance_is_high():
     policy = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 8))
     for _ in range(20):
-        gamma = policy.next_draft_length()
+        gamma = choose(policy)
         policy.observe(step(gamma, gamma))
-    assert policy.next_draft_length() >= 6
+    assert choose(policy) >= 6
 
 
 def test_cost_policy_falls_back_to_plain_decoding_and_probes():
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.7, 1, 8), probe_every=8)
     choices = []
     for _ in range(40):
-        gamma = policy.next_draft_length()
+        gamma = choose(policy)
         choices.append(gamma)
         policy.observe(step(gamma, 0))  # the draft is never right
     tail = choices[10:]
@@ -75,8 +80,8 @@ def test_cost_policy_falls_back_to_plain_decoding_and_probes():
 
 def test_cost_policy_uses_the_task_prior_before_evidence():
     costs = measured_costs(1.0)
-    optimistic = CostPolicy(costs, TaskProfile(0.95, 1, 16)).next_draft_length()
-    pessimistic = CostPolicy(costs, TaskProfile(0.3, 1, 16)).next_draft_length()
+    optimistic = choose(CostPolicy(costs, TaskProfile(0.95, 1, 16)))
+    pessimistic = choose(CostPolicy(costs, TaskProfile(0.3, 1, 16)))
     assert optimistic > pessimistic
 
 
@@ -84,18 +89,18 @@ def test_cost_policy_prefers_the_measured_curve():
     # Position 3 is almost always rejected: stop before it even though α is high.
     curve = [0.95, 0.95, 0.05, 0.95, 0.95, 0.95]
     policy = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 6), curve=lambda: curve)
-    assert policy.next_draft_length() == 2
+    assert choose(policy) == 2
 
 
 def test_confidence_asks_for_the_maximum():
-    assert ConfidencePolicy(highest=8).next_draft_length() == 8
+    assert choose(ConfidencePolicy(max_draft_length=8)) == 8
 
 
 def test_cost_policy_probes_less_often_while_probes_fail():
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 1, 8), probe_every=4)
     probes = []
     for step_index in range(200):
-        gamma = policy.next_draft_length()
+        gamma = choose(policy)
         if gamma:
             probes.append(step_index)
         policy.observe(step(gamma, 0))
@@ -113,9 +118,9 @@ def test_cost_policy_shrinks_gamma_as_the_target_fills_up():
         costs.observe(gamma, 1.5 * gamma, 40.0 * (1 + gamma), batch_size=16)  # saturated: compute-bound
     policy = CostPolicy(costs, TaskProfile(0.7, 1, 8))
     costs.observe(4, 4.0, 11.2, batch_size=1)
-    alone = policy.next_draft_length()
+    alone = choose(policy)
     costs.observe(4, 6.0, 200.0, batch_size=16)
-    saturated = policy.next_draft_length()
+    saturated = choose(policy)
     assert alone >= 3 and saturated == 0, (alone, saturated)
 
 
@@ -129,15 +134,15 @@ def test_a_gamma_measured_slow_once_is_tried_again_once_its_figure_is_stale():
     policy = CostPolicy(costs, TaskProfile(0.8, 1, 8))
     for _ in range(10):
         costs.observe(3, 3.0, 12.0)
-    assert policy.next_draft_length() <= 4  # the slow figures stand while fresh
+    assert choose(policy) <= 4  # the slow figures stand while fresh
     for _ in range(STALE_AFTER_STEPS):
         costs.observe(3, 3.0, 12.0)
-    assert policy.next_draft_length() >= 5  # the line through γ 0 and 3 stands in for them
+    assert choose(policy) >= 5  # the line through γ 0 and 3 stands in for them
 
 
 def test_probes_propose_one_token():
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
-    probes = [g for g in (policy.next_draft_length() for _ in range(40)) if g]
+    probes = [g for g in (choose(policy) for _ in range(40)) if g]
     assert probes and set(probes) == {1}
 
 
@@ -148,7 +153,7 @@ def test_cost_policy_settled_on_plain_decoding_foresees_its_plain_steps_up_to_th
     policy = CostPolicy(measured_costs(3.0), TaskProfile(0.0, 4, 8), probe_every=4)
     chosen, foreseen = [], []
     for _ in range(40):
-        chosen.append(policy.next_draft_length())
+        chosen.append(choose(policy))
         foreseen.append(policy.plain_steps_ahead(8))
     assert 1 in chosen  # it probes
     for i, gamma in enumerate(chosen[:-1]):
@@ -160,7 +165,7 @@ def test_cost_policy_settled_on_plain_decoding_foresees_its_plain_steps_up_to_th
             assert ahead == 0
     assert max(foreseen) > 1  # it sees past the next step
     speculating = CostPolicy(measured_costs(0.5), TaskProfile(0.9, 1, 8))
-    assert speculating.next_draft_length() > 0 and speculating.plain_steps_ahead(8) == 0
+    assert choose(speculating) > 0 and speculating.plain_steps_ahead(8) == 0
 
 
 def test_overlap_hits_make_longer_drafts_pay():
@@ -171,13 +176,13 @@ def test_overlap_hits_make_longer_drafts_pay():
         costs.observe(gamma, 6.0 * gamma, 10.0 * (1 + 0.05 * gamma))  # constant: the EMAs hold these
     sequential = CostPolicy(costs, TaskProfile(0.6, 1, 8))
     overlapped = CostPolicy(costs, TaskProfile(0.6, 1, 8), overlap=True)
-    assert sequential.next_draft_length() == 0
+    assert choose(sequential) == 0
     for _ in range(50):  # measured: 9 of 10 pre-drafted steps hit, at 1 ms of draft hop
         for hit in [True] * 9 + [False]:
             costs.observe(4, 1.0 if hit else 24.0, 12.0, pre_draft_asked=True, pre_drafted=hit)
     assert 0.8 < costs.hit_rate.value < 0.95  # an EMA ending on a miss
-    assert overlapped.next_draft_length() >= 2
-    assert sequential.next_draft_length() == 0
+    assert choose(overlapped) >= 2
+    assert choose(sequential) == 0
 
 
 def test_probe_spacing_is_shared_across_requests():
@@ -191,7 +196,7 @@ def test_probe_spacing_is_shared_across_requests():
         policy = CostPolicy(costs, TaskProfile(0.0, 1, 8), probes=schedule)
         probes = 0
         for _ in range(48):
-            gamma = policy.next_draft_length()
+            gamma = choose(policy)
             probes += gamma > 0
             policy.observe(step(gamma, 0))
         probes_per_request.append(probes)
@@ -206,7 +211,7 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
     policy = CostPolicy(costs, TaskProfile(alpha, 1, 8), load_cap=cap)
     chosen = []
     for index in range(1, steps + 1):
-        gamma = policy.next_draft_length()
+        gamma = choose(policy)
         accepted = 0
         while accepted < gamma and rng.random() < alpha:
             accepted += 1
@@ -224,7 +229,7 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
 def test_load_cap_turns_speculation_off_where_the_forward_is_compute_bound():
     """Sixteen sessions on a target whose forward's time grows with every token in it: each
     request alone would still speculate, but all of them doing so is slower than none."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     chosen = run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=3000)
     late = chosen[-1000:]
     assert cap.caps()[16] == 0 and late.count(0) >= 0.9 * len(late), cap.rates()
@@ -234,13 +239,13 @@ def test_load_cap_turns_speculation_off_where_the_forward_is_compute_bound():
 def test_load_cap_keeps_speculating_where_verifying_is_nearly_free():
     """A memory-bound forward (a GPU's, at this batch): more positions cost almost nothing, so
     the cap stays where the requests' own choice is."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     chosen = run_under_load(cap, lambda c: 10.0 + 16 * (c + 1) * 0.02, sessions=16, steps=3000)
     assert cap.caps()[16] >= 3 and sum(chosen[-1000:]) / 1000 >= 2.5, cap.rates()
 
 
 def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_capped():
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     chosen = run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=15000)
     # A trial takes turns with the cap in force: its steps come in bursts a few hundred steps long.
     speculating = [i for i, gamma in enumerate(chosen) if gamma > 0]
@@ -260,7 +265,7 @@ def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
         prefilling = next(steps) < 200  # the first trial of cap 0 falls in here
         return 5.0 + 16 * (c + 1) * 3.0 + (400.0 if prefilling else 0.0)
 
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     chosen = run_under_load(cap, step_ms, sessions=16, steps=3000)
     assert cap.caps()[16] == 0 and chosen[-500:].count(0) >= 400, cap.rates()
 
@@ -278,7 +283,7 @@ def capped_step(index: int, draft_length: int, interval_ms: float, sessions: int
 def test_neighbour_trials_go_both_ways_between_the_plain_ones():
     """Goodput peaks at the cap in force: trials of plain decoding and of both neighbours
     lose. A lost plain trial must not turn the direction back, or one neighbour is never tried."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     cap.observe(8, StepRecord(index=1, position=0, generated=0, draft_length=5, draft_model_tokens=5, accepted=5,
                               bonus=True, token=0, emitted=(0,) * 6, draft_ms=1.0, verify_ms=1.0, draft_forward_ms=0.0,
                               verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0, interval_ms=2.0))
@@ -295,7 +300,7 @@ def test_neighbour_trials_go_both_ways_between_the_plain_ones():
 def test_requests_in_flight_are_a_floor_on_the_load():
     """A wave of requests after a quiet spell: the last step reported one session, but
     sixteen requests of the pair are in flight here, so their first steps are capped too."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=16, steps=600)
     assert cap.rates()[16] and cap.caps()[16] == 0
     run_under_load(cap, lambda c: 10.0, sessions=1, steps=2)  # a lone request: no cap
@@ -312,7 +317,7 @@ def test_a_level_reached_only_as_the_load_drains_follows_the_measured_one_above(
     briefly to gather an epoch there. Until that level measures for itself it takes the
     cap measured at sixteen, not the longest draft chosen alone; a lower level measured
     since outranks it."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     run_under_load(cap, lambda c: 10.0, sessions=1, steps=20)  # alone the requests draft long
     assert cap.widest >= 3
     run_under_load(cap, lambda c: 5.0 + 4 * (c + 1) * 1.5, sessions=4, steps=3)  # the drain: no epoch
@@ -329,7 +334,7 @@ def test_a_level_reached_only_as_the_load_drains_follows_the_measured_one_above(
 def test_steps_count_at_the_load_their_cap_was_chosen_for():
     """Workers that report one session each (several verifier replicas, say) while sixteen
     requests are in flight here: the cap is read at load 16, so its steps must teach load 16."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     for _ in range(16):
         cap.enter()
     run_under_load(cap, lambda c: 5.0 + 16 * (c + 1) * 1.5, sessions=1, steps=600)
@@ -352,7 +357,7 @@ def test_a_cap_measured_better_than_the_one_in_force_is_tried_again_at_once():
     """Plain decoding's first trial lost narrowly; then speculating got slower than plain
     decoding had measured. Plain decoding is tried again within an epoch or two, not after
     the dozens of epochs the exploration schedule would wait, and wins."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     early = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.033, chosen=4, steps=300)
     assert 0 in early and cap.caps()[16] == 8 and cap.rates()[16][0] < cap.rates()[16][8]  # the plain trial lost
     later = steps_under_cap(cap, lambda arm: 0.0318 if arm == 0 else 0.025, chosen=4, steps=400, start=301)
@@ -362,7 +367,7 @@ def test_a_cap_measured_better_than_the_one_in_force_is_tried_again_at_once():
 def test_a_neighbour_trial_starts_from_the_drafts_the_requests_chose():
     """Requests choose γ = 4 under a cap of 8, so a cap of 7 would change nothing: the
     neighbour tried below is 3."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     caps = steps_under_cap(cap, lambda arm: 0.03 - 0.001 * (4 - min(arm, 4)), chosen=4, steps=6000)
     assert 3 in caps and 7 not in caps, sorted(set(caps))
 
@@ -372,7 +377,7 @@ def test_after_a_trial_wins_the_next_neighbour_is_beside_the_new_cap():
     after another, not back down from what the requests chose under the old cap. Slowly:
     on the way down from 8 to 3 each higher cap lost its trials, and those verdicts weigh
     against it until new trials outvote them (`_Verdicts`)."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     steps_under_cap(cap, lambda arm: 0.03 - 0.002 * abs(arm - 3) - (0.01 if arm == 0 else 0), chosen=8, steps=3000)
     assert cap.caps()[16] == 3, cap.rates()
     climbing = steps_under_cap(cap, lambda arm: 0.02 + 0.003 * arm, chosen=8, steps=25_000, start=3001)
@@ -399,7 +404,7 @@ def test_a_drifting_machine_does_not_switch_the_cap_on_its_drift(seed):
     worse. The machine's speed swings by ±20%, far more than that, but slowly: a trial
     measured beside the cap in force sees the same speed, so it loses as it should, and the
     cap stays where the requests' own choice is."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     caps = steps_on_a_drifting_machine(cap, lambda gamma: 0.030 + 0.0006 * gamma, steps=12_000, seed=seed)
     late = caps[6000:]
     assert cap.caps()[16] >= 4 and sum(1 for c in late if c < 4) < 0.15 * len(late), (cap.rates(), sorted(set(late)))
@@ -408,7 +413,7 @@ def test_a_drifting_machine_does_not_switch_the_cap_on_its_drift(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_a_drifting_machine_still_finds_that_plain_decoding_pays(seed):
     """The mirror: plain decoding truly 8% better than any speculating, on the same drift."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     caps = steps_on_a_drifting_machine(cap, lambda gamma: 0.0324 if gamma == 0 else 0.030, steps=12_000, seed=seed)
     late = caps[6000:]
     assert cap.caps()[16] == 0 and late.count(0) > 0.85 * len(late), cap.rates()
@@ -424,7 +429,7 @@ def test_a_cap_that_wins_only_on_noise_does_not_keep_coming_back():
     shares = []
     for seed in range(4):
         rng = random.Random(seed)
-        cap, caps, swing = LoadCap(highest=8), [], 1.0
+        cap, caps, swing = LoadCap(max_draft_length=8), [], 1.0
         for index in range(1, 40_001):
             if index % 16 == 1:
                 swing = math.exp(rng.gauss(0.0, 0.4))
@@ -467,7 +472,7 @@ def test_prompts_arriving_during_a_trial_do_not_decide_it(plain_pays, seed):
     fifth of the rounds and triples their steps: over the few rounds of a trial, that noise
     is larger than the difference, and it falls on whichever cap's turn it happens to.
     Compared on the steps taken a round or more after the last prompt, the cap lands right."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     better, worse = 0.033, 0.030
     caps = steps_with_prompts_arriving(cap, lambda gamma: (better if gamma == 0 else worse) if plain_pays else
                                        (worse if gamma == 0 else better), share=0.2, steps=6000, seed=seed)
@@ -483,7 +488,7 @@ def test_a_request_the_cap_does_not_measure_leaves_no_prompt_behind(ended):
     """A request of the pair under a fixed γ (or one that failed at once) enters and leaves
     the load cap, but its steps do not teach it. Its prompt must stop counting as
     prefilling when it ends, or no step is ever quiet again and prompts decide the trials."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     other = cap.enter()
     if ended == "after its steps":
         for index in range(3):
@@ -496,7 +501,7 @@ def test_a_request_the_cap_does_not_measure_leaves_no_prompt_behind(ended):
 
 def test_with_a_prompt_in_every_forward_the_cap_is_still_measured():
     """No forward is free of prompts: the caps are compared on all their steps."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     caps = steps_with_prompts_arriving(cap, lambda gamma: 0.036 if gamma == 0 else 0.030, share=1.0, steps=3000,
                                        seed=0)
     assert cap.caps()[16] == 0 and caps[-500:].count(0) > 400, cap.rates()
@@ -505,7 +510,7 @@ def test_with_a_prompt_in_every_forward_the_cap_is_still_measured():
 def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     """An operator asking why AUTO stopped speculating under load reads the cap in force
     at each load level, and the goodput of each cap tried there, from /metrics."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     arriving = [cap.enter() for _ in range(4)]  # the cap is read at load 4, where nothing is measured yet
     assert cap.cap() == 8 and cap.caps() == {}
     for request in arriving:
@@ -524,7 +529,7 @@ def test_a_trial_left_by_the_load_is_dropped_not_resumed():
     """The load leaves 16 in the middle of a trial of plain decoding (truly 3% worse here) and
     comes back to a machine 30% slower. Resumed, the trial would set its turns before the
     excursion against the cap in force's after it, and plain decoding would win."""
-    cap = LoadCap(highest=8)
+    cap = LoadCap(max_draft_length=8)
     index = 0
 
     def steps(sessions: int, speed: float, count: int) -> None:
@@ -549,7 +554,7 @@ def test_a_rival_that_keeps_losing_is_tried_again_less_and_less_often():
     average keeps falling below what the others measured before, but each re-trial beside it
     loses. The re-trials thin out as the scheduled trials do."""
     def trials(speed) -> int:
-        cap = LoadCap(highest=8)
+        cap = LoadCap(max_draft_length=8)
         caps = []
         for index in range(1, 20_001):
             arm = cap.cap()
@@ -572,7 +577,7 @@ def test_plain_decodings_dips_do_not_bring_a_losing_cap_back(seed):
     every session a catch-up prefill on the draft). Only the schedule's trials come: 14 or 15
     here, against 17 to 19 when every dip brought one."""
     rng = random.Random(seed)
-    cap, speed, on_trial = LoadCap(highest=8), 0.0, []
+    cap, speed, on_trial = LoadCap(max_draft_length=8), 0.0, []
     for index in range(1, 40_001):
         if index % 16 == 1:
             speed = 0.66 * speed + rng.gauss(0.0, 0.083)
@@ -593,9 +598,9 @@ def test_a_sampled_rejection_drafts_the_next_proposal_as_long_as_the_next_step_w
     policy = CostPolicy(measured_costs(0.5), TaskProfile(0.95, 1, 8))
     foreseen = policy.recovery_draft_length(2, accepted=1)
     policy.observe(step(2, 1))
-    assert foreseen == policy.next_draft_length() > 2
+    assert foreseen == choose(policy) > 2
     losing = CostPolicy(measured_costs(3.0), TaskProfile(0.3, 1, 8))
     assert losing.recovery_draft_length(2, accepted=0) == 0  # the hop only draws the recovered token
-    assert EmaPolicy(start=4, lowest=2, highest=8).recovery_draft_length(4, accepted=1) == 5
+    assert EmaPolicy(start=4, min_draft_length=2, max_draft_length=8).recovery_draft_length(4, accepted=1) == 5
     assert FixedPolicy(4).recovery_draft_length(4, accepted=0) == 4
-    assert ConfidencePolicy(highest=12).recovery_draft_length(3, accepted=0) == 12
+    assert ConfidencePolicy(max_draft_length=12).recovery_draft_length(3, accepted=0) == 12

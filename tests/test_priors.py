@@ -30,7 +30,7 @@ def test_noisy_costs_never_price_a_forward_at_nothing():
              for b in (1, 2, 4, 8, 16, 32) for w in (1, 2, 3, 5, 9)]
     table = ForwardTable(noisy)
     assert table.ms(32, 1) >= table.ms(16, 1) and table.ms(64, 9) >= table.ms(32, 9) > 0
-    rates = prior_rates(table, ForwardTable(noisy), alpha=0.7, highest=8, overheads=Overheads(0.0, 0.0))
+    rates = prior_rates(table, ForwardTable(noisy), alpha=0.7, max_draft_length=8, overheads=Overheads(0.0, 0.0))
     assert all(0 < rate < float("inf") for at_load in rates.values() for rate in at_load)
 
 
@@ -41,7 +41,7 @@ def test_costs_that_are_not_a_grid_of_positive_times_give_no_prior():
 
 
 def test_speculation_is_priced_out_as_the_load_grows():
-    caps = prior_caps(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    caps = prior_caps(TARGET, DRAFT, alpha=0.7, max_draft_length=8, overheads=Overheads(0.2, 1.0))
     assert caps[1] >= 3  # alone, verifying more positions is nearly free: speculate
     assert caps[32] == 0  # 32 sessions × γ+1 tokens each: plain decoding serves more
     assert all(caps[a] >= caps[b] for a, b in zip(sorted(caps), sorted(caps)[1:]))  # never more under more load
@@ -51,7 +51,7 @@ def test_speculation_is_priced_out_as_the_load_grows():
 
 
 def test_a_level_starts_at_the_prior_and_says_so():
-    rates = prior_rates(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    rates = prior_rates(TARGET, DRAFT, alpha=0.7, max_draft_length=8, overheads=Overheads(0.2, 1.0))
     cap = LoadCap(8, prior=rates)
     cap.requests = 32  # 32 requests in flight: the load floor
     assert cap.cap() == 0 and cap.origins() == {32: "prior"}
@@ -107,7 +107,7 @@ def test_a_step_says_which_cap_it_ran_under():
     from gateway.step.records import StepRecord
     from gateway.step.tracing import step_attributes
 
-    rates = prior_rates(TARGET, DRAFT, alpha=0.7, highest=8, overheads=Overheads(0.2, 1.0))
+    rates = prior_rates(TARGET, DRAFT, alpha=0.7, max_draft_length=8, overheads=Overheads(0.2, 1.0))
     cap = LoadCap(8, prior=rates)
     assert cap.origin() == "alone"
     cap.requests = 32

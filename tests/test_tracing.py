@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 from conftest import request, start_stack
-from gateway.request import Generation
+from gateway.request import Generation, Stopping
 from gateway.stats.drift import DriftSettings
 from gateway.step.records import NoTracer
 from gateway.step.tracing import RequestTrace
@@ -128,7 +128,7 @@ def test_off_unless_an_endpoint_is_configured():
 def test_tracing_off_builds_nothing_per_step():
     # Runs before the in-process tests install a provider (module order).
     assert not tracing_enabled()
-    generation = Generation([1, 2, 3], Transform(0.0, 0, 1.0), seed=1, max_new_tokens=4, draft_model="d")
+    generation = Generation([1, 2, 3], Transform(0.0, 0, 1.0), seed=1, stopping=Stopping(4), draft_model="d")
     request_trace = RequestTrace.start(generation, target_model="t", model_pair="d->t", task_type="",
                                        user_segment="", mode="FIXED", policy="fixed")
     assert isinstance(request_trace.step_tracer, NoTracer)

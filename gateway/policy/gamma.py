@@ -30,7 +30,7 @@ from gateway.policy.loadcap import LoadCap
 from gateway.request import Mode, ParsedRequest
 from gateway.stats.acceptance import AcceptanceStats
 from gateway.stats.costmodel import StepCosts, best_draft_length
-from gateway.step.records import DraftLengthPolicy, StepRecord
+from gateway.step.records import Bound, DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
 
 MAX_PROBE_INTERVAL = 256
@@ -44,10 +44,10 @@ class FixedPolicy:
     def __init__(self, draft_length: int) -> None:
         self.draft_length = draft_length
 
-    def cap_in_force(self) -> tuple[int, str] | None:
+    def bound(self) -> Bound | None:
         return None
 
-    def next_draft_length(self) -> int:
+    def next_draft_length(self, bound: Bound | None) -> int:
         return self.draft_length
 
     def recovery_draft_length(self, gamma: int, accepted: int) -> int:
@@ -65,34 +65,34 @@ class EmaPolicy:
 
     name = "ema"
 
-    def __init__(self, start: int, lowest: int, highest: int, target_rate: float = 0.85,
+    def __init__(self, start: int, min_draft_length: int, max_draft_length: int, target_rate: float = 0.85,
                  steps: int = 50) -> None:
-        self.draft_length = min(max(start, lowest), highest)
-        self.lowest, self.highest = lowest, highest
+        self.draft_length = min(max(start, min_draft_length), max_draft_length)
+        self.min_draft_length, self.max_draft_length = min_draft_length, max_draft_length
         self.target_rate = target_rate
         self.weight = 1.0 / steps
         self.rate = target_rate  # start neutral: no change until evidence accumulates
 
-    def cap_in_force(self) -> tuple[int, str] | None:
+    def bound(self) -> Bound | None:
         return None
 
-    def next_draft_length(self) -> int:
+    def next_draft_length(self, bound: Bound | None) -> int:
         return self.draft_length
 
     def recovery_draft_length(self, gamma: int, accepted: int) -> int:
-        return min(self.draft_length + 1, self.highest)  # one step moves γ by one at most
+        return min(self.draft_length + 1, self.max_draft_length)  # one step moves γ by one at most
 
     def plain_steps_ahead(self, limit: int) -> int:
-        return 0  # γ never falls below its lowest, at least 1
+        return 0  # γ never falls below its least, at least 1
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_model_tokens == 0:  # learned from the draft model's tokens only
             return
         self.rate += self.weight * (record.accepted / record.draft_model_tokens - self.rate)
         if self.rate > self.target_rate + 0.05:
-            self.draft_length = min(self.draft_length + 1, self.highest)
+            self.draft_length = min(self.draft_length + 1, self.max_draft_length)
         elif self.rate < self.target_rate - 0.10:
-            self.draft_length = max(self.draft_length - 1, self.lowest)
+            self.draft_length = max(self.draft_length - 1, self.min_draft_length)
 
 
 @dataclass
@@ -122,7 +122,7 @@ class CostPolicy:
         self.costs = costs
         self.load_cap = load_cap
         self.floor = floor
-        self._cap = 0  # the load cap the last γ was chosen under
+        self._max_draft_length = 0  # the load cap the last γ was chosen under
         self.overlap = overlap  # the draft pre-drafts while the target verifies: a hit's draft hop is cheap
         self.profile = profile
         self.curve = curve
@@ -148,20 +148,20 @@ class CostPolicy:
         scale = alpha / level if level > 0 else 1.0
         return [min(rate * scale, 0.999) for rate in curve] + [min(alpha, 0.999)] * 32
 
-    def cap_in_force(self) -> tuple[int, str] | None:
+    def bound(self) -> Bound | None:
         """The shared load cap at the current load, and its origin."""
-        return None if self.load_cap is None else (self.load_cap.cap(), self.load_cap.origin())
+        return None if self.load_cap is None else Bound(self.load_cap.cap(), self.load_cap.origin())
 
-    def next_draft_length(self) -> int:
-        gamma = self._capped_draft_length()
+    def next_draft_length(self, bound: Bound | None) -> int:
+        gamma = self._bounded_draft_length(bound)
         return gamma if self.floor is None else self.floor.admit(gamma)
 
-    def _capped_draft_length(self) -> int:
-        if self.load_cap is None:
+    def _bounded_draft_length(self, bound: Bound | None) -> int:
+        if bound is None:
             return self._own_draft_length()
-        self._cap = self.load_cap.cap()
+        self._max_draft_length = bound.max_draft_length
         # Under a cap of 0 no γ is wanted: the request's own choice is not worth computing.
-        return min(self._own_draft_length(), self._cap) if self._cap else 0
+        return min(self._own_draft_length(), self._max_draft_length) if self._max_draft_length else 0
 
     def recovery_draft_length(self, gamma: int, accepted: int) -> int:
         """The γ the next step will choose, as this step's outcome moves the acceptance
@@ -170,13 +170,13 @@ class CostPolicy:
         decodes plainly: the hop then only draws the recovered token."""
         alpha = ((self.decay * self.accepted + accepted) / (self.decay * self.trials + accepted + 1))
         gamma = self._best_length(alpha)
-        return min(gamma, self._cap) if self.load_cap is not None else gamma
+        return min(gamma, self._max_draft_length) if self.load_cap is not None else gamma
 
     def plain_steps_ahead(self, limit: int) -> int:
         """Settled on plain decoding: γ = 0 now, and the steps before the next probe (a cap of
         0 allows none). Wrong now and then, when the costs, the cap or the probe interval
         (shared with the pair's other requests) change their mind."""
-        if self.load_cap is not None and self._cap == 0:
+        if self.load_cap is not None and self._max_draft_length == 0:
             return limit
         if self.floor is not None and (ahead := self.floor.plain_steps_ahead()) is not None:
             return min(limit, ahead)
@@ -208,7 +208,7 @@ class CostPolicy:
 
     def observe(self, record: StepRecord) -> None:
         if self.load_cap is not None:
-            self.load_cap.observe(self._cap, record)
+            self.load_cap.observe(self._max_draft_length, record)
         if self.floor is not None:
             self.floor.observe(record)
         if record.draft_model_tokens == 0:  # learned from the draft model's tokens only
@@ -226,17 +226,17 @@ class ConfidencePolicy:
 
     name = "confidence"
 
-    def __init__(self, highest: int) -> None:
-        self.highest = highest
+    def __init__(self, max_draft_length: int) -> None:
+        self.max_draft_length = max_draft_length
 
-    def cap_in_force(self) -> tuple[int, str] | None:
+    def bound(self) -> Bound | None:
         return None
 
-    def next_draft_length(self) -> int:
-        return self.highest
+    def next_draft_length(self, bound: Bound | None) -> int:
+        return self.max_draft_length
 
     def recovery_draft_length(self, gamma: int, accepted: int) -> int:
-        return self.highest
+        return self.max_draft_length
 
     def plain_steps_ahead(self, limit: int) -> int:
         return 0

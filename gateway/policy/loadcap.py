@@ -226,10 +226,10 @@ class LoadCap:
     and verdicts instead, so a new replica does not pay their trials again.
     """
 
-    def __init__(self, highest: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
+    def __init__(self, max_draft_length: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
                  margin: float = 0.05, prior: dict[int, list[float]] | None = None,
                  shared: dict[int, SharedLevel] | None = None) -> None:
-        self.highest = highest
+        self.max_draft_length = max_draft_length
         self.prior = prior
         # What the other gateways of the target learned, by load (`adopt`): where a level
         # starts when it holds more evidence than the prior.
@@ -271,14 +271,14 @@ class LoadCap:
         """The cap in force at the current load (the largest γ with a single session)."""
         load = self._current_load()
         if load <= 1:
-            return self.highest
+            return self.max_draft_length
         return self._level(load).arm
 
     def caps(self) -> dict[int, int]:
         """The cap in force at each load bucket measured (what `cap()` gives there between
         trials), and where a level not reached yet will start from other gateways' cap.
         Copies: the metrics thread reads them while the event loop writes."""
-        caps = {load: min(level.cap, self.highest) for load, level in self.shared.items()}
+        caps = {load: min(level.cap, self.max_draft_length) for load, level in self.shared.items()}
         caps.update({load: level.best for load, level in self._levels.items()
                      if level.all_rates or level.source == "shared"})
         return dict(sorted(caps.items()))
@@ -294,7 +294,7 @@ class LoadCap:
             level = self._levels[load] = _LevelArms(self._borrowed(load), settle=load,
                                                     explore_every=self.explore_every)
             if self.prior:
-                rates = self.prior.get(load, self.prior[max(self.prior)])[:self.highest + 1]
+                rates = self.prior.get(load, self.prior[max(self.prior)])[:self.max_draft_length + 1]
                 for low in range(len(rates)):
                     for high in range(low + 1, len(rates)):
                         level.verdicts[(low, high)] = _Verdicts(
@@ -350,9 +350,9 @@ class LoadCap:
 
     def _take(self, level: _LevelArms, shared: SharedLevel, load: int) -> None:
         """Start `level` over from a shared level: its cap and the verdicts behind it."""
-        cap = min(shared.cap, self.highest)
+        cap = min(shared.cap, self.max_draft_length)
         level.verdicts = {pair: _Verdicts(mean, trials) for pair, (mean, trials) in shared.verdicts.items()
-                          if pair[1] <= self.highest}
+                          if pair[1] <= self.max_draft_length}
         level.source, level.decided = "shared", 0
         level.outvoted.clear()  # outvoted by verdicts this level no longer holds
         if cap != level.best:
@@ -367,7 +367,7 @@ class LoadCap:
 
     def _prior_cap(self, load: int) -> int:
         """The prior's cap at `load` (past the loads it priced, the heaviest's)."""
-        return min(self.prior_caps.get(load, self.prior_caps[max(self.prior_caps)]), self.highest)
+        return min(self.prior_caps.get(load, self.prior_caps[max(self.prior_caps)]), self.max_draft_length)
 
     def _borrowed(self, load: int) -> int:
         """The cap an unmeasured level at `load` takes: the prior's for that load (past the
@@ -384,7 +384,7 @@ class LoadCap:
             return self._levels[max(lower)].best
         if higher:
             return self._levels[min(higher)].best
-        return min(self.widest or self.highest, self.highest)
+        return min(self.widest or self.max_draft_length, self.max_draft_length)
 
     def observe(self, cap: int, record: StepRecord) -> None:
         """A step taken under `cap`; steps from a cap no longer in force are left out. The step
@@ -567,5 +567,5 @@ class LoadCap:
         if effective < level.best:  # the requests chose below the cap: only a lower one changes anything
             return down if down >= 0 else None
         if level.downward:
-            return down if down >= 0 else (up if up <= self.highest else None)
-        return up if up <= self.highest else (down if down >= 0 else None)
+            return down if down >= 0 else (up if up <= self.max_draft_length else None)
+        return up if up <= self.max_draft_length else (down if down >= 0 else None)

@@ -100,14 +100,14 @@ class Overheads:
     spec_ms: float
 
 
-def prior_rates(target: ForwardTable, draft: ForwardTable | None, alpha: float, highest: int,
+def prior_rates(target: ForwardTable, draft: ForwardTable | None, alpha: float, max_draft_length: int,
                 overheads: Overheads, loads: Sequence[int] = LOAD_BUCKETS) -> dict[int, list[float]]:
     """The goodput the measured costs predict at each load level for each γ from 0 (plain
-    decoding) to `highest`, in tokens per ms per forward."""
+    decoding) to `max_draft_length`, in tokens per ms per forward."""
     rates = {}
     for load in loads:
         at_load = [1.0 / (target.ms(load, 1) + load * overheads.plain_ms)]
-        for gamma in range(1, highest + 1):
+        for gamma in range(1, max_draft_length + 1):
             drafting = gamma * draft.ms(load, 1) if draft else 0.0
             at_load.append(expected_tokens(alpha, gamma)
                            / (target.ms(load, gamma + 1) + drafting + load * overheads.spec_ms))
@@ -120,10 +120,10 @@ def best_caps(rates: dict[int, list[float]]) -> dict[int, int]:
     return {load: max(range(len(at_load)), key=at_load.__getitem__) for load, at_load in rates.items()}
 
 
-def prior_caps(target: ForwardTable, draft: ForwardTable | None, alpha: float, highest: int,
+def prior_caps(target: ForwardTable, draft: ForwardTable | None, alpha: float, max_draft_length: int,
                overheads: Overheads, loads: Sequence[int] = LOAD_BUCKETS) -> dict[int, int]:
     """The γ that the measured costs favour at each load level (0: plain decoding)."""
-    return best_caps(prior_rates(target, draft, alpha, highest, overheads, loads))
+    return best_caps(prior_rates(target, draft, alpha, max_draft_length, overheads, loads))
 
 
 # The start-up probes: a short prompt, and enough tokens for several steps.

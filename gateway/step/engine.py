@@ -29,7 +29,7 @@ from gateway.grammar import Grammar
 from gateway.proposers.base import DraftClient, DraftModelProposer, Proposal, StepContext
 from gateway.proposers.hybrid import HybridChoice
 from gateway.request import Generation
-from gateway.step.records import DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
+from gateway.step.records import Bound, DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
 from specd.grammars import GrammarError
 from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
@@ -141,19 +141,19 @@ class _Speculation:
         # Plain steps left of a run asked while the model-free matches were quiet: they
         # look for no match, which would stop the run (the forward in flight wasted).
         self.blind = 0
-        self.longest = 0  # the most tokens this step's proposals may carry (the policy's load cap)
-        self.cap: tuple[int, str] | None = None  # the load cap in force this step, and its origin
+        self.max_draft_length = 0  # the most tokens this step's proposals may carry (the policy's load cap)
+        self.bound: Bound | None = None  # the load cap in force this step, and its origin
 
     def draft_length(self) -> int:
         """The policy's γ, bounded: a step emits up to γ+1 tokens, never more than asked, never
         past the draft's context (the draft feeds up to len(committed) + γ − 1 positions)."""
-        gamma = 0 if self.draft is None else self.policy.next_draft_length()
-        remaining = self.request.max_new_tokens - self.generated
+        gamma = 0 if self.draft is None else self.policy.next_draft_length(self.bound)
+        remaining = self.request.stopping.max_new_tokens - self.generated
         return max(0, min(gamma, remaining - 1, self.bounds.draft_context - len(self.committed)))
 
     def context(self, carrier: dict[str, str]) -> StepContext:
         """Where the request stands as this step begins, for its proposer."""
-        return StepContext(self.steps, self.committed, self.request.max_new_tokens - self.generated, carrier)
+        return StepContext(self.steps, self.committed, self.request.stopping.max_new_tokens - self.generated, carrier)
 
     async def propose_match(self, gamma: int, max_tokens: int, carrier: dict[str, str]) -> Proposal | None:
         """A model-free proposal (up to max_tokens) when one beats the model draft at γ
@@ -161,7 +161,7 @@ class _Speculation:
         if self.hybrid is None or self.blind:
             return None
         room = self.bounds.target_context - len(self.committed) - 1
-        remaining = self.request.max_new_tokens - self.generated - 1
+        remaining = self.request.stopping.max_new_tokens - self.generated - 1
         return await self.hybrid.choose(self.context(carrier), min(max_tokens, room, remaining), gamma)
 
     async def within_grammar(self, proposal: Proposal) -> tuple[Proposal, torch.Tensor | None]:
@@ -263,11 +263,11 @@ class _Speculation:
         None under a grammar: each position's allowed tokens follow the token before it."""
         if proposal.tokens or self.grammar is not None:
             return 0
-        after = self.request.max_new_tokens - self.generated - 1  # tokens left after this step's
+        after = self.request.stopping.max_new_tokens - self.generated - 1  # tokens left after this step's
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)
         limit = RUN_AHEAD_STEPS
-        if self.hybrid is not None and self.longest > 0:  # under a cap of 0 no match may be verified
+        if self.hybrid is not None and self.max_draft_length > 0:  # under a cap of 0 no match may be verified
             if self.blind or not self.hybrid.quiet:
                 return 0
             limit = QUIET_RUN_STEPS
@@ -307,7 +307,7 @@ class _Speculation:
                              for token, position in zip(emitted, verdict.scores.logprobs))
         generated_before = self.generated
         self.generated += len(emitted)
-        if finish is None and self.generated >= self.request.max_new_tokens:
+        if finish is None and self.generated >= self.request.stopping.max_new_tokens:
             finish = Finish.LENGTH
         scores = verdict.scores
         now = time.perf_counter()
@@ -323,7 +323,7 @@ class _Speculation:
             # The draft model's own tokens: what its γ policy and the load cap learn from.
             draft_model_tokens=len(proposal.tokens) if proposer is not None and proposer is self.draft else 0,
             ran_ahead=scores.ran_ahead, interval_ms=interval_ms, proposal_in_hand=proposal.in_hand,
-            recovery_ms=verdict.recovery_ms, load_cap=self.cap)
+            recovery_ms=verdict.recovery_ms, load_cap=self.bound)
         if self.hybrid is not None:
             self.hybrid.observe(record.proposer, record.accepted, record.draft_length)
         self.steps += 1
@@ -355,11 +355,11 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
     everyone = (policy, *observers, tracer)
     speculation = _Speculation(request, policy, draft, verifier, bounds, hybrid, grammar)
     while True:
+        bound = speculation.bound = policy.bound()  # the load cap: read once a step
+        speculation.max_draft_length = max_model_free if bound is None else min(max_model_free, bound.max_draft_length)
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
-        speculation.cap = policy.cap_in_force()
-        speculation.longest = max_model_free if speculation.cap is None else min(max_model_free, speculation.cap[0])
-        proposal = (await speculation.propose_match(gamma, speculation.longest, carrier)
+        proposal = (await speculation.propose_match(gamma, speculation.max_draft_length, carrier)
                     or await speculation.propose(gamma, carrier))
         proposal, allowed = await speculation.within_grammar(proposal)
         verdict = await speculation.decide(proposal, carrier, allowed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.stats.acceptance import Counts
 from gateway.stats.costmodel import load_bucket
@@ -62,7 +62,7 @@ class StepRecord:
     # start): what the step cost the request, its hops, the gateway's own work and the
     # streaming of the last chunk included. 0: not measured (a record made elsewhere).
     interval_ms: float = 0.0
-    load_cap: tuple[int, str] | None = None  # the load cap γ was chosen under, and its origin (traces)
+    load_cap: Bound | None = None  # the load cap γ was chosen under, and its origin (traces)
 
     @property
     def load(self) -> int:
@@ -99,18 +99,29 @@ class StepObserver(Protocol):
     def observe(self, record: StepRecord) -> None: ...
 
 
+class Bound(NamedTuple):
+    """A step's bound on γ: the most tokens any proposal may carry, and where it came from
+    ("prior", "shared", "learned", "alone": `gateway.policy.loadcap.LoadCap.origin`)."""
+
+    max_draft_length: int
+    origin: str
+
+
 class DraftLengthPolicy(StepObserver, Protocol):
     """Chooses γ before each step and learns from each step's record."""
 
     name: str
 
-    def next_draft_length(self) -> int: ...
+    def bound(self) -> Bound | None:
+        """This step's bound, read once as the step begins: the load cap in force
+        (`gateway.policy.loadcap.LoadCap`), the most tokens any proposal may carry, a
+        model-free one's too (a verified token costs the other sessions' forward alike,
+        whoever proposed it); None when the policy shares no cap."""
+        ...
 
-    def cap_in_force(self) -> tuple[int, str] | None:
-        """The load cap in force for this step (`gateway.policy.loadcap.LoadCap`): the most tokens
-        any proposal may carry, a model-free one's too (a verified token costs the other
-        sessions' forward alike, whoever proposed it), and where it came from ("prior",
-        "learned", "alone"); None when the policy shares no cap."""
+    def next_draft_length(self, bound: Bound | None) -> int:
+        """γ for the step: the draft model's proposal length, within `bound` (what `bound`
+        read for this step)."""
         ...
 
     def recovery_draft_length(self, gamma: int, accepted: int) -> int:

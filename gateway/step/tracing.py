@@ -151,7 +151,7 @@ class RequestTrace:
                 "gen_ai.request.top_k": transform.top_k,
                 "gen_ai.request.top_p": transform.top_p,
                 "gen_ai.request.seed": generation.seed,
-                "gen_ai.request.max_tokens": generation.max_new_tokens,
+                "gen_ai.request.max_tokens": generation.stopping.max_new_tokens,
                 "gen_ai.usage.input_tokens": len(generation.prompt_ids),
                 "specd.draft.model": generation.draft_model,
                 "specd.model_pair": model_pair,
