@@ -253,19 +253,19 @@ def test_a_full_draft_is_asked_again_for_a_recovery_and_no_answer_is_unavailable
     request = DraftRequest(1, SAMPLED, seed=1)
 
     outcomes[:] = [full, full, answer]
-    proposal = asyncio.run(link.propose([1, 2], request, "", {}, None, recovery))
+    proposal = asyncio.run(link.draft([1, 2], request, "", {}, None, recovery))
     assert proposal.recovered == 9 and proposal.tokens == [4] and not outcomes
     outcomes[:] = [StepOverBudget("hung")] * 4
     with pytest.raises(WorkerError) as failed:
-        asyncio.run(link.propose([1, 2], request, "", {}, None, recovery))
+        asyncio.run(link.draft([1, 2], request, "", {}, None, recovery))
     assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "recovered token" in str(failed.value)
     link.pool.slow = SlowMark()  # the hung draft above is marked slow: start afresh
     outcomes[:] = [full]  # a proposal alone is not retried: the step goes on without it
     with pytest.raises(WorkerError):
-        asyncio.run(link.propose([1, 2], request, "", {}))
+        asyncio.run(link.draft([1, 2], request, "", {}))
     outcomes[:] = [StepOverBudget("hung")]
     with pytest.raises(DraftSkipped):
-        asyncio.run(link.propose([1, 2], request, "", {}))
+        asyncio.run(link.draft([1, 2], request, "", {}))
 
 
 def test_kept_rows_stay_within_their_budget_and_an_evicted_sessions_recovery_is_the_same(model_dirs):
