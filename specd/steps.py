@@ -53,7 +53,7 @@ class DraftRequest:
 
     draft_length: int  # γ: propose up to this many tokens
     transform: Transform  # the request's sampling transform (q is built with it)
-    seed: int = 0  # the step's sampler seed (`gateway.proposers.base.draft_seed`; 0 when greedy)
+    seed: int = 0  # the step's sampler seed (`gateway.proposers.draft.draft_seed`; 0 when greedy)
     min_confidence: float = 0.0  # > 0: stop inside the step once the draft's top probability falls below
     vocab_limit: int = 0  # > 0: propose only ids below it (the target's vocabulary)
     grammar: str = ""  # a structured request's grammar: propose only what it allows (`draft_service.grammar`)

@@ -1,6 +1,6 @@
 """The speculative loop against scripted draft and verifier clients: every verdict, a draft
 lost mid-request, EOS inside the accepted tokens, sampled steps. No models, no gRPC: the
-engine's seam is the two client Protocols (`gateway.proposers.base.DraftClient`,
+engine's seam is the two client Protocols (`gateway.proposers.draft.DraftClient`,
 `gateway.step.engine.VerifierClient`)."""
 from __future__ import annotations
 

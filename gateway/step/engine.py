@@ -9,7 +9,7 @@ proposer (`gateway.proposers.base.Proposer`): the recovered token at a sampled r
 where q lives, and what the commit means to the proposer's own state. Each step ends in
 a `StepRecord` (`gateway.step.records`) that every observer reads: the γ policy, the
 request's statistics, the server's counters, the tracer. The workers are behind two
-small client Protocols, `gateway.proposers.base.DraftClient` (which the draft model's
+small client Protocols, `gateway.proposers.draft.DraftClient` (which the draft model's
 proposer wraps) and `VerifierClient` (the gRPC links of `gateway.workers.links` in
 production, scripted fakes in tests/test_engine.py). No protobuf here.
 """
@@ -26,7 +26,8 @@ import torch
 
 from gateway.errors import DraftSkipped, InvalidRequest, WorkerError
 from gateway.grammar import Grammar
-from gateway.proposers.base import DraftClient, DraftModelProposer, Proposal, StepContext
+from gateway.proposers.base import Proposal, StepContext
+from gateway.proposers.draft import DraftClient, DraftModelProposer
 from gateway.proposers.hybrid import HybridChoice
 from gateway.request import Generation
 from gateway.step.records import Bound, DraftLengthPolicy, Finish, NoTracer, StepObserver, StepRecord, StepTracer
