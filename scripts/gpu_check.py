@@ -1,20 +1,31 @@
-"""The measuring half of scripts/gpu_check.sh: the machine, the model pair, and what one
-forward costs on the device.
+"""The measuring half of scripts/gpu_check.sh (scripts/gpu_figures.py is the reporting half):
+the machine, a model pair priced as an 8B/1B pair is, what one forward of each costs, the
+models alone, transformers' greedy tokens, and the served stack.
 
     python scripts/gpu_check.py env
     python scripts/gpu_check.py make-pair DIR [--shape 8b|tiny] [--device cuda]
-    python scripts/gpu_check.py forwards DIR [--device cuda] [--dtype bfloat16] [--fraction 0.4] [--out FILE.json]
-    python scripts/gpu_check.py served DIR [--device cuda] [--fraction 0.85] [--concurrency 1,32]
+    python scripts/gpu_check.py forwards DIR [--device cuda] [--dtype bfloat16] [--fraction 0.85] [--out FILE]
+    python scripts/gpu_check.py ceiling DIR [--device cuda] [--gamma 4] [--max-new-tokens 32] [--rounds 2] [--out FILE]
+    python scripts/gpu_check.py reference DIR [--device cuda] [--prompts 8] [--max-new-tokens 32] [--out FILE]
+    python scripts/gpu_check.py served DIR [--cuda-graphs] [--fraction 0.85] [--concurrency 1,32] [--requests 32]
+        [--reference FILE] [--out FILE]
 
-`make-pair` writes DIR/target and DIR/draft, random Llama weights in 8B shapes (`SHAPES`:
-hidden 4,096, 32 query and 8 KV heads, a 128,256-token vocabulary, a few layers) with the
-demo tokenizer, built on the device (no download: a lent machine reaches nothing). The pair
-has real acceptance by construction: the target's layers after the first add nothing to the
-residual stream (their output projections are zero, which costs the same products), and the
-draft is the target's embedding, first layer, norm and head, so the draft's greedy token is
-the target's up to the rounding of differently shaped products. Vocabulary rows past the
-tokenizer's score 0 in the head: a random row's best logit is far above 0, so greedy never
-emits a token the tokenizer lacks, while the head still multiplies all 128,256 rows.
+`make-pair` writes DIR/target, DIR/draft (random Llama weights with the demo tokenizer, built
+on the device: a lent machine reaches nothing) and DIR/pair.json. The target has an 8B's
+layers and vocabulary (`SHAPES`), the draft a 1B's, each cut short so that the draft reads
+about the share of the target's weights a 1B reads of an 8B's (`LLAMA_1B_8B_READ`): its
+forwards are priced as a real draft's, which a copy of the target's first layer is not.
+Their greedy tokens agree as a real pair's do, neither always nor never: both heads score a
+bigram they share (a random permutation of the tokenizer's ordinary ids; the row of x's
+follower is x's own embedding), and each model's layers pull away from it. The calibration
+scales each model's embeddings (every layer reads its input through an RMS norm, so the scale
+sets the layers' share of the last hidden state and nothing of the cost) until, over 32
+greedy tokens after each demo prompt, the target leaves the bigram at `TARGET_DEPARTURE` of
+positions (its tokens follow the context, so the attention and KV cache are exercised) and
+the draft's token is the target's at `DRAFT_AGREEMENT` of them. Special ids and ids past the
+tokenizer's score 0 in both heads, far below a real row's best, so greedy decoding never
+stops early and every configuration decodes the same number of tokens; the heads still
+multiply every row.
 
 `forwards` loads each model as a worker does (the paged KV store, the lean forward where its
 trial agrees) and reports, for batches of 1 and 32 sessions feeding 1 and 5 tokens each,
@@ -29,9 +40,18 @@ imports only torch, transformers and specd's model code, so it runs where the se
 packages are missing. On a CPU (the dry run) it runs the same code: times are wall times, and
 the CUDA counts are 0.
 
-`served` runs `specd serve` on the pair (with --gpu-memory-fraction, split between the two
-workers, the draft started once the verifier serves), then `specd bench --configs fixed:4
---concurrency ...` against it: target-only and fixed γ=4 ÷ target-only at each level.
+`ceiling` runs scripts/bench_ceiling.py's target-only and fixed-γ loops on the pair, eagerly
+and then with both models' forwards as CUDA graphs (on a CPU the same static steps, run
+eagerly): tokens/s each way after a warm-up pass, tokens per step, and each model's ms per
+forward after the prompt's (to the host's copy of its tokens): the draft's, the target's of
+one token and of a verification's γ + 1; c = draft ÷ target and v = verification ÷ one token.
+
+`reference` runs transformers' own greedy `generate` of the target, prompt by prompt, and
+`served` runs `specd serve` on the pair (--gpu-memory-fraction split between the two workers;
+--cuda-graphs where asked, left out on a CPU; no model-free proposers), serves the
+reference's prompts greedily with target-only and fixed γ decoding and compares the tokens,
+then runs `specd bench --configs fixed:γ,cost --concurrency ...` once to warm up and once
+measured: target-only, fixed γ and AUTO at each level.
 """
 from __future__ import annotations
 
@@ -42,14 +62,34 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-SHAPES = {  # layers of the target and of the draft; the rest is the 8B's
-    "8b": dict(vocab=128256, hidden=4096, intermediate=14336, heads=32, kv_heads=8, target_layers=6,
-               draft_layers=1, context=8192),
-    "tiny": dict(vocab=8192, hidden=64, intermediate=128, heads=4, kv_heads=2, target_layers=3, draft_layers=1,
-                 context=1024),
+SHAPES: dict[str, dict[str, Any]] = {
+    # The target has an 8B's layers (Llama 3.1 8B: hidden 4,096, 32/8 heads), 12 of its 32; the
+    # draft a 1B's (Llama 3.2 1B: hidden 2,048, 32/8 heads), 2 of its 16. A forward of the
+    # draft reads 0.12 of the target's weights, a little under a 1B's 0.165 of an 8B's, since
+    # a shallow model's forward pays more than its weights' share in kernel launches; its
+    # ms per forward as measured is what the report's c and projection use.
+    "8b": {"vocab": 128256, "context": 8192,
+           "target": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=12),
+           "draft": dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, layers=2)},
+    "tiny": {"vocab": 8192, "context": 1024,
+             "target": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=3),
+             "draft": dict(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1)},
 }
+# Parameters a forward reads, Llama 3.2 1B (1.24B, its head tied to its embedding) ÷ Llama
+# 3.1 8B (7.50B: 8.03B less the embedding, which a forward gathers a row of).
+LLAMA_1B_8B_READ = 1.24 / 7.50
+# The calibration's goals (`make-pair`): the target's greedy token leaves the bigram both
+# models share at this share of positions, so that its output follows the context (its
+# attention and KV cache), and the draft's greedy token is the target's at this share (the
+# acceptance per position, α: a real pair's depends on its task, so the report projects
+# others beside it).
+TARGET_DEPARTURE = 0.2
+DRAFT_AGREEMENT = 0.7
+CALIBRATION_TOKENS = 32  # greedy tokens after each demo prompt that the calibration scores
 # What the services import beyond torch and transformers (scripts/gpu_wheels.sh carries them).
 SERVING_MODULES = ("grpc", "grpc_health.v1", "grpc_reflection.v1alpha", "google.protobuf", "opentelemetry.sdk",
                    "opentelemetry.exporter.otlp.proto.grpc", "llguidance", "starlette", "uvicorn", "cryptography",
@@ -90,25 +130,26 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_make_pair(args: argparse.Namespace) -> int:
-    """DIR/target and DIR/draft (kept if both are there already)."""
+    """DIR/target, DIR/draft and DIR/pair.json (what was made, and the calibration's outcome)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from specd.config import DEMO_TARGET
 
     root = Path(args.dir)
-    if (root / "target" / "config.json").is_file() and (root / "draft" / "config.json").is_file():
-        print(f"{root}: the pair is there already")
-        return 0
     shape = SHAPES[args.shape]
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        # The dry run's tiny pair: products too small to split across threads, which on a
+        # shared CPU only wait for one another (specd serve gives such a model one thread too).
+        torch.set_num_threads(1)
     began = time.perf_counter()
 
-    def config(layers: int) -> LlamaConfig:
-        return LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-                           intermediate_size=shape["intermediate"], num_hidden_layers=layers,
-                           num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+    def config(part: dict) -> LlamaConfig:
+        return LlamaConfig(vocab_size=shape["vocab"], hidden_size=part["hidden"],
+                           intermediate_size=part["intermediate"], num_hidden_layers=part["layers"],
+                           num_attention_heads=part["heads"], num_key_value_heads=part["kv_heads"],
                            max_position_embeddings=shape["context"], rope_theta=500000.0,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                            tie_word_embeddings=False, dtype="bfloat16")
@@ -118,25 +159,105 @@ def cmd_make_pair(args: argparse.Namespace) -> int:
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: seconds, not minutes
     try:
         with device:
-            target = LlamaForCausalLM(config(shape["target_layers"]))
-            draft = LlamaForCausalLM(config(shape["draft_layers"]))
+            target = LlamaForCausalLM(config(shape["target"])).eval()
+            draft = LlamaForCausalLM(config(shape["draft"])).eval()
     finally:
         torch.set_default_dtype(default)
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    follower = torch.arange(shape["vocab"])  # the bigram both models share: ordinary id → ordinary id
+    follower[ordinary] = ordinary[torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(1))]
     with torch.no_grad():
-        for layer in target.model.layers[shape["draft_layers"]:]:  # they add nothing to the residual stream
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        target.lm_head.weight[len(tokenizer):] = 0  # ids the tokenizer lacks never win
-        # The draft: the target's embedding, first layers, norm and head.
-        missing, unexpected = draft.load_state_dict(target.state_dict(), strict=False)
-        assert not missing and all(".layers." in key for key in unexpected), (missing, unexpected)
+        for model in (target, draft):
+            # Each model's head scores the bigram's follower of x with x's own embedding, and
+            # nothing else it knows (special ids, ids past the tokenizer's) ever wins: greedy
+            # generation never stops early, so every configuration decodes the same count.
+            head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+            head.zero_()
+            head[follower[ordinary].to(device)] = embedding[ordinary.to(device)]
+    contexts, mask = (tensor.to(device) for tensor in _prompts(tokenizer))
+    follows = follower.to(device)
+
+    def departure() -> float:  # the target's greedy tokens that are not the bigram's follower of the last
+        tokens = _generate(target, contexts, mask, CALIBRATION_TOKENS)
+        return (tokens[:, 1:] != follows[tokens[:, :-1]]).float().mean().item()
+
+    target_scale, departed = _embedding_scale(target, departure, TARGET_DEPARTURE)
+    tokens = _generate(target, contexts, mask, CALIBRATION_TOKENS)
+    sequences = torch.cat([contexts, tokens[:, 1:]], dim=1)
+    attended = torch.cat([mask, torch.ones_like(tokens[:, 1:])], dim=1)
+
+    def disagreement() -> float:  # the draft's greedy tokens over the target's continuation that are not the target's
+        with torch.no_grad():
+            logits = draft(input_ids=sequences, attention_mask=attended).logits
+        return (logits[:, -tokens.shape[1]:-1].argmax(dim=-1) != tokens[:, 1:]).float().mean().item()
+
+    draft_scale, disagreed = _embedding_scale(draft, disagreement, 1 - DRAFT_AGREEMENT)
+    recipe: dict = {"shape": args.shape, "made_on": str(device), "target_scale": target_scale,
+                    "draft_scale": draft_scale, "departure": departed, "agreement": 1 - disagreed,
+                    "llama_read_ratio": LLAMA_1B_8B_READ}
     for name, model in (("target", target), ("draft", draft)):
-        model.to(torch.bfloat16).save_pretrained(root / name)
+        model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
-        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
-              f"{model.config.num_hidden_layers} layers of {shape['hidden']}, vocabulary {shape['vocab']}")
-    print(f"made in {time.perf_counter() - began:.0f} s on {device}")
+        parameters = sum(p.numel() for p in model.parameters())
+        read = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        recipe[name] = {"layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+                        "parameters": parameters, "read_parameters": read}
+        print(f"{name}: {parameters / 1e9:.3f}B parameters, {read / 1e9:.3f}B read per forward (the embedding "
+              f"is gathered), {model.config.num_hidden_layers} layer(s) of {model.config.hidden_size}, "
+              f"embeddings × {recipe[f'{name}_scale']:.3g}")
+    recipe["read_ratio"] = recipe["draft"]["read_parameters"] / recipe["target"]["read_parameters"]
+    recipe["seconds"] = time.perf_counter() - began
+    (root / "pair.json").write_text(json.dumps(recipe, indent=2))
+    print(f"the draft reads {recipe['read_ratio']:.3f} of the target's weights a forward (Llama 3.2 1B of "
+          f"Llama 3.1 8B's: {LLAMA_1B_8B_READ:.3f})")
+    print(f"over {CALIBRATION_TOKENS} greedy tokens of the target after each demo prompt: the target leaves the "
+          f"bigram at {departed:.3f} of positions (goal {TARGET_DEPARTURE}); the draft's greedy token, given the "
+          f"target's before it, is the target's at {1 - disagreed:.3f} (goal {DRAFT_AGREEMENT})")
+    print(f"made in {recipe['seconds']:.0f} s on {device}")
     return 0
+
+
+def _prompts(tokenizer):
+    """The demo prompts' ids, padded on the left to one length, and their attention mask."""
+    from specd_cli.bench import DEMO_WORKLOAD
+
+    batch = tokenizer([p for ps in DEMO_WORKLOAD.values() for p in ps], padding=True, padding_side="left",
+                      return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def _generate(model, contexts, mask, count: int):
+    """Each context's last token, then `count` greedy tokens of `model` after it [prompts, 1 + count]."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(contexts, attention_mask=mask, do_sample=False, max_new_tokens=count,
+                             min_new_tokens=count, pad_token_id=model.config.pad_token_id)
+    return out[:, contexts.shape[1] - 1:]
+
+
+def _embedding_scale(model, measure: Callable[[], float], goal: float) -> tuple[float, float]:
+    """Scale `model`'s token embeddings by the factor that brings `measure()` nearest `goal`
+    (bisection on the factor's logarithm: `measure` falls as the embedding, which carries
+    the bigram, outweighs what the layers add to the residual stream); the factor and its
+    measure. Every layer reads its input through an RMS norm, so the factor changes the
+    layers' share of the last hidden state, not what a forward costs."""
+    import torch
+
+    weight = model.model.embed_tokens.weight
+    base = weight.detach().clone()
+    low, high = -12.0, 12.0  # log2 of the factor
+    tried: dict[float, float] = {}
+    with torch.no_grad():
+        for _ in range(12):
+            middle = (low + high) / 2
+            weight.copy_(base * 2**middle)
+            tried[middle] = measure()
+            low, high = (middle, high) if tried[middle] > goal else (low, middle)
+        best = min(tried, key=lambda power: abs(tried[power] - goal))
+        weight.copy_(base * 2**best)
+    return 2**best, tried[best]
 
 
 class Loaded:
@@ -291,16 +412,17 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
     return result
 
 
-def use_graphs(model: Loaded) -> str:
-    """From now on, run `model`'s forwards as CUDA graphs (`--cuda-graphs`; on a CPU, the
-    same static steps run eagerly); what `graphs.problem` says where it cannot."""
+def use_graphs(model, sessions: int) -> str:
+    """From now on, run the forwards of `model` (a `Loaded` or a `bench_ceiling.Model`) as
+    CUDA graphs for up to `sessions` rows (`--cuda-graphs`; on a CPU, the same static steps
+    run eagerly); what `graphs.problem` says where it cannot."""
     from specd.worker import forwards, graphs, rope
 
     decoder = forwards.stand_in(model.model)
     problem = graphs.problem(model.model, decoder, rope.regime(model.model) is not None)
     if problem is not None or decoder is None:
         return f"no graphs: {problem}"
-    steps = graphs.StaticSteps(decoder, model.pool, model.device, 32, capture=model.device.type == "cuda")
+    steps = graphs.StaticSteps(decoder, model.pool, model.device, sessions, capture=model.device.type == "cuda")
     forwards.use_static_steps(model.model, steps)
     return "on"
 
@@ -349,7 +471,7 @@ def cmd_forwards(args: argparse.Namespace) -> int:
         print(f"   {'sessions':>8} {'tokens':>6} {'kernels':>7} {'copies':>6} {'syncs':>5} {'event ms':>8} "
               f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA (or graphs: the same replayed)")
         results = [measure(model, batch, width, context, repeats) for batch, width in shapes]
-        graphs = use_graphs(model)
+        graphs = use_graphs(model, 32)
         print(f"   --cuda-graphs: {graphs}" + ("" if cuda else " (a CPU cannot capture: the static steps run eagerly)"))
         if graphs == "on":
             results += [{**measure(model, batch, width, context, repeats), "graphs": True} for batch, width in shapes]
@@ -366,9 +488,199 @@ def cmd_forwards(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ceiling(args: argparse.Namespace) -> int:
+    """The models alone (`scripts/bench_ceiling.py`'s loops, no serving path), eagerly and
+    then as CUDA graphs: target-only and fixed γ tokens/s over the demo prompts, tokens per
+    step, each model's ms per forward, c and v; to ceiling.json."""
+    import bench_ceiling
+    import torch
+    from transformers import AutoTokenizer
+
+    from specd.worker import forwards
+    from specd.worker.kvstore import SessionKV
+    from specd.worker.runtime import eos_ids
+    from specd_cli.bench import DEMO_WORKLOAD
+    from specd_cli.launch import _default_threads
+
+    class Timed(bench_ceiling.Model):
+        """A model of bench_ceiling whose forwards after a session's first (its prompt) are
+        timed, by the tokens they feed, up to the host's copy of their tokens."""
+
+        def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype) -> None:
+            super().__init__(path, threads, device, dtype)
+            self.ms: dict[int, list[float]] = {}
+
+        def forward(self, session: SessionKV, tokens: list[int], keep: int) -> torch.Tensor:
+            prompt = session.length == 0
+            began = time.perf_counter()
+            argmax = super().forward(session, tokens, keep).cpu()  # the copy waits for the device
+            if not prompt:
+                self.ms.setdefault(len(tokens), []).append((time.perf_counter() - began) * 1e3)
+            return argmax
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(f"{args.dir}/target")
+    # The target first: torch's thread count is process-wide, taken by each thread at its
+    # first parallel operator (bench_ceiling's main says why). Its threads are those specd
+    # serve gives it (on a CPU, one for the dry run's tiny target), so that served ÷ the
+    # models alone compares like with like.
+    threads = _default_threads(Path(args.dir) / "target", device.type)
+    target = Timed(f"{args.dir}/target", threads, device, dtype)
+    draft = Timed(f"{args.dir}/draft", 1, device, dtype)
+    eos = set(eos_ids(target.model, tokenizer))
+    prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
+    gamma, report = args.gamma, {"device": device.type, "dtype": args.dtype, "gamma": args.gamma,
+                                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                                 "prompts": len(prompts), "modes": {}}
+    for mode in ("eager", "graphs"):
+        if mode == "graphs":
+            states = [use_graphs(model, 1) for model in (target, draft)]
+            if any(state != "on" for state in states):
+                report["modes"][mode] = {"skipped": "; ".join(states)}
+                print(f"--cuda-graphs: {'; '.join(states)}")
+                Path(args.out).write_text(json.dumps(report, indent=2))
+                continue
+            print("--cuda-graphs: on" + ("" if device.type == "cuda" else
+                                        " (a CPU cannot capture: the static steps run eagerly)"))
+        for prompt in prompts:  # warm-up: each shape's kernels and plans, and (graphs) every bucket's capture
+            bench_ceiling.target_only(target, prompt, args.max_new_tokens, eos)
+            bench_ceiling.speculative(target, draft, gamma, prompt, args.max_new_tokens, eos)
+        for model in (target, draft):
+            model.ms.clear()
+        seconds = {"target-only": 0.0, "fixed": 0.0}
+        tokens = {"target-only": 0, "fixed": 0}
+        steps = same = 0
+        for _ in range(args.rounds):
+            for prompt in prompts:
+                began = time.perf_counter()
+                plain = bench_ceiling.target_only(target, prompt, args.max_new_tokens, eos)
+                seconds["target-only"] += time.perf_counter() - began
+                began = time.perf_counter()
+                fast, taken = bench_ceiling.speculative(target, draft, gamma, prompt, args.max_new_tokens, eos)
+                seconds["fixed"] += time.perf_counter() - began
+                tokens["target-only"] += len(plain)
+                tokens["fixed"] += len(fast)
+                steps += taken
+                same += fast == plain
+        rates = {name: tokens[name] / seconds[name] for name in seconds}
+        decode, verify = statistics.median(target.ms[1]), statistics.median(target.ms[gamma + 1])
+        drafting = statistics.median(draft.ms.get(1, []) + draft.ms.get(2, []))
+        result = {"target_only_tokens": tokens["target-only"], "fixed_tokens": tokens["fixed"],
+                  "target_only_tokens_per_s": rates["target-only"], "fixed_tokens_per_s": rates["fixed"],
+                  "ratio": rates["fixed"] / rates["target-only"],
+                  # The prompt's forward gives each prompt its first token; the steps give the rest.
+                  "tokens_per_step": (tokens["fixed"] - len(prompts) * args.rounds) / max(steps, 1),
+                  "same_output": same, "runs": len(prompts) * args.rounds,
+                  "draft_ms": drafting, "target_ms": decode, "verify_ms": verify,
+                  "c": drafting / decode, "v": verify / decode,
+                  "captured": {name: static.captured if (static := forwards.static_steps(model.model)) else 0
+                               for name, model in (("target", target), ("draft", draft))}}
+        report["modes"][mode] = result
+        print(f"{mode}: target-only {rates['target-only']:.1f} tokens/s, fixed γ={gamma} {rates['fixed']:.1f} "
+              f"tokens/s ({result['ratio']:.2f}×), {result['tokens_per_step']:.2f} tokens a step, same output "
+              f"{same}/{result['runs']}, {tokens['target-only']} and {tokens['fixed']} tokens")
+        print(f"{mode}: ms per forward: draft {drafting:.3f}, target {decode:.3f} (1 token), {verify:.3f} "
+              f"({gamma + 1} tokens); c {result['c']:.3f}, v {result['v']:.3f}; E[tokens]/(γc+v) "
+              f"{result['tokens_per_step'] / (gamma * result['c'] + result['v']):.2f}; graphs captured "
+              f"{result['captured']}")
+        Path(args.out).write_text(json.dumps(report, indent=2))  # the eager figures stay if capture fails
+    return 0
+
+
+def agreement_prompts(count: int) -> list[tuple[str, str]]:
+    """(task, prompt) of the greedy agreement: the demo workload's, its tasks in turn."""
+    from specd_cli.bench import DEMO_WORKLOAD
+
+    columns = [[(task, prompt) for prompt in prompts] for task, prompts in DEMO_WORKLOAD.items()]
+    return [pair for row in zip(*columns) for pair in row][:count]
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    """transformers' own greedy `generate` of the target on the device, prompt by prompt (no
+    padding, which would change the products), to reference.json: what the served stages'
+    tokens are compared with."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(args.device)
+    began = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(f"{args.dir}/target")
+    model = AutoModelForCausalLM.from_pretrained(f"{args.dir}/target", dtype=getattr(torch, args.dtype))
+    model = model.to(device).eval()
+    loaded = time.perf_counter() - began
+    prompts = agreement_prompts(args.prompts)
+    outputs = []
+    began = time.perf_counter()
+    for _, prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+        outputs.append(out[0, ids.shape[1]:].tolist())
+    seconds = time.perf_counter() - began
+    attention = model.config._attn_implementation
+    Path(args.out).write_text(json.dumps({
+        "device": device.type, "dtype": args.dtype, "transformers": transformers.__version__,
+        "torch": torch.__version__, "attention": attention, "max_new_tokens": args.max_new_tokens,
+        "prompts": prompts, "tokens": outputs}, indent=2))
+    print(f"transformers {transformers.__version__} ({attention} attention), {args.dtype} on {device}: "
+          f"loaded in {loaded:.1f} s, {len(prompts)} prompts × {args.max_new_tokens} greedy tokens in {seconds:.1f} s")
+    for (task, prompt), tokens in zip(prompts, outputs):
+        print(f"  {task:<8} {prompt[:40]!r:<44} → {tokens[:8]}…")
+    return 0
+
+
+def served_agreement(gateway: str, reference: dict, gamma: int) -> dict:
+    """The reference's prompts served greedily by target-only and fixed γ decoding: how many
+    give transformers' tokens, token for token, and where each other one first parts."""
+    import grpc
+
+    from specd.v1 import gateway_pb2_grpc
+    from specd_cli.bench import build_request, parse_configs
+
+    results = []
+    with grpc.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for config in parse_configs(f"fixed:{gamma}"):
+            parted: list[int | None] = []
+            for index, ((task, prompt), expected) in enumerate(zip(reference["prompts"], reference["tokens"])):
+                request = build_request(prompt, task, config, temperature=0.0,
+                                        max_new_tokens=reference["max_new_tokens"], seed=1,
+                                        user_segment=f"agreement-{config.segment}",
+                                        cache_salt=f"agreement-{config.segment}-{index}")
+                tokens = list(stub.Generate(request, timeout=120).token_ids)
+                first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
+                             None if len(tokens) == len(expected) else min(len(tokens), len(expected)))
+                parted.append(first)
+            results.append({"label": config.label, "prompts": len(parted),
+                            "same": sum(first is None for first in parted), "first_divergence": parted})
+            print(f"greedy agreement with transformers ({reference['dtype']} on {reference['device']}), "
+                  f"{config.label}: {results[-1]['same']}/{len(parted)} prompts token for token; first divergence "
+                  f"by prompt: {parted}", flush=True)
+    return {"dtype": reference["dtype"], "device": reference["device"], "configs": results}
+
+
+def run_bench(gateway: str, argv: list[str], quiet: bool) -> list[dict]:
+    """`specd bench --concurrency ...` against `gateway`, in this process; the rows of its load.json."""
+    import contextlib
+    import io
+
+    from specd_cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    options = parser.parse_args(["--gateway", gateway, *argv])
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        bench.run(options)
+    return json.loads((Path(options.out) / "load.json").read_text())["rows"]
+
+
 def cmd_served(args: argparse.Namespace) -> int:
-    """`specd serve` on the pair, then `specd bench` against it; serve is stopped however this
-    ends (a SIGTERM from the stage's time limit included), so it never keeps the device."""
+    """`specd serve` on the pair (with --cuda-graphs where asked and the device can capture);
+    the reference's prompts served greedily and compared with transformers' tokens; then
+    `specd bench` at the largest level once to warm up (graphs captured, the cost policy's
+    first measurements), and once measured. Serve is stopped however this ends (a SIGTERM
+    from the stage's time limit included), so it never keeps the device."""
     import os
     import signal
     import subprocess
@@ -376,9 +688,19 @@ def cmd_served(args: argparse.Namespace) -> int:
     log_path = Path(args.log)
     command = [sys.executable, "-m", "specd_cli", "serve", "--target", f"{args.dir}/target", "--draft",
                f"{args.dir}/draft", "--device", args.device, "--dtype", args.dtype, "--port", str(args.port),
-               "--startup-timeout", str(args.startup_timeout)]
+               "--startup-timeout", str(args.startup_timeout),
+               # The random pair repeats itself (a bigram's cycles), which the model-free proposers
+               # would draft for free: AUTO is to be measured on what the draft model proposes.
+               "--model-free", ""]
     if args.fraction:
         command += ["--gpu-memory-fraction", str(args.fraction)]
+    graphs = "off"
+    if args.cuda_graphs:
+        cuda = args.device.startswith("cuda")
+        graphs = "on" if cuda else "n/a (CPU)"
+        command += ["--cuda-graphs"] if cuda else []
+        if not cuda:
+            print("--cuda-graphs left out: the worker refuses it off CUDA; the rest of this stage runs as on a GPU")
     print(" ".join(command[1:]), flush=True)
     with log_path.open("w") as log:
         serve = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -401,6 +723,8 @@ def cmd_served(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stopped)
     began = time.monotonic()
+    gateway = f"127.0.0.1:{args.port}"
+    result: dict = {"device": args.device.split(":")[0], "dtype": args.dtype, "graphs": graphs}
     try:
         while "ready on" not in log_path.read_text() and serve.poll() is None:
             if time.monotonic() - began > args.startup_timeout + 10:
@@ -410,15 +734,27 @@ def cmd_served(args: argparse.Namespace) -> int:
         if "ready on" not in text:
             print(f"specd serve did not become ready in {time.monotonic() - began:.0f} s:\n" + text[-3000:])
             return 1
-        print(f"specd serve ready in {time.monotonic() - began:.0f} s", flush=True)
-        bench = [sys.executable, "-m", "specd_cli", "bench", "--gateway", f"127.0.0.1:{args.port}", "--configs",
-                 "fixed:4", "--concurrency", args.concurrency, "--requests-per-level", str(args.requests),
-                 "--max-new-tokens", str(args.max_new_tokens), "--out", args.bench_out]
-        return subprocess.run(bench).returncode
+        result["startup_s"] = time.monotonic() - began
+        print(f"specd serve ready in {result['startup_s']:.0f} s", flush=True)
+        reference = Path(args.reference)
+        if reference.is_file():
+            result["agreement"] = served_agreement(gateway, json.loads(reference.read_text()), args.gamma)
+        else:
+            print(f"no {reference}: no greedy agreement (the reference stage writes it)")
+        common = ["--configs", f"fixed:{args.gamma},cost", "--max-new-tokens", str(args.max_new_tokens)]
+        top = max(int(n) for n in args.concurrency.split(","))
+        began = time.monotonic()
+        run_bench(gateway, [*common, "--concurrency", str(top), "--requests-per-level", str(top),
+                            "--out", f"{args.bench_out}-warm-up"], quiet=True)
+        print(f"warm-up: every configuration at {top} in flight, {time.monotonic() - began:.0f} s", flush=True)
+        result["rows"] = run_bench(gateway, [*common, "--concurrency", args.concurrency, "--requests-per-level",
+                                             str(args.requests), "--out", args.bench_out], quiet=False)
+        return 0
     finally:
         stop()
+        Path(args.out).write_text(json.dumps(result, indent=2))
         lines = [line for line in log_path.read_text().splitlines()
-                 if any(word in line for word in ("KV pool", "memory", "Error:", "error:", "ready on"))]
+                 if any(word in line for word in ("KV pool", "memory", "graph", "Error:", "error:", "ready on"))]
         print("\n".join(lines[-12:]))
 
 
@@ -426,33 +762,43 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env").set_defaults(func=cmd_env)
-    pair = sub.add_parser("make-pair")
-    pair.add_argument("dir")
+
+    def command(name: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        one = sub.add_parser(name)
+        one.add_argument("dir", help="the pair's folder (make-pair's)")
+        one.add_argument("--device", default="cuda")
+        one.set_defaults(func=func)
+        return one
+
+    pair = command("make-pair", cmd_make_pair)
     pair.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    pair.add_argument("--device", default="cuda")
-    pair.set_defaults(func=cmd_make_pair)
-    forwards = sub.add_parser("forwards")
-    forwards.add_argument("dir")
-    forwards.add_argument("--device", default="cuda")
-    forwards.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    forwards = command("forwards", cmd_forwards)
     forwards.add_argument("--fraction", type=float, default=0.85,
                           help="the specd serve --gpu-memory-fraction to plan each model's pool for")
     forwards.add_argument("--small", action="store_true", help="batches of 8, short contexts (the dry run)")
-    forwards.add_argument("--out", help="write the figures to this JSON file")
-    forwards.set_defaults(func=cmd_forwards)
-    served = sub.add_parser("served")
-    served.add_argument("dir")
-    served.add_argument("--device", default="cuda")
-    served.add_argument("--dtype", default="bfloat16")
+    ceiling = command("ceiling", cmd_ceiling)
+    ceiling.add_argument("--rounds", type=int, default=2, help="timed passes over the demo prompts, each way")
+    reference = command("reference", cmd_reference)
+    reference.add_argument("--prompts", type=int, default=8)
+    served = command("served", cmd_served)
+    served.add_argument("--cuda-graphs", action="store_true",
+                        help="serve with --cuda-graphs (left out on a CPU, which cannot capture)")
     served.add_argument("--fraction", type=float, default=0.0, help="specd serve --gpu-memory-fraction (0: none)")
     served.add_argument("--port", type=int, default=50161)
     served.add_argument("--startup-timeout", type=float, default=100.0)
     served.add_argument("--concurrency", default="1,32")
     served.add_argument("--requests", type=int, default=32, help="requests per configuration and level")
-    served.add_argument("--max-new-tokens", type=int, default=32)
+    served.add_argument("--reference", default="reference.json", help="the reference stage's tokens")
     served.add_argument("--log", default="serve.log", help="specd serve's output")
     served.add_argument("--bench-out", default="bench-out/gpu/bench")
-    served.set_defaults(func=cmd_served)
+    for one, default in ((forwards, None), (ceiling, "ceiling.json"), (reference, "reference.json"),
+                         (served, "served.json")):
+        one.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+        one.add_argument("--out", default=default, help="write the figures to this JSON file")
+    for one in (ceiling, reference, served):
+        one.add_argument("--max-new-tokens", type=int, default=32)
+    for one in (ceiling, served):
+        one.add_argument("--gamma", type=int, default=4, help="the fixed draft length")
     args = parser.parse_args()
     return args.func(args)
 
