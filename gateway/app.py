@@ -65,10 +65,11 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     selector = None
     costs = PairCosts()
     if settings.draft_selection == "goodput" and len(backend.drafts) > 1:
-        target, max_gamma = backend.target.name, settings.max_draft_length
+        target = backend.target.name
         selector = DraftSelector(
             list(backend.drafts), settings.task_drafts,
-            speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha, max_gamma))
+            speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha,
+                                                                 settings.max_draft_length))
     suffix_cache = SuffixCache(settings.suffix_cache_tokens) if SUFFIX in settings.model_free else None
     core = GatewayCore(backend, settings, stats, costs, selector, suffix_cache)
     policies = core.policies

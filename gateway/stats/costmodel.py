@@ -298,8 +298,8 @@ def best_draft_length(alpha: float, costs: StepCosts, candidates: Sequence[int],
     return best
 
 
-def predicted_speedup(alpha: float, costs: StepCosts, max_gamma: int) -> float:
-    """Expected tokens per millisecond at the best γ ≤ max_gamma (0 included), over a plain
+def predicted_speedup(alpha: float, costs: StepCosts, max_draft_length: int) -> float:
+    """Expected tokens per millisecond at the best γ ≤ max_draft_length (0 included), over a plain
     target step's: what a draft of acceptance α is worth to this pair at the present load.
 
     Before any cost is measured, a draft token is taken to cost `prior_draft_ratio` of a
@@ -307,7 +307,7 @@ def predicted_speedup(alpha: float, costs: StepCosts, max_gamma: int) -> float:
     """
     plain = costs.estimate(0)
     best = 1.0  # γ = 0: plain decoding
-    for gamma in range(1, max_gamma + 1):
+    for gamma in range(1, max_draft_length + 1):
         estimate = costs.estimate(gamma)
         if plain is None or estimate is None:
             relative_cost = 1.0 + costs.prior_draft_ratio * gamma

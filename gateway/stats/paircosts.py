@@ -70,11 +70,11 @@ class PairCosts:
             load.batch_tokens += batch_tokens
             load.queue_ms += queue_ms
 
-    def predicted_speedup(self, model_pair: str, alpha: float, max_gamma: int) -> float:
+    def predicted_speedup(self, model_pair: str, alpha: float, max_draft_length: int) -> float:
         """`costmodel.predicted_speedup` on a pair's costs, read under the lock: draft
         selection asks from the request parser's thread while the event loop writes."""
         with self._lock:
-            return predicted_speedup(alpha, self._costs.setdefault(model_pair, StepCosts()), max_gamma)
+            return predicted_speedup(alpha, self._costs.setdefault(model_pair, StepCosts()), max_draft_length)
 
     def load_snapshot(self) -> dict[str, LoadCounts]:
         """A copy of the batching counters by model pair."""
