@@ -214,4 +214,4 @@ class Drafter:
         kept = len(full.tokens) - cut
         probs = None if full.probs is None else full.probs[:kept]
         return DraftReply(full.tokens[:kept], probs, full.forward_ms, full.token_probs[:kept], full.batch,
-                        pre_drafted=True), branch.job
+                          pre_drafted=True), branch.job

@@ -188,7 +188,7 @@ class ProposeJob(Job):
     def result(self) -> DraftReply:
         self.session.tokens.extend(self.drafted)
         return DraftReply(self.drafted, torch.stack(self.probs) if self.probs else None, self.forward_ms,
-                        tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
+                          tuple(self.token_probs), self.batch_stats(), recovered=self.recovered)
 
 
 def _rows(logits: torch.Tensor, jobs: Sequence[tuple[Job, int]], limit: int) -> torch.Tensor:

@@ -108,7 +108,7 @@ class ParsedRequest:
 
     generation: Generation
     mode: Mode
-    policy: str  # one of gateway.policy.POLICIES
+    policy: str  # one of gateway.policy.gamma.POLICIES
     # The γ bounds, all set in `gateway.validation._draft_lengths`:
     draft_length: int  # γ for "fixed", the starting γ for "ema"
     profile: TaskProfile  # prior acceptance and γ bounds (request bounds applied)

@@ -7,35 +7,35 @@ INTERNAL, logged under a reference. Start-up errors name no status: the command 
 hit them prints the message and exits.
 
     Exception
-    └── SpecdError                          specd/errors.py   (status: none)
-        ├── InvalidArgument (ValueError)    specd/errors.py   INVALID_ARGUMENT: the caller's values
-        │   │                                                 cannot be served; the message says
-        │   │                                                 what to change
-        │   └── InvalidRequest              gateway/errors.py INVALID_ARGUMENT: a public request,
-        │                                                     every problem named
-        ├── SessionNotFound (KeyError)      specd/errors.py   NOT_FOUND "<service> session lost: …":
-        │                                                     the gateway re-opens the session
-        ├── Overloaded (RuntimeError)       specd/errors.py   RESOURCE_EXHAUSTED "<service>: … retry
-        │                                                     in about N ms"
-        ├── StepCancelled                   specd/errors.py   CANCELLED: a step's session ended while
-        │                                                     it ran (the gateway named it ended)
-        ├── WrongModel                      specd/errors.py   FAILED_PRECONDITION: a step opens a
-        │                                                     session for a model this worker does
-        │                                                     not hold; the gateway moves it
-        ├── Busy                            gateway/errors.py RESOURCE_EXHAUSTED with a retry pushback:
-        │                                                     the gateway (or a tenant) is at its limit
-        ├── WorkerError                     gateway/errors.py the code it carries: a worker failed a
-        │                                                     step for good (the gateway passes it on)
-        ├── DraftSkipped                    gateway/errors.py none: the draft was too slow for a step,
-        │                                                     which goes on without a proposal
-        ├── NoEndpoint (RuntimeError)       gateway/workers/router.py none: the links report it as
-        │                                                     UNAVAILABLE and re-open or give up
-        ├── UnsupportedModel (ValueError)   specd/errors.py   start-up: the KV store cannot serve a model
+    └── SpecdError                           specd/errors.py             (status: none)
+        ├── InvalidArgument (ValueError)     specd/errors.py             INVALID_ARGUMENT: the caller's values
+        │   │                                                            cannot be served; the message says
+        │   │                                                            what to change
+        │   └── InvalidRequest               gateway/errors.py           INVALID_ARGUMENT: a public request,
+        │                                                                every problem named
+        ├── SessionNotFound (KeyError)       specd/errors.py             NOT_FOUND "<service> session lost: …":
+        │                                                                the gateway re-opens the session
+        ├── Overloaded (RuntimeError)        specd/errors.py             RESOURCE_EXHAUSTED "<service>: … retry
+        │                                                                in about N ms"
+        ├── StepCancelled                    specd/errors.py             CANCELLED: a step's session ended while
+        │                                                                it ran (the gateway named it ended)
+        ├── WrongModel                       specd/errors.py             FAILED_PRECONDITION: a step opens a
+        │                                                                session for a model this worker does
+        │                                                                not hold; the gateway moves it
+        ├── Busy                             gateway/errors.py           RESOURCE_EXHAUSTED with a retry pushback:
+        │                                                                the gateway (or a tenant) is at its limit
+        ├── WorkerError                      gateway/errors.py           the code it carries: a worker failed a
+        │                                                                step for good (the gateway passes it on)
+        ├── DraftSkipped                     gateway/errors.py           none: the draft was too slow for a step,
+        │                                                                which goes on without a proposal
+        ├── NoEndpoint (RuntimeError)        gateway/workers/router.py   none: the links report it as
+        │                                                                UNAVAILABLE and re-open or give up
+        ├── UnsupportedModel (ValueError)    specd/errors.py             start-up: the KV store cannot serve a model
         ├── IncompatibleDraft (RuntimeError) gateway/workers/backend.py  start-up: a draft's tokenizer differs
-        ├── KeyFileError (ValueError)       gateway/edge/auth.py   start-up: a malformed API key file
-        ├── TLSConfigError (ValueError)     specd/tls.py      start-up: a TLS flag names a bad file
-        ├── PortInUse (OSError)             specd/grpcserver.py  start-up: the port is taken
-        └── MissingApiKey (RuntimeError)    specd_cli/clientauth.py  a client's key variable is unset
+        ├── KeyFileError (ValueError)        gateway/edge/auth.py        start-up: a malformed API key file
+        ├── TLSConfigError (ValueError)      specd/tls.py                start-up: a TLS flag names a bad file
+        ├── PortInUse (OSError)              specd/grpcserver.py         start-up: the port is taken
+        └── MissingApiKey (RuntimeError)     specd_cli/clientauth.py     a client's key variable is unset
 
 Messages may repeat a caller's value only through `clip`.
 """

@@ -152,6 +152,22 @@ def test_the_extensions_reach_the_core(client, http_stack):
         client.completions.create(model=model, prompt=PROMPT, extra_body={"speculation": {"gamma": 3}})
 
 
+def test_a_speculation_field_left_out_is_the_default_and_an_explicit_zero_is_kept(client, http_stack):
+    """JSON tells a field left out from a 0, as proto3 cannot. Over HTTP, draft_length 0 under
+    FIXED decodes plainly, and a γ bound of 0 is refused by name; over gRPC a 0 is unset, so
+    the gateway's --draft-length drafts."""
+    model = client.models.list().data[0].id
+    plain = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+        extra_body={"speculation": {"mode": "fixed", "draft_length": 0, "draft_model": "close"}})
+    assert plain.usage.model_extra["speculation"]["num_draft_tokens"] == 0
+    for bound in ("min_draft_length", "max_draft_length"):
+        with pytest.raises(openai.BadRequestError, match=bound):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body={"speculation": {bound: 0}})
+    unset = http_stack.stub.Generate(request(PROMPT, max_new_tokens=8, draft_length=0, draft_model="close"))
+    assert unset.stats.draft_lengths[0] == 4  # the gateway's --draft-length
+
+
 def test_vllms_text_fields_reach_the_text(client):
     """include_stop_str_in_output keeps the stop string; chat_template_kwargs reaches the
     template, but never for what the gateway sets itself."""

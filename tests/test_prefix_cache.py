@@ -130,11 +130,11 @@ def test_the_tenant_salts_the_cache_only_with_keys():
 
 def test_the_router_keys_the_blocks_the_workers_cache():
     """The gateway places a new session where its prompt's leading blocks went, by their
-    keys (`gateway.workers.router.prefix_keys`); a worker caches those blocks under its KV
+    keys (`specd.prefixkeys.prompt_keys`); a worker caches those blocks under its KV
     store's keys, at its default block size. Same bytes, same blocks, same chain: a change
     to either side alone (its bytes or its block size) makes the router follow prefixes no
     worker holds, and fails here."""
-    from gateway.workers.router import prefix_keys
+    from specd.prefixkeys import prompt_keys
     from specd.worker.settings import BatchSettings
 
     size = BatchSettings().block_tokens  # what the runtime builds its pool with
@@ -144,13 +144,13 @@ def test_the_router_keys_the_blocks_the_workers_cache():
         cached = filled(kv, tokens, salt)  # registers every full block of `tokens`
         assert len(cached.keys) == len(tokens) // size == 3
         # A prompt that goes on after them: the router keys the blocks the worker registered.
-        assert prefix_keys(salt, [*tokens, 7]) == cached.keys
+        assert prompt_keys(salt, [*tokens, 7]) == cached.keys
         # A new session's prompt: the worker looks up (and hits) the keys the router placed it by.
         prompt = tokens[:2 * size + 1]
         opened = SessionKV(kv)
         assert opened.take_prefix(prompt, salt) == 2 * size
-        assert opened.keys == prefix_keys(salt, prompt) == cached.keys[:2]
-    assert prefix_keys(b"", tokens) != prefix_keys(b"tenant", tokens)
+        assert opened.keys == prompt_keys(salt, prompt) == cached.keys[:2]
+    assert prompt_keys(b"", tokens) != prompt_keys(b"tenant", tokens)
 
 
 def test_a_session_growing_alone_gets_consecutive_blocks_read_without_a_gather():

@@ -236,22 +236,22 @@ def test_watch_backs_off_and_recovers_from_server_errors(api, watched):
 
 
 def test_a_new_session_follows_its_prefix_within_a_bounded_load():
-    from gateway.workers.router import prefix_keys
+    from specd.prefixkeys import prompt_keys
 
     router = Router.static("verifier", [A, B, C])
     system = list(range(100))  # a shared system prompt of 6 full blocks
-    first = router.place("s1", prefix_keys(b"", system + [1, 2, 3]))
+    first = router.place("s1", prompt_keys(b"", system + [1, 2, 3]))
     # The same system prompt, another question: the endpoint that has it, not the least loaded.
-    assert router.place("s2", prefix_keys(b"", system + [7, 8, 9])) == first
+    assert router.place("s2", prompt_keys(b"", system + [7, 8, 9])) == first
     assert router.prefix_placements == 1
     # Another tenant's salt shares no key: placed by load.
-    assert router.place("s3", prefix_keys(b"tenant", system + [7])) != first
+    assert router.place("s3", prompt_keys(b"tenant", system + [7])) != first
     # Past LOAD_SLACK × the mean, the holder takes no more: the load spreads.
     for i in range(4, 40):
-        router.place(f"s{i}", prefix_keys(b"", system + [i]))
+        router.place(f"s{i}", prompt_keys(b"", system + [i]))
     counts = loads(router)
     assert max(counts.values()) <= 1.25 * sum(counts.values()) / 3 + 4 + 1, counts
     assert router.prefix_placements > 5  # the holder took sessions until its bound
     # A prompt shorter than a block has no key, and a re-placed session keeps its endpoint.
-    assert prefix_keys(b"", [1, 2, 3]) == []
-    assert router.place("s2", prefix_keys(b"", system)) == first
+    assert prompt_keys(b"", [1, 2, 3]) == []
+    assert router.place("s2", prompt_keys(b"", system)) == first

@@ -25,6 +25,7 @@ _SPECULATION = {"mode", "draft_length", "min_draft_length", "max_draft_length", 
                 "min_draft_confidence", "overlap"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 
+
 def read_typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
     value = body.get(name)
     if value is None:
@@ -39,6 +40,11 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if not math.isfinite(value):
         raise HttpError(400, f"'{name}' must be finite", param=name)
     return value
+
+
+def _optional_number(body: dict[str, Any], name: str) -> float | None:
+    """A number the body may leave out (None: the gateway's default)."""
+    return None if body.get(name) is None else _number(body, name, 0.0)
 
 
 def read_integer(body: dict[str, Any], name: str, default: int | None, low: int = 0) -> int | None:
@@ -149,13 +155,15 @@ def _speculation(body: dict[str, Any]) -> dict[str, Any]:
         raise HttpError(400, f"unknown speculation fields {unknown}; known: {sorted(_SPECULATION)}",
                         param="speculation")
     mode = read_typed(spec, "mode", (str,), Mode.AUTO.value, "a string").lower()
+    # JSON tells a field left out from a 0, as proto3 cannot: left out is the gateway's
+    # default; draft_length 0 under FIXED decodes plainly, and a bound of 0 would bound
+    # nothing a person means, so the bounds start at 1.
     return {"mode": mode, "draft_length": read_integer(spec, "draft_length", None),
-            "min_draft_length": read_integer(spec, "min_draft_length", None),
-            "max_draft_length": read_integer(spec, "max_draft_length", None),
+            "min_draft_length": read_integer(spec, "min_draft_length", None, low=1),
+            "max_draft_length": read_integer(spec, "max_draft_length", None, low=1),
             "draft_model": read_typed(spec, "draft_model", (str,), "", "a string"),
             "policy": read_typed(spec, "policy", (str,), "", "a string"),
-            "min_draft_confidence": (None if spec.get("min_draft_confidence") is None
-                                     else _number(spec, "min_draft_confidence", 0.0)),
+            "min_draft_confidence": _optional_number(spec, "min_draft_confidence"),
             "overlap": read_typed(spec, "overlap", (bool,), None, "true or false")}
 
 

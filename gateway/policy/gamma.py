@@ -83,7 +83,7 @@ class EmaPolicy:
         return min(self.draft_length + 1, self.max_draft_length)  # one step moves γ by one at most
 
     def plain_steps_ahead(self, limit: int) -> int:
-        return 0  # γ never falls below its least, at least 1
+        return 0  # γ never falls below min_draft_length, which is at least 1
 
     def observe(self, record: StepRecord) -> None:
         if record.draft_model_tokens == 0:  # learned from the draft model's tokens only

@@ -82,7 +82,7 @@ class DraftModelProposer:
             next_seed = 0 if transform.greedy else draft_seed(request.seed, context.index + 1)
             pre_draft = PreDraftRequest(gamma, next_seed)
         reply = await self.client.draft(context.committed, self._draft_request(gamma, seed), self.name,
-                                          context.carrier, pre_draft)
+                                        context.carrier, pre_draft)
         return self._proposal(reply, began, pre_draft)
 
     async def recover(self, proposal: Proposal, verdict: TargetVerdict, draws: Draws,
@@ -104,7 +104,7 @@ class DraftModelProposer:
         self.client.advance(len(kept))  # it holds the accepted tokens; the rest of its proposal is stale
         drafting = time.perf_counter()
         reply = await self.client.draft(kept, self._draft_request(gamma, seed), self.name, context.carrier,
-                                          pre_draft, Recovery(verdict.rejected_row, draws.final))
+                                        pre_draft, Recovery(verdict.rejected_row, draws.final))
         assert reply.recovered is not None  # the link checks that a recovery was answered
         if reply.tokens:  # none when γ = 0, or the recovered token is one the draft cannot feed
             self._in_hand = (context.index + 1, self._proposal(reply, drafting, pre_draft, in_hand=True))

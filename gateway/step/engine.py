@@ -142,7 +142,9 @@ class _Speculation:
         # Plain steps left of a run asked while the model-free matches were quiet: they
         # look for no match, which would stop the run (the forward in flight wasted).
         self.blind = 0
-        self.max_draft_length = 0  # the most tokens this step's proposals may carry (the policy's load cap)
+        # The most tokens this step's model-free proposal may carry: the request's bound on them,
+        # within the load cap in force.
+        self.max_model_free = 0
         self.bound: Bound | None = None  # the load cap in force this step, and its origin
 
     def draft_length(self) -> int:
@@ -178,7 +180,7 @@ class _Speculation:
             raise InvalidRequest(f"structured output: {exc}") from None
         return (proposal if kept == len(proposal.tokens) else proposal.prefix(kept)), allowed
 
-    async def propose(self, gamma: int, carrier: dict[str, str]) -> Proposal:
+    async def draft_proposal(self, gamma: int, carrier: dict[str, str]) -> Proposal:
         """The draft model's proposal. A draft that sits the step out (DraftSkipped: too slow)
         leaves this step to the verifier alone, a draft lost for good the whole request,
         which is enough for the same output; the client's deadline passing ends it."""
@@ -268,7 +270,7 @@ class _Speculation:
         if self.bounds.target_context:
             after = min(after, self.bounds.target_context - len(self.committed) - 1)
         limit = RUN_AHEAD_STEPS
-        if self.hybrid is not None and self.max_draft_length > 0:  # under a cap of 0 no match may be verified
+        if self.hybrid is not None and self.max_model_free > 0:  # under a cap of 0 no match may be verified
             if self.blind or not self.hybrid.quiet:
                 return 0
             limit = QUIET_RUN_STEPS
@@ -357,11 +359,11 @@ async def speculate(request: Generation, policy: DraftLengthPolicy, draft: Draft
     speculation = _Speculation(request, policy, draft, verifier, bounds, hybrid, grammar)
     while True:
         bound = speculation.bound = policy.bound()  # the load cap: read once a step
-        speculation.max_draft_length = max_model_free if bound is None else min(max_model_free, bound.max_draft_length)
+        speculation.max_model_free = max_model_free if bound is None else min(max_model_free, bound.max_draft_length)
         gamma = speculation.draft_length()
         carrier = tracer.begin_step(speculation.steps)
-        proposal = (await speculation.propose_match(gamma, speculation.max_draft_length, carrier)
-                    or await speculation.propose(gamma, carrier))
+        proposal = (await speculation.propose_match(gamma, speculation.max_model_free, carrier)
+                    or await speculation.draft_proposal(gamma, carrier))
         proposal, allowed = await speculation.within_grammar(proposal)
         verdict = await speculation.decide(proposal, carrier, allowed)
         record, output = speculation.commit(proposal, verdict)

@@ -120,7 +120,7 @@ class WorkerPool:
 
         moved=True: the session's endpoint failed it (dead or unreachable), so the router
         moves it to another endpoint when there is one; otherwise the session stays put.
-        prefix: a new session's prompt keys (`gateway.workers.router.prefix_keys`), which the
+        prefix: a new session's prompt keys (`specd.prefixkeys.prompt_keys`), which the
         router follows to the endpoint likely to hold them in its prefix cache.
         """
         try:

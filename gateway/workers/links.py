@@ -34,8 +34,8 @@ import grpc
 import torch
 
 from gateway.errors import DraftSkipped, WorkerError
-from gateway.workers.router import prefix_keys
 from gateway.workers.streams import StepFailed, WorkerStream
+from specd.prefixkeys import prompt_keys
 from specd.rejection import Draws, verify_greedy
 from specd.sampling import Transform
 from specd.steps import DraftReply, DraftRequest, ModelInfo, PreDraftRequest, Recovery, Scores
@@ -195,7 +195,7 @@ class WorkerLink:
             try:
                 if self._stream is None:
                     # A session that opens goes where its prompt's prefix is likely cached.
-                    prefix = prefix_keys(self.settings.cache_salt, committed) if self.position == 0 else ()
+                    prefix = prompt_keys(self.settings.cache_salt, committed) if self.position == 0 else ()
                     self._stream = self.pool.stream(self.settings.session_id, self._rpc, self._moved, prefix)
                 stream = self._stream
                 if stream.connecting():
@@ -327,8 +327,8 @@ class DraftLink(WorkerLink):
             raise WorkerError(grpc.StatusCode.INTERNAL, f"{self.name} was {asked} for a recovered token, and "
                                                         f"{'sent none' if recovered is None else 'sent one'}")
         return DraftReply(list(response.draft_tokens), None, response.forward_ms,
-                        tuple(response.draft_token_probs), batch_from_pb(response.batch),
-                        pre_drafted=response.pre_drafted, recovered=recovered)
+                          tuple(response.draft_token_probs), batch_from_pb(response.batch),
+                          pre_drafted=response.pre_drafted, recovered=recovered)
 
 
 class VerifierLink(WorkerLink):

@@ -49,8 +49,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from specd.prefixkeys import prompt_keys
-
 log = logging.getLogger(__name__)
 
 # How long an endpoint that failed a session is avoided for new sessions, unless it is
@@ -66,13 +64,6 @@ DEFAULT_SUSPECT_S = 5.0
 PREFIX_KEYS_PER_ENDPOINT = 1 << 16
 LOAD_SLACK = 1.25
 LOAD_ROOM = 4
-
-
-def prefix_keys(salt: bytes, tokens: Sequence[int]) -> list[bytes]:
-    """Keys of a prompt's full leading blocks, each chained over those before it and the
-    salt (so two tenants' equal prompts never share a key): the keys the workers' prefix
-    cache gives the same blocks (`specd.prefixkeys.prompt_keys`)."""
-    return prompt_keys(salt, tokens)
 
 
 class NoEndpoint(RuntimeError):
@@ -131,9 +122,9 @@ class Router:
 
         Sticky: a placed session stays on its endpoint while that one is listed and ready.
         Otherwise (new, its pod left, or it is draining) it moves: to the ready endpoint
-        that was given the longest run of its `prefix` keys (`prefix_keys`) while that
-        one's load stays within LOAD_SLACK of the mean, else to the least-loaded ready
-        endpoint. Raises NoEndpoint when no endpoint is ready.
+        that was given the longest run of its `prefix` keys (`specd.prefixkeys.prompt_keys`)
+        while that one's load stays within LOAD_SLACK of the mean, else to the least-loaded
+        ready endpoint. Raises NoEndpoint when no endpoint is ready.
         """
         with self._lock:
             current = self._session_at.get(session_id)
