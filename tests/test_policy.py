@@ -211,7 +211,8 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
     policy = CostPolicy(costs, TaskProfile(alpha, 1, 8), load_cap=cap)
     chosen = []
     for index in range(1, steps + 1):
-        gamma = choose(policy)
+        bound = policy.bound()
+        gamma = policy.next_draft_length(bound)
         accepted = 0
         while accepted < gamma and rng.random() < alpha:
             accepted += 1
@@ -222,7 +223,7 @@ def run_under_load(cap: LoadCap, step_ms, sessions: int, steps: int, alpha: floa
             verify_ms=step_ms(cap.cap()),
             draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0, verify_bytes=0,
             verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
-            interval_ms=0.5 * gamma + step_ms(cap.cap()) + 0.2))
+            interval_ms=0.5 * gamma + step_ms(cap.cap()) + 0.2, load_cap=bound))
     return chosen
 
 

@@ -207,8 +207,11 @@ class CostPolicy:
         return best_draft_length(alpha, self.costs, [0, *span], self._shaped_curve(alpha), self.overlap)
 
     def observe(self, record: StepRecord) -> None:
-        if self.load_cap is not None:
-            self.load_cap.observe(self._max_draft_length, record)
+        if self.load_cap is not None and record.load_cap is not None:
+            # The cap in force when the step began (the engine reads it every step, a step
+            # that drafts nothing included), not the one γ was last chosen under: after a
+            # draft is lost no γ is chosen, and its plain steps belong to today's level.
+            self.load_cap.observe(record.load_cap.max_draft_length, record)
         if self.floor is not None:
             self.floor.observe(record)
         if record.draft_model_tokens == 0:  # learned from the draft model's tokens only

@@ -62,7 +62,7 @@ class StepRecord:
     # start): what the step cost the request, its hops, the gateway's own work and the
     # streaming of the last chunk included. 0: not measured (a record made elsewhere).
     interval_ms: float = 0.0
-    load_cap: Bound | None = None  # the load cap γ was chosen under, and its origin (traces)
+    load_cap: Bound | None = None  # the load cap in force as the step began (the policy learns under it; traces)
 
     @property
     def load(self) -> int:
