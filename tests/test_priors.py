@@ -3,11 +3,15 @@ load, the gateway times its overheads at start-up, and each load level's first c
 γ those costs favour (gateway/policy/priors.py), not the longest draft."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from conftest import request
 from gateway.policy.loadcap import LoadCap
 from gateway.policy.priors import ForwardTable, Overheads, prior_caps, prior_rates
+from gateway.stats.costmodel import LOAD_BUCKETS
+from specd.contract import MAX_DRAFT_LENGTH
 
 # A target whose forward grows with the tokens it carries, as on a CPU; a cheap draft.
 TARGET = ForwardTable([(b, w, 8.0 + 0.9 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9)])
@@ -32,6 +36,19 @@ def test_noisy_costs_never_price_a_forward_at_nothing():
     assert table.ms(32, 1) >= table.ms(16, 1) and table.ms(64, 9) >= table.ms(32, 9) > 0
     rates = prior_rates(table, ForwardTable(noisy), alpha=0.7, max_draft_length=8, overheads=Overheads(0.0, 0.0))
     assert all(0 < rate < float("inf") for at_load in rates.values() for rate in at_load)
+
+
+def test_no_grid_of_positive_times_prices_a_forward_at_nothing_where_the_priors_read():
+    """Past the widest measured forward each batch's line runs on at its own slope, and a
+    larger batch's ran below a smaller one's: read on past the largest batch, the price at
+    64 sessions and 16 tokens fell to nothing and a request failed with INTERNAL (the fuzz
+    test found it on a busy machine). Any grid of positive times, however noisy, prices
+    every forward the priors read above nothing."""
+    rng = random.Random(0)
+    batches, widths = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
+    for _ in range(2000):
+        table = ForwardTable([(b, w, rng.choice([rng.uniform(1e-4, 5.0), 1e-6])) for b in batches for w in widths])
+        assert min(table.ms(load, width) for load in LOAD_BUCKETS for width in range(1, MAX_DRAFT_LENGTH + 2)) > 0
 
 
 def test_costs_that_are_not_a_grid_of_positive_times_give_no_prior():

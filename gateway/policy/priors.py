@@ -88,7 +88,13 @@ class ForwardTable:
 
     def ms(self, batch: float, width: float) -> float:
         low, high, t = self._between(self.batches, batch)
-        return max(0.0, self._at_width(low, width) + t * (self._at_width(high, width) - self._at_width(low, width)))
+        at_low = self._at_width(low, width)
+        # Past the widest measured, each batch's line runs on at its own slope, and a larger
+        # batch's may run below a smaller one's; more sessions never cost less, so the larger
+        # batch is read at least at the smaller's (else, read on past the largest batch, the
+        # price could fall to nothing and the priors would divide by it).
+        at_high = max(self._at_width(high, width), at_low)
+        return at_low + t * (at_high - at_low)
 
 
 @dataclass(frozen=True)
