@@ -500,7 +500,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     from specd.worker.kvstore import SessionKV
     from specd.worker.runtime import eos_ids
     from specd_cli.bench import DEMO_WORKLOAD
-    from specd_cli.launch import _default_threads
+    from specd_cli.launch import default_threads
 
     class Timed(bench_ceiling.Model):
         """A model of bench_ceiling whose forwards after a session's first (its prompt) are
@@ -524,7 +524,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     # first parallel operator (bench_ceiling's main says why). Its threads are those specd
     # serve gives it (on a CPU, one for the dry run's tiny target), so that served ÷ the
     # models alone compares like with like.
-    threads = _default_threads(Path(args.dir) / "target", device.type)
+    threads = default_threads(Path(args.dir) / "target", device.type)
     target = Timed(f"{args.dir}/target", threads, device, dtype)
     draft = Timed(f"{args.dir}/draft", 1, device, dtype)
     eos = set(eos_ids(target.model, tokenizer))

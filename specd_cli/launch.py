@@ -145,7 +145,7 @@ def _set_threads(threads: int, cpus: str = "") -> None:
 SMALL_MODEL_BYTES = 32 * 1024 * 1024
 
 
-def _default_threads(model: Path, device: str) -> int:
+def default_threads(model: Path, device: str) -> int:
     """Torch threads for a worker when --threads is 0: one for a small model on a CPU,
     else 0 (torch's default). A draft service takes the default of its largest draft."""
     if device != "cpu" or not model.is_dir():
@@ -193,7 +193,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd draft: {exc}", file=sys.stderr)
         return 2
-    _set_threads(args.threads or min(_default_threads(path, args.device) for path in drafts.values()), args.cpus)
+    _set_threads(args.threads or min(default_threads(path, args.device) for path in drafts.values()), args.cpus)
     settings = _settings(DRAFT, args, drafts=drafts, draft_base=base)
     return _serve(_then_single_threaded(create_server), settings, "draft", args.port_file)
 
@@ -210,7 +210,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     except (ModelNotFound, DemoPairNotFound) as exc:
         print(f"specd verifier: {exc}", file=sys.stderr)
         return 2
-    _set_threads(args.threads or _default_threads(target, args.device), args.cpus)
+    _set_threads(args.threads or default_threads(target, args.device), args.cpus)
     settings = _settings(VERIFIER, args, target=target, target_name=model_name(spec))
     return _serve(_then_single_threaded(create_server), settings, "verifier", args.port_file)
 

@@ -140,16 +140,16 @@ def test_a_missing_api_key_variable_is_named(command):
 def test_threads_default_to_one_for_a_small_model_on_a_cpu(model_dirs, tmp_path):
     """A model under 32 MiB of weights runs on one torch thread unless --threads says
     otherwise; a larger one, or one on a GPU, keeps torch's default (0)."""
-    from specd_cli.launch import SMALL_MODEL_BYTES, _default_threads
+    from specd_cli.launch import SMALL_MODEL_BYTES, default_threads
 
-    assert _default_threads(model_dirs["target"], "cpu") == 1
-    assert _default_threads(model_dirs["target"], "cuda") == 0
+    assert default_threads(model_dirs["target"], "cpu") == 1
+    assert default_threads(model_dirs["target"], "cuda") == 0
     large = tmp_path / "large"
     large.mkdir()
     (large / "config.json").write_text("{}")
     with open(large / "model.safetensors", "wb") as weights:  # sparse: its size, not its bytes
         weights.truncate(SMALL_MODEL_BYTES + 1)
-    assert _default_threads(large, "cpu") == 0
+    assert default_threads(large, "cpu") == 0
 
 
 def _options(parser, command: str) -> set[str]:
