@@ -96,10 +96,38 @@ SERVING_MODULES = ("grpc", "grpc_health.v1", "grpc_reflection.v1alpha", "google.
                    "prometheus_client")
 
 
+def _masked_kernel() -> str:
+    """The first SDPA kernel, in torch's order of preference, that takes the paged attention's
+    CUDA call for an 8B-shaped verification (32 query heads folded onto 8 KV heads, 5 tokens
+    a row, 4 rows, 1,000 keys, bfloat16, a boolean mask): the kernel a worker runs."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specd.worker.attention import grouped_sdpa
+
+    query = torch.randn(4, 32, 5, 128, device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(4, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(4, 1, 5, 1000, device="cuda", dtype=torch.bool).tril(995)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
+        try:
+            with sdpa_kernel([backend]):
+                grouped_sdpa(query, keys, values, mask, None)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            continue
+        if name == "cudnn" and not torch.backends.cuda.cudnn_sdp_enabled():
+            continue  # runs, but a worker has it switched off
+        return name
+    return "none"
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     """The machine and the software, one `key: value` a line; `serving: ok` when the services can run."""
     import torch
     import transformers
+
+    from specd.worker.attention import pin_sdpa_backends, sdpa_backends
 
     print(f"python: {platform.python_version()} ({sys.executable})")
     print(f"torch: {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
@@ -109,9 +137,10 @@ def cmd_env(args: argparse.Namespace) -> int:
         props = torch.cuda.get_device_properties(0)
         print(f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability "
               f"{props.major}.{props.minor}, {props.multi_processor_count} SMs")
-        print(f"sdpa enabled: flash {torch.backends.cuda.flash_sdp_enabled()}, memory-efficient "
-              f"{torch.backends.cuda.mem_efficient_sdp_enabled()}, cuDNN {torch.backends.cuda.cudnn_sdp_enabled()}, "
-              f"math {torch.backends.cuda.math_sdp_enabled()}")
+        print(f"sdpa by default: {sdpa_backends()}")
+        pin_sdpa_backends(torch.device("cuda"))
+        print(f"sdpa a worker allows: {sdpa_backends()}")
+        print(f"sdpa kernel of a masked grouped-query verification: {_masked_kernel()}")
     else:
         print("device: none (CPU only)")
     missing = []

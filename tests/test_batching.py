@@ -23,7 +23,7 @@ from draft_service.drafter import Drafter
 from specd.sampling import Transform
 from specd.steps import DraftRequest, PreDraftRequest
 from specd.v1 import gateway_pb2
-from specd.worker import lean
+from specd.worker import attention, lean
 from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
 from specd.worker.forwards import forward
@@ -183,9 +183,13 @@ def _per_row(result: tuple[torch.Tensor, list[slice]]) -> list[torch.Tensor]:
     return [logits[rows_kept] for rows_kept in kept]
 
 
-def test_batched_forward_equals_each_session_alone(model_dirs, device):
+@pytest.mark.parametrize("sdpa", ["torch", "grouped"])
+def test_batched_forward_equals_each_session_alone(model_dirs, device, sdpa, monkeypatch):
     """Rows of different lengths and histories, rolled back and fed again, each get the
-    logits the model gives their whole sequence alone."""
+    logits the model gives their whole sequence alone: with torch's grouped-query SDPA (a
+    CPU's) and with the query heads folded into rows (CUDA's, `attention.grouped_sdpa`)."""
+    if sdpa == "grouped":
+        monkeypatch.setattr(attention, "_sdpa", attention.grouped_sdpa)
     torch.manual_seed(0)
     model = _model(model_dirs["target"], device)
     cfg, on = model.config, model.device

@@ -77,14 +77,65 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         keys, values = expand(keys, values)
     mask = cache.allowed if sliding_window is None else cache.window(sliding_window)
     if softcap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(padded, keys, values, attn_mask=mask, scale=scaling,
-                                                               enable_gqa=True)
+        out = _sdpa(padded, keys, values, mask, scaling)
     else:
         out = _eager(padded, keys, values, mask, scaling, softcap)[0].transpose(1, 2)
     out = out.transpose(1, 2).reshape(batch * longest, heads, out.shape[-1])  # [B × T, heads, D]
     if cache.query_rows is not None:
         out = out.index_select(0, cache.query_rows)
     return out.unsqueeze(0), None
+
+
+def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+          scaling: float | None) -> torch.Tensor:
+    """SDPA of [B, heads, T, D] queries over [B, KV heads, keys, D]; returns [B, heads, T, D].
+
+    On a CPU, torch's own grouped-query SDPA (`enable_gqa`), whose flash kernel takes the
+    mask. On CUDA, torch sends grouped queries with a mask to its math kernel, which
+    materialises every score in float32 (gigabytes for a long profiling forward). There
+    the query heads that share a KV head are folded into its rows instead (`grouped_sdpa`)
+    and every kernel sees as many query heads as KV heads, so the memory-efficient kernel
+    takes the masked forward (`pin_sdpa_backends` keeps cuDNN out)."""
+    if query.is_cuda:
+        return grouped_sdpa(query, keys, values, mask, scaling)
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                            enable_gqa=True)
+
+
+def grouped_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                 scaling: float | None) -> torch.Tensor:
+    """Grouped-query attention as one SDPA with equal head counts, by folding each KV head's
+    G query heads into its rows: [B, KV heads · G, T, D] → [B, KV heads, G · T, D], each
+    row under its own query's mask row (as FlashInfer's decode kernels group a KV head's
+    queries). No key or value is copied. Query head h reads KV head h // G, as
+    `enable_gqa` and transformers' `repeat_kv` pair them."""
+    batch, heads, tokens, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, groups * tokens, dim)
+    if mask is not None:  # [B, 1, T, keys]: the same rows for every head of a group
+        mask = mask.expand(batch, 1, tokens, mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, tokens, values.shape[-1])
+
+
+def pin_sdpa_backends(device: torch.device) -> None:
+    """Leave cuDNN's SDPA out on CUDA. Its plans are cached per exact shape, and an eager
+    decode's key length changes every step, so each step would build a new plan (tens of
+    milliseconds on sm90 with cuDNN ≥ 9.15). Flash (unmasked forwards) and the
+    memory-efficient kernel (masked ones, see `grouped_sdpa`) need no plan; the math
+    kernel stays the fallback for shapes neither takes. A process-wide setting, made once
+    at load: a worker serves one model on one device."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def sdpa_backends() -> str:
+    """The SDPA backends torch may choose on CUDA, for the GPU check's record."""
+    flags = {"flash": torch.backends.cuda.flash_sdp_enabled(),
+             "memory-efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+             "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+    return ", ".join(name for name, on in flags.items() if on)
 
 
 def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -109,4 +160,5 @@ def use_paged_attention(model: PreTrainedModel) -> None:
     # registering it again sets the same function.
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
     model.set_attn_implementation(PAGED_ATTENTION)
+    pin_sdpa_backends(model.device)
 

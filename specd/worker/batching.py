@@ -101,6 +101,41 @@ class Job:
         raise NotImplementedError
 
 
+class ForwardClock:
+    """Times a forward. On a CPU the host's clock. On CUDA, events on the device's stream:
+    the host returns from a forward once its kernels are queued, so the host's clock would
+    give the launches' time, and the cost model would price a forward at that."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self._cuda = device is not None and device.type == "cuda"
+        self._began = 0.0
+        self._ended = 0.0
+        self._events: tuple[Any, Any] | None = None
+
+    def start(self) -> None:
+        if self._cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._began = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark the forward's end: now on the host, or when the device gets there."""
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._ended = time.perf_counter()
+
+    def ms(self) -> float:
+        """Milliseconds from `start` to `stop`; on CUDA waits for the stop's event (the
+        logits it follows are read next anyway)."""
+        if self._events is None:
+            return (self._ended - self._began) * 1e3
+        began, ended = self._events
+        ended.synchronize()
+        return float(began.elapsed_time(ended))
+
+
 class Scheduler:
     """One model's queue of jobs and the loop that batches them; lives on the event loop.
 
@@ -116,8 +151,9 @@ class Scheduler:
 
     def __init__(self, forward: Callable[[Sequence[BatchRow]], tuple[torch.Tensor, list[slice]]], executor: Executor,
                  settings: BatchSettings, open_sessions: Callable[[], int] = lambda: 0,
-                 regime: Callable[[int], Hashable] | None = None) -> None:
+                 regime: Callable[[int], Hashable] | None = None, device: torch.device | None = None) -> None:
         self._forward = forward
+        self._clock = ForwardClock(device)
         self._open_sessions = open_sessions
         self._regime = regime
         self._executor = executor
@@ -262,14 +298,15 @@ class Scheduler:
 
     def _forward_once(self, jobs: list[Job], rows: list[BatchRow]) -> list[BaseException | bool]:
         """One forward and each job's use of its logits."""
-        began = time.perf_counter()
+        self._clock.start()
         try:
             logits, kept = self._forward(rows)
         except Exception as exc:  # the whole forward failed: every job in it fails
             self.failed_forwards += 1
             return [exc] * len(jobs)
+        self._clock.stop()
         self.failed_forwards = 0
-        elapsed = (time.perf_counter() - began) * 1e3
+        elapsed = self._clock.ms()
         failed: dict[int, BaseException] = {}
         for kind in {type(job) for job in jobs}:
             members = [(job, rows_kept) for job, rows_kept in zip(jobs, kept) if type(job) is kind]

@@ -193,7 +193,7 @@ class ModelRunner:
         self._on_session_gone = on_session_gone
         self.sessions = SessionStore(settings.max_sessions, on_evict=on_session_gone)
         self.scheduler = Scheduler(self._forward_batch, self._executor, settings.batching, lambda: len(self.sessions),
-                                   rope.regime(self.model))
+                                   rope.regime(self.model), self.device)
 
     def _load(self, path: Path, name: str | None, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
