@@ -63,7 +63,7 @@ def _sessions(model, pool: KVPool, lengths: list[int]) -> list[SessionKV]:
 
 def _static(model, pool: KVPool, max_sessions: int = 8) -> graphs.StaticSteps:
     decoder = forwards.stand_in(model)
-    assert decoder is not None, "the lean forward was not installed"
+    assert isinstance(decoder, lean.LeanDecoder), "the lean forward was not installed"
     return graphs.StaticSteps(decoder, pool, model.device, max_sessions, capture=False)
 
 
@@ -87,6 +87,9 @@ def test_a_static_step_gives_each_row_the_eager_forwards_logits(model_dirs, devi
         before = pool.keys.clone(), pool.values.clone()
         static = steps.forward(rows)
         assert static is not None and steps.replays == 1
+        # What a graph would keep between replays: hidden states, H wide, not V-wide logits.
+        (step,) = steps._steps.values()
+        assert step.run().shape == (1, 4 * 4, model.config.hidden_size)
     for got, expected in zip(_per_row(static), eager):
         torch.testing.assert_close(got.float(), expected)
     size = pool.block_tokens

@@ -36,7 +36,8 @@ sets of rows, and torch's graph tracer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -51,7 +52,16 @@ FEED_BUCKETS = (1, 2, 4, 8, 16)  # tokens per row: a plain step, a verification 
 # is loaded with experts_implementation="eager", as a loop over the experts hit.
 _ROUTED = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
-Decoder = Callable[[BatchInputs], torch.Tensor]
+
+
+class Decoder(Protocol):
+    """The lean forward in its two parts (`specd.worker.lean.LeanDecoder`)."""
+
+    def body(self, inputs: BatchInputs) -> torch.Tensor:
+        """Final-normed hidden states [1, Σ T, H] at every position."""
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of final-normed rows [..., H]."""
 
 
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -61,8 +71,12 @@ def _bucket(value: int, buckets: Sequence[int]) -> int | None:
 class StaticStep:
     """One bucket's forward: `batch` rows feeding `feed` tokens each, reading `width`
     blocks each, over buffers it owns. `fill` writes a forward's rows into them; `run`
-    computes the logits of every padded position, [1, batch × feed, V], from nothing but
-    those buffers, which is what a graph captures.
+    computes the final-normed hidden states of every padded position, [1, batch × feed,
+    H], from nothing but those buffers, which is what a graph captures. The output layer
+    runs after, on the kept rows alone (`StaticSteps.forward`): a captured graph keeps its
+    output for good, and logits of every padded position would be batch × feed × V of
+    them a bucket (2 GiB in bfloat16 for 256 rows of 16 tokens over Llama 3's 128K
+    vocabulary), where hidden states are H wide.
 
     The buffer, int64, in one tensor so that it is filled by one copy: token ids,
     positions and write slots [batch × feed each], block tables [batch × width], the
@@ -80,7 +94,7 @@ class StaticStep:
          self.kept) = self.buffer.split(self.parts)
         self.fill([])  # all padding: what a capture runs on, writing only into the null block
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None  # a captured graph's logits, rewritten by each replay
+        self.output: torch.Tensor | None = None  # a captured graph's hidden states, rewritten by each replay
 
     def fill(self, rows: Sequence[BatchRow]) -> int:
         """Lay `rows` out in the buffers (one copy to the device); how many kept rows."""
@@ -115,8 +129,9 @@ class StaticStep:
         return count
 
     def run(self) -> torch.Tensor:
-        """The logits [1, batch × feed, V] of every padded position: operators on the buffers
-        alone, with shapes that depend only on the bucket (what a CUDA graph captures)."""
+        """The final-normed hidden states [1, batch × feed, H] of every padded position:
+        operators on the buffers alone, with shapes that depend only on the bucket (what a
+        CUDA graph captures)."""
         device, size = self.buffer.device, self.pool.block_tokens
         keys = self.width * size
         query_positions = self.starts[:, None] + torch.arange(self.feed, device=device)  # [B, T]
@@ -126,7 +141,7 @@ class StaticStep:
         cache = BatchCache(self.pool, self.write_slots, self.read_blocks, self.batch, keys, None, allowed,
                            query_positions, None, self.feed, gather_scratch=False)
         every = torch.arange(self.batch * self.feed, device=device)
-        return self.decoder(BatchInputs(self.ids[None], self.positions[None], cache, every, []))
+        return self.decoder.body(BatchInputs(self.ids[None], self.positions[None], cache, every, []))
 
 
 class StaticSteps:
@@ -167,16 +182,16 @@ class StaticSteps:
         count = step.fill(rows)
         if step.graph is not None:
             step.graph.replay()
-            logits = step.output
+            hidden = step.output
         else:
-            logits = step.run()
-        assert logits is not None
+            hidden = step.run()
+        assert hidden is not None
         self.replays += 1
         kept, reads = step.kept[:count], list[slice]()
         for row in rows:
             start = reads[-1].stop if reads else 0
             reads.append(slice(start, start + row.keep))
-        return logits[0].index_select(0, kept), reads
+        return self.decoder.head(hidden[0].index_select(0, kept)), reads
 
     def _capture(self, step: StaticStep) -> None:
         """Capture `step` (all padding, so the warm-up and the capture write only the null

@@ -358,6 +358,13 @@ class LeanDecoder:
         forward computes them for the same inputs. Called in inference mode, as the
         store's forwards and trials run (`forwards.forward`, `trials.trial_logits`): not
         entered again here, on every forward."""
+        # Normed whole, then cut to the kept rows, as the model does: a device may split the
+        # norm's reduction by the number of rows.
+        return self.head(self.body(inputs)[:, inputs.logits_to_keep, :])
+
+    def body(self, inputs: BatchInputs) -> torch.Tensor:
+        """The final norm's output [1, Σ T, H] at every position of one batched forward:
+        all but the output layer (a CUDA graph captures this part, `specd.worker.graphs`)."""
         base, cache = self.base, inputs.cache
         transposed_norms = self.family.qk_norms == "heads, transposed"
         hidden = base.embed_tokens.forward(inputs.input_ids)
@@ -393,9 +400,12 @@ class LeanDecoder:
             if layer.after_mlp is not None:
                 branch = layer.after_mlp(branch)
             hidden = self._residual(hidden, branch, layer)
-        # Normed whole, then cut to the kept rows, as the model does: a device may split the
-        # norm's reduction by the number of rows.
-        logits = self.lm_head(self.final_norm(hidden)[:, inputs.logits_to_keep, :])
+        return self.final_norm(hidden)
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The logits of final-normed rows [..., H] → [..., V], scaled and soft-capped as the
+        family does."""
+        logits = self.lm_head(normed)
         if self.logits_scaling is not None:
             logits = logits / self.logits_scaling
         if self.final_softcap is not None:  # three operators, as the model runs them
