@@ -445,9 +445,10 @@ def use_graphs(model, sessions: int) -> str:
     """From now on, run the forwards of `model` (a `Loaded` or a `bench_ceiling.Model`) as
     CUDA graphs for up to `sessions` rows (`--cuda-graphs`; on a CPU, the same static steps
     run eagerly); what `graphs.problem` says where it cannot."""
-    from specd.worker import forwards, graphs, rope
+    from specd.worker import forwards, graphs, lean, rope
 
-    decoder = forwards.stand_in(model.model)
+    installed = forwards.stand_in(model.model)
+    decoder = installed if isinstance(installed, lean.LeanDecoder) else None
     problem = graphs.problem(model.model, decoder, rope.regime(model.model) is not None)
     if problem is not None or decoder is None:
         return f"no graphs: {problem}"
