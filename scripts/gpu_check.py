@@ -447,8 +447,7 @@ def use_graphs(model, sessions: int) -> str:
     run eagerly); what `graphs.problem` says where it cannot."""
     from specd.worker import forwards, graphs, lean, rope
 
-    installed = forwards.stand_in(model.model)
-    decoder = installed if isinstance(installed, lean.LeanDecoder) else None
+    decoder = lean.decoder_of(model.model)
     problem = graphs.problem(model.model, decoder, rope.regime(model.model) is not None)
     if problem is not None or decoder is None:
         return f"no graphs: {problem}"

@@ -62,8 +62,8 @@ def _sessions(model, pool: KVPool, lengths: list[int]) -> list[SessionKV]:
 
 
 def _static(model, pool: KVPool, max_sessions: int = 8) -> graphs.StaticSteps:
-    decoder = forwards.stand_in(model)
-    assert isinstance(decoder, lean.LeanDecoder), "the lean forward was not installed"
+    decoder = lean.decoder_of(model)
+    assert decoder is not None, "the lean forward was not installed"
     return graphs.StaticSteps(decoder, pool, model.device, max_sessions, capture=False)
 
 

@@ -53,7 +53,6 @@ FEED_BUCKETS = (1, 2, 4, 8, 16)  # tokens per row: a plain step, a verification 
 _ROUTED = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
-
 class Decoder(Protocol):
     """The lean forward in its two parts (`specd.worker.lean.LeanDecoder`)."""
 

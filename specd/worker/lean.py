@@ -453,6 +453,12 @@ def _unmirrored(model: nn.Module) -> str | None:
     return None
 
 
+def decoder_of(model: nn.Module) -> LeanDecoder | None:
+    """The lean forward `install` gave `model` (None: it runs transformers' own)."""
+    installed = forwards.stand_in(model)
+    return installed if isinstance(installed, LeanDecoder) else None
+
+
 def install(model: nn.Module, pool: KVPool, vocab_size: int, device: torch.device) -> str | None:
     """Route `model`'s batched forwards through a `LeanDecoder`, when it mirrors the model
     and a trial forward at load agrees with the model's own to the bit; else why not."""

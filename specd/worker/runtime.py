@@ -272,8 +272,7 @@ class ModelRunner:
     def _use_graphs(self, max_sessions: int) -> None:
         """Replay this model's decode and verify forwards as CUDA graphs, where it can be
         captured (`specd.worker.graphs`); else say why, and keep the eager forwards."""
-        installed = forwards.stand_in(self.model)
-        decoder = installed if isinstance(installed, lean.LeanDecoder) else None
+        decoder = lean.decoder_of(self.model)
         problem = graphs.problem(self.model, decoder, rope.regime(self.model) is not None)
         if problem is not None:
             log.warning("%s runs without CUDA graphs: %s", self.info.name, problem)
