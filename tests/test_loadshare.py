@@ -29,7 +29,7 @@ def compute_bound(cap: int) -> float:
 
 def learned_gateway(steps: int = 12000) -> LoadCap:
     """A gateway's load cap that ran long enough under load for its trials to move the prior's."""
-    cap = LoadCap(8, prior=PRIOR)
+    cap = LoadCap(8, price=lambda alpha: PRIOR)
     run_under_load(cap, compute_bound, sessions=SESSIONS, steps=steps)
     assert cap.caps()[SESSIONS] < 3 and cap.origins()[SESSIONS] == "learned", cap.rates()
     return cap
@@ -39,7 +39,7 @@ def test_a_new_gateway_starts_where_an_old_one_learned_and_speculates_less_for_i
     old = learned_gateway()
     shared = old.learned()
     assert SESSIONS in shared and shared[SESSIONS].cap == old.caps()[SESSIONS]
-    fresh, taught = LoadCap(8, prior=PRIOR), LoadCap(8, prior=PRIOR, shared=shared)
+    fresh, taught = LoadCap(8, price=lambda alpha: PRIOR), LoadCap(8, price=lambda alpha: PRIOR, shared=shared)
     assert taught.origins()[SESSIONS] == "shared" and taught.caps()[SESSIONS] == shared[SESSIONS].cap
     taught.requests = SESSIONS
     assert (taught.cap(), taught.origin()) == (shared[SESSIONS].cap, "shared")
@@ -88,7 +88,7 @@ def test_a_second_gateway_replica_starts_from_the_first_ones_caps(model_dirs):
         core = stack.gateway.servicer.core
         pair = next(iter(core.policies.load_caps()), None) or _first_pair(stack)
         load_cap = core.policies.load_caps()[pair]
-        load_cap.prior, load_cap.prior_caps = PRIOR, best_caps(PRIOR)
+        load_cap.price, load_cap.prior, load_cap.prior_caps = (lambda alpha: PRIOR), PRIOR, best_caps(PRIOR)
         load_cap._levels.clear()
         run_under_load(load_cap, compute_bound, sessions=SESSIONS, steps=12000)
         assert load_cap.origins()[SESSIONS] == "learned"

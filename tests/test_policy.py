@@ -257,6 +257,28 @@ def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_ca
     assert cap.cap() == 8 and min(alone[1:]) >= 3
 
 
+def test_under_a_cap_of_0_trials_thin_out_further_until_the_acceptance_moves():
+    """A trial of drafting after plain steps costs every session a catch-up prefill on the
+    draft: under a cap of 0 losing trials thin out past `MAX_EXPLORE_INTERVAL` epochs, to
+    `MAX_PLAIN_EXPLORE_INTERVAL`. The pair's acceptance moving brings the next one forward."""
+    from gateway.policy.loadcap import MAX_EXPLORE_INTERVAL
+
+    cap = LoadCap(max_draft_length=8)
+    starts = []
+    for index in range(1, 80_001):
+        arm = cap.cap()
+        if arm != cap.caps().get(16, 8) and (not starts or index - starts[-1] > 300):
+            starts.append(index)
+        cap.observe(arm, capped_step(index, min(arm, 1), 1.0 / (0.050 if arm == 0 else 0.030)))
+    level = cap._levels[16]
+    assert level.best == 0
+    epoch = 3 * 16  # steps
+    assert starts[-1] - starts[-2] > 2 * MAX_EXPLORE_INTERVAL * epoch, starts  # 3,264 steps at 64 epochs
+    cap.price = lambda alpha: {16: [0.05, 0.03]}
+    cap._reprice(0.9)
+    assert level.best == 0 and level.explore_every == cap.explore_every
+
+
 def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
     """The first trial of cap 0 comes early, often while the first prompts still prefill and
     slow every forward. Plain decoding is measured again later, and wins where it should."""

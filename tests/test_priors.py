@@ -69,7 +69,7 @@ def test_speculation_is_priced_out_as_the_load_grows():
 
 def test_a_level_starts_at_the_prior_and_says_so():
     rates = prior_rates(TARGET, DRAFT, alpha=0.7, max_draft_length=8, overheads=Overheads(0.2, 1.0))
-    cap = LoadCap(8, prior=rates)
+    cap = LoadCap(8, price=lambda alpha: rates)
     cap.requests = 32  # 32 requests in flight: the load floor
     assert cap.cap() == 0 and cap.origins() == {32: "prior"}
     cap.requests = 1000  # past the loads priced: the heaviest's
@@ -83,10 +83,45 @@ def test_a_level_starts_at_the_prior_and_says_so():
     assert verdict.add(0.08) < 0.05
 
 
+def test_a_level_on_the_prior_is_priced_again_at_the_pairs_acceptance():
+    """Priced at a task's prior acceptance (0.7), four sessions start at γ = 2; the pair's
+    draft then measures 0.3, where the same costs favour plain decoding, and the level
+    moves there at once, before any trial, still on the prior. A level a trial decided
+    keeps what the trial said. (SmolLM2's draft, α ≈ 0.33, started at γ = 5 at 8 in flight
+    and lost for a minute of trials: docs/loadcap.md.)"""
+    from gateway.step.records import StepRecord
+    from specd.steps import BatchStats
+
+    price = lambda alpha: prior_rates(TARGET, DRAFT, alpha, max_draft_length=8, overheads=Overheads(0.2, 1.0))  # noqa: E731
+    cap = LoadCap(8, price=price, alpha=0.7)
+    cap.requests = 4
+    assert (cap.cap(), cap.origin()) == (2, "prior")
+    decided = cap._level(8)
+    decided.best, decided.decided, decided.all_rates = 3, 1, {3: 0.1}  # as if a trial there had raised it
+    rng = random.Random(0)
+
+    def step(index: int, gamma: int, sessions: int = 4) -> StepRecord:
+        accepted = 0
+        while accepted < gamma and rng.random() < 0.3:
+            accepted += 1
+        return StepRecord(index=index, position=0, generated=0, draft_length=gamma, draft_model_tokens=gamma,
+                          accepted=accepted, bonus=accepted == gamma, token=0, emitted=(0,) * (accepted + 1),
+                          draft_ms=1.0, verify_ms=10.0, draft_forward_ms=0.0, verify_forward_ms=0.0, draft_bytes=0,
+                          verify_bytes=0, verify_batch=BatchStats(size=sessions, tokens=sessions, sessions=sessions),
+                          interval_ms=12.0)
+
+    for index in range(1, 81):
+        cap.observe(cap.cap(), step(index, cap.cap()))
+    assert abs(cap.priced_alpha - 0.3) < 0.15
+    assert (cap.cap(), cap.origin()) == (0, "prior")
+    assert cap._level(4).verdicts[(0, 2)].mean < 0  # the ratios weighed in are the new prices
+    assert cap._level(8).best == 3
+
+
 def test_a_fresh_gateway_measures_its_overheads_and_prices_its_caps(stack):
     core = stack.gateway.servicer.core
     overheads = core.policies.overheads
-    assert overheads is not None and overheads.spec_ms >= 0 and overheads.plain_ms >= 0
+    assert overheads is not None and overheads.spec_ms >= overheads.plain_ms >= 0
     assert core.backend.target.forward_costs  # the verifier timed its forwards at load
     prior = core.policies.prior("close")
     assert prior is not None and set(prior) >= {1, 8, 32}
@@ -125,7 +160,7 @@ def test_a_step_says_which_cap_it_ran_under():
     from gateway.step.tracing import step_attributes
 
     rates = prior_rates(TARGET, DRAFT, alpha=0.7, max_draft_length=8, overheads=Overheads(0.2, 1.0))
-    cap = LoadCap(8, prior=rates)
+    cap = LoadCap(8, price=lambda alpha: rates)
     assert cap.origin() == "alone"
     cap.requests = 32
     assert (cap.cap(), cap.origin()) == (0, "prior")

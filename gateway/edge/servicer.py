@@ -190,10 +190,10 @@ def _load_cap_rows(core: GatewayCore) -> list[gateway_pb2.LoadCapRow]:
     policies = core.policies
     caps = policies.load_caps()
     if not caps and core.backend.default_draft:
-        prior = policies.prior(core.backend.default_draft)
+        price = policies.pricing(core.backend.default_draft)
         pair = model_pair_label(core.backend.default_draft, core.backend.target.name)
-        caps = {pair: LoadCap(policies.max_draft_length, prior=prior,
-                              shared=policies.shared_caps(pair))} if prior else {}
+        caps = {pair: LoadCap(policies.max_draft_length, price=price, alpha=policies.prior_alpha,
+                              shared=policies.shared_caps(pair))} if price else {}
     rows = []
     for pair, load_cap in sorted(caps.items()):
         in_force, origins = load_cap.caps(), load_cap.origins()

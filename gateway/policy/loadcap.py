@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.policy.priors import best_caps
@@ -16,6 +17,13 @@ from gateway.step.records import StepRecord
 log = logging.getLogger(__name__)
 
 MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
+# ...and under a cap of 0 (about two minutes at 8 in flight on SmolLM2 here). Why longer: a
+# trial of drafting after a stretch of plain decoding costs every session a catch-up prefill
+# on the draft, which on a CPU the verifier shares slows everyone. At 64, such trials every
+# half minute kept AUTO 4–8% behind plain decoding at a cap of 0; at 256 it ran level with
+# it. What trials are for, noticing that acceptance moved, the pair's acceptance now says
+# directly (`_reprice`), and brings the next trial forward.
+MAX_PLAIN_EXPLORE_INTERVAL = 256
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
 TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks quiet steps (`_Goodput`)
 # The trials between two caps at a level are weighed together (`_Verdicts`): their mean for
@@ -23,6 +31,32 @@ TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks qui
 VERDICT_WEIGHT = 0.25
 VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
 PRIOR_TRIALS = 2  # the trials' worth of evidence a prior's predicted goodput ratios count for
+# The prior is priced again at the pair's measured acceptance (`_PairAcceptance`) once this
+# many draft tokens' worth of evidence is in, and again whenever it moves this far.
+REPRICE_TRIALS = 64
+REPRICE_SHIFT = 0.05
+ACCEPTANCE_DECAY = 1.0 - 1.0 / 256  # the pair's acceptance forgets over about this many draft steps
+
+Pricing = Callable[[float], dict[int, list[float]]]  # acceptance -> load bucket -> goodput of each γ from 0
+
+
+@dataclass
+class _PairAcceptance:
+    """The pair's draft acceptance over its recent steps at every load: accepted draft tokens
+    over accepted tokens and rejections, the estimate the cost policy keeps per request.
+    The load does not change what a draft proposes or the target accepts, so every step
+    counts, those taken alone included."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def add(self, record: StepRecord) -> None:
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + record.accepted
+        self.trials = ACCEPTANCE_DECAY * self.trials + record.accepted + (0 if record.bonus else 1)
+
+    def alpha(self) -> float | None:
+        """The estimate, once there is enough evidence for one."""
+        return self.accepted / self.trials if self.trials >= REPRICE_TRIALS else None
 
 
 @dataclass
@@ -216,25 +250,33 @@ class LoadCap:
     (`TRIAL_EXTENSIONS`), and is decided on all its steps if they still lack them.
     With one session there is no one else to slow down: no cap.
 
-    Where a level starts: the γ `prior` favours (load bucket → the goodput of each γ from 0
-    as the workers' measured forward costs predict it, `gateway.policy.priors`), so a fresh
-    gateway does not learn by losing; the predicted ratio of every two caps is weighed in
-    as `PRIOR_TRIALS` trials of them (`_Verdicts`), so a noisy trial or two does not
-    overturn it. Without a prior: a measured neighbouring level's cap, else the longest
-    draft a request chose alone. Where other gateways of the target have learned more
-    (`shared`, kept by the verifier: `gateway.workers.loadshare`), a level starts from their cap
-    and verdicts instead, so a new replica does not pay their trials again.
+    Where a level starts: the γ the prior favours (`price`: acceptance → load bucket → the
+    goodput of each γ from 0 as the workers' measured forward costs predict it,
+    `gateway.policy.priors`), so a fresh gateway does not learn by losing; the predicted
+    ratio of every two caps is weighed in as `PRIOR_TRIALS` trials of them (`_Verdicts`), so
+    a noisy trial or two does not overturn it. The prior is priced first at `alpha`, a
+    task's prior acceptance, and again at the pair's own as soon as its steps measure it
+    (`_reprice`). Why: priced at 0.7, SmolLM2's distilled draft (α ≈ 0.33) started at γ = 5
+    at 8 in flight, where its trials then took a minute of losing to bring it to plain
+    decoding, and AUTO ran at 0.85× of plain decoding over a 16-request run. Without a
+    prior: a measured neighbouring level's cap, else the longest draft a request chose alone.
+    Where other gateways of the target have learned more (`shared`, kept by the verifier:
+    `gateway.workers.loadshare`), a level starts from their cap and verdicts instead, so a
+    new replica does not pay their trials again.
     """
 
     def __init__(self, max_draft_length: int, epoch_rounds: int = 3, explore_every: int = 8, weight: float = 0.5,
-                 margin: float = 0.05, prior: dict[int, list[float]] | None = None,
+                 margin: float = 0.05, price: Pricing | None = None, alpha: float = 0.7,
                  shared: dict[int, SharedLevel] | None = None) -> None:
         self.max_draft_length = max_draft_length
-        self.prior = prior
+        self.price = price
+        self.priced_alpha = alpha  # the acceptance the prior is priced at
+        self._acceptance = _PairAcceptance()
+        self.prior = price(alpha) if price else None
         # What the other gateways of the target learned, by load (`adopt`): where a level
         # starts when it holds more evidence than the prior.
         self.shared = dict(shared or {})
-        self.prior_caps = best_caps(prior) if prior else {}
+        self.prior_caps = best_caps(self.prior) if self.prior else {}
         self.margin = margin  # how much better than the cap in force a trial must do to replace it
         self.epoch_rounds = epoch_rounds  # an epoch: about this many steps of every session
         self.explore_every = explore_every
@@ -294,17 +336,7 @@ class LoadCap:
             level = self._levels[load] = _LevelArms(self._borrowed(load), settle=load,
                                                     explore_every=self.explore_every)
             if self.prior:
-                rates = self.prior.get(load, self.prior[max(self.prior)])[:self.max_draft_length + 1]
-                for low in range(len(rates)):
-                    for high in range(low + 1, len(rates)):
-                        level.verdicts[(low, high)] = _Verdicts(
-                            min(max(math.log(rates[high] / rates[low]), -VERDICT_CLIP), VERDICT_CLIP), PRIOR_TRIALS)
-                # A trial costs goodput: where the costs say both neighbours lose clearly, try
-                # them four times as rarely (as if three trials had lost already).
-                best = level.best
-                neighbours = [rates[g] for g in (best - 1, best + 1) if 0 <= g < len(rates)]
-                if all(math.log(rate / rates[best]) < -math.log1p(2 * self.margin) for rate in neighbours):
-                    level.explore_every = min(4 * self.explore_every, MAX_EXPLORE_INTERVAL)
+                self._weigh_prior(level, load)
             else:
                 level.source = "learned"  # no prior: borrowed from a measured level, or the widest draft
             shared = self.shared.get(load)
@@ -319,6 +351,47 @@ class LoadCap:
             if borrowed != level.best:
                 level.best, level.running, level.drafted, level.settle = borrowed, _Goodput(), 0, load
         return level
+
+    def _weigh_prior(self, level: _LevelArms, load: int) -> None:
+        """Weigh the prior's predicted goodput ratios into a level that starts at its cap."""
+        assert self.prior
+        rates = self.prior.get(load, self.prior[max(self.prior)])[:self.max_draft_length + 1]
+        for low in range(len(rates)):
+            for high in range(low + 1, len(rates)):
+                level.verdicts[(low, high)] = _Verdicts(
+                    min(max(math.log(rates[high] / rates[low]), -VERDICT_CLIP), VERDICT_CLIP), PRIOR_TRIALS)
+        # A trial costs goodput: where the costs say both neighbours lose clearly, try
+        # them four times as rarely (as if three trials had lost already).
+        best = level.best
+        neighbours = [rates[g] for g in (best - 1, best + 1) if 0 <= g < len(rates)]
+        clear = all(math.log(rate / rates[best]) < -math.log1p(2 * self.margin) for rate in neighbours)
+        level.explore_every = min(4 * self.explore_every, MAX_EXPLORE_INTERVAL) if clear else self.explore_every
+
+    def _reprice(self, alpha: float) -> None:
+        """Price the prior again at the pair's measured acceptance, and start over from it
+        every level still on the prior alone (no trial decided there, nothing taken from
+        other gateways). What trials decided is evidence of its own and stays, but its
+        levels try a neighbour again soon."""
+        assert self.price is not None
+        self.priced_alpha = alpha
+        self.prior = self.price(alpha)
+        self.prior_caps = best_caps(self.prior)
+        log.info("load cap priced again at the pair's acceptance %.2f: it starts at %s (load → γ)",
+                 alpha, {load: min(cap, self.max_draft_length) for load, cap in self.prior_caps.items()})
+        for load, level in self._levels.items():
+            if level.source != "prior" or level.decided:
+                # What trials decided here stays, but it was measured at another acceptance:
+                # the next trial comes as soon as it would after a win.
+                level.explore_every, level.rival_after = min(level.explore_every, self.explore_every), 1
+                continue
+            level.verdicts.clear()
+            cap = self._prior_cap(load)
+            if cap != level.best:  # what ran under the old cap, a trial on now included, is left behind
+                self._leave(level, load)
+                level.all_rates.clear()
+                level.rates.clear()
+                level.best, level.used, level.epochs, level.since_trial = cap, None, 0, 0
+            self._weigh_prior(level, load)
 
     def origin(self) -> str:
         """Where the cap at the current load came from: "alone" (one session: no cap),
@@ -390,6 +463,11 @@ class LoadCap:
         """A step taken under `cap`; steps from a cap no longer in force are left out. The step
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = record.load
+        if record.draft_model_tokens and self.price is not None:
+            self._acceptance.add(record)
+            alpha = self._acceptance.alpha()
+            if alpha is not None and abs(alpha - self.priced_alpha) >= REPRICE_SHIFT:
+                self._reprice(alpha)
         load = self._current_load()
         # Quiet: a round of steps since a prompt last rode in the forwards (`_Goodput`). The
         # other sessions' steps that shared a prompt's last forward come back around its
@@ -528,10 +606,11 @@ class LoadCap:
         else:  # a trial costs goodput: the more of them lose, the rarer they get
             if not level.remeasure:  # the next neighbour tried is on the other side
                 level.downward = not level.downward
+            longest = MAX_PLAIN_EXPLORE_INTERVAL if best == 0 else MAX_EXPLORE_INTERVAL
             if level.rival:
-                level.rival_after = min(2 * level.rival_after, MAX_EXPLORE_INTERVAL)
+                level.rival_after = min(2 * level.rival_after, longest)
             else:
-                level.explore_every = min(2 * level.explore_every, MAX_EXPLORE_INTERVAL)
+                level.explore_every = min(2 * level.explore_every, longest)
         level.remeasure = level.rival = False
         if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load

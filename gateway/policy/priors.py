@@ -186,4 +186,8 @@ async def measure_overheads(target_info: ModelInfo, draft_info: ModelInfo | None
         return None
     finally:
         context.detach(token)
-    return Overheads(per_step["off"], per_step["fixed"])
+    # A speculative step does all a plain one does (a verify hop, the gateway's verdict and
+    # stream) and a draft hop besides. Where the forward table prices its forwards above
+    # what they took (timed on a busier machine), the remainder can fall below the plain
+    # step's, even to nothing: priced so, SmolLM2's draft looked worth γ = 1 to 3 at every load.
+    return Overheads(per_step["off"], max(per_step["fixed"], per_step["off"]))

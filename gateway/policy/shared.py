@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from gateway.policy.floor import FloorRow, FloorSchedule, PlainRates, RequestFloor, floor_snapshot
 from gateway.policy.gamma import ProbeSchedule, SharedState
-from gateway.policy.loadcap import LoadCap, SharedLevel
+from gateway.policy.loadcap import LoadCap, Pricing, SharedLevel
 from gateway.policy.priors import ForwardTable, Overheads, prior_rates
 from gateway.stats.costmodel import load_bucket
 from gateway.step.records import StepRecord
@@ -50,7 +50,8 @@ class PolicyTables:
         probes = self._probes.setdefault((model_pair, task_type), ProbeSchedule())
         load_cap = self._load_caps.get(model_pair)
         if load_cap is None:
-            load_cap = self._load_caps[model_pair] = LoadCap(self.max_draft_length, prior=self.prior(draft_model),
+            load_cap = self._load_caps[model_pair] = LoadCap(self.max_draft_length, price=self.pricing(draft_model),
+                                                             alpha=self.prior_alpha,
                                                              shared=self.shared_caps(model_pair))
         schedule = self._floors.setdefault((model_pair, task_type, greedy), FloorSchedule())
         return SharedState(probes, load_cap, RequestFloor(self.plain_rates, schedule, load_bucket(in_flight)))
@@ -59,16 +60,23 @@ class PolicyTables:
         """Every step of every request but the doctor's teaches plain decoding's rates."""
         self.plain_rates.observe(record)
 
-    def prior(self, draft_model: str) -> dict[int, list[float]] | None:
-        """A pair's predicted goodput of each γ at each load (`gateway.policy.priors`): where its
-        load cap starts. None before the start-up probes measured the overheads, or without
-        the workers' forward costs."""
+    def pricing(self, draft_model: str) -> Pricing | None:
+        """A pair's predicted goodput of each γ at each load, as a function of its acceptance
+        (`gateway.policy.priors`): where its load cap starts. None before the start-up probes
+        measured the overheads, or without the workers' forward costs."""
         target = ForwardTable(self.target.forward_costs)
-        if self.overheads is None or not target:
+        overheads = self.overheads
+        if overheads is None or not target:
             return None
         draft = self.drafts.get(draft_model)
         draft_table = ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None
-        return prior_rates(target, draft_table, self.prior_alpha, self.max_draft_length, self.overheads)
+        return lambda alpha: prior_rates(target, draft_table, alpha, self.max_draft_length, overheads)
+
+    def prior(self, draft_model: str) -> dict[int, list[float]] | None:
+        """The pair's prior priced at the general task's acceptance: where a pair no request
+        has measured yet starts."""
+        price = self.pricing(draft_model)
+        return price(self.prior_alpha) if price else None
 
     def floors(self) -> tuple[dict[int, float], list[FloorRow]]:
         """Plain decoding's measured goodput by load, and each floor schedule (copies: the
