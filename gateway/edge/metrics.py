@@ -165,8 +165,9 @@ class AcceptanceCollector(Collector):
                                     "turns and its epochs since.",
                                     labels=labels + ["cap"])
         prior = GaugeMetricFamily(PREFIX + "load_cap_prior",
-                                  "The cap the workers' measured forward costs favour at this load "
-                                  "(gateway/policy/priors.py): where the load cap starts; trials move it from there.",
+                                  "The cap the workers' measured forward costs favour at this load, priced at the "
+                                  "pair's measured acceptance once known (gateway/policy/priors.py): where the load "
+                                  "cap starts; trials move it from there.",
                                   labels=labels)
         origin = GaugeMetricFamily(PREFIX + "load_cap_learned",
                                    "1 when a trial on this gateway decided the cap in force at this load, 0 while it "
