@@ -88,7 +88,7 @@ def test_a_level_on_the_prior_is_priced_again_at_the_pairs_acceptance():
     draft then measures 0.3, where the same costs favour plain decoding, and the level
     moves there at once, before any trial, still on the prior. A level a trial decided
     keeps what the trial said. (SmolLM2's draft, α ≈ 0.33, started at γ = 5 at 8 in flight
-    and lost for a minute of trials: docs/loadcap.md.)"""
+    and lost for about 40 s of trials: docs/loadcap.md.)"""
     from gateway.step.records import StepRecord
     from specd.steps import BatchStats
 

@@ -20,8 +20,8 @@ MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 # ...and under a cap of 0 (about two minutes at 8 in flight on SmolLM2 here). Why longer: a
 # trial of drafting after a stretch of plain decoding costs every session a catch-up prefill
 # on the draft, which on a CPU the verifier shares slows everyone. At 64, such trials every
-# half minute kept AUTO 4–8% behind plain decoding at a cap of 0; at 256 it ran level with
-# it. What trials are for, noticing that acceptance moved, the pair's acceptance now says
+# half minute kept AUTO at 0.96× plain decoding over three rounds at a cap of 0; at 256,
+# 0.99×. What trials are for, noticing that acceptance moved, the pair's acceptance now says
 # directly (`_reprice`), and brings the next trial forward.
 MAX_PLAIN_EXPLORE_INTERVAL = 256
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
@@ -257,7 +257,7 @@ class LoadCap:
     a noisy trial or two does not overturn it. The prior is priced first at `alpha`, a
     task's prior acceptance, and again at the pair's own as soon as its steps measure it
     (`_reprice`). Why: priced at 0.7, SmolLM2's distilled draft (α ≈ 0.33) started at γ = 5
-    at 8 in flight, where its trials then took a minute of losing to bring it to plain
+    at 8 in flight, where its trials then took about 40 s of losing to bring it to plain
     decoding, and AUTO ran at 0.85× of plain decoding over a 16-request run. Without a
     prior: a measured neighbouring level's cap, else the longest draft a request chose alone.
     Where other gateways of the target have learned more (`shared`, kept by the verifier:
