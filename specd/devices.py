@@ -33,3 +33,11 @@ def select_rows(tensor: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     if len(rows) == tensor.shape[0] and all(row == i for i, row in enumerate(rows)):
         return tensor
     return tensor.index_select(0, upload(rows, tensor.device))
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls run on `device` at least as fast as float32's: on an
+    accelerator, or on a CPU with oneDNN's bfloat16 kernels (AVX512-BF16 or AMX). A CPU
+    with AVX2 alone emulates them: a [256, 576] × [576, 1536] product took 391 ms against
+    4.7 ms in float32 on a 2-core AMD EPYC."""
+    return device.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

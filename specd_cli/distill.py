@@ -5,8 +5,8 @@ outputs rather than from generic text. This module trains it so, for any pair of
 share a tokenizer, in three stages, each checkpointed in a work folder so that an
 interrupted run resumes where it stopped:
 
-1. **Sample** continuations from the target (temperature 1, bf16 autocast unless
-   ``--fp32-sampling``) for prompts cut from the ``--data`` files, keeping the
+1. **Sample** continuations from the target (temperature 1, under bf16 autocast where
+   the CPU has bfloat16 kernels, unless ``--fp32-sampling``) for prompts cut from the ``--data`` files, keeping the
    target's top-k next-token probabilities at every position of every sequence.
 2. **Train** the draft to match those distributions (DistillSpec-style forward KL
    to the target's probabilities at every position of target-sampled sequences, or
@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from gateway.stats.costmodel import expected_tokens
+from specd.devices import bf16_is_fast
 from specd.worker import hub, sharing
 from specd.worker.sharing import SubsetHead
 from specd_cli.training import resume, save_atomic, train_for_budget
@@ -92,8 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-batch-size", type=int, default=64,
                         help="sequences sampled from the target at once (default 64)")
     parser.add_argument("--fp32-sampling", action="store_true",
-                        help="sample the target in fp32 (default: bf16 autocast, about 2x faster "
-                             "on a CPU with AMX; acceptance is always measured in fp32)")
+                        help="sample the target in fp32 (default: bf16 autocast where the CPU has "
+                             "bfloat16 kernels (AVX512-BF16, AMX): about 2x faster with AMX; fp32 elsewhere, "
+                             "where bf16 is emulated; acceptance is always measured in fp32)")
     parser.add_argument("--divergence", choices=DIVERGENCES, default="fkl",
                         help="what training minimises: fkl, forward KL to the target (default), or "
                              "tvd, total variation distance, i.e. 1 - acceptance")
@@ -371,7 +373,7 @@ def _sample_target(target, draw, eos_ids: list[int], args, path: Path) -> dict:
         prompts = draw(min(args.sample_batch_size, args.samples - have), rng)
         temperature = 0.0 if rng.random() < args.greedy_share else 1.0
         seq, ids, probs = _generate(target, torch.tensor(prompts), args.new_tokens, temperature, gen,
-                                    args.top_k, bf16=not args.fp32_sampling)
+                                    args.top_k, bf16=_bf16(args))
         samples["seqs"].append(seq)
         samples["top_ids"].append(ids)
         samples["top_probs"].append(probs)
@@ -392,7 +394,8 @@ def _sample_target(target, draw, eos_ids: list[int], args, path: Path) -> dict:
 
 def _train_draft(draft, samples: dict, budget: float, args, path: Path) -> dict:
     """Stage 2: train ``draft`` in place toward the sampled target distributions for
-    ``budget`` seconds (bf16 autocast, AdamW); checkpointed about once a minute.
+    ``budget`` seconds (AdamW, under bf16 autocast where the CPU has bfloat16 kernels);
+    checkpointed about once a minute.
     Returns the training state (elapsed seconds, steps, per-step KL)."""
     # Rows of the sampled batches, which may differ in length (chat prompts do): a training
     # batch pads its rows to the longest, the padding masked out.
@@ -435,7 +438,7 @@ def _train_draft(draft, samples: dict, budget: float, args, path: Path) -> dict:
         if len(order) < args.batch_size:
             order = torch.randperm(len(rows)).tolist()
         ids, top_ids, top_probs, mask = batch([rows[order.pop()] for _ in range(args.batch_size)])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_is_fast(torch.device("cpu"))):
             if subset:  # the scores over the draft's own vocabulary, not the whole one it pads to
                 logits = draft.lm_head.linear(draft.model(input_ids=ids).last_hidden_state)
             else:
@@ -597,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
         "questions": args.questions, "eval_questions": args.eval_questions, "greedy_share": args.greedy_share,
         "samples": sequences, "positions": positions, "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens, "top_k": args.top_k,
-        "sampling_dtype": "float32" if args.fp32_sampling else "bf16-autocast",
+        "sampling_dtype": "bf16-autocast" if _bf16(args) else "float32",
         "sampling_s": samples["elapsed"], "training_s": state["elapsed"],
         "steps": state["step"], "batch_size": args.batch_size, "lr": args.lr, "divergence": args.divergence,
         "kl_first": sum(kl[:10]) / max(len(kl[:10]), 1), "kl_last": sum(kl[-10:]) / max(len(kl[-10:]), 1),
@@ -610,6 +613,11 @@ def run(args: argparse.Namespace) -> int:
               f"tokens/step@{args.gamma} {b['tokens_per_step']:.2f} -> {a['tokens_per_step']:.2f}, "
               f"alpha {b['alpha']:.3f} -> {a['alpha']:.3f}")
     return 0
+
+
+def _bf16(args: argparse.Namespace) -> bool:
+    """Sample the target under bf16 autocast: asked (no --fp32-sampling) and fast here."""
+    return not args.fp32_sampling and bf16_is_fast(torch.device("cpu"))
 
 
 def _config_eos(model) -> list[int]:

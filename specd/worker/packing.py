@@ -24,6 +24,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from specd.devices import bf16_is_fast
+
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=nn.Module)
 
@@ -59,7 +61,7 @@ def _packable(module: nn.Module, min_weights: int) -> bool:
     if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.numel() < min_weights:
         return False
     dtype = module.weight.dtype
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_is_fast(module.weight.device))
 
 
 def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:

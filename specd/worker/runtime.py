@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specd.devices import bf16_is_fast
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.steps import ModelInfo
 from specd.worker import forwards, graphs, lean, memory, packing, rope, sharing, trials
@@ -181,6 +182,10 @@ class ModelRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(settings.device)
         self.dtype = DTYPES[settings.dtype]
+        if self.dtype == torch.bfloat16 and not bf16_is_fast(self.device):
+            log.warning("serving %s in bfloat16 on a CPU without bfloat16 kernels (AVX512-BF16 or AMX): "
+                        "its matmuls are emulated, tens of times slower than float32; --dtype float32 "
+                        "serves faster here", path)
 
         # The model's operators run on its one thread from loading on (see
         # `event_loop_single_threaded`).
