@@ -24,14 +24,14 @@ def _target() -> LlamaForCausalLM:
 
 def _draft(target: LlamaForCausalLM) -> FeatureDraft:
     draft = FeatureDraft(target, vocabulary=list(range(0, 97, 2))).eval()
-    with torch.no_grad():  # a fresh fc is random already; make the layer differ from the target's too
-        for parameter in draft.layer.parameters():
+    with torch.no_grad():  # a trained draft: its fc and layer moved from where they start
+        for parameter in [*draft.fc.parameters(), *draft.layer.parameters()]:
             parameter.add_(torch.randn_like(parameter) * 0.05)
     return draft
 
 
 @torch.no_grad()
-def test_depth_1_is_the_decoder_layer_run_causally():
+def test_depth_1_is_the_decoder_layer_run_causally_then_normed():
     target = _target()
     draft = _draft(target)
     ids = torch.randint(0, 97, (2, 11))
@@ -41,7 +41,7 @@ def test_depth_1_is_the_decoder_layer_run_causally():
     positions = torch.arange(1, 12).unsqueeze(0).expand(2, -1)
     causal = torch.full((11, 11), float("-inf")).triu(1)[None, None]
     theirs = draft.layer(hidden, position_embeddings=draft.rotary(hidden, positions), attention_mask=causal)
-    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    theirs = draft.norm(theirs[0] if isinstance(theirs, tuple) else theirs)
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
@@ -64,3 +64,14 @@ def test_every_depth_equals_drafting_one_proposal_at_a_time():
             fed.append(causal[0, -1])  # the next token reads this prediction
     # and the depths differ: a proposal's later tokens read predictions, not the target's features
     assert not torch.allclose(unrolled[0][0, 3:], unrolled[1][0, 3:])
+
+
+@torch.no_grad()
+def test_a_new_draft_predicts_the_feature_it_was_given():
+    """Where training starts: fc passes the feature on and the layer adds nothing, so the
+    first prediction is the target's own last distribution, on the right scale."""
+    target = _target()
+    draft = FeatureDraft(target, vocabulary=list(range(97)))
+    features = torch.randn(1, 6, 32)
+    (predicted,) = draft.unroll(torch.randint(0, 97, (1, 6)), features, 1)
+    torch.testing.assert_close(predicted, draft.norm(features))

@@ -95,6 +95,25 @@ log = logging.getLogger(__name__)
 
 # -- the app ----------------------------------------------------------------------------------
 
+# A refused body is read on and dropped, up to this many bytes, before the 413 goes out. A
+# server that answers and closes while the client is still sending resets the connection,
+# and the reset discards the answer in the client's socket: the client sees a broken pipe
+# or a reset, not the 413 (nginx reads on for the same reason, its lingering close). Past
+# this the connection is closed unread: a client sending more is not waited for.
+DRAIN_BYTES = 16 << 20
+
+
+async def _drain(request: Request, length: int, received: int) -> None:
+    """Read and drop the rest of a refused body (`received` bytes read so far, `length` its
+    announced size, 0 when unknown), unless it is over `DRAIN_BYTES`; nothing is kept."""
+    if length > DRAIN_BYTES:
+        return
+    async for piece in request.stream():
+        received += len(piece)
+        if received > DRAIN_BYTES:
+            return
+
+
 class OpenAIApp:
     """The routes, over one gateway core. keys/quota: the gateway's API keys and per-tenant
     share (None: no keys); chat_template: Jinja text overriding the tokenizer's;
@@ -182,11 +201,13 @@ class OpenAIApp:
         length = request.headers.get("content-length", "")
         too_large = HttpError(413, f"the body is over this gateway's limit of {self.max_body} bytes")
         if length.isdigit() and int(length) > self.max_body:
+            await _drain(request, int(length), 0)
             raise too_large
         body = bytearray()
         async for piece in request.stream():
             body += piece
             if len(body) > self.max_body:
+                await _drain(request, int(length) if length.isdigit() else 0, len(body))
                 raise too_large
         return await self.bodies.parse(bytes(body))
 

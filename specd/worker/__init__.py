@@ -24,4 +24,5 @@ imports none of it (tests/test_layering.py), since it runs no model.
     identity  which model a worker holds: a digest of its weights
     hub       where a model comes from: a directory, or a hub id resolved into the local cache
     sharing   a draft made from its target alone: the embedding it shares, read at load; its part of the vocabulary
+    featuredraft  a draft that reads the target's features (EAGLE's design), unrolled for training; not served yet
 """

@@ -11,7 +11,9 @@ target's.
 
 Its parts:
 - `fc`, which folds [embedding, feature] (2H wide) into H;
-- one decoder layer of the target's family, started from a copy of the target's last one;
+- one decoder layer of the target's family, started from a copy of the target's last one,
+  and a final norm, the target's copied: the features it predicts are normed, as the
+  target's are;
 - the target's embedding, shared and frozen, and an output layer over part of the
   vocabulary (`SubsetHead`), as the layer-copy draft has.
 
@@ -44,9 +46,21 @@ class FeatureDraft(nn.Module):
         width = config.hidden_size
         self.embedding = target.get_input_embeddings()  # shared, frozen
         self.embedding.weight.requires_grad_(False)
+        # It starts as "the next feature is this one": fc passes the feature through, and the
+        # layer (the target's last, copied) adds nothing until its two output projections
+        # learn to. A random fc fed the copied layer inputs of the wrong scale, and the head
+        # logits tens of nats off (a forward KL of 15 at the start).
         self.fc = nn.Linear(2 * width, width, bias=True)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, width:].copy_(torch.eye(width))
+            self.fc.bias.zero_()
         self.layer = copy.deepcopy(target.model.layers[-1])
         self.layer.self_attn.layer_idx = 0
+        with torch.no_grad():
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
+        self.norm = copy.deepcopy(target.model.norm)  # features are the target's normed states
         self.rotary = copy.deepcopy(target.model.rotary_emb)
         index = torch.tensor(vocabulary, dtype=torch.long)
         self.head = SubsetHead(self.embedding.weight.detach()[index], index, int(config.vocab_size))
@@ -94,7 +108,7 @@ class FeatureDraft(nn.Module):
             mixed = attention.o_proj(mixed.transpose(1, 2).reshape(batch, n, -1))
             hidden = hidden + mixed
             hidden = hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
-            outputs.append(hidden)
+            outputs.append(self.norm(hidden))
         return outputs
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
