@@ -35,6 +35,7 @@ from specd_cli.distill import (  # noqa: E402
     _load_causal_lm,
     _vocabulary,
     chat_prompts,
+    speculative_steps_by_depth,
 )
 from specd_cli.training import resume, save_atomic, train_for_budget  # noqa: E402
 
@@ -149,26 +150,12 @@ def measure(target, draft: FeatureDraft, prompts: list[list[int]], gamma: int, n
                     counted[depth - 1] += len(hits)
                     correct.append(hits.tolist())
             if not sampled:
-                steps += _steps(correct, gamma)
+                steps += speculative_steps_by_depth(correct, gamma)
                 emitted += seq.shape[1] - plen
     by_depth_match = (matched / counted).tolist()
     by_depth_alpha = (overlap / counted).tolist()
     return {"greedy_match_by_depth": by_depth_match, "alpha_by_depth": by_depth_alpha,
             "tokens_per_step": emitted / steps, "prompts": len(prompts), "new_tokens": new_tokens, "gamma": gamma}
-
-
-def _steps(correct: list[list[bool]], gamma: int) -> int:
-    """Verification steps to emit the continuation: a proposal starting at token s accepts
-    while depth k's prediction at s + k - 1 is right."""
-    n = len(correct[0])
-    i = steps = 0
-    while i < n:
-        k = 0
-        while k < gamma and i + k < n and correct[k][i + k]:
-            k += 1
-        i += k + 1
-        steps += 1
-    return steps
 
 
 def forward_ms(module, inputs: tuple, repeats: int = 200) -> float:

@@ -218,11 +218,19 @@ def speculative_steps(matches: list[bool], gamma: int) -> int:
     draft agrees, its proposals are exactly its greedy tokens on the target's own
     prefix, so this simulation equals running the decoder.
     """
+    return speculative_steps_by_depth([matches] * gamma, gamma)
+
+
+def speculative_steps_by_depth(matches: list[list[bool]], gamma: int) -> int:
+    """`speculative_steps` for a draft whose token depends on its place in a proposal (one
+    that reads its own earlier predictions): ``matches[k][i]`` is whether the (k+1)-th
+    token of a proposal is right at position i, so a proposal starting at s accepts while
+    ``matches[k][s + k]`` holds."""
     i = steps = 0
-    n = len(matches)
+    n = len(matches[0])
     while i < n:
         k = 0
-        while k < gamma and i + k < n and matches[i + k]:
+        while k < gamma and i + k < n and matches[k][i + k]:
             k += 1
         i += k + 1
         steps += 1

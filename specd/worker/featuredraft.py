@@ -40,7 +40,7 @@ class FeatureDraft(nn.Module):
 
     def __init__(self, target: Any, vocabulary: list[int]) -> None:
         """A new draft for `target` (a float32 Llama-family causal LM with tied embeddings):
-        its last decoder layer copied, a fresh `fc`, and its embedding and final norm shared."""
+        its embedding shared, its last decoder layer and final norm copied, and an `fc`."""
         super().__init__()
         config = target.config
         width = config.hidden_size
@@ -89,7 +89,7 @@ class FeatureDraft(nn.Module):
         fed = features
         for k in range(1, depth + 1):
             if k > 1:  # depth k at i reads depth k - 1's prediction at i - 1
-                fed = torch.cat([outputs[-1][:, :1] * 0, outputs[-1][:, :-1]], dim=1)
+                fed = torch.cat([torch.zeros_like(outputs[-1][:, :1]), outputs[-1][:, :-1]], dim=1)
             hidden = self._inputs(ids, fed)
             normed = self.layer.input_layernorm(hidden)
             shape = (batch, n, -1, attention.head_dim)
