@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from gateway.policy.floor import RequestFloor
 from gateway.policy.loadcap import LoadCap
 from gateway.request import Mode, ParsedRequest
-from gateway.stats.acceptance import AcceptanceStats
+from gateway.stats.acceptance import AcceptanceStats, DecayedAcceptance
 from gateway.stats.costmodel import StepCosts, best_draft_length
 from gateway.step.records import Bound, DraftLengthPolicy, StepRecord
 from gateway.tasks import TaskProfile
@@ -128,16 +128,14 @@ class CostPolicy:
         self.curve = curve
         self.probes = probes or ProbeSchedule(probe_every, probe_every)
         self._probing = False
-        self.decay = 1.0 - 1.0 / memory_steps
-        # Acceptance as an EMA of pseudo-counts: the task's prior is worth prior_weight tokens.
-        self.accepted = profile.prior_alpha * prior_weight
-        self.trials = prior_weight
+        # The task's prior is worth prior_weight draft tokens.
+        self.acceptance = DecayedAcceptance.from_prior(profile.prior_alpha, prior_weight, memory_steps)
         self.plain_steps = 0
 
     @property
     def alpha(self) -> float:
         """This request's current estimate of per-token acceptance."""
-        return self.accepted / self.trials
+        return self.acceptance.alpha
 
     def _shaped_curve(self, alpha: float) -> list[float] | None:
         """The measured per-position curve, rescaled to acceptance level α."""
@@ -168,8 +166,7 @@ class CostPolicy:
         estimate (the load cap and probes aside): drafted longer, the unused tokens cost
         draft time; shorter, γ could not grow after a rejection. 0 where the next step
         decodes plainly: the hop then only draws the recovered token."""
-        alpha = ((self.decay * self.accepted + accepted) / (self.decay * self.trials + accepted + 1))
-        gamma = self._best_length(alpha)
+        gamma = self._best_length(self.acceptance.after(accepted, rejected=True))
         return min(gamma, self._max_draft_length) if self.load_cap is not None else gamma
 
     def plain_steps_ahead(self, limit: int) -> int:
@@ -219,8 +216,7 @@ class CostPolicy:
         if self._probing:
             self.probes.record(failed=record.accepted == 0)
             self._probing = False
-        self.accepted = self.decay * self.accepted + record.accepted
-        self.trials = self.decay * self.trials + record.accepted + (0 if record.bonus else 1)
+        self.acceptance.observe(record.accepted, rejected=not record.bonus)
 
 
 class ConfidencePolicy:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.policy.priors import best_caps
+from gateway.stats.acceptance import DecayedAcceptance
 from gateway.stats.costmodel import load_bucket
 from gateway.step.records import StepRecord
 
@@ -31,32 +32,13 @@ TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks qui
 VERDICT_WEIGHT = 0.25
 VERDICT_CLIP = math.log(2.0)  # one trial says at most "twice as fast"
 PRIOR_TRIALS = 2  # the trials' worth of evidence a prior's predicted goodput ratios count for
-# The prior is priced again at the pair's measured acceptance (`_PairAcceptance`) once this
+# The prior is priced again at the pair's measured acceptance (`LoadCap.observe`) once this
 # many draft tokens' worth of evidence is in, and again whenever it moves this far.
 REPRICE_TRIALS = 64
 REPRICE_SHIFT = 0.05
 ACCEPTANCE_DECAY = 1.0 - 1.0 / 256  # the pair's acceptance forgets over about this many draft steps
 
 Pricing = Callable[[float], dict[int, list[float]]]  # acceptance -> load bucket -> goodput of each γ from 0
-
-
-@dataclass
-class _PairAcceptance:
-    """The pair's draft acceptance over its recent steps at every load: accepted draft tokens
-    over accepted tokens and rejections, the estimate the cost policy keeps per request.
-    The load does not change what a draft proposes or the target accepts, so every step
-    counts, those taken alone included."""
-
-    accepted: float = 0.0
-    trials: float = 0.0
-
-    def add(self, record: StepRecord) -> None:
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + record.accepted
-        self.trials = ACCEPTANCE_DECAY * self.trials + record.accepted + (0 if record.bonus else 1)
-
-    def alpha(self) -> float | None:
-        """The estimate, once there is enough evidence for one."""
-        return self.accepted / self.trials if self.trials >= REPRICE_TRIALS else None
 
 
 @dataclass
@@ -271,7 +253,9 @@ class LoadCap:
         self.max_draft_length = max_draft_length
         self.price = price
         self.priced_alpha = alpha  # the acceptance the prior is priced at
-        self._acceptance = _PairAcceptance()
+        # The pair's acceptance over its recent steps at every load, those taken alone
+        # included: the load changes neither what the draft proposes nor what the target accepts.
+        self._acceptance = DecayedAcceptance(ACCEPTANCE_DECAY)
         self.prior = price(alpha) if price else None
         # What the other gateways of the target learned, by load (`adopt`): where a level
         # starts when it holds more evidence than the prior.
@@ -464,10 +448,10 @@ class LoadCap:
         counts at the load `cap` reads, so its goodput is credited to the level that chose it."""
         self.load = record.load
         if record.draft_model_tokens and self.price is not None:
-            self._acceptance.add(record)
-            alpha = self._acceptance.alpha()
-            if alpha is not None and abs(alpha - self.priced_alpha) >= REPRICE_SHIFT:
-                self._reprice(alpha)
+            self._acceptance.observe(record.accepted, rejected=not record.bonus)
+            if (self._acceptance.trials >= REPRICE_TRIALS
+                    and abs(self._acceptance.alpha - self.priced_alpha) >= REPRICE_SHIFT):
+                self._reprice(self._acceptance.alpha)
         load = self._current_load()
         # Quiet: a round of steps since a prompt last rode in the forwards (`_Goodput`). The
         # other sessions' steps that shared a prompt's last forward come back around its

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from gateway.proposers.base import Proposal, Proposer, StepContext
+from gateway.stats.acceptance import DecayedAcceptance
 from gateway.stats.costmodel import CostEstimate, StepCosts, expected_tokens
 from specd.contract import PROMPT_LOOKUP
 
@@ -53,24 +54,6 @@ class ModelFreeProposer(Proposer, Protocol):
         ...
 
 
-class _Acceptance:
-    """A proposer's α in one request (accepted ÷ positions reached): an EMA of pseudo-counts
-    from a prior."""
-
-    def __init__(self, prior: float) -> None:
-        self.accepted, self.trials = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
-        self.decay = 1.0 - 1.0 / MEMORY_STEPS
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials
-
-    def observe(self, accepted: int, proposed: int) -> None:
-        rejected = 0 if accepted == proposed else 1
-        self.accepted = self.decay * self.accepted + accepted
-        self.trials = self.decay * self.trials + accepted + rejected
-
-
 class HybridChoice:
     """One request's model-free proposers and the choice between their matches and the model draft.
 
@@ -92,7 +75,9 @@ class HybridChoice:
         self.proposer_costs = proposer_costs
         self.model_alpha = model_alpha
         self.fixed = fixed
-        self._acceptance = {p.name: _Acceptance(PRIORS.get(p.name, DEFAULT_PRIOR)) for p in self.proposers}
+        self._acceptance = {
+            p.name: DecayedAcceptance.from_prior(PRIORS.get(p.name, DEFAULT_PRIOR), PRIOR_WEIGHT, MEMORY_STEPS)
+            for p in self.proposers}
         self.timed = timed
         self._since_paid = 0  # steps since a model-free proposal last had a token accepted
 
@@ -107,7 +92,7 @@ class HybridChoice:
         acceptance = self._acceptance.get(proposer)
         self._since_paid = 0 if acceptance is not None and accepted > 0 else self._since_paid + 1
         if acceptance is not None and proposed:
-            acceptance.observe(accepted, proposed)
+            acceptance.observe(accepted, rejected=accepted < proposed)
 
     @property
     def quiet(self) -> bool:

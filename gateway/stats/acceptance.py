@@ -146,6 +146,36 @@ def _add_sums(sums: dict[tuple[str, str, str], list[int]], labels: Labels, draft
     row[2] += sign * accepted
 
 
+@dataclass
+class DecayedAcceptance:
+    """A draft's recent acceptance α: accepted draft tokens over accepted tokens and
+    rejections (each step's first rejected position was reached too), both forgetting by
+    `decay` a step, from pseudo-counts worth a prior. The one estimator a request's γ
+    policy, its model-free proposers' choice and the load cap each keep their own of."""
+
+    decay: float
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    @classmethod
+    def from_prior(cls, alpha: float, weight: float, memory_steps: int) -> DecayedAcceptance:
+        """Starting at `alpha` as if from `weight` draft tokens; a step weighs
+        1/`memory_steps` less with every step after it."""
+        return cls(1.0 - 1.0 / memory_steps, alpha * weight, weight)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + rejected
+
+    def after(self, accepted: int, rejected: bool) -> float:
+        """α as it would be after observing a step, the estimate itself unmoved."""
+        return (self.decay * self.accepted + accepted) / (self.decay * self.trials + accepted + rejected)
+
+
 class AcceptanceStats:
     """Lifetime and windowed acceptance counters by label set, and drift sums by segment.
 
