@@ -3,6 +3,7 @@ real gateway (uvicorn in the gateway's event loop) over real workers on loopback
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -247,6 +248,52 @@ def test_an_oversized_body_is_413_and_bad_json_400(http_stack):
     assert status == 413 and "limit" in body["error"]["message"]
     status, body = post(url, b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def _refused_upload(port: int, announced: int, first: int) -> socket.socket:
+    """A raw connection that announces a body of `announced` bytes and sends `first` of them."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {announced}\r\n\r\n".encode() + b"x" * first)
+    return conn
+
+
+def _status(conn: socket.socket) -> int:
+    reply = b""
+    while b"\r\n" not in reply:
+        piece = conn.recv(4096)
+        assert piece, f"closed before a status line: {reply!r}"
+        reply += piece
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_a_refused_body_sent_whole_gets_its_413(http_stack):
+    """A client that sends all of a too-large body before reading gets the 413, not a reset:
+    the gateway reads the body on and drops it (up to `DRAIN_BYTES`). Answered and closed
+    mid-upload, the client's sends fail and the reset discards the answer."""
+    size = 8 << 20  # past the 1 MiB limit and any socket buffer, within DRAIN_BYTES
+    conn = _refused_upload(http_stack.gateway.servicer.http.port, size, size)
+    with conn:
+        assert _status(conn) == 413
+
+
+def test_a_body_announced_past_the_drain_bound_is_refused_unread(http_stack):
+    """A body announced over `DRAIN_BYTES` is answered at once and the connection closed:
+    the rest is never read, so a client cannot make the gateway take in 64 MiB (or hold a
+    connection open while it sends them). The gateway serves on."""
+    from gateway.edge.http import DRAIN_BYTES
+
+    announced = 4 * DRAIN_BYTES
+    conn = _refused_upload(http_stack.gateway.servicer.http.port, announced, 1 << 20)
+    with conn:
+        assert _status(conn) == 413  # after 1 MiB of 64: the rest was not waited for
+        sent = 1 << 20
+        with pytest.raises(OSError):  # a broken pipe or a reset, once the close arrives
+            while sent < announced:
+                sent += conn.send(b"x" * (1 << 20))
+        assert sent < announced
+    with urllib.request.urlopen(base_url(http_stack).removesuffix("/v1") + "/health", timeout=30) as health:
+        assert health.status == 200
 
 
 @pytest.mark.parametrize("field,value,message", [

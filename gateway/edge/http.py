@@ -99,19 +99,27 @@ log = logging.getLogger(__name__)
 # server that answers and closes while the client is still sending resets the connection,
 # and the reset discards the answer in the client's socket: the client sees a broken pipe
 # or a reset, not the 413 (nginx reads on for the same reason, its lingering close). Past
-# this the connection is closed unread: a client sending more is not waited for.
+# this the 413 goes out at once and closes the connection: uvicorn would otherwise keep it
+# open after the answer, reading and dropping whatever the client goes on sending.
 DRAIN_BYTES = 16 << 20
 
 
-async def _drain(request: Request, length: int, received: int) -> None:
+async def _drain(request: Request, length: int, received: int) -> bool:
     """Read and drop the rest of a refused body (`received` bytes read so far, `length` its
-    announced size, 0 when unknown), unless it is over `DRAIN_BYTES`; nothing is kept."""
+    announced size, 0 when unknown), unless it is over `DRAIN_BYTES`; nothing is kept.
+    Whether the body was read to its end."""
     if length > DRAIN_BYTES:
-        return
+        return False
     async for piece in request.stream():
         received += len(piece)
         if received > DRAIN_BYTES:
-            return
+            return False
+    return True
+
+
+def _too_large(message: str, drained: bool) -> HttpError:
+    """The 413 of a refused body: closing the connection unless the body was read to its end."""
+    return HttpError(413, message, headers=None if drained else {"Connection": "close"})
 
 
 class OpenAIApp:
@@ -199,16 +207,14 @@ class OpenAIApp:
         """The JSON object of the body, read up to --max-request-bytes (413 past it), parsed
         and checked off the event loop (`gateway.edge.bodies`)."""
         length = request.headers.get("content-length", "")
-        too_large = HttpError(413, f"the body is over this gateway's limit of {self.max_body} bytes")
+        message = f"the body is over this gateway's limit of {self.max_body} bytes"
         if length.isdigit() and int(length) > self.max_body:
-            await _drain(request, int(length), 0)
-            raise too_large
+            raise _too_large(message, await _drain(request, int(length), 0))
         body = bytearray()
         async for piece in request.stream():
             body += piece
             if len(body) > self.max_body:
-                await _drain(request, int(length) if length.isdigit() else 0, len(body))
-                raise too_large
+                raise _too_large(message, await _drain(request, int(length) if length.isdigit() else 0, len(body)))
         return await self.bodies.parse(bytes(body))
 
     def _check_model(self, body: dict[str, Any]) -> None:
