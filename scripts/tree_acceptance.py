@@ -24,22 +24,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specd.worker import hub, sharing  # noqa: E402
-from specd_cli.distill import _generate, _load_causal_lm, chat_prompts  # noqa: E402
+from specd_cli.distill import (  # noqa: E402
+    _generate,
+    _load_causal_lm,
+    chat_prompts,
+    speculative_steps_by_depth,
+)
 
 SHAPES = ([1], [1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1, 1], [2, 1, 1, 1], [3, 1, 1], [4, 1, 1],
           [2, 2, 1], [2, 2, 2], [4, 2, 1], [8, 1, 1])
 
 
 def steps(ranks: list[int], widths: list[int]) -> int:
-    """Greedy speculative steps to emit `len(ranks)` tokens with trees of `widths`."""
-    i = taken = 0
-    while i < len(ranks):
-        depth = 0
-        while depth < len(widths) and i + depth < len(ranks) and ranks[i + depth] < widths[depth]:
-            depth += 1
-        i += depth + 1
-        taken += 1
-    return taken
+    """Greedy speculative steps to emit `len(ranks)` tokens with trees of `widths`: the
+    proposal's token at depth d is right where the target's ranks below `widths[d]`."""
+    return speculative_steps_by_depth([[rank < width for rank in ranks] for width in widths], len(widths))
 
 
 def nodes(widths: list[int]) -> int:
