@@ -65,7 +65,7 @@ class Model:
             torch.set_num_threads(threads)
         # packed_model packs a CPU's layers only.
         self.model = packing.packed_model(
-            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval())
+            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval(), lean.joinable)
         config = self.model.config
         shape = trials.kv_shape(self.model, self.device)
         use_paged_attention(self.model)

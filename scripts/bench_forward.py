@@ -70,7 +70,7 @@ def main() -> None:
     references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
     use_paged_attention(model)
     if args.cpu_linear == "onednn":
-        packing.pack_linears(model)
+        packing.pack_linears(model, groups=lean.joinable(model))
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end,
     # and 4 for the lean forward's trial at install.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,

@@ -55,7 +55,7 @@ def main() -> None:
     with torch.inference_mode():
         for fan_in, fan_out in shapes:
             linear = nn.Linear(fan_in, fan_out, bias=False)
-            packed = PackedLinear(linear)
+            packed = PackedLinear.of(linear)
             cells = []
             for rows in ROWS:
                 hidden = torch.randn(1, rows, fan_in)

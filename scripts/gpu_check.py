@@ -304,7 +304,7 @@ class Loaded:
         before = torch.cuda.memory_allocated(device) if cuda else 0
         began = time.perf_counter()
         self.model = packing.packed_model(
-            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval())
+            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), lean.joinable)
         self.weights = (torch.cuda.memory_allocated(device) - before) if cuda else packing.weight_bytes(self.model)
         self.shape = trials.kv_shape(self.model, device)
         use_paged_attention(self.model)

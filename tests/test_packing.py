@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.sampling import Transform
-from specd.worker import packing
+from specd.worker import lean, packing
 from specd.worker.runtime import ModelRunner
 from specd.worker.settings import ModelSettings
 from verifier_service.scorer import Scorer
@@ -34,7 +34,7 @@ def test_packed_linear_computes_what_linear_does(dtype, bias):
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     if bias:  # transformers starts biases at zero; a packed layer must add a trained one
         nn.init.normal_(linear.bias)
-    packed = packing.PackedLinear(linear)
+    packed = packing.PackedLinear.of(linear)
     inputs = [torch.randn(1, 1, 96), torch.randn(1, 5, 96), torch.randn(7, 96), torch.randn(5, 3, 96).transpose(0, 1)]
     with torch.inference_mode():
         for hidden in inputs:
@@ -62,6 +62,41 @@ def test_only_large_cpu_layers_in_packed_dtypes_are_replaced():
     # A layer two parents share is packed once, and both hold that one.
     assert model["first"][0] is model["second"][0] and isinstance(model["first"][0], packing.PackedLinear)
     # The weights held are what was loaded, packed or not, a shared layer's once.
+    assert packing.weight_bytes(model) == loaded_bytes
+
+
+def test_sibling_layers_packed_as_one_product_give_each_its_own_columns():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "q": nn.Linear(512, 1024), "k": nn.Linear(512, 128), "v": nn.Linear(512, 128),
+        "gate": nn.Linear(512, 1024, bias=False), "up": nn.Linear(512, 1024, bias=False),
+        "odd": nn.Linear(512, 1024, bias=False), "wider": nn.Linear(1024, 1024, bias=False),  # another input
+        "alone": nn.Linear(512, 1024, bias=False),
+        "tiny": nn.Linear(64, 64), "tinier": nn.Linear(64, 32),  # joined, still under the threshold
+    }).eval()
+    for name in ("q", "k", "v"):  # trained biases, which the product must add in the right columns
+        nn.init.normal_(model[name].bias)
+    inputs = {name: torch.randn(3, layer.in_features) for name, layer in model.items()}
+    inputs.update({name: inputs["q"] for name in ("k", "v", "gate", "up", "odd", "alone")})
+    with torch.inference_mode():
+        expected = {name: layer(inputs[name]) for name, layer in model.items()}
+    loaded_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    groups = [("q", "k", "v"), ("gate", "up"), ("odd", "wider"), ("tiny", "tinier")]
+    # q, k, v and gate, up joined; odd and wider (different inputs) and alone each packed apart.
+    assert packing.pack_linears(model, groups=groups) == 8
+    assert all(type(model[name]) is packing.PackedSlice for name in ("q", "k", "v", "gate", "up"))
+    assert model["q"].product is model["v"].product and model["gate"].product is model["up"].product
+    assert (model["k"].start, model["k"].stop) == (1024, 1152) and model["q"].product.out_features == 1280
+    assert all(type(model[name]) is packing.PackedLinear for name in ("odd", "wider", "alone"))
+    assert type(model["tiny"]) is nn.Linear and type(model["tinier"]) is nn.Linear
+    assert not any(m.training for m in model.modules())
+    with torch.inference_mode():
+        for name, layer in model.items():
+            got = layer(inputs[name])
+            scale = expected[name].abs().max().item()
+            assert got.shape == expected[name].shape
+            assert (got - expected[name]).abs().max().item() <= TOLERANCE[torch.float32] * scale, name
+    # A joined product holds the weights that were loaded, once.
     assert packing.weight_bytes(model) == loaded_bytes
 
 
@@ -99,12 +134,16 @@ def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_
     plain = ModelRunner(DEMO_TARGET, ModelSettings(max_sessions=2, cpu_linear="torch"))
     draft = ModelRunner(DEMO_DRAFT, ModelSettings(max_sessions=2))
 
-    def packed(runner: ModelRunner) -> int:
-        return sum(isinstance(m, packing.PackedLinear) for m in runner.model.modules())
+    def packed(runner: ModelRunner, kind: type = packing.PackedLinear) -> int:
+        return sum(isinstance(m, kind) for m in runner.model.modules())
 
-    # The target: 4 layers × 7 projections and the tied output layer. The draft: only its
-    # output layer (4,096 × 256); its 256-wide layers stay.
-    assert packed(target) == 29 and packed(plain) == 0 and packed(draft) == 1
+    # The target: in each of its 4 layers q, k and v as one product, gate and up as one, o and
+    # down; and the tied output layer. The draft: only its output layer (4,096 × 256); its
+    # 256-wide layers stay.
+    assert packed(target) == 4 * 4 + 1 and packed(target, packing.PackedSlice) == 4 * 5
+    assert packed(plain) == 0 and packed(draft) == 1
+    assert lean.decoder_of(target.model) is not None
+    assert all(len(layer.project) == 1 for layer in lean.decoder_of(target.model).layers)
     # The weights packed are the ones loaded: the tied output layer computes the same logits.
     ids = torch.tensor([[5, 17, 23, 42, 8, 99, 3]])
     with torch.inference_mode():

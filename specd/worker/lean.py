@@ -58,10 +58,11 @@ from specd.worker import forwards, trials
 from specd.worker.attention import paged_attention
 from specd.worker.kvstore import KVPool
 from specd.worker.layout import BatchInputs
-from specd.worker.packing import PackedLinear
+from specd.worker.packing import PackedLinear, PackedSlice
 from specd.worker.sharing import SubsetHead
 
-_LINEARS = (nn.Linear, PackedLinear, SubsetHead)  # an output layer over part of the vocabulary too
+# A layer packed with its siblings too; an output layer over part of the vocabulary too.
+_LINEARS = (nn.Linear, PackedLinear, PackedSlice, SubsetHead)
 
 
 def _config_window(attention: Any) -> int | None:
@@ -206,16 +207,54 @@ def _linear(module: Any) -> Step:
     return module.forward
 
 
+def _joined(*layers: Any) -> Step | None:
+    """The one product `layers` are consecutive columns of, in order, from the first
+    (`packing.pack_linears`' groups); None where they are not."""
+    if not all(type(layer) is PackedSlice for layer in layers):
+        return None
+    product = layers[0].product
+    bounds = [0] + [layer.stop for layer in layers]
+    if any(layer.product is not product or layer.start != start for layer, start in zip(layers, bounds)) \
+            or bounds[-1] != product.out_features:
+        return None
+    return product.forward
+
+
+def joinable(model: nn.Module) -> list[tuple[str, ...]]:
+    """The sibling layers of `model` the lean forward computes as one product when they are
+    packed as one (`packing.pack_linears`' groups): each layer's q, k and v projections, and
+    a gated MLP's gate and up projections. None for a model the lean forward does not mirror:
+    its own forward would compute each such product once per sibling."""
+    if _unmirrored(model) is not None:
+        return []
+    family = _FAMILIES[type(model)]
+    mirrored: Any = model  # transformers' modules are untyped to mypy here (pyproject.toml)
+    groups: list[tuple[str, ...]] = []
+    for index, layer in enumerate(mirrored.model.layers[: mirrored.config.num_hidden_layers]):
+        prefix = f"model.layers.{index}."
+        if not family.fused:
+            groups.append(tuple(f"{prefix}self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")))
+        if _same_code(type(layer.mlp).forward, llama.LlamaMLP.forward):
+            groups.append((f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj"))
+    return groups
+
+
 def _mlp(mlp: Any) -> Step:
     """`mlp`'s forward; where that is Llama's gated MLP, the same products with its
-    submodules' forwards looked up once and the gate times the up projection in place."""
+    submodules' forwards looked up once (the gate's and the up projection's as one, where
+    they are packed as one) and the gate times the up projection in place."""
     if not _same_code(type(mlp).forward, llama.LlamaMLP.forward):
         return mlp.forward
     gate, up, down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
     act = mlp.act_fn.forward if isinstance(mlp.act_fn, nn.Module) else mlp.act_fn
+    both, inner = _joined(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features
 
     def gated(hidden: torch.Tensor) -> torch.Tensor:
-        activated, upward = act(gate(hidden)), up(hidden)
+        if both is not None:
+            product = both(hidden)
+            activated, upward = act(product[..., :inner]), product[..., inner:]
+        else:
+            activated, upward = act(gate(hidden)), up(hidden)
         # In place only where that keeps the product's dtype (an in-place product casts to its left side's).
         return down(activated.mul_(upward) if activated.dtype == upward.dtype else activated * upward)
 
@@ -263,7 +302,7 @@ class _Layer:
     family has none there): before attention, on its output, before the MLP, on its output."""
 
     attention: Any
-    project: tuple[Step, ...]  # q, k, v; or Phi-3's one fused projection
+    project: tuple[Step, ...]  # q, k, v; or one product of all three (Phi-3's, or packed so)
     output: Step
     q_norm: Step | None
     k_norm: Step | None
@@ -279,9 +318,11 @@ def _layer(layer: Any, family: _Family) -> _Layer:
     """`layer`'s parts, by its family's placement of norms and kind of projection."""
     attention = layer.self_attn
     names = ("qkv_proj",) if family.fused else ("q_proj", "k_proj", "v_proj")
+    project = tuple(_linear(getattr(attention, name)) for name in names)
+    joined = _joined(*(getattr(attention, name) for name in names))
     before_attention, after_attention, before_mlp, after_mlp = (
         None if name is None else _norm(getattr(layer, name)) for name in _SUBLAYER_NORMS[family.placement])
-    return _Layer(attention=attention, project=tuple(_linear(getattr(attention, name)) for name in names),
+    return _Layer(attention=attention, project=project if joined is None else (joined,),
                   output=_linear(attention.o_proj),
                   q_norm=_norm(attention.q_norm) if family.qk_norms else None,
                   k_norm=_norm(attention.k_norm) if family.qk_norms else None,
@@ -317,17 +358,17 @@ class LeanDecoder:
                  heads: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [B, T, heads, D], as the family's attention makes them."""
         family, attention = self.family, layer.attention
-        if family.fused:
+        if len(layer.project) == 1:  # one product, cut into q, k and v
             qkv = layer.project[0](normed)
             queries = attention.config.num_attention_heads * attention.head_dim
-            keys = queries + attention.num_key_value_heads * attention.head_dim
-            return qkv[..., :queries].view(heads), qkv[..., queries:keys].view(heads), qkv[..., keys:].view(heads)
-        project_query, project_key, project_value = layer.project
-        value = project_value(normed).view(heads)
+            keys = queries + (qkv.shape[-1] - queries) // 2  # as many values as keys
+            query, key, value = qkv[..., :queries], qkv[..., queries:keys], qkv[..., keys:]
+        else:
+            project_query, project_key, project_value = layer.project
+            query, key, value = project_query(normed), project_key(normed), project_value(normed)
         if family.qk_norms == "whole":
-            return (layer.q_norm(project_query(normed)).view(heads),  # type: ignore[misc]  # set for this family
-                    layer.k_norm(project_key(normed)).view(heads), value)  # type: ignore[misc]
-        query, key = project_query(normed).view(heads), project_key(normed).view(heads)
+            query, key = layer.q_norm(query), layer.k_norm(key)  # type: ignore[misc]  # set for this family
+        query, key, value = query.view(heads), key.view(heads), value.view(heads)
         if family.qk_norms == "heads":
             query, key = layer.q_norm(query), layer.k_norm(key)  # type: ignore[misc]
         return query, key, value

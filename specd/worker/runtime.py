@@ -213,8 +213,10 @@ class ModelRunner:
         batching, max_sessions = self.settings.batching, self.settings.max_sessions
         fraction = batching.gpu_memory_fraction  # only on a CUDA device (checked in __init__)
         allocated_before = torch.cuda.memory_allocated(self.device) if fraction else 0
-        # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is).
-        self.model = packing.packed_model(load) if self.settings.cpu_linear == "onednn" else load()
+        # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is); for
+        # the lean forward, sibling projections packed as one product.
+        joined = lean.joinable if self.settings.forward == "lean" else None
+        self.model = packing.packed_model(load, joined) if self.settings.cpu_linear == "onednn" else load()
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,
