@@ -223,7 +223,7 @@ def _joined(*layers: Any) -> Step | None:
 def joinable(model: nn.Module) -> list[tuple[str, ...]]:
     """The sibling layers of `model` the lean forward computes as one product when they are
     packed as one (`packing.pack_linears`' groups): each layer's q, k and v projections, and
-    a gated MLP's gate and up projections. None for a model the lean forward does not mirror:
+    a gated MLP's gate and up projections. No group for a model the lean forward does not mirror:
     its own forward would compute each such product once per sibling."""
     if _unmirrored(model) is not None:
         return []

@@ -116,23 +116,7 @@ def pack_linears(model: nn.Module, min_weights: int | None = None,
     if not torch.backends.mkldnn.is_available():
         return 0
     least = MIN_WEIGHTS if min_weights is None else min_weights
-    replaced = 0
-    for group in groups:
-        linears = [module for module in map(model.get_submodule, group)
-                   if isinstance(module, nn.Linear) and _packable(module, 0)]
-        if len(linears) != len(group) \
-                or len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) != 1 \
-                or sum(linear.weight.numel() for linear in linears) < least:
-            continue
-        product = PackedLinear.joined(linears)
-        start = 0
-        for name, linear in zip(group, linears):
-            parent_name, _, attribute = name.rpartition(".")
-            stop = start + linear.out_features
-            setattr(model.get_submodule(parent_name), attribute, PackedSlice(product, start, stop))
-            start = stop
-        replaced += len(group)
-        del linears
+    replaced = sum(_pack_group(model, group, least) for group in groups)
     # Names, not modules: holding the layers here would hold every old weight to the end.
     names = [name for name, module in model.named_modules(remove_duplicate=False) if _packable(module, least)]
     packed: dict[int, PackedLinear] = {}  # a layer shared by two parents is packed once
@@ -145,6 +129,25 @@ def pack_linears(model: nn.Module, min_weights: int | None = None,
         setattr(parent, attribute, packed[id(linear)])
         del linear
     return replaced + len(names)
+
+
+def _pack_group(model: nn.Module, group: Sequence[str], least: int) -> int:
+    """Pack the layers named by `group` as one product, each replaced by its `PackedSlice`,
+    where `pack_linears` admits them; how many were replaced."""
+    linears = [module for module in map(model.get_submodule, group)
+               if isinstance(module, nn.Linear) and _packable(module, 0)]
+    if len(linears) != len(group) \
+            or len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) != 1 \
+            or sum(linear.weight.numel() for linear in linears) < least:
+        return 0
+    product = PackedLinear.joined(linears)
+    start = 0
+    for name, linear in zip(group, linears):
+        parent_name, _, attribute = name.rpartition(".")
+        stop = start + linear.out_features
+        setattr(model.get_submodule(parent_name), attribute, PackedSlice(product, start, stop))
+        start = stop
+    return len(group)
 
 
 def packed_model(load: Callable[[], Model],
