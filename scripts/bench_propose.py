@@ -1,12 +1,14 @@
 """What the worker's scheduler and the model thread's hand-offs add to a draft's γ-token
 proposal, beside the proposal's own forwards.
 
-    python scripts/bench_propose.py [--model models/demo/draft-distilled] [--gamma 4] [--threads 1]
+    python scripts/bench_propose.py [--model models/demo/draft-distilled] [--draft-base TARGET] [--gamma 4]
+        [--threads 1]
 
-One session, greedy. Each round feeds 4 committed tokens and proposes γ (`Drafter.propose`,
-as the draft service does). Each proposal is split in two: its forwards, as the scheduler
-timed them (`Proposal.forward_ms`), and the rest of its time in `propose` (bookkeeping,
-the queue, the hand-offs to the model's thread and back, sampling after each forward).
+One session, greedy. Each round commits up to 3 of the last proposal's tokens and one of its
+own, and proposes γ (`Drafter.propose`, as the draft service does). Each proposal is split
+in two: its forwards, as the scheduler timed them (`Proposal.forward_ms`), and the rest of
+its time in `propose` (bookkeeping, the queue, the hand-offs to the model's thread and back,
+sampling after each forward).
 Prints the median ms of the whole, of the forwards and of the rest; docs/performance.md
 keeps the figures.
 
@@ -27,22 +29,24 @@ from draft_service.drafter import Drafter
 from specd.config import DEMO_DRAFT
 from specd.sampling import Transform
 from specd.steps import DraftRequest
+from specd.worker import hub
 
 PROMPT = list(range(5, 60))
 
 
 async def proposals(drafter: Drafter, gamma: int, rounds: int) -> list[tuple[float, float]]:
     """(ms in `propose`, ms of its forwards) per proposal of `gamma` tokens, the session
-    growing by 4 committed tokens a round. Unranked, as the draft service runs an untraced
+    growing by up to 4 committed tokens a round. Unranked, as the draft service runs an untraced
     greedy step."""
     request = DraftRequest(gamma, Transform())
     proposal = await drafter.propose("s", 0, PROMPT, request, ranked=False)
     position, times = len(PROMPT), []
     for _ in range(rounds):
         began = time.perf_counter()
-        proposal = await drafter.propose("s", position, [*proposal.tokens[:3], 7][:4], request, ranked=False)
+        committed = [*proposal.tokens[:3], 7]
+        proposal = await drafter.propose("s", position, committed, request, ranked=False)
         times.append(((time.perf_counter() - began) * 1e3, proposal.forward_ms))
-        position += 4
+        position += len(committed)
         if position > 400:  # start over before the context grows far
             position = len(PROMPT)
             proposal = await drafter.propose("s", 0, PROMPT, request, ranked=False)
@@ -55,9 +59,11 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a draft worker on a CPU takes 1)")
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--draft-base", default=None,
+                        help="the target a draft made by `specd distill` from the target alone shares weights with")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    drafter = Drafter(args.model)
+    drafter = Drafter(args.model, draft_base=hub.resolve(args.draft_base) if args.draft_base else None)
     times = asyncio.run(proposals(drafter, args.gamma, args.rounds))[20:]  # past the first rounds' warm-up
     asyncio.run(drafter.runner.close())
     whole = statistics.median(total for total, _ in times)
