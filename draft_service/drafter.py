@@ -90,16 +90,20 @@ class Drafter:
 
     def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
                  pre_draft_branches: str = "3", kept_rows_bytes: int = 512 << 20,
-                 grammar_mask_budget_ms: float = 20.0, draft_base: Path | None = None) -> None:
+                 grammar_mask_budget_ms: float = 20.0, draft_base: Path | None = None,
+                 cpu_weights: str = "float16") -> None:
         """pre_draft_branches: which verdicts to pre-draft for (`draft_service.predraft`);
         kept_rows_bytes: the kept q rows' budget, all sessions together (`KeptRowsStore`).
         The rows live on the model's device beside its KV pool, so the runner sizes the
         pool leaving room for them. grammar_mask_budget_ms: a session's grammar cursor whose
         mask takes longer stops guiding its proposals (`draft_service.grammar`). draft_base:
         the target a draft made by `specd distill` from the target alone reads its shared
-        weights from (`specd.worker.sharing`)."""
+        weights from (`specd.worker.sharing`). cpu_weights: "float16", a draft's large
+        linear layers on a CPU hold float16 weights (`specd.worker.packing`), or
+        "as-loaded"."""
         self.runner = ModelRunner(path, settings, name=name, kept_rows_bytes=kept_rows_bytes,
-                                  draft_base=draft_base, on_session_gone=self._forget)
+                                  draft_base=draft_base, float16_linears=cpu_weights == "float16",
+                                  on_session_gone=self._forget)
         info = self.runner.info
         self.kept_rows = KeptRowsStore(kept_rows_bytes)
         self.pre_drafts = PreDrafts(self.runner.scheduler.submit, pre_draft_branches)

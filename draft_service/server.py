@@ -133,7 +133,8 @@ async def create_server(settings: DraftSettings) -> RunningServer:
             model.batching, gpu_memory_fraction=model.batching.gpu_memory_fraction / len(settings.drafts)))
     drafters = {name: Drafter(path, model, name=name, pre_draft_branches=settings.pre_draft_branches,
                               kept_rows_bytes=settings.kept_rows_mib << 20,
-                              grammar_mask_budget_ms=settings.grammar_mask_budget_ms, draft_base=settings.draft_base)
+                              grammar_mask_budget_ms=settings.grammar_mask_budget_ms, draft_base=settings.draft_base,
+                              cpu_weights=settings.cpu_weights)
                 for name, path in settings.drafts.items()}
     servicer = DraftServicer(drafters)
     stop_metrics = start_worker_metrics(drafters, "draft", settings.metrics_host, settings.metrics_port)

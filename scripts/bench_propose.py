@@ -2,7 +2,7 @@
 proposal, beside the proposal's own forwards.
 
     python scripts/bench_propose.py [--model models/demo/draft-distilled] [--draft-base TARGET] [--gamma 4]
-        [--threads 1]
+        [--threads 1] [--draft-cpu-weights float16|as-loaded]
 
 One session, greedy. Each round commits up to 3 of the last proposal's tokens and one of its
 own, and proposes γ (`Drafter.propose`, as the draft service does). Each proposal is split
@@ -30,6 +30,7 @@ from specd.config import DEMO_DRAFT
 from specd.sampling import Transform
 from specd.steps import DraftRequest
 from specd.worker import hub
+from specd.worker.settings import DRAFT_CPU_WEIGHTS
 
 PROMPT = list(range(5, 60))
 
@@ -61,15 +62,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--draft-base", default=None,
                         help="the target a draft made by `specd distill` from the target alone shares weights with")
+    parser.add_argument("--draft-cpu-weights", choices=DRAFT_CPU_WEIGHTS, default="float16",
+                        help="the draft's large linear layers, as the draft worker's flag")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    drafter = Drafter(args.model, draft_base=hub.resolve(args.draft_base) if args.draft_base else None)
+    drafter = Drafter(args.model, draft_base=hub.resolve(args.draft_base) if args.draft_base else None,
+                      cpu_weights=args.draft_cpu_weights)
     times = asyncio.run(proposals(drafter, args.gamma, args.rounds))[20:]  # past the first rounds' warm-up
     asyncio.run(drafter.runner.close())
     whole = statistics.median(total for total, _ in times)
     forwards = statistics.median(forward for _, forward in times)
     rest = statistics.median(total - forward for total, forward in times)
-    print(f"{args.model}, γ={args.gamma}, {args.threads} thread(s), median ms per proposal: {whole:.2f}, "
+    print(f"{args.model} ({args.draft_cpu_weights}), γ={args.gamma}, {args.threads} thread(s), "
+          f"median ms per proposal: {whole:.2f}, "
           f"its forwards {forwards:.2f}, the rest {rest:.2f} ({rest / args.gamma:.3f} per token)")
 
 

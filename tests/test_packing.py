@@ -1,5 +1,6 @@
-"""Linear layers packed for oneDNN at load (specd.worker.packing): the same products as
-`nn.Linear`, only where they pay, and what a worker loads by default."""
+"""Linear layers packed for oneDNN at load (specd.worker.packing), or for fbgemm in float16
+(a draft's): the same products as `nn.Linear`, only where they pay, and what a worker loads
+by default."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from draft_service.drafter import Drafter
 from specd.config import DEMO_DRAFT, DEMO_TARGET
 from specd.sampling import Transform
 from specd.worker import lean, packing
@@ -43,6 +45,30 @@ def test_packed_linear_computes_what_linear_does(dtype, bias):
             assert got.shape == expected.shape and got.dtype == dtype
             scale = expected.abs().max().item()
             assert (got - expected).abs().max().item() <= TOLERANCE[dtype] * scale, tuple(hidden.shape)
+
+
+FLOAT16 = pytest.mark.skipif(not packing.float16_available(), reason="this torch has no fbgemm")
+
+
+@FLOAT16
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_float16_layer_computes_linear_on_its_weights_rounded_to_float16(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    nn.init.normal_(linear.bias) if bias else None
+    half = packing.PackedLinear.of(linear, "float16")
+    rounded = nn.functional.linear
+    weight = linear.weight.detach().half().float()
+    inputs = [torch.randn(1, 1, 96), torch.randn(1, 5, 96), torch.randn(7, 96), torch.randn(5, 3, 96).transpose(0, 1)]
+    with torch.inference_mode():
+        for hidden in inputs:
+            expected, got = rounded(hidden, weight, linear.bias), half(hidden)
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            scale = expected.abs().max().item()
+            assert (got - expected).abs().max().item() <= 1e-5 * scale, tuple(hidden.shape)
+            # Not float32's product: the rounding shows (float16 keeps 11 bits of each weight).
+            assert not torch.equal(got, linear(hidden))
+    assert packing.weight_bytes(nn.Sequential(half)) == 96 * 160 * 2 + (160 * 4 if bias else 0)
 
 
 def test_only_large_cpu_layers_in_packed_dtypes_are_replaced():
@@ -149,4 +175,28 @@ def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_
     with torch.inference_mode():
         expected, got = plain.model(ids).logits, target.model(ids).logits
     assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@FLOAT16
+def test_a_draft_worker_holds_its_large_layers_in_float16_and_proposes_nearly_as_in_float32():
+    half = Drafter(DEMO_DRAFT, ModelSettings(max_sessions=2)).runner
+    loaded = Drafter(DEMO_DRAFT, ModelSettings(max_sessions=2), cpu_weights="as-loaded").runner
+    # A verifier's runner is never asked for float16: its logits decide the output.
+    target = Scorer(DEMO_TARGET, ModelSettings(max_sessions=2)).runner
+
+    def layouts(runner: ModelRunner) -> list[str]:
+        return [m.layout for m in runner.model.modules() if isinstance(m, packing.PackedLinear)]
+
+    # The draft (width 256, 2 layers): per layer q, k and v as one product, gate and up as one,
+    # and down (176,128 weights); its output layer. o (65,536) is under the float16 threshold.
+    assert layouts(half) == ["float16"] * (2 * 3 + 1)
+    assert layouts(loaded) == ["onednn"] and set(layouts(target)) == {"onednn"}
+    # Each float16 weight holds 2 bytes of float32's 4.
+    halved = sum(m.in_features * m.out_features for m in half.model.modules() if isinstance(m, packing.PackedLinear))
+    assert packing.weight_bytes(loaded.model) - packing.weight_bytes(half.model) == 2 * halved
+    ids = torch.tensor([[5, 17, 23, 42, 8, 99, 3, 250, 1000, 7]])
+    with torch.inference_mode():
+        expected, got = loaded.model(ids).logits, half.model(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

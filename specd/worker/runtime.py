@@ -148,7 +148,7 @@ class ModelRunner:
     """One causal LM with its tokenizer, its sessions, its batch scheduler and its one thread."""
 
     def __init__(self, path: str | Path, settings: ModelSettings = ModelSettings(), *, name: str | None = None,
-                 kept_rows_bytes: int = 0, draft_base: Path | None = None,
+                 kept_rows_bytes: int = 0, draft_base: Path | None = None, float16_linears: bool = False,
                  on_session_gone: Callable[[str], None] = lambda session_id: None) -> None:
         """path: the model directory; name: the model's name as the worker reports it (None:
         the directory's). Both say which model; `settings` says how it runs, and is shared by
@@ -159,6 +159,11 @@ class ModelRunner:
 
         draft_base: the target model directory a draft that shares its target's weights
         reads them from (`specd.worker.sharing`); None for any other model.
+
+        float16_linears: a draft's role asks for its large linear layers in float16 on a CPU
+        (`specd.worker.packing`'s layout "float16"), where the model is float32, packed
+        (--cpu-linear onednn) and this torch has fbgemm; a target's products stay as loaded,
+        since its logits decide the output.
 
         on_session_gone(session_id): the role's hook, called whenever a session goes, evicted
         under memory pressure or ended (`end_session`). The runner owns the sessions and
@@ -178,6 +183,7 @@ class ModelRunner:
             raise ValueError(f"forward must be one of {FORWARDS}, got {settings.forward!r}")
         self.path = path
         self.draft_base = draft_base
+        self.float16_linears = float16_linears
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(settings.device)
@@ -200,6 +206,16 @@ class ModelRunner:
         self.scheduler = Scheduler(self._forward_batch, self._executor, settings.batching, lambda: len(self.sessions),
                                    rope.regime(self.model), self.device)
 
+    def _cpu_layout(self) -> str:
+        """How packing lays out the large linear layers' weights (`packing.LAYOUTS`)."""
+        if not self.float16_linears or self.dtype != torch.float32:
+            return "onednn"
+        if not packing.float16_available():
+            log.info("%s: this torch has no fbgemm (an x86 build's), so the draft's weights stay float32",
+                     self.path)
+            return "onednn"
+        return "float16"
+
     def _load(self, path: Path, name: str | None, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
         give it the lean forward where that is exact. With --gpu-memory-fraction the trials
@@ -213,10 +229,11 @@ class ModelRunner:
         batching, max_sessions = self.settings.batching, self.settings.max_sessions
         fraction = batching.gpu_memory_fraction  # only on a CUDA device (checked in __init__)
         allocated_before = torch.cuda.memory_allocated(self.device) if fraction else 0
-        # On a CPU, large linear layers packed for oneDNN (a GPU's model is left as it is); for
-        # the lean forward, sibling projections packed as one product.
+        # On a CPU, large linear layers packed for oneDNN, or a draft's in float16 (a GPU's
+        # model is left as it is); for the lean forward, sibling projections packed as one product.
         joined = lean.joinable if self.settings.forward == "lean" else None
-        self.model = packing.packed_model(load, joined) if self.settings.cpu_linear == "onednn" else load()
+        self.model = (packing.packed_model(load, joined, self._cpu_layout())
+                      if self.settings.cpu_linear == "onednn" else load())
         config = self.model.config
         self.info = ModelInfo(
             name=name or path.name,

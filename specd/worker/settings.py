@@ -14,6 +14,7 @@ from specd.prefixkeys import BLOCK_TOKENS
 
 DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.worker.runtime maps them to torch
 CPU_LINEARS = ("onednn", "torch")  # how a CPU multiplies a large linear layer (specd.worker.packing)
+DRAFT_CPU_WEIGHTS = ("float16", "as-loaded")  # a draft's large linear layers on a CPU (specd.worker.packing)
 FORWARDS = ("lean", "transformers")  # whose code runs a Llama model's forward (specd.worker.lean)
 
 
@@ -128,6 +129,11 @@ class DraftSettings:
                                       "next recovered token, all sessions together; past it the oldest go, and "
                                       "their session rebuilds q with one forward")
 
+    cpu_weights: str = setting("float16", flag="--draft-cpu-weights", choices=DRAFT_CPU_WEIGHTS,
+                               help="on a CPU, with --cpu-linear onednn and --dtype float32: the draft's large linear "
+                                    "layers hold float16 weights, multiplied by fbgemm in float32 arithmetic (half "
+                                    "the bytes a token reads; its proposals move a little, the output never, since "
+                                    "the target verifies each), or the weights as loaded")
     grammar_mask_budget_ms: float = setting(20.0, flag="--grammar-mask-budget-ms", metavar="MS",
                                             help="a session whose grammar mask takes longer drafts unguided by its "
                                                  "grammar from then on (its masks run between every session's "
