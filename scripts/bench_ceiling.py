@@ -55,17 +55,19 @@ BLOCK_TOKENS = 16
 class Model:
     """One model on a thread of its own: loaded there, and every forward run there."""
 
-    def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype,
+                 layout: str = "onednn") -> None:
         self.device = device
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{path}")
-        self.thread.submit(self._load, path, threads, dtype).result()
+        self.thread.submit(self._load, path, threads, dtype, layout).result()
 
-    def _load(self, path: str, threads: int, dtype: torch.dtype) -> None:
+    def _load(self, path: str, threads: int, dtype: torch.dtype, layout: str) -> None:
         if threads:
             torch.set_num_threads(threads)
         # packed_model packs a CPU's layers only.
         self.model = packing.packed_model(
-            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval(), lean.joinable)
+            lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval(), lean.joinable,
+            layout)
         config = self.model.config
         shape = trials.kv_shape(self.model, self.device)
         use_paged_attention(self.model)
@@ -148,7 +150,7 @@ def main() -> None:
     # The target first: torch's thread count is a process-wide setting that each thread
     # takes at its first parallel operator, so the draft's count set first would be the target's too.
     target = Model(args.target, args.target_threads, device, dtype)
-    draft = Model(args.draft, args.draft_threads, device, dtype)
+    draft = Model(args.draft, args.draft_threads, device, dtype, packing.draft_layout(dtype))  # as a draft worker
     eos = set(eos_ids(target.model, tokenizer))
     workload = json.loads(Path(args.workload).read_text()) if args.workload else DEMO_WORKLOAD
     prompts = [tokenizer(p)["input_ids"] for ps in workload.values() for p in ps]

@@ -4,11 +4,12 @@ and 32 sessions, through transformers' layers and through specd's lean forward
 step of as many rows with a DynamicCache, side by side in one run.
 
     python scripts/bench_forward.py [--model models/demo/target] [--draft-base TARGET] [--threads 2] [--prefix 128]
-        [--cpu-linear onednn|torch]
+        [--cpu-linear onednn|torch] [--draft-cpu-weights float16|as-loaded]
 
 Each session holds `prefix` cached tokens and feeds one new token per forward (a plain
 decoding step). The paged forward's linear layers are packed for oneDNN as a worker's are
-(`--cpu-linear`, specd.worker.packing); transformers' step keeps torch's own. The paged
+(`--cpu-linear`, specd.worker.packing; `--draft-cpu-weights float16` as a draft worker's);
+transformers' step keeps torch's own. The paged
 batch through transformers' layers and through the lean forward take turns, forward by
 forward, so that a machine whose speed drifts slows both alike. Prints the median ms of
 each case; docs/performance.md keeps the figures.
@@ -29,7 +30,7 @@ from specd.worker import forwards, lean, packing, sharing
 from specd.worker.attention import use_paged_attention
 from specd.worker.kvstore import KVPool, SessionKV
 from specd.worker.layout import BatchRow
-from specd.worker.settings import CPU_LINEARS
+from specd.worker.settings import CPU_LINEARS, DRAFT_CPU_WEIGHTS
 from specd_cli.bench import machine
 
 
@@ -57,6 +58,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cpu-linear", choices=CPU_LINEARS, default="onednn",
                         help="the paged forward's linear layers, as a worker's --cpu-linear")
+    parser.add_argument("--draft-cpu-weights", choices=DRAFT_CPU_WEIGHTS, default="as-loaded",
+                        help="float16: the packed layers' weights in float16, as a draft worker's (its default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,13 +73,15 @@ def main() -> None:
     references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
     use_paged_attention(model)
     if args.cpu_linear == "onednn":
-        packing.pack_linears(model, groups=lean.joinable(model))
+        layout = "float16" if args.draft_cpu_weights == "float16" else "onednn"
+        packing.pack_linears(model, groups=lean.joinable(model), layout=layout)
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end,
     # and 4 for the lean forward's trial at install.
     pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim, torch.float32, cpu, 16,
                   41 * ((args.prefix + 1) // 16 + 2) + 5)
     print(f"{machine()}; {args.model}, {torch.get_num_threads()} threads, {args.prefix} cached tokens per session, "
-          f"paged forward's linear layers: {args.cpu_linear}")
+          f"paged forward's linear layers: {args.cpu_linear}"
+          f"{', float16' if args.cpu_linear == 'onednn' and args.draft_cpu_weights == 'float16' else ''}")
     own = functools.partial(forwards.own_forward, model)
     unmirrored = lean.install(model, pool, cfg.vocab_size, cpu)
     decoder = None if unmirrored is not None else lean.LeanDecoder(model)

@@ -525,7 +525,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from specd.worker import forwards
+    from specd.worker import forwards, packing
     from specd.worker.kvstore import SessionKV
     from specd.worker.runtime import eos_ids
     from specd_cli.bench import DEMO_WORKLOAD
@@ -535,8 +535,9 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
         """A model of bench_ceiling whose forwards after a session's first (its prompt) are
         timed, by the tokens they feed, up to the host's copy of their tokens."""
 
-        def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype) -> None:
-            super().__init__(path, threads, device, dtype)
+        def __init__(self, path: str, threads: int, device: torch.device, dtype: torch.dtype,
+                     layout: str = "onednn") -> None:
+            super().__init__(path, threads, device, dtype, layout)
             self.ms: dict[int, list[float]] = {}
 
         def forward(self, session: SessionKV, tokens: list[int], keep: int) -> torch.Tensor:
@@ -555,7 +556,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     # models alone compares like with like.
     threads = default_threads(Path(args.dir) / "target", device.type)
     target = Timed(f"{args.dir}/target", threads, device, dtype)
-    draft = Timed(f"{args.dir}/draft", 1, device, dtype)
+    draft = Timed(f"{args.dir}/draft", 1, device, dtype, packing.draft_layout(dtype))  # as a draft worker
     eos = set(eos_ids(target.model, tokenizer))
     prompts = [tokenizer(p)["input_ids"] for ps in DEMO_WORKLOAD.values() for p in ps]
     gamma, report = args.gamma, {"device": device.type, "dtype": args.dtype, "gamma": args.gamma,

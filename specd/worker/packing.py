@@ -53,6 +53,12 @@ def float16_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def draft_layout(dtype: torch.dtype) -> str:
+    """The layout a draft's packed layers take: float16 for a float32 draft where this torch
+    has fbgemm; otherwise oneDNN's (a bfloat16 draft keeps its own kernels)."""
+    return "float16" if dtype == torch.float32 and float16_available() else "onednn"
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear`'s product, with the weight laid out once for this CPU (inference only,
     no gradient): in oneDNN's layout as loaded, or rounded to float16 in fbgemm's

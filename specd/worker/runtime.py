@@ -208,13 +208,12 @@ class ModelRunner:
 
     def _cpu_layout(self) -> str:
         """How packing lays out the large linear layers' weights (`packing.LAYOUTS`)."""
-        if not self.float16_linears or self.dtype != torch.float32:
+        if not self.float16_linears:
             return "onednn"
-        if not packing.float16_available():
-            log.info("%s: this torch has no fbgemm (an x86 build's), so the draft's weights stay float32",
-                     self.path)
-            return "onednn"
-        return "float16"
+        layout = packing.draft_layout(self.dtype)
+        if layout != "float16" and self.dtype == torch.float32:
+            log.info("%s: this torch has no fbgemm (an x86 build's), so the draft's weights stay float32", self.path)
+        return layout
 
     def _load(self, path: Path, name: str | None, kept_rows_bytes: int) -> None:
         """On the model's thread: load the model, pack it, size its KV pool, try it, and
