@@ -15,7 +15,7 @@ imports none of it (tests/test_layering.py), since it runs no model.
     trials    what the pool can serve, found by trying a model when it loads
     memory    how much of a CUDA device a KV pool takes (--gpu-memory-fraction), and device checks
     lean      the batched forward of Llama-architecture models (fourteen families) without transformers' per-call Python
-    packing   on a CPU, large linear layers with their weights packed for oneDNN at load
+    packing   on a CPU, large linear layers with their weights packed for oneDNN at load (a draft's in float16)
     rope      rotary scalings that rotate by the forward (longrope, dynamic): which rows share a forward
     batching  the scheduler that batches one model's steps across sessions, and the `Job` each step is
     service   what the draft and verifier servicers share: the multiplexed step stream
