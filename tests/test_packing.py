@@ -55,14 +55,14 @@ FLOAT16 = pytest.mark.skipif(not packing.float16_available(), reason="this torch
 def test_a_float16_layer_computes_linear_on_its_weights_rounded_to_float16(bias):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
-    nn.init.normal_(linear.bias) if bias else None
+    if bias:  # a trained bias, which fbgemm's prepacked product must add
+        nn.init.normal_(linear.bias)
     half = packing.PackedLinear.of(linear, "float16")
-    rounded = nn.functional.linear
-    weight = linear.weight.detach().half().float()
+    rounded = linear.weight.detach().half().float()
     inputs = [torch.randn(1, 1, 96), torch.randn(1, 5, 96), torch.randn(7, 96), torch.randn(5, 3, 96).transpose(0, 1)]
     with torch.inference_mode():
         for hidden in inputs:
-            expected, got = rounded(hidden, weight, linear.bias), half(hidden)
+            expected, got = nn.functional.linear(hidden, rounded, linear.bias), half(hidden)
             assert got.shape == expected.shape and got.dtype == torch.float32
             scale = expected.abs().max().item()
             assert (got - expected).abs().max().item() <= 1e-5 * scale, tuple(hidden.shape)
