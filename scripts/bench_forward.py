@@ -73,7 +73,7 @@ def main() -> None:
     references = {count: transformers_step_ms(model, prompt, count, args.repeats) for count in (1, 8, 32)}
     use_paged_attention(model)
     if args.cpu_linear == "onednn":
-        layout = "float16" if args.draft_cpu_weights == "float16" else "onednn"
+        layout = packing.draft_layout(torch.float32) if args.draft_cpu_weights == "float16" else "onednn"
         packing.pack_linears(model, groups=lean.joinable(model), layout=layout)
     # Blocks of 16 positions for every session of every case below (1 + 8 + 32), kept to the end,
     # and 4 for the lean forward's trial at install.
