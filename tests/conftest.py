@@ -183,6 +183,14 @@ class Stack:
 SEEDED_DRAFT_FLOOR_S = 120.0
 
 
+# A session's stack serves its tests on one channel for half an hour. The gateway's connection
+# age (GOAWAY after 300 s by default) would close that channel under whichever test runs at
+# that moment, and a call refused mid-upload (an oversized message) then ends UNAVAILABLE
+# instead of with its own status. The age is a deployment setting with its own test
+# (test_gateway_health), so stacks leave it off.
+STACK_GATEWAY_DEFAULTS = {"max_connection_age_s": 0.0}
+
+
 def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: BatchSettings = BatchSettings(),
                 verifier_metrics_port: int = 0, draft_metrics_port: int = 0, pre_draft_branches: str = "3",
                 drafts: tuple[str, ...] = ("close", "unrelated", "padded"), front=None,
@@ -206,7 +214,7 @@ def start_stack(model_dirs: dict[str, Path], max_sessions: int = 64, batching: B
     front = front or (lambda loop, role, port: port)
     gateway_settings = GatewaySettings(server, verifier_address=f"127.0.0.1:{front(loop, 'verifier', verifier.port)}",
                                        draft_address=f"127.0.0.1:{front(loop, 'draft', draft.port)}",
-                                       **{"worker_timeout_s": 30.0, **gateway_options})
+                                       **{"worker_timeout_s": 30.0, **STACK_GATEWAY_DEFAULTS, **gateway_options})
     gateway = loop.run(create_gateway(gateway_settings))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     return Stack(loop, draft_settings, verifier_settings, draft, verifier, gateway, channel,
