@@ -11,6 +11,7 @@ grpc, so the gateway's records and policies import them for free.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,19 @@ class ModelInfo:
     model_path: str = ""  # the directory the model was loaded from
     # (batch, width) → ms of one batched forward, timed at load (`ModelRunner.measure_forwards`)
     forward_costs: tuple[tuple[int, int, float], ...] = ()
+
+
+def card_acceptance(card_json: str) -> dict[str, dict]:
+    """A model card's acceptance against its target, by task (`acceptance_vs_target`: the
+    rows `specd distill` measures on held-out prompts, each with its "alpha", "greedy_match"
+    and the γ it was taken at); empty where the card has none or is not JSON."""
+    if not card_json:
+        return {}
+    try:
+        table = json.loads(card_json).get("acceptance_vs_target")
+    except (ValueError, AttributeError):
+        return {}
+    return {task: row for task, row in table.items() if isinstance(row, dict)} if isinstance(table, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -615,6 +615,9 @@ def run(args: argparse.Namespace) -> int:
         "before": before, "after": after,
     }
     (out / "distill_report.json").write_text(json.dumps(report, indent=2))
+    # The card the workers serve with the draft (`ModelInfo.card_json`): its held-out
+    # acceptance is where a gateway first prices the pair's load cap, and what doctor expects.
+    (out / "card.json").write_text(json.dumps({"name": out.name, "acceptance_vs_target": after}, indent=2) + "\n")
     for name in after:
         b, a = before[name], after[name]
         print(f"{name}: greedy match {b['greedy_match']:.3f} -> {a['greedy_match']:.3f}, "

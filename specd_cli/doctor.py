@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gateway.stats.acceptance import Counts
 from specd.contract import DIAGNOSTIC_SEGMENT, baseline_document, model_pair_label
+from specd.steps import card_acceptance
 from specd.tls import add_client_arguments, client_channel, client_tls_from_args
 from specd_cli.bench import DEMO_WORKLOAD, Config, Result, add_stats, build_request
 from specd_cli.clientauth import add_api_key_argument, with_api_key
@@ -191,12 +192,7 @@ def check_sampling(greedy: Run, top1: Run, target_only: Run) -> list[Finding]:
 def card_expectation(card_json: str, tasks: list[str], temperature: float) -> tuple[float, int] | None:
     """The α a draft's model card promises for these task types, and the γ it was measured at
     (greedy: the card's greedy match rate; sampled: its α)."""
-    if not card_json:
-        return None
-    try:
-        table = json.loads(card_json).get("acceptance_vs_target") or {}
-    except ValueError:
-        return None
+    table = card_acceptance(card_json)
     key = "greedy_match" if temperature == 0 else "alpha"
     # The cards name prose "prose"; the gateway's task for prose is "general".
     aliases = {"general": "prose", "qa": "prose", "summarization": "prose"}

@@ -87,6 +87,8 @@ def test_distill_raises_acceptance_and_resumes(tiny_pair, tmp_path, capsys, dive
     assert after["greedy_match"] > before["greedy_match"] + 0.1, report
     assert after["tokens_per_step"] > before["tokens_per_step"], report
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    # The draft's card carries its held-out acceptance, where a gateway first prices its load cap.
+    assert json.loads((out / "card.json").read_text())["acceptance_vs_target"] == report["after"]
     # A second run finds every stage checkpointed and only re-measures.
     assert distill.run(_args(tiny_pair, out, divergence=divergence)) == 0
     again = json.loads((out / "distill_report.json").read_text())

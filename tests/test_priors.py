@@ -118,6 +118,33 @@ def test_a_level_on_the_prior_is_priced_again_at_the_pairs_acceptance():
     assert cap._level(8).best == 3
 
 
+def test_a_pair_is_first_priced_at_the_acceptance_its_draft_card_measured():
+    """A draft whose card says it is accepted 0.34 of the time (SmolLM2's, from `specd
+    distill`) starts its load cap priced there, not at the task default of 0.7 that puts
+    a long draft at every load; a draft without a card starts at the default."""
+    import json
+
+    from gateway.policy.shared import PolicyTables
+    from specd.steps import ModelInfo
+
+    costs = tuple((b, w, 8.0 + 0.9 * b * w) for b in (1, 8, 32) for w in (1, 2, 5, 9))
+    card = json.dumps({"acceptance_vs_target": {"chat": {"alpha": 0.30, "gamma": 4},
+                                                "code": {"alpha": 0.38, "gamma": 4}}})
+    target = ModelInfo("target", 100, 512, "t", (0,), forward_costs=costs)
+    drafts = {"carded": ModelInfo("carded", 100, 512, "t", (0,), card_json=card,
+                                  forward_costs=tuple((b, w, 1.0 + 0.05 * b * w) for b, w, _ in costs)),
+              "bare": ModelInfo("bare", 100, 512, "t", (0,), card_json="not json")}
+    tables = PolicyTables(MAX_DRAFT_LENGTH, 0.7, target, drafts)
+    tables.overheads = Overheads(0.5, 0.5)
+    assert tables.pair_alpha("carded") == pytest.approx(0.34)
+    assert tables.pair_alpha("bare") == tables.pair_alpha("unknown") == 0.7
+    shared = tables.for_request("carded|target", "carded", "general", greedy=True, in_flight=8)
+    assert shared.load_cap.priced_alpha == pytest.approx(0.34)
+    price = tables.pricing("carded")
+    alpha = tables.pair_alpha("carded")
+    assert price is not None and shared.load_cap.prior == price(alpha) == tables.prior("carded") != price(0.7)
+
+
 def test_a_fresh_gateway_measures_its_overheads_and_prices_its_caps(stack):
     core = stack.gateway.servicer.core
     overheads = core.policies.overheads

@@ -189,10 +189,11 @@ def _load_cap_rows(core: GatewayCore) -> list[gateway_pb2.LoadCapRow]:
     level has run (a pair with no request yet: the default draft's prior alone)."""
     policies = core.policies
     caps = policies.load_caps()
-    if not caps and core.backend.default_draft:
-        price = policies.pricing(core.backend.default_draft)
-        pair = model_pair_label(core.backend.default_draft, core.backend.target.name)
-        caps = {pair: LoadCap(policies.max_draft_length, price=price, alpha=policies.prior_alpha,
+    draft = core.backend.default_draft
+    if not caps and draft:
+        price = policies.pricing(draft)
+        pair = model_pair_label(draft, core.backend.target.name)
+        caps = {pair: LoadCap(policies.max_draft_length, price=price, alpha=policies.pair_alpha(draft),
                               shared=policies.shared_caps(pair))} if price else {}
     rows = []
     for pair, load_cap in sorted(caps.items()):

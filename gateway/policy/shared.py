@@ -17,7 +17,7 @@ from gateway.policy.loadcap import LoadCap, Pricing, SharedLevel
 from gateway.policy.priors import ForwardTable, Overheads, prior_rates
 from gateway.stats.costmodel import load_bucket
 from gateway.step.records import StepRecord
-from specd.steps import ModelInfo
+from specd.steps import ModelInfo, card_acceptance
 
 
 class PolicyTables:
@@ -26,7 +26,8 @@ class PolicyTables:
 
     def __init__(self, max_draft_length: int, prior_alpha: float, target: ModelInfo,
                  drafts: Mapping[str, ModelInfo]) -> None:
-        """prior_alpha: the general task's prior acceptance, where each load cap's prior starts;
+        """prior_alpha: the general task's prior acceptance, where a load cap's prior starts
+        when its draft's card measured none (`pair_alpha`);
         target, drafts: the served models, whose forward costs price the priors."""
         self.max_draft_length = max_draft_length
         self.prior_alpha = prior_alpha
@@ -51,7 +52,7 @@ class PolicyTables:
         load_cap = self._load_caps.get(model_pair)
         if load_cap is None:
             load_cap = self._load_caps[model_pair] = LoadCap(self.max_draft_length, price=self.pricing(draft_model),
-                                                             alpha=self.prior_alpha,
+                                                             alpha=self.pair_alpha(draft_model),
                                                              shared=self.shared_caps(model_pair))
         schedule = self._floors.setdefault((model_pair, task_type, greedy), FloorSchedule())
         return SharedState(probes, load_cap, RequestFloor(self.plain_rates, schedule, load_bucket(in_flight)))
@@ -72,11 +73,24 @@ class PolicyTables:
         draft_table = ForwardTable(draft.forward_costs) if draft and draft.forward_costs else None
         return lambda alpha: prior_rates(target, draft_table, alpha, self.max_draft_length, overheads)
 
+    def pair_alpha(self, draft_model: str) -> float:
+        """The acceptance a pair's load cap is first priced at: the mean α its draft's card
+        measured against the target on held-out prompts (`specd distill` writes it), else
+        the general task's prior.
+
+        Why the card's: priced at the task default (0.7), SmolLM2's draft (α 0.34 on its
+        card, 0.38 served) started at γ = 3 at 8 in flight and spent its first ~10 s there,
+        until 64 draft tokens of its own acceptance repriced it (docs/loadcap.md)."""
+        draft = self.drafts.get(draft_model)
+        rows = card_acceptance(draft.card_json) if draft else {}
+        alphas = [float(row["alpha"]) for row in rows.values() if isinstance(row.get("alpha"), (int, float))]
+        return sum(alphas) / len(alphas) if alphas else self.prior_alpha
+
     def prior(self, draft_model: str) -> dict[int, list[float]] | None:
-        """The pair's prior priced at the general task's acceptance: where a pair no request
-        has measured yet starts."""
+        """The pair's prior priced at its first acceptance (`pair_alpha`): where a pair no
+        request has measured yet starts."""
         price = self.pricing(draft_model)
-        return price(self.prior_alpha) if price else None
+        return price(self.pair_alpha(draft_model)) if price else None
 
     def floors(self) -> tuple[dict[int, float], list[FloorRow]]:
         """Plain decoding's measured goodput by load, and each floor schedule (copies: the
