@@ -613,6 +613,27 @@ def test_plain_decodings_dips_do_not_bring_a_losing_cap_back(seed):
     assert cap.caps()[16] == 0 and trials <= 16, (trials, cap.rates())
 
 
+@pytest.mark.parametrize("own_turns, outvoted", [(1.02, False), (1.15, True)])
+def test_only_a_clear_win_on_its_own_turns_brings_an_outvoted_cap_back_as_a_rival(own_turns, outvoted):
+    """Plain decoding in force; a cap of 1 lost its trials before (the verdicts say −0.5 over
+    ten). Its next trial's own turns run 2% faster than plain decoding's: that is within
+    one trial's noise (a tie, as SmolLM2's pair at 8 in flight gave, log ratios −0.10 to
+    +0.02), and re-trying it as a rival costs every session a catch-up prefill on the draft
+    each time, so it waits for the schedule. 15% faster, and outweighed only by older
+    verdicts: the goodput landscape may have moved, so it is re-tried soon."""
+    from gateway.policy.loadcap import _Verdicts
+
+    cap = LoadCap(max_draft_length=8)
+    cap.cap()
+    level = cap._level(16)
+    level.best, level.settle = 0, 0
+    level.verdicts[(0, 1)] = _Verdicts(-0.5, 10)
+    cap._start_trial(level, 16, 1, remeasure=False, reason="a test")
+    steps_under_cap(cap, lambda arm: 0.030 * (own_turns if arm else 1.0), chosen=1, steps=200)
+    assert level.trial is None and level.best == 0 and level.verdicts[(0, 1)].mean < 0
+    assert (1 in level.outvoted) == outvoted
+
+
 def test_a_sampled_rejection_drafts_the_next_proposal_as_long_as_the_next_step_will_ask():
     """At T = 1 most steps end in a rejection, whose recovery hop drafts the next proposal;
     the next step takes a prefix. Drafted only as long as this step's, γ could never grow

@@ -153,7 +153,8 @@ class _LevelArms:
     remeasure: bool = False  # the trial on now measures again a cap measured before (plain decoding, or a
     # rival): it is no neighbour, so losing it turns no direction
     rival: bool = False  # the trial on now is a rival's (`LoadCap._rival`)
-    outvoted: set[int] = field(default_factory=set)  # higher caps whose last trial's turns won, its verdict lost
+    outvoted: set[int] = field(default_factory=set)  # higher caps whose last trial's turns won by the margin,
+    # its verdict lost
     extended: int = 0  # times the trial on now ran four more turns for want of quiet steps
     verdicts: dict[tuple[int, int], _Verdicts] = field(default_factory=dict)  # (lower cap, higher) -> trials'
     drafted: int = 0  # the longest model draft proposed in the running epoch
@@ -579,10 +580,13 @@ class LoadCap:
         log.info("load cap at load %d: %d %s its trial against %d (%.4f against %.4f tokens/ms a session; "
                  "log ratio %+.2f over %d trials)", load, trial, "won" if won else "lost", best,
                  rate.get(trial, 0.0), rate.get(best, 0.0), verdict, level.verdicts[pair].trials)
-        if won or not rate.get(trial, 0.0) > rate.get(best, 0.0):
-            level.outvoted.discard(trial)
-        else:
+        # Outvoted: its own turns beat the cap in force by the margin, and only the trials
+        # before outweighed them. A narrower win is within one trial's noise, and a rival
+        # re-trial on it costs every session a catch-up prefill on the draft.
+        if not won and rate.get(trial, 0.0) > (1.0 + self.margin) * rate.get(best, 0.0):
             level.outvoted.add(trial)
+        else:
+            level.outvoted.discard(trial)
         if won:
             level.outvoted.clear()  # they were beside the old cap
             level.best, level.explore_every, level.rival_after = trial, self.explore_every, 1
@@ -603,8 +607,8 @@ class LoadCap:
     def _rival(self, level: _LevelArms) -> int | None:
         """A measured cap whose goodput beats the cap in force's average by the margin, if
         any, among those worth measuring again: a lower cap, or a higher one that beat the cap
-        in force over its last trial's own turns and lost only on the verdicts before it
-        (`_LevelArms.outvoted`).
+        in force by the margin over its last trial's own turns and lost only on the verdicts
+        before it (`_LevelArms.outvoted`).
 
         Why not any higher cap: the cap in force's average falling below a lower cap's figure
         may be acceptance falling, which a lower cap gains from; a higher cap gains from none
