@@ -514,10 +514,7 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
                     this_round.append(loadbench.run_level(args.gateway, tls, metadata, reqs, config.label, n))
                     print(f"  N={n:<3} {config.label:<24} {this_round[-1].tokens_per_s:8.1f} tokens/s"
                           + (f" (round {number})" if len(rounds) > 1 else ""), flush=True)
-    results = rounds[0]
-    for later in rounds[1:]:
-        for merged, result in zip(results, later):
-            merged.merge(result)
+    results = loadbench.merged(rounds)
     reference = {}
     if args.target:
         reference = loadbench.transformers_batched(args.target, [p for _, p in tasks], levels, args.max_new_tokens,

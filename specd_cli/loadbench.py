@@ -183,6 +183,16 @@ def table(results: list[LoadResult], reference: dict[int, LoadResult]) -> str:
     return "\n".join(lines)
 
 
+def merged(rounds: list[list[LoadResult]]) -> list[LoadResult]:
+    """Each configuration and level over every round, as new results: the rounds' own stay
+    as measured, for `round_ratios`."""
+    totals = [LoadResult(result.label, result.concurrency) for result in rounds[0]]
+    for results in rounds:
+        for total, result in zip(totals, results, strict=True):
+            total.merge(result)
+    return totals
+
+
 def round_ratios(rounds: list[list[LoadResult]]) -> str:
     """Each configuration's tokens/s over target-only's (the first of each round), round by
     round, level by level: how far one round's ratio is from the next says how much of a

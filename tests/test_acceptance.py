@@ -171,9 +171,9 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
                               "--draft-model", "close", "--out", str(tmp_path)])
     workload = {"code": ["def fibonacci(n):"], "general": ["The acceptance rate is"]}
     assert bench.run_load(args, workload, bench.parse_configs(args.configs)) == 0
+    round_lines = [line for line in capsys.readouterr().out.splitlines() if "(round " in line]
     progress = [line.split()[0] + " " + line.split()[1] + (" AUTO" if "AUTO" in line else "") + " "
-                + line.split("(round ")[1].rstrip(")")
-                for line in capsys.readouterr().out.splitlines() if "(round " in line]
+                + line.split("(round ")[1].rstrip(")") for line in round_lines]
     assert progress == [f"N={n} {config} {number}" for n in (1, 2) for number in (1, 2)
                         for config in ("target-only", "cost AUTO")], progress
     assert len(segments - {"bench-warm-up"}) == 2 * 2 * 2, segments  # configurations × levels × rounds
@@ -183,6 +183,23 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
     assert [line.split(" ÷")[0].split() for line in lines] == [["N=1", "cost", "(AUTO)"], ["N=2", "cost", "(AUTO)"]]
     ratios = [line.split("round by round: ")[1].split(" (")[0].split() for line in lines]
     assert all(len(each) == 2 and all(float(r) > 0 for r in each) for each in ratios), ratios
+    # Each round's ratio is that round's own, as its progress lines printed it (the merged
+    # table's totals once stood in for the first round's).
+    rates = [float(line.split("tokens/s")[0].split()[-1]) for line in round_lines]
+    for level, printed in enumerate(ratios):
+        own = [rates[4 * level + 2 * number + 1] / rates[4 * level + 2 * number] for number in (0, 1)]
+        assert [float(r) for r in printed] == pytest.approx(own, abs=0.01 + 0.02 * max(own)), (printed, own)
+
+
+def test_the_merged_table_leaves_each_rounds_results_as_measured():
+    from specd_cli.loadbench import LoadResult, merged, round_ratios
+
+    rounds = [[LoadResult("target-only", 8, tokens=100, seconds=1.0), LoadResult("AUTO", 8, tokens=100, seconds=2.0)],
+              [LoadResult("target-only", 8, tokens=100, seconds=1.0), LoadResult("AUTO", 8, tokens=100, seconds=0.5)]]
+    totals = merged(rounds)
+    assert [(r.tokens, r.seconds) for r in totals] == [(200, 2.0), (200, 2.5)]
+    assert [(r.tokens, r.seconds) for r in rounds[0]] == [(100, 1.0), (100, 2.0)]
+    assert "round by round: 0.50 2.00 (mean 1.25, spread 1.50)" in round_ratios(rounds)
 
 
 def test_conditional_acceptance_and_measured_prior():
