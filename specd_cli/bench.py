@@ -502,18 +502,25 @@ def run_load(args: argparse.Namespace, workload: dict[str, list[str]], configs: 
             stub.Generate(_request(tasks[0][1], tasks[0][0], config, args, seed=1, segment="bench-warm-up"))
         for n in levels:
             # Rounds take turns configuration by configuration, so that the machine's drift falls
-            # on all of them alike. Each level's and round's requests carry segments of their
-            # own, and each request a cache salt of its own: neither the suffix cache nor the
-            # prefix caches may give them another level's, round's or request's work.
+            # on all of them alike, and each round starts with the next configuration: a wave
+            # that always ran second would meet whatever the wave before it leaves behind (a
+            # slower spell, the workers' state). Each level's and round's requests carry
+            # segments of their own, and each request a cache salt of its own: neither the
+            # suffix cache nor the prefix caches may give them another level's, round's or
+            # request's work.
             for number, this_round in enumerate(rounds, start=1):
-                for config in configs:
+                measured: dict[int, loadbench.LoadResult] = {}  # by configuration, which run in turn
+                turn = (number - 1) % len(configs)
+                for index in [*range(turn, len(configs)), *range(turn)]:
+                    config = configs[index]
                     segment = f"{config.segment}-at-{n}-round-{number}"
                     reqs = [_request(tasks[i % len(tasks)][1], tasks[i % len(tasks)][0], config, args, seed=i + 1,
                                      segment=segment, cache_salt=f"{segment}-{i}")
                             for i in range(args.requests_per_level)]
-                    this_round.append(loadbench.run_level(args.gateway, tls, metadata, reqs, config.label, n))
-                    print(f"  N={n:<3} {config.label:<24} {this_round[-1].tokens_per_s:8.1f} tokens/s"
+                    measured[index] = loadbench.run_level(args.gateway, tls, metadata, reqs, config.label, n)
+                    print(f"  N={n:<3} {config.label:<24} {measured[index].tokens_per_s:8.1f} tokens/s"
                           + (f" (round {number})" if len(rounds) > 1 else ""), flush=True)
+                this_round.extend(measured[index] for index in range(len(configs)))  # target-only first
     results = loadbench.merged(rounds)
     reference = {}
     if args.target:

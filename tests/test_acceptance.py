@@ -1,6 +1,8 @@
 """Acceptance statistics (sums, windows, labels), the cost model, and the Prometheus format."""
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -146,10 +148,11 @@ def test_bench_runs_against_a_gateway(stack, tmp_path):
 
 def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypatch):
     """`--rounds` with `--concurrency`: at each level each configuration runs once a round,
-    the rounds in turn (so the machine's drift falls on both alike), each level's and
-    round's requests in user segments of their own (none is drafted from another's
-    responses to the same prompts by the suffix cache), and each round's ratio to
-    target-only is printed beside the merged table."""
+    the rounds in turn (so the machine's drift falls on both alike), each round starting
+    with the next configuration (none always runs second), each level's and round's
+    requests in user segments of their own (none is drafted from another's responses to
+    the same prompts by the suffix cache), and each round's ratio to target-only is
+    printed beside the merged table."""
     import argparse
     import json
 
@@ -174,8 +177,8 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
     round_lines = [line for line in capsys.readouterr().out.splitlines() if "(round " in line]
     progress = [line.split()[0] + " " + line.split()[1] + (" AUTO" if "AUTO" in line else "") + " "
                 + line.split("(round ")[1].rstrip(")") for line in round_lines]
-    assert progress == [f"N={n} {config} {number}" for n in (1, 2) for number in (1, 2)
-                        for config in ("target-only", "cost AUTO")], progress
+    assert progress == [f"N={n} {config} {number}" for n in (1, 2) for number, order in ((1, (0, 1)), (2, (1, 0)))
+                        for config in [("target-only", "cost AUTO")[i] for i in order]], progress
     assert len(segments - {"bench-warm-up"}) == 2 * 2 * 2, segments  # configurations × levels × rounds
     report = json.loads((tmp_path / "load.json").read_text())
     assert report["rounds"] == 2 and [row["tokens"] for row in report["rows"]] == [2 * 2 * 6] * 4
@@ -185,9 +188,12 @@ def test_bench_load_stage_takes_rounds_in_turn(stack, tmp_path, capsys, monkeypa
     assert all(len(each) == 2 and all(float(r) > 0 for r in each) for each in ratios), ratios
     # Each round's ratio is that round's own, as its progress lines printed it (the merged
     # table's totals once stood in for the first round's).
-    rates = [float(line.split("tokens/s")[0].split()[-1]) for line in round_lines]
-    for level, printed in enumerate(ratios):
-        own = [rates[4 * level + 2 * number + 1] / rates[4 * level + 2 * number] for number in (0, 1)]
+    rates = {}  # (level, target-only or not, round) -> tokens/s
+    for line in round_lines:
+        level, label, rate, number = re.match(r"\s*N=(\d+)\s+(.*?)\s+([\d.]+) tokens/s \(round (\d+)\)", line).groups()
+        rates[int(level), label == "target-only", int(number)] = float(rate)
+    for n, printed in zip((1, 2), ratios, strict=True):
+        own = [rates[n, False, number] / rates[n, True, number] for number in (1, 2)]
         assert [float(r) for r in printed] == pytest.approx(own, abs=0.01 + 0.02 * max(own)), (printed, own)
 
 
