@@ -279,6 +279,54 @@ def test_under_a_cap_of_0_trials_thin_out_further_until_the_acceptance_moves():
     assert level.best == 0 and level.explore_every == cap.explore_every
 
 
+@pytest.mark.parametrize("switch_ms", [20.0, 300.0])
+def test_a_lost_trial_waits_until_its_cost_is_a_small_share_of_the_time_since(switch_ms):
+    """Plain decoding in force at 16 sessions; a cap of 1 runs 10% slower. A switch to it
+    makes every session's first step under it take `switch_ms` (the draft catching up on
+    its context; 20 ms: no catch-up). The trials' verdicts leave those steps out, but what
+    a lost trial's switches cost is at most `TRIAL_BUDGET` of the level's time until the
+    next: with a dear switch the trials are far rarer than the epochs alone space them
+    (8, 16, 32... epochs of 48 steps)."""
+    from gateway.policy.loadcap import TRIAL_BUDGET
+
+    cap = LoadCap(max_draft_length=8)
+    cap.cap()
+    level = cap._level(16)
+    level.best, level.settle = 0, 0
+    trials = []  # [session-ms at its start, at its end, its cost]
+    catching_up, previous = 0, 0
+    session_ms = 0.0  # the level's time, summed over its sessions' steps
+    for index in range(1, 120_001):
+        running = level.trial is not None
+        arm = cap.cap()
+        if arm and not previous:  # every switch to the cap of 1, a trial's second turn pair included
+            catching_up = 16
+        previous = arm
+        interval = 20.0 if arm == 0 else 22.0
+        if arm and catching_up:
+            catching_up -= 1
+            interval = switch_ms
+        session_ms += interval
+        cap.observe(arm, capped_step(index, min(arm, 1), interval))
+        if level.trial is not None and not running:
+            trials.append([session_ms, None, None])
+        elif running and level.trial is None:
+            trials[-1][1:] = [session_ms, level.trial_cost]
+    assert level.best == 0 and len(trials) >= 3, trials
+    waits = [after[0] - before[1] for before, after in zip(trials, trials[1:])]
+    costs = [cost for _, _, cost in trials[:-1]]
+    if switch_ms > 100:
+        # Two switches a trial, each 16 × 280 ms: 9 s, and at least 900 s before the next.
+        assert all(cost >= 2 * 16 * (switch_ms - 20.0) for cost in costs), costs
+        # TRIAL_BUDGET is 1%; at the old epochs' schedule alone the waits were 8 to 256 epochs
+        # (8 to 245 s), so the switches took 4% to over 100% of the level's time.
+        assert TRIAL_BUDGET <= 0.01 and all(wait >= cost / 0.01 for wait, cost in zip(waits, costs)), (waits, costs)
+    else:
+        # Switches that cost nothing: the epochs' schedule alone spaces the trials, the first
+        # wait 16 epochs of 48 steps (about 15 s).
+        assert max(costs) == 0.0 and waits[0] < 16 * 48 * 22.0 * 1.5, (waits, costs)
+
+
 def test_an_unlucky_first_measure_of_plain_decoding_does_not_decide_for_good():
     """The first trial of cap 0 comes early, often while the first prompts still prefill and
     slow every forward. Plain decoding is measured again later, and wins where it should."""

@@ -26,6 +26,12 @@ MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 # directly (`_reprice`), and brings the next trial forward.
 MAX_PLAIN_EXPLORE_INTERVAL = 256
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
+# What a lost trial's switches cost, beyond the cap in force's goodput, is at most this share
+# of the level's time until the next (`_LevelArms.trial_cost`). Why: on SmolLM2 at 8 in flight here
+# a trial of a cap of 1 after plain decoding costs all eight sessions about 0.3 s, each
+# draft catching up on its context, and trials 8 and 16 epochs apart (2 and 5 s) made AUTO
+# lose 3-6% to plain decoding over a fresh server's first minute, all to trials it lost.
+TRIAL_BUDGET = 0.01
 TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks quiet steps (`_Goodput`)
 # The trials between two caps at a level are weighed together (`_Verdicts`): their mean for
 # the first few, then an average in which each new trial weighs this much.
@@ -156,6 +162,13 @@ class _LevelArms:
     outvoted: set[int] = field(default_factory=set)  # higher caps whose last trial's turns won by the margin,
     # its verdict lost
     extended: int = 0  # times the trial on now ran four more turns for want of quiet steps
+    switching: _Goodput = field(default_factory=_Goodput)  # the trial's steps left out after a switch to it
+    # What the last lost trial's switches to it cost beyond the cap in force's goodput
+    # (session-ms: the sum of each session's step intervals; `_charge`), and the session-ms of
+    # the cap in force's steps since it ended: the next trial waits until the cost is at most
+    # `TRIAL_BUDGET` of them (`_affordable`).
+    trial_cost: float = 0.0
+    since_ms: float = 0.0
     verdicts: dict[tuple[int, int], _Verdicts] = field(default_factory=dict)  # (lower cap, higher) -> trials'
     drafted: int = 0  # the longest model draft proposed in the running epoch
     used: int | None = None  # ...and in the last full epoch of the cap in force (None: not yet measured)
@@ -368,6 +381,7 @@ class LoadCap:
                 # What trials decided here stays, but it was measured at another acceptance:
                 # the next trial comes as soon as it would after a win.
                 level.explore_every, level.rival_after = min(level.explore_every, self.explore_every), 1
+                level.trial_cost = 0.0
                 continue
             level.verdicts.clear()
             cap = self._prior_cap(load)
@@ -472,7 +486,11 @@ class LoadCap:
             return
         if level.settle > 0:  # it shared forwards with steps chosen under the previous cap
             level.settle -= 1
+            if level.trial is not None and cap == level.trial:  # a switch to the trial: what it costs
+                level.switching.add(len(record.emitted), record.interval_ms, quiet)
             return
+        if not level.turns:
+            level.since_ms += record.interval_ms
         level.drafted = max(level.drafted, record.draft_model_tokens)
         # The whole interval between the request's commits, not just its hops: under load the
         # gateway's own work and the hand-offs are part of what a step costs a session.
@@ -486,7 +504,10 @@ class LoadCap:
     def _leave(self, level: _LevelArms, load: int) -> None:
         """The load moved to another level: drop this one's running epoch and any trial on it.
         Why: when the load comes back, maybe much later on a machine running at another
-        speed, a trial resumed there would weigh turns of two different stretches."""
+        speed, a trial resumed there would weigh turns of two different stretches. A trial
+        dropped still cost what its switches did."""
+        if level.trial is not None:
+            self._charge(level, level.all_rates.get(level.best, 0.0))
         level.trial, level.turns, level.window, level.remeasure, level.rival = None, [], {}, False, False
         level.running, level.drafted = _Goodput(), 0
         level.settle = load  # on return, the steps in flight were chosen at another load
@@ -502,6 +523,8 @@ class LoadCap:
         if len(level.all_rates) == 1 and level.best > 0:
             # First: does speculating pay at all at this load?
             self._start_trial(level, load, 0, remeasure=True, reason="the first at this load")
+        elif not self._affordable(level):
+            level.epochs += 1  # the next scheduled trial is due as soon as it is affordable
         elif level.since_trial >= level.rival_after and (rival := self._rival(level)) is not None:
             # A cap measured before now does clearly better than the one in force, whose
             # average has fallen since: measure it again soon rather than wait for its turn.
@@ -530,7 +553,7 @@ class LoadCap:
         if trial is None or trial == level.best:
             return
         log.debug("load cap at load %d: a trial of %d against %d (%s)", load, trial, level.best, reason)
-        level.trial, level.remeasure = trial, remeasure
+        level.trial, level.remeasure, level.switching = trial, remeasure, _Goodput()
         # Best, trial, trial, best, twice: each cap's turns sit at the same mean time (a steady
         # drift cancels), and each has as many turns right after a switch as after its own.
         level.turns = [level.best, trial, trial, level.best] * (TRIAL_TURNS // 4)
@@ -575,11 +598,16 @@ class LoadCap:
         higher_over_lower = math.log(max(rate.get(pair[1], 0.0), 1e-9) / max(rate.get(pair[0], 0.0), 1e-9))
         verdict = level.verdicts.setdefault(pair, _Verdicts()).add(higher_over_lower)
         won = (verdict if trial > best else -verdict) > math.log1p(self.margin)
+        if won:
+            level.trial_cost, level.since_ms, level.switching = 0.0, 0.0, _Goodput()  # the win pays for it
+        else:
+            self._charge(level, level.all_rates[best])
         level.trial, level.window, level.since_trial = None, {}, 0
         level.decided += 1
         log.info("load cap at load %d: %d %s its trial against %d (%.4f against %.4f tokens/ms a session; "
-                 "log ratio %+.2f over %d trials)", load, trial, "won" if won else "lost", best,
-                 rate.get(trial, 0.0), rate.get(best, 0.0), verdict, level.verdicts[pair].trials)
+                 "log ratio %+.2f over %d trials; its switches cost %.0f session-ms beyond the cap in force's goodput)",
+                 load, trial, "won" if won else "lost", best, rate.get(trial, 0.0), rate.get(best, 0.0), verdict,
+                 level.verdicts[pair].trials, level.trial_cost)
         # Outvoted: its own turns beat the cap in force by the margin, and only the trials
         # before outweighed them. A narrower win is within one trial's noise, and a rival
         # re-trial on it costs every session a catch-up prefill on the draft.
@@ -603,6 +631,22 @@ class LoadCap:
         if won:  # the steps in flight were chosen under the old cap; the next cap along, at once
             level.settle = load
             self._start_trial(level, load, self._neighbour(level), remeasure=False, reason="the next after a win")
+
+    def _charge(self, level: _LevelArms, best_rate: float) -> None:
+        """Keep what the switches to the trial ending now cost: the session-ms of the steps its
+        turns left out after each switch to it, beyond what the cap in force takes for the same
+        tokens. Why those: the verdict leaves them out, since they are not what the cap costs
+        once running, but a switch to drafting after plain steps has every session's draft
+        catch up on its context first, and that is most of what a losing trial costs. Its
+        turns' own shortfall is the price of measuring, which the epochs' schedule spaces."""
+        spent, level.switching = level.switching, _Goodput()
+        level.trial_cost = max(0.0, spent.ms - spent.tokens / best_rate) if best_rate > 0 else 0.0
+        level.since_ms = 0.0
+
+    @staticmethod
+    def _affordable(level: _LevelArms) -> bool:
+        """Whether the last lost trial's switches cost at most `TRIAL_BUDGET` of the level's time since."""
+        return level.trial_cost <= TRIAL_BUDGET * level.since_ms
 
     def _rival(self, level: _LevelArms) -> int | None:
         """A measured cap whose goodput beats the cap in force's average by the margin, if
