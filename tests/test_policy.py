@@ -260,7 +260,8 @@ def test_load_cap_trials_thin_out_while_they_lose_and_a_lone_session_is_never_ca
 def test_under_a_cap_of_0_trials_thin_out_further_until_the_acceptance_moves():
     """A trial of drafting after plain steps costs every session a catch-up prefill on the
     draft: under a cap of 0 losing trials thin out past `MAX_EXPLORE_INTERVAL` epochs, to
-    `MAX_PLAIN_EXPLORE_INTERVAL`. The pair's acceptance moving brings the next one forward."""
+    `MAX_PLAIN_EXPLORE_INTERVAL`. The pair's acceptance moving brings the next one forward,
+    whatever the last one's switches cost."""
     from gateway.policy.loadcap import MAX_EXPLORE_INTERVAL
 
     cap = LoadCap(max_draft_length=8)
@@ -274,9 +275,10 @@ def test_under_a_cap_of_0_trials_thin_out_further_until_the_acceptance_moves():
     assert level.best == 0
     epoch = 3 * 16  # steps
     assert starts[-1] - starts[-2] > 2 * MAX_EXPLORE_INTERVAL * epoch, starts  # 3,264 steps at 64 epochs
+    assert level.trial_cost > 0  # the last lost trial's switches: the next waits for them too
     cap.price = lambda alpha: {16: [0.05, 0.03]}
     cap._reprice(0.9)
-    assert level.best == 0 and level.explore_every == cap.explore_every
+    assert level.best == 0 and level.explore_every == cap.explore_every and level.trial_cost == 0
 
 
 @pytest.mark.parametrize("switch_ms", [20.0, 300.0])

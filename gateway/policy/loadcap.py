@@ -379,9 +379,9 @@ class LoadCap:
         for load, level in self._levels.items():
             if level.source != "prior" or level.decided:
                 # What trials decided here stays, but it was measured at another acceptance:
-                # the next trial comes as soon as it would after a win.
-                level.explore_every, level.rival_after = min(level.explore_every, self.explore_every), 1
-                level.trial_cost = 0.0
+                # the next trial comes as soon as it would after a win, whatever the last cost.
+                level.explore_every, level.rival_after, level.trial_cost = min(level.explore_every,
+                                                                               self.explore_every), 1, 0.0
                 continue
             level.verdicts.clear()
             cap = self._prior_cap(load)
@@ -390,6 +390,7 @@ class LoadCap:
                 level.all_rates.clear()
                 level.rates.clear()
                 level.best, level.used, level.epochs, level.since_trial = cap, None, 0, 0
+            level.trial_cost = 0.0  # a trial cut short by the new price charged its switches to the old one
             self._weigh_prior(level, load)
 
     def origin(self) -> str:
