@@ -582,7 +582,8 @@ def test_with_a_prompt_in_every_forward_the_cap_is_still_measured():
 
 def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     """An operator asking why AUTO stopped speculating under load reads the cap in force
-    at each load level, and the goodput of each cap tried there, from /metrics."""
+    at each load level, the goodput of each cap tried there, and what the lost trials'
+    switches cost, from /metrics."""
     cap = LoadCap(max_draft_length=8)
     arriving = [cap.enter() for _ in range(4)]  # the cap is read at load 4, where nothing is measured yet
     assert cap.cap() == 8 and cap.caps() == {}
@@ -596,6 +597,9 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     assert in_force.labels == {"model_pair": "d->t", "load": "16"} and in_force.value == 0
     goodput = {s.labels["cap"]: s.value for s in families["specd_spec_decode_load_cap_goodput"].samples}
     assert goodput["0"] > goodput["8"] > 0, goodput
+    # What the lost trials of a cap of 1 cost in switches (each 25 ms step then took 50).
+    (switches,) = families["specd_spec_decode_load_cap_trial_switch_ms"].samples
+    assert switches.labels["load"] == "16" and switches.value == cap.switch_ms[16] > 0
 
 
 def test_a_trial_left_by_the_load_is_dropped_not_resumed():

@@ -30,7 +30,9 @@ Metric names stay as released; their help says which of the two quantities each 
 
 Under load, `specd_spec_decode_load_cap{model_pair,load}` is the γ cap AUTO requests share
 at each load level (`gateway.policy.loadcap.LoadCap`; 0: plain decoding there), and
-`specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured.
+`specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured;
+`specd_spec_decode_load_cap_trial_switch_ms_total{model_pair,load}` is what its lost
+trials' switches cost (the price of trying a cap, which the trial schedule budgets).
 AUTO's floor (`gateway.policy.floor`): `specd_plain_goodput_tokens_per_ms{load}` is plain
 decoding's measured goodput, and `specd_spec_decode_floor_speedup{model_pair,task_type,sampling}`
 every request's recent speculative steps over it: below 1, new AUTO requests of that kind
@@ -177,7 +179,14 @@ class AcceptanceCollector(Collector):
                                    "1 when the cap in force at this load is the one other gateways of the target "
                                    "learned (kept by the verifiers), and no trial here has moved it since.",
                                    labels=labels)
+        switches = CounterMetricFamily(PREFIX + "load_cap_trial_switch_ms",
+                                       "What lost trials' switches to their cap cost at this load beyond the cap in "
+                                       "force's goodput (session-ms: each session's draft catching up on its context "
+                                       "after plain steps), summed; the next trial waits until its last one's is 1% "
+                                       "of the level's time since.", labels=labels)
         for pair, load_cap in sorted(self.load_caps().items()):
+            for load, ms in sorted(load_cap.switch_ms.items()):
+                switches.add_metric([pair, str(load)], ms)
             for load, best in load_cap.caps().items():
                 cap.add_metric([pair, str(load)], best)
             for load, gamma in sorted(load_cap.prior_caps.items()):
@@ -188,7 +197,7 @@ class AcceptanceCollector(Collector):
             for load, rates in load_cap.rates().items():
                 for arm, rate in sorted(rates.items()):
                     goodput.add_metric([pair, str(load), str(arm)], rate)
-        return [cap, goodput, prior, origin, shared]
+        return [cap, goodput, prior, origin, shared, switches]
 
     def _suffix_cache(self):
         """How full the suffix proposer's cache of previous responses is."""

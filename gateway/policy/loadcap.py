@@ -286,6 +286,7 @@ class LoadCap:
         self._observed = 1  # the load the last step counted at
         self._prefilling = 0  # requests in flight that have not had their first step
         self._since_prompt = 0  # steps observed since a prompt was last prefilling
+        self.switch_ms: dict[int, float] = {}  # by load: every lost trial's switches' cost (`_charge`), summed
 
     def enter(self) -> InFlight:
         """A request of the pair starts (any mode or policy: its prompt rides in the target's
@@ -508,7 +509,7 @@ class LoadCap:
         speed, a trial resumed there would weigh turns of two different stretches. A trial
         dropped still cost what its switches did."""
         if level.trial is not None:
-            self._charge(level, level.all_rates.get(level.best, 0.0))
+            self._charge(level, load, level.all_rates.get(level.best, 0.0))
         level.trial, level.turns, level.window, level.remeasure, level.rival = None, [], {}, False, False
         level.running, level.drafted = _Goodput(), 0
         level.settle = load  # on return, the steps in flight were chosen at another load
@@ -602,7 +603,7 @@ class LoadCap:
         if won:
             level.trial_cost, level.since_ms, level.switching = 0.0, 0.0, _Goodput()  # the win pays for it
         else:
-            self._charge(level, level.all_rates[best])
+            self._charge(level, load, level.all_rates[best])
         level.trial, level.window, level.since_trial = None, {}, 0
         level.decided += 1
         log.info("load cap at load %d: %d %s its trial against %d (%.4f against %.4f tokens/ms a session; "
@@ -633,7 +634,7 @@ class LoadCap:
             level.settle = load
             self._start_trial(level, load, self._neighbour(level), remeasure=False, reason="the next after a win")
 
-    def _charge(self, level: _LevelArms, best_rate: float) -> None:
+    def _charge(self, level: _LevelArms, load: int, best_rate: float) -> None:
         """Keep what the switches to the trial ending now cost: the session-ms of the steps its
         turns left out after each switch to it, beyond what the cap in force takes for the same
         tokens. Why those: the verdict leaves them out, since they are not what the cap costs
@@ -643,6 +644,7 @@ class LoadCap:
         spent, level.switching = level.switching, _Goodput()
         level.trial_cost = max(0.0, spent.ms - spent.tokens / best_rate) if best_rate > 0 else 0.0
         level.since_ms = 0.0
+        self.switch_ms[load] = self.switch_ms.get(load, 0.0) + level.trial_cost
 
     @staticmethod
     def _affordable(level: _LevelArms) -> bool:
