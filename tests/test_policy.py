@@ -599,7 +599,7 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     assert goodput["0"] > goodput["8"] > 0, goodput
     # What the lost trials of a cap of 1 cost in switches (each 25 ms step then took 50).
     (switches,) = families["specd_spec_decode_load_cap_trial_switch_ms"].samples
-    assert switches.labels["load"] == "16" and switches.value == cap.switch_ms[16] > 0
+    assert switches.labels["load"] == "16" and switches.value == cap.switch_ms()[16] > 0
 
 
 def test_a_trial_left_by_the_load_is_dropped_not_resumed():

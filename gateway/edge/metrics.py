@@ -185,7 +185,7 @@ class AcceptanceCollector(Collector):
                                        "after plain steps), summed; the next trial waits until its last one's is 1% "
                                        "of the level's time since.", labels=labels)
         for pair, load_cap in sorted(self.load_caps().items()):
-            for load, ms in sorted(load_cap.switch_ms.items()):
+            for load, ms in load_cap.switch_ms().items():
                 switches.add_metric([pair, str(load)], ms)
             for load, best in load_cap.caps().items():
                 cap.add_metric([pair, str(load)], best)

@@ -26,11 +26,11 @@ MAX_EXPLORE_INTERVAL = 64  # epochs between the load cap's trials, at most
 # directly (`_reprice`), and brings the next trial forward.
 MAX_PLAIN_EXPLORE_INTERVAL = 256
 TRIAL_TURNS = 8  # turns of a load-cap trial, half its own and half the cap in force's
-# What a lost trial's switches cost, beyond the cap in force's goodput, is at most this share
-# of the level's time until the next (`_LevelArms.trial_cost`). Why: on SmolLM2 at 8 in flight here
-# a trial of a cap of 1 after plain decoding costs all eight sessions about 0.3 s, each
-# draft catching up on its context, and trials 8 and 16 epochs apart (2 and 5 s) made AUTO
-# lose 3-6% to plain decoding over a fresh server's first minute, all to trials it lost.
+# What a lost trial's switches cost, beyond the cap in force's goodput, is at most this
+# share of the level's time until the next (`_LevelArms.trial_cost`). Why: on SmolLM2 at 8
+# in flight here a switch to a cap of 1 after plain decoding costs all eight sessions about
+# 0.3 s, each draft catching up on its context, and a fresh level's first trials, 8 and 16
+# epochs apart (2 to 5 s), took 3.7% of AUTO's time there, every one of them lost.
 TRIAL_BUDGET = 0.01
 TRIAL_EXTENSIONS = 2  # times a trial runs four more turns while a cap lacks quiet steps (`_Goodput`)
 # The trials between two caps at a level are weighed together (`_Verdicts`): their mean for
@@ -286,7 +286,7 @@ class LoadCap:
         self._observed = 1  # the load the last step counted at
         self._prefilling = 0  # requests in flight that have not had their first step
         self._since_prompt = 0  # steps observed since a prompt was last prefilling
-        self.switch_ms: dict[int, float] = {}  # by load: every lost trial's switches' cost (`_charge`), summed
+        self._switch_ms: dict[int, float] = {}  # by load: every lost trial's switches' cost (`_charge`), summed
 
     def enter(self) -> InFlight:
         """A request of the pair starts (any mode or policy: its prompt rides in the target's
@@ -323,6 +323,11 @@ class LoadCap:
         caps.update({load: level.best for load, level in self._levels.items()
                      if level.all_rates or level.source == "shared"})
         return dict(sorted(caps.items()))
+
+    def switch_ms(self) -> dict[int, float]:
+        """What lost trials' switches cost at each load bucket, summed (session-ms; `_charge`). A
+        copy, as `caps`."""
+        return dict(sorted(self._switch_ms.items()))
 
     def rates(self) -> dict[int, dict[int, float]]:
         """Measured goodput (tokens per ms per session) of each cap tried, by load bucket, on
@@ -644,7 +649,7 @@ class LoadCap:
         spent, level.switching = level.switching, _Goodput()
         level.trial_cost = max(0.0, spent.ms - spent.tokens / best_rate) if best_rate > 0 else 0.0
         level.since_ms = 0.0
-        self.switch_ms[load] = self.switch_ms.get(load, 0.0) + level.trial_cost
+        self._switch_ms[load] = self._switch_ms.get(load, 0.0) + level.trial_cost
 
     @staticmethod
     def _affordable(level: _LevelArms) -> bool:
