@@ -598,8 +598,9 @@ def test_the_load_cap_and_what_it_measured_are_in_prometheus():
     goodput = {s.labels["cap"]: s.value for s in families["specd_spec_decode_load_cap_goodput"].samples}
     assert goodput["0"] > goodput["8"] > 0, goodput
     # What the lost trials of a cap of 1 cost in switches (each 25 ms step then took 50).
-    (switches,) = families["specd_spec_decode_load_cap_trial_switch_ms"].samples
-    assert switches.labels["load"] == "16" and switches.value == cap.switch_ms()[16] > 0
+    (switches,) = families["specd_spec_decode_load_cap_trial_switch_seconds"].samples
+    assert switches.labels["load"] == "16" and cap.switch_ms()[16] > 0
+    assert switches.value == pytest.approx(cap.switch_ms()[16] / 1e3)
 
 
 def test_a_trial_left_by_the_load_is_dropped_not_resumed():

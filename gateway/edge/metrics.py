@@ -31,7 +31,7 @@ Metric names stay as released; their help says which of the two quantities each 
 Under load, `specd_spec_decode_load_cap{model_pair,load}` is the γ cap AUTO requests share
 at each load level (`gateway.policy.loadcap.LoadCap`; 0: plain decoding there), and
 `specd_spec_decode_load_cap_goodput{model_pair,load,cap}` what each cap tried measured;
-`specd_spec_decode_load_cap_trial_switch_ms_total{model_pair,load}` is what its lost
+`specd_spec_decode_load_cap_trial_switch_seconds_total{model_pair,load}` is what its lost
 trials' switches cost (the price of trying a cap, which the trial schedule budgets).
 AUTO's floor (`gateway.policy.floor`): `specd_plain_goodput_tokens_per_ms{load}` is plain
 decoding's measured goodput, and `specd_spec_decode_floor_speedup{model_pair,task_type,sampling}`
@@ -179,14 +179,14 @@ class AcceptanceCollector(Collector):
                                    "1 when the cap in force at this load is the one other gateways of the target "
                                    "learned (kept by the verifiers), and no trial here has moved it since.",
                                    labels=labels)
-        switches = CounterMetricFamily(PREFIX + "load_cap_trial_switch_ms",
+        switches = CounterMetricFamily(PREFIX + "load_cap_trial_switch_seconds",
                                        "What lost trials' switches to their cap cost at this load beyond the cap in "
-                                       "force's goodput (session-ms: each session's draft catching up on its context "
-                                       "after plain steps), summed; the next trial waits until its last one's is 1% "
-                                       "of the level's time since.", labels=labels)
+                                       "force's goodput (session-seconds: each session's draft catching up on its "
+                                       "context after plain steps), summed; the next trial waits until its last one's "
+                                       "is 1% of the level's time since.", labels=labels)
         for pair, load_cap in sorted(self.load_caps().items()):
             for load, ms in load_cap.switch_ms().items():
-                switches.add_metric([pair, str(load)], ms)
+                switches.add_metric([pair, str(load)], ms / 1e3)
             for load, best in load_cap.caps().items():
                 cap.add_metric([pair, str(load)], best)
             for load, gamma in sorted(load_cap.prior_caps.items()):
