@@ -441,19 +441,25 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
     return result
 
 
-def use_graphs(model, sessions: int) -> str:
+def use_graphs(model, sessions: int, context: int) -> str:
     """From now on, run the forwards of `model` (a `Loaded` or a `bench_ceiling.Model`) as
-    CUDA graphs for up to `sessions` rows (`--cuda-graphs`; on a CPU, the same static steps
-    run eagerly); what `graphs.problem` says where it cannot."""
+    CUDA graphs for up to `sessions` rows of up to `context` positions, the buckets a worker
+    with default batching captures at load (`--cuda-graphs`; on a CPU, the same static steps
+    run eagerly), with how many and how long they took; what `graphs.problem` says where it
+    cannot."""
     from specd.worker import forwards, graphs, lean, rope
+    from specd.worker.settings import BatchSettings
 
     decoder = lean.decoder_of(model.model)
     problem = graphs.problem(model.model, decoder, rope.regime(model.model) is not None)
     if problem is not None or decoder is None:
         return f"no graphs: {problem}"
-    steps = graphs.StaticSteps(decoder, model.pool, model.device, sessions, capture=model.device.type == "cuda")
+    buckets = graphs.buckets(max_sessions=sessions, batching=BatchSettings(block_tokens=model.pool.block_tokens),
+                             max_context=context)
+    began = time.perf_counter()
+    steps = graphs.StaticSteps(decoder, model.pool, model.device, buckets, capture=model.device.type == "cuda")
     forwards.use_static_steps(model.model, steps)
-    return "on"
+    return f"on, {len(buckets)} buckets built in {time.perf_counter() - began:.1f} s"
 
 
 def graph_agreement(model: Loaded, batch: int, width: int, context: int) -> str:
@@ -500,9 +506,9 @@ def cmd_forwards(args: argparse.Namespace) -> int:
         print(f"   {'sessions':>8} {'tokens':>6} {'kernels':>7} {'copies':>6} {'syncs':>5} {'event ms':>8} "
               f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA (or graphs: the same replayed)")
         results = [measure(model, batch, width, context, repeats) for batch, width in shapes]
-        graphs = use_graphs(model, 32)
+        graphs = use_graphs(model, 32, context + max(width for _, width in shapes))
         print(f"   --cuda-graphs: {graphs}" + ("" if cuda else " (a CPU cannot capture: the static steps run eagerly)"))
-        if graphs == "on":
+        if graphs.startswith("on"):
             results += [{**measure(model, batch, width, context, repeats), "graphs": True} for batch, width in shapes]
             batch, width = shapes[-1]
             print(f"   {batch} sessions × {width} tokens: {graph_agreement(model, batch, width, context)}", flush=True)
@@ -564,14 +570,16 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
                                  "prompts": len(prompts), "modes": {}}
     for mode in ("eager", "graphs"):
         if mode == "graphs":
-            states = [use_graphs(model, 1) for model in (target, draft)]
-            if any(state != "on" for state in states):
+            # Each model's graphs for one session over its whole pool, as a worker of one session's.
+            states = [use_graphs(model, 1, (model.pool.blocks - 1) * model.pool.block_tokens)
+                      for model in (target, draft)]
+            if any(not state.startswith("on") for state in states):
                 report["modes"][mode] = {"skipped": "; ".join(states)}
                 print(f"--cuda-graphs: {'; '.join(states)}")
                 Path(args.out).write_text(json.dumps(report, indent=2))
                 continue
-            print("--cuda-graphs: on" + ("" if device.type == "cuda" else
-                                        " (a CPU cannot capture: the static steps run eagerly)"))
+            print(f"--cuda-graphs: target {states[0]}; draft {states[1]}" + (
+                "" if device.type == "cuda" else " (a CPU cannot capture: the static steps run eagerly)"))
         for prompt in prompts:  # warm-up: each shape's kernels and plans, and (graphs) every bucket's capture
             bench_ceiling.target_only(target, prompt, args.max_new_tokens, eos)
             bench_ceiling.speculative(target, draft, gamma, prompt, args.max_new_tokens, eos)
@@ -721,7 +729,9 @@ def cmd_served(args: argparse.Namespace) -> int:
                "--startup-timeout", str(args.startup_timeout),
                # The random pair repeats itself (a bigram's cycles), which the model-free proposers
                # would draft for free: AUTO is to be measured on what the draft model proposes.
-               "--model-free", ""]
+               "--model-free", "",
+               # info: each worker's memory plan and what its CUDA graphs took at load, for the report.
+               "--log-level", "info"]
     if args.fraction:
         command += ["--gpu-memory-fraction", str(args.fraction)]
     graphs = "off"

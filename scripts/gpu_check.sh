@@ -145,6 +145,12 @@ report() {  # what has been measured so far, to report.md and $OUT
     section "transformers' generate (\`scripts/gpu_check.py reference\`)" reference.txt 10
     section "Served ($served $concurrency)" served.txt 22
     section "Served with --cuda-graphs" served-graphs.txt 22
+    echo
+    echo "What the workers kept and took for --cuda-graphs at load (served-graphs.log):"
+    echo
+    echo '```'
+    grep -h "CUDA graphs\|KV pool of" "$out/served-graphs.log" 2>/dev/null | tail -8 || echo "(not run)"
+    echo '```'
     section "Exactness on $device (\`pytest ${exactness[*]}\`)" exactness.txt 6
   } >"$out/report.md"
   if [[ -n ${OUT:-} ]]; then

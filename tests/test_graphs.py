@@ -21,15 +21,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from conftest import request, start_stack
-from specd.worker import forwards, graphs, lean
+from specd.worker import forwards, graphs, lean, memory
 from specd.worker.attention import use_paged_attention
 from specd.worker.kvstore import NULL_BLOCK, KVPool, SessionKV
 from specd.worker.layout import BatchRow
-from specd.worker.settings import ModelSettings
+from specd.worker.settings import BatchSettings, ModelSettings
 from test_batching import PROMPTS, _model, _per_row, _pool, in_flight
 from test_cli import free_port, specd
 from test_pipeline import reference_greedy
 
+MiB = 1 << 20
 # Operators a CUDA graph cannot hold: each waits for the device (a scalar read back, an
 # output whose size is a value).
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
@@ -61,10 +62,17 @@ def _sessions(model, pool: KVPool, lengths: list[int]) -> list[SessionKV]:
     return sessions
 
 
+def _buckets(model, pool: KVPool, max_sessions: int) -> list[graphs.Bucket]:
+    """The buckets a worker of `max_sessions` with `pool` builds at load."""
+    context = min(model.config.max_position_embeddings, (pool.blocks - 1) * pool.block_tokens)
+    return graphs.buckets(max_sessions=max_sessions, batching=BatchSettings(block_tokens=pool.block_tokens),
+                          max_context=context)
+
+
 def _static(model, pool: KVPool, max_sessions: int = 8) -> graphs.StaticSteps:
     decoder = lean.decoder_of(model)
     assert decoder is not None, "the lean forward was not installed"
-    return graphs.StaticSteps(decoder, pool, model.device, max_sessions, capture=False)
+    return graphs.StaticSteps(decoder, pool, model.device, _buckets(model, pool, max_sessions), capture=False)
 
 
 def test_a_static_step_gives_each_row_the_eager_forwards_logits(model_dirs, device):
@@ -88,8 +96,7 @@ def test_a_static_step_gives_each_row_the_eager_forwards_logits(model_dirs, devi
         static = steps.forward(rows)
         assert static is not None and steps.replays == 1
         # What a graph would keep between replays: hidden states, H wide, not V-wide logits.
-        (step,) = steps._steps.values()
-        assert step.run().shape == (1, 4 * 4, model.config.hidden_size)
+        assert steps._steps[(4, 4, 8)].run().shape == (1, 4 * 4, model.config.hidden_size)
     for got, expected in zip(_per_row(static), eager):
         torch.testing.assert_close(got.float(), expected)
     size = pool.block_tokens
@@ -115,7 +122,21 @@ def test_a_captured_graph_replays_the_eager_logits_for_each_fill(model_dirs):
     model = _model(model_dirs["target"], "cuda")
     pool = _pool(model)
     assert lean.install(model, pool, model.config.vocab_size, model.device) is None
-    steps = graphs.StaticSteps(forwards.stand_in(model), pool, model.device, 8, capture=True)
+    decoder = lean.decoder_of(model)
+    assert decoder is not None
+    buckets = [(4, 2, 4), (1, 1, 1)]  # the rows below: 3 rows of 1 or 2 tokens over at most 22 positions
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    steps = graphs.StaticSteps(decoder, pool, model.device, buckets, capture=True)
+    torch.cuda.synchronize()
+    took = free - torch.cuda.mem_get_info()[0]
+    planned = (graphs.graph_bytes(buckets, model.config.hidden_size, 4)
+               + graphs.transient_bytes(decoder, pool, buckets, model.device))
+    # What the captures took, beside what the memory plan would keep: within the allocator's
+    # segments (2 MiB for small blocks, 20 for large), of which a private pool takes its own.
+    assert took <= planned + 2 * 20 * MiB, (took, planned)
+    assert steps.captured == 2
     with torch.inference_mode():
         sessions = _sessions(model, pool, [5, 20, 12])
         for feeds in ([[7], [8, 9], [10, 11]], [[3, 4], [5], [6]]):
@@ -127,7 +148,7 @@ def test_a_captured_graph_replays_the_eager_logits_for_each_fill(model_dirs):
             assert static is not None
             for got, expected in zip(_per_row(static), eager):
                 torch.testing.assert_close(got.float(), expected)
-    assert steps.captured == 1 and steps.replays == 2
+    assert steps.replays == 2
 
 
 def test_rows_that_fit_no_bucket_run_the_eager_forward(model_dirs):
@@ -148,6 +169,66 @@ def test_rows_that_fit_no_bucket_run_the_eager_forward(model_dirs):
         forwards.forward(model, [BatchRow(sessions[1], [5], 1)], model.device)
         assert steps.replays == 1
     torch.testing.assert_close(logits, model(input_ids=torch.tensor([prefill])).logits[0, -1:])
+
+
+def test_rows_outside_the_buckets_built_at_load_run_eagerly_and_build_nothing(model_dirs):
+    """Nothing is built (or, on a GPU, captured) on a request's path: a forward whose
+    bucket the worker did not build at load, here a context longer than the set covers,
+    runs the eager forward, exactly, and the set is as it was."""
+    model = _model(model_dirs["target"], "cpu")
+    pool = _pool(model)
+    assert lean.install(model, pool, model.config.vocab_size, model.device) is None
+    decoder = lean.decoder_of(model)
+    assert decoder is not None
+    steps = graphs.StaticSteps(decoder, pool, model.device, [(2, 1, 4), (2, 1, 2)], capture=False)
+    forwards.use_static_steps(model, steps)
+    short, long = _sessions(model, pool, [20, 40])  # 3 and 6 blocks of 8, with the token fed
+    with torch.inference_mode():
+        assert steps.bucket([BatchRow(long, [5], 1)]) is None  # a bucket of 8 blocks: not built
+        logits, _ = forwards.forward(model, [BatchRow(long, [5], 1)], model.device)
+        assert steps.replays == 0
+        forwards.forward(model, [BatchRow(short, [5], 1)], model.device)
+        assert steps.replays == 1
+    assert steps.built == [(2, 1, 4), (2, 1, 2)]
+    expected = model(input_ids=torch.tensor([long.tokens[:40] + [5]])).logits[0, -1:]
+    torch.testing.assert_close(logits, expected)
+
+
+def test_the_buckets_built_at_load_are_bounded():
+    """Every bucket feeds at most GRAPH_POSITIONS positions and gathers at most the keys the
+    profiling forward gathered, so no capture outgrows the activation the memory plan
+    measured; within that, one session decodes in a graph up to the model's whole context,
+    and every batch up to the worker's sessions at a short one. Largest first, for the
+    captures' shared pool."""
+    batching = BatchSettings()
+    for sessions, context in ((64, 131072), (256, 8192), (1, 4096), (5, 1000)):
+        found = graphs.buckets(max_sessions=sessions, batching=batching, max_context=context)
+        keys = memory.profile_shape(max_sessions=sessions, max_batch_tokens=batching.max_batch_tokens,
+                                    prefill_chunk=batching.prefill_chunk, max_context=context,
+                                    block_tokens=batching.block_tokens).keys
+        assert len(set(found)) == len(found) < 512
+        assert all(b * f <= graphs.GRAPH_POSITIONS and b * w * batching.block_tokens <= keys for b, f, w in found)
+        whole = -(-context // batching.block_tokens)
+        alone = max(w for b, f, w in found if b == 1 and f == 1)
+        assert alone >= whole or 2 * alone * batching.block_tokens > keys, (sessions, context, alone)
+        batches = {b for b, f, w in found if f == 1 and w == 1}
+        assert max(batches) >= sessions and {b for b in graphs.BATCH_BUCKETS if b < sessions} <= batches
+        sizes = [b * w for b, f, w in found]
+        assert sizes == sorted(sizes, reverse=True)
+
+
+def test_what_the_built_buckets_keep_is_what_the_memory_plan_counts(model_dirs):
+    """`graph_bytes` is each built step's buffer and the output a capture keeps, to the
+    byte; the intermediates' peak (`transient_bytes`) runs the largest buckets, and is
+    measured only by a CUDA allocator (0 here)."""
+    model = _model(model_dirs["target"], "cpu")
+    pool = _pool(model)
+    assert lean.install(model, pool, model.config.vocab_size, model.device) is None
+    steps = _static(model, pool, max_sessions=4)
+    with torch.inference_mode():
+        kept = sum(step.buffer.nbytes + step.run().nbytes for step in steps._steps.values())
+        assert graphs.transient_bytes(steps.decoder, pool, steps.built, model.device) == 0
+    assert graphs.graph_bytes(steps.built, model.config.hidden_size, 4) == kept
 
 
 def _tiny(kind: str):

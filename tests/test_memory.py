@@ -184,6 +184,51 @@ def test_a_worker_sizes_its_pool_from_the_fraction_s_arithmetic(model_dirs, monk
     asyncio.run(step())
 
 
+def test_a_worker_with_cuda_graphs_builds_them_at_load_within_its_plan(model_dirs, monkeypatch):
+    """--cuda-graphs with --gpu-memory-fraction, the load path on this CPU: the pool is the
+    fraction less what loading took and what the buckets keep (`graphs.graph_bytes`), every
+    bucket is built before the first request, and a request replays one. Substitutes, as a
+    CPU cannot capture: torch's CUDA memory figures are numbers (16 MiB in all, 10 free, 1
+    loaded), the graphs' memory pool handle is None, and a capture leaves the step to run
+    eagerly (the same operators, `tests/test_graphs.py`)."""
+    import asyncio
+
+    from specd.sampling import Transform
+    from specd.worker import graphs
+
+    MiB = 1 << 20
+    allocated = iter([0, MiB])  # before loading, after
+    monkeypatch.setattr(memory, "device_problem", lambda device, fraction=0.0: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(graphs.StaticSteps, "_capture", lambda self, step: None)
+    batching = BatchSettings(gpu_memory_fraction=0.5)
+    scorer = Scorer(model_dirs["target"], ModelSettings(cuda_graphs=True, max_sessions=8, batching=batching))
+    runner = scorer.runner
+    plan, steps = runner.memory_plan, runner.static_steps
+    assert plan is not None and steps is not None
+    buckets = graphs.buckets(max_sessions=8, batching=batching, max_context=runner.info.max_context)
+    assert steps.built == buckets and plan.buckets == len(buckets)
+    hidden = runner.model.config.hidden_size
+    assert plan.graphs == graphs.graph_bytes(buckets, hidden, torch.finfo(runner.dtype).bits // 8) > 0
+    block_bytes = runner.kv_bytes_per_token() * runner.pool.block_tokens
+    assert runner.pool.blocks == (7 * MiB - plan.graphs) // block_bytes
+    assert f"for {len(buckets)} CUDA graphs" in plan.describe()
+
+    async def step() -> None:
+        replays = steps.replays
+        scores = await scorer.score("s", 0, [5, 6, 7], [], Transform())
+        assert scores.argmax is not None and len(scores.argmax) == 1
+        await scorer.score("s", 3, [scores.argmax[0]], [], Transform())  # a plain step: a built bucket
+        assert steps.replays > replays and steps.built == buckets
+        await runner.close()
+
+    asyncio.run(step())
+
+
 def test_the_profiling_forward_runs_on_the_worker_s_rows(model_dirs):
     """The profile's rows (a shared context forked for every row, copy on write) go through a
     real forward; on a CPU nothing is measured, which the CUDA test below does."""

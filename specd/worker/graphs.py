@@ -11,9 +11,21 @@ over buffers of its own, and its shape is a bucket:
 - `batch` rows (a power of two up to the worker's sessions);
 - `feed` tokens per row (1 for a draft's step, up to 16: a verification of γ + 1);
 - `width` blocks of the KV pool each row reads (a power of two).
-A forward whose rows fit a bucket fills that bucket's buffers with one copy and replays
-its graph, captured the first time the bucket is met; any other forward (a prefill chunk,
-more rows than the largest bucket) runs the eager forward as before (`forwards`).
+A worker captures its buckets when it loads (`buckets`: a bounded set), as vLLM and SGLang
+do, and counts their memory before it sizes the KV pool (`specd.worker.memory`), so that
+no capture stalls a request or takes memory the pool was promised. A forward whose rows
+fit a captured bucket fills that bucket's buffers with one copy and replays its graph; any
+other forward (a prefill chunk, more rows or a longer context than the set covers) runs
+the eager forward as before (`forwards`): there the device's arithmetic, not the launches,
+is most of the time.
+
+Which buckets, and why: every batch, every feed, and every width up to the model's
+context, where the bucket feeds at most `GRAPH_POSITIONS` positions (vLLM's largest
+captured batch by default) and reads at most the keys the profiling forward read
+(`memory.profile_shape`), so that no captured forward gathers more than the activation
+the memory plan measured. Each bucket keeps its buffers and its output, its hidden states
+(`graph_bytes`); the captures share one memory pool, taken largest first, so their
+intermediates take the largest one's peak once (`transient_bytes`).
 
 Padding, so that nothing the graph computes for it reaches a real row: a row feeding
 fewer than `feed` tokens, and the rows past the forward's own, feed token 0 and write its
@@ -42,11 +54,17 @@ from typing import Protocol
 import torch
 
 from specd.devices import upload
+from specd.worker import memory
 from specd.worker.kvstore import NULL_BLOCK, KVPool
 from specd.worker.layout import BatchCache, BatchInputs, BatchRow
+from specd.worker.settings import BatchSettings
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows of a captured forward, capped by the worker's sessions
 FEED_BUCKETS = (1, 2, 4, 8, 16)  # tokens per row: a plain step, a verification of γ + 1 ≤ 16
+# Positions (rows × tokens) of the largest captured forward. Past it a forward's arithmetic
+# outweighs its launches, and each bucket's output grows with its positions.
+GRAPH_POSITIONS = 512
+Bucket = tuple[int, int, int]  # (batch, feed, width)
 # Families whose layers route tokens to experts (the lean forward calls their own MoE blocks):
 # transformers runs them as grouped products with offsets on the device, or, where a model
 # is loaded with experts_implementation="eager", as a loop over the experts hit.
@@ -65,6 +83,27 @@ class Decoder(Protocol):
 
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
     return next((bucket for bucket in buckets if bucket >= value), None)
+
+
+def buckets(*, max_sessions: int, batching: BatchSettings, max_context: int) -> list[Bucket]:
+    """The buckets a worker captures at load, largest first (the order a shared memory pool
+    wants): every batch up to the worker's sessions, every feed, and every width up to the
+    model's context, where batch × feed ≤ GRAPH_POSITIONS and the bucket gathers at most the
+    keys the worker's profiling forward does (`memory.profile_shape`)."""
+    block_tokens = batching.block_tokens
+    max_keys = memory.profile_shape(max_sessions=max_sessions, max_batch_tokens=batching.max_batch_tokens,
+                                    prefill_chunk=batching.prefill_chunk, max_context=max_context,
+                                    block_tokens=block_tokens).keys
+    batches = tuple(b for b in BATCH_BUCKETS if b < max_sessions) + (
+        _bucket(max_sessions, BATCH_BUCKETS) or BATCH_BUCKETS[-1],)
+    blocks = -(-max_context // block_tokens)
+    widest = 1 << max(blocks - 1, 0).bit_length()  # a session at the whole context fits it
+    found = []
+    for batch in batches:
+        widths = [1 << k for k in range(widest.bit_length()) if batch * (1 << k) * block_tokens <= max_keys]
+        found += [(batch, feed, width) for feed in FEED_BUCKETS if batch * feed <= GRAPH_POSITIONS
+                  for width in widths]
+    return sorted(found, key=lambda b: (b[0] * b[2], b[0] * b[1], b), reverse=True)
 
 
 class StaticStep:
@@ -144,27 +183,31 @@ class StaticStep:
 
 
 class StaticSteps:
-    """The static forwards of one model, by bucket: replayed as CUDA graphs (`capture`), or
-    run eagerly (a CPU, which cannot capture: the same operators, for tests)."""
+    """The static forwards of one model, one for each of `buckets`, built when it is made:
+    captured as CUDA graphs (`capture`), or run eagerly (a CPU, which cannot capture: the
+    same operators, for tests). Nothing is built or captured after, on a request's path."""
 
-    def __init__(self, decoder: Decoder, pool: KVPool, device: torch.device, max_sessions: int,
+    def __init__(self, decoder: Decoder, pool: KVPool, device: torch.device, buckets: Sequence[Bucket],
                  capture: bool) -> None:
-        self.decoder, self.pool, self.device, self.capture = decoder, pool, device, capture
-        self.batches = tuple(b for b in BATCH_BUCKETS if b < max_sessions) + (
-            _bucket(max_sessions, BATCH_BUCKETS) or BATCH_BUCKETS[-1],)
-        self._steps: dict[tuple[int, int, int], StaticStep] = {}
+        self.decoder, self.pool, self.device = decoder, pool, device
+        self.batches = tuple(sorted({batch for batch, _, _ in buckets}))
         self._memory = torch.cuda.graph_pool_handle() if capture else None  # one pool for every graph
+        self._steps: dict[Bucket, StaticStep] = {}
+        for key in buckets:  # largest first: later captures reuse what earlier ones freed in the pool
+            step = self._steps[key] = StaticStep(decoder, pool, *key, device)
+            if capture:
+                self._capture(step)
         self.replays = 0  # forwards run through a static step (a counter for tests and the GPU check)
 
-    def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int, int] | None:
-        """The bucket `rows` fit (None: none does; they run the eager forward)."""
+    def bucket(self, rows: Sequence[BatchRow]) -> Bucket | None:
+        """The bucket `rows` fit (None: no built one does; they run the eager forward)."""
         batch = _bucket(len(rows), self.batches)
         feed = _bucket(max(len(row.tokens) for row in rows), FEED_BUCKETS)
-        blocks = max(-(-(row.session.length + len(row.tokens)) // self.pool.block_tokens) for row in rows)
-        width = 1 << max(blocks - 1, 0).bit_length()
         if batch is None or feed is None:
             return None
-        return batch, feed, width
+        blocks = max(-(-(row.session.length + len(row.tokens)) // self.pool.block_tokens) for row in rows)
+        key = (batch, feed, 1 << max(blocks - 1, 0).bit_length())
+        return key if key in self._steps else None
 
     def forward(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, list[slice]] | None:
         """The kept logits [Σ keep, V] of `rows` and each row's slice, from the bucket's
@@ -173,11 +216,7 @@ class StaticSteps:
         key = self.bucket(rows)
         if key is None:
             return None
-        step = self._steps.get(key)
-        if step is None:
-            step = self._steps[key] = StaticStep(self.decoder, self.pool, *key, self.device)
-            if self.capture:
-                self._capture(step)
+        step = self._steps[key]
         count = step.fill(rows)
         if step.graph is not None:
             step.graph.replay()
@@ -208,9 +247,48 @@ class StaticSteps:
         step.graph = graph
 
     @property
+    def built(self) -> list[Bucket]:
+        """The buckets this model's forwards may run as static steps."""
+        return list(self._steps)
+
+    @property
     def captured(self) -> int:
-        """Buckets captured as graphs so far."""
+        """Buckets captured as graphs."""
         return sum(step.graph is not None for step in self._steps.values())
+
+
+def graph_bytes(buckets: Sequence[Bucket], hidden: int, element_bytes: int) -> int:
+    """What `buckets`' static steps keep for good, in bytes: each one's int64 buffer
+    (`StaticStep.parts`) and its captured output, [batch × feed, hidden] of the model's dtype."""
+    return sum(8 * (4 * batch * feed + batch * width + 2 * batch) + batch * feed * hidden * element_bytes
+               for batch, feed, width in buckets)
+
+
+def transient_bytes(decoder: Decoder, pool: KVPool, buckets: Sequence[Bucket], device: torch.device) -> int:
+    """The largest peak, above what was allocated before it, of one eager run of the static
+    steps whose intermediates are largest (for each feed, the bucket that gathers the most
+    keys): what the captures' shared pool holds besides their outputs. Measured by torch's
+    CUDA allocator; 0 on a CPU, where the runs still check the buckets' shapes. `pool` may
+    be any pool of the model's shape: an all-padding step reads only its null block."""
+    corners: dict[int, Bucket] = {}
+    for batch, feed, width in buckets:
+        if feed not in corners or (batch * width, batch) > (corners[feed][0] * corners[feed][2], corners[feed][0]):
+            corners[feed] = (batch, feed, width)
+    peak = 0
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        for key in corners.values():
+            step = StaticStep(decoder, pool, *key, device)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            output = step.run()
+            if cuda:
+                torch.cuda.synchronize(device)
+                peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
+            del output, step
+    return peak
 
 
 def problem(model: torch.nn.Module, decoder: Decoder | None, longrope: bool) -> str | None:

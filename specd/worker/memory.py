@@ -6,7 +6,7 @@ may use, as vLLM's `--gpu-memory-utilization` is one instance's: two workers on 
 each take their own F, and their fractions should add up to at most about 0.9 (each process's
 CUDA context, about half a GiB, is outside them, as in vLLM). For each model the worker loads:
 
-    KV pool = F × total − loaded − activation − kept rows
+    KV pool = F × total − loaded − activation − kept rows − graphs
 
 - loaded: what loading the model allocated on the device (its weights and buffers), counted
   by torch's allocator in this process, so another process loading at the same time does not
@@ -15,10 +15,15 @@ CUDA context, about half a GiB, is outside them, as in vLLM). For each model the
   forward at the largest batch the worker serves (`profile_shape`), with the KV gather
   scratch (`KVPool.gather`) grown from nothing and the post-processing's float32 softmax and
   top-k over every kept row;
-- kept rows: the budget of a draft's kept q rows (`--kept-rows-mib`), which live on the device.
+- kept rows: the budget of a draft's kept q rows (`--kept-rows-mib`), which live on the device;
+- graphs (`--cuda-graphs`): what the buckets captured at load keep, their buffers and outputs
+  (`graphs.graph_bytes`), and the peak of the captures' shared pool, one eager run of the
+  largest buckets measured on the profiling pool (`graphs.transient_bytes`). The captures
+  run after the pool is made (a graph holds its addresses), and the worker logs what they
+  took beside this figure.
 
-and never more than the device has free once the model is loaded, less the same activation and
-kept rows (another process may hold more than its fraction). A draft worker hosting several
+and never more than the device has free once the model is loaded, less the same activation,
+kept rows and graphs (another process may hold more than its fraction). A draft worker hosting several
 drafts gives each an equal share of its fraction. Without the flag a worker keeps what it always
 did: its pool within half of the memory free when the model loads (the GPU's, or the host's).
 On a CPU the flag is refused (`device_problem`): there is no device memory to share, and
@@ -55,12 +60,13 @@ PROFILE_CONTEXT = 4096
 MiB = 1 << 20
 
 
-def kv_pool_bytes(*, total: int, fraction: float, loaded: int, activation: int, kept_rows: int, free: int) -> int:
+def kv_pool_bytes(*, total: int, fraction: float, loaded: int, activation: int, kept_rows: int, free: int,
+                  graphs: int = 0) -> int:
     """Bytes the KV pool of one model may take (0: none are left): F × total − loaded −
-    activation − kept rows, and at most what is free less the activation and kept rows (which
-    are not allocated while the pool is sized)."""
-    budget = int(fraction * total) - loaded - activation - kept_rows
-    room = free - activation - kept_rows
+    activation − kept rows − graphs, and at most what is free less the activation, kept rows
+    and graphs (which are not allocated while the pool is sized)."""
+    budget = int(fraction * total) - loaded - activation - kept_rows - graphs
+    room = free - activation - kept_rows - graphs
     return max(0, min(budget, room))
 
 
@@ -77,6 +83,11 @@ class ProfileShape:
     @property
     def tokens(self) -> int:
         return self.widest + (self.rows - 1) * self.width
+
+    @property
+    def keys(self) -> int:
+        """Keys the forward gathers: every row's, padded to the longest."""
+        return self.rows * (self.context + self.widest)
 
 
 def profile_shape(*, max_sessions: int, max_batch_tokens: int, prefill_chunk: int, max_context: int,
@@ -227,10 +238,14 @@ class MemoryPlan:
     free: int
     pool: int
     profile: ProfileShape
+    graphs: int = 0  # bytes kept for --cuda-graphs' buckets
+    buckets: int = 0  # how many
 
     def describe(self) -> str:
         shape = self.profile
+        graphs = (f", {self.graphs / MiB:,.0f} MiB for {self.buckets} CUDA graphs" if self.buckets else "")
         return (f"{self.fraction:g} of {self.total / MiB:,.0f} MiB, less {self.loaded / MiB:,.0f} MiB loaded, "
                 f"{self.activation / MiB:,.0f} MiB of activation (a forward of {shape.rows} rows, "
-                f"{shape.tokens} tokens, at {shape.context} positions of context) and {self.kept_rows / MiB:,.0f} "
-                f"MiB of kept rows, with {self.free / MiB:,.0f} MiB free: a pool of {self.pool / MiB:,.0f} MiB")
+                f"{shape.tokens} tokens, at {shape.context} positions of context){graphs} and "
+                f"{self.kept_rows / MiB:,.0f} MiB of kept rows, with {self.free / MiB:,.0f} MiB free: a pool of "
+                f"{self.pool / MiB:,.0f} MiB")

@@ -278,30 +278,57 @@ class ModelRunner:
                 # differs on this device or dtype) is a surprise, and a slower forward: said loudly.
                 level = logging.WARNING if lean.of_a_family(self.model) else logging.INFO
                 log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
+        decoder = self._graph_decoder() if self.settings.cuda_graphs else None
         if profile is not None:
-            self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes)
+            self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes, decoder)
         # The context a request may use: the model's, as far as the pool holds one session of it.
         held = (self.pool.blocks - 1) * batching.block_tokens  # all but the null block
         if held < self.info.max_context:
             self.info = replace(self.info, max_context=held)
         self.static_steps: graphs.StaticSteps | None = None
-        if self.settings.cuda_graphs:  # after the pool is final: a graph holds its tensors' addresses
-            self._use_graphs(max_sessions)
+        if decoder is not None:  # after the pool is final: a graph holds its tensors' addresses
+            self._use_graphs(decoder, batching, max_sessions)
         # What a forward costs at each load, for the gateways' priors: timed once, here, with
         # the forward the requests will get.
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
         self.info = replace(self.info, forward_costs=tuple((b, w, ms) for (b, w), ms in sorted(costs.items())))
 
-    def _use_graphs(self, max_sessions: int) -> None:
-        """Replay this model's decode and verify forwards as CUDA graphs, where it can be
-        captured (`specd.worker.graphs`); else say why, and keep the eager forwards."""
+    def _graph_decoder(self) -> graphs.Decoder | None:
+        """The lean forward to capture as CUDA graphs (`specd.worker.graphs`), where this model
+        can be captured; else None, having said why (it keeps the eager forwards)."""
         decoder = lean.decoder_of(self.model)
         problem = graphs.problem(self.model, decoder, rope.regime(self.model) is not None)
         if problem is not None:
             log.warning("%s runs without CUDA graphs: %s", self.info.name, problem)
+            return None
+        return decoder
+
+    def _use_graphs(self, decoder: graphs.Decoder, batching: BatchSettings, max_sessions: int) -> None:
+        """Capture this model's decode and verify forwards as CUDA graphs, now, at load; say
+        what they took beside what the memory plan kept for them. A capture that fails leaves
+        the eager forwards, said loudly: a worker that serves slower beats one that does not."""
+        buckets = graphs.buckets(max_sessions=max_sessions, batching=batching, max_context=self.info.max_context)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # so that what the captures take is what the device has free less
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        began = time.perf_counter()
+        try:
+            self.static_steps = graphs.StaticSteps(decoder, self.pool, self.device, buckets, capture=True)
+        except Exception as exc:  # noqa: BLE001 — the worker still serves, eagerly
+            log.error("%s: capturing its CUDA graphs failed, it runs eagerly: %s: %s", self.info.name,
+                      type(exc).__name__, exc)
+            torch.cuda.empty_cache()
             return
-        assert decoder is not None
-        self.static_steps = graphs.StaticSteps(decoder, self.pool, self.device, max_sessions, capture=True)
+        torch.cuda.synchronize(self.device)
+        took = free_before - torch.cuda.mem_get_info(self.device)[0]
+        planned = self.memory_plan.graphs if self.memory_plan is not None else None
+        log.info("%s: %d CUDA graphs captured in %.1f s, taking %.0f MiB%s", self.info.name, len(buckets),
+                 time.perf_counter() - began, took / memory.MiB,
+                 "" if planned is None else f" (the memory plan kept {planned / memory.MiB:.0f} MiB)")
+        if planned is not None and took > planned:
+            log.warning("%s: its CUDA graphs took %.0f MiB, more than the %.0f MiB the memory plan kept for "
+                        "them: lower --gpu-memory-fraction if the device runs short", self.info.name,
+                        took / memory.MiB, planned / memory.MiB)
         forwards.use_static_steps(self.model, self.static_steps)
 
     async def close(self) -> None:
@@ -384,24 +411,32 @@ class ModelRunner:
         return max(blocks, 2)
 
     def _sized_pool(self, batching: BatchSettings, max_sessions: int, profile: memory.ProfileShape,
-                    loaded: int, kept_rows_bytes: int) -> KVPool:
+                    loaded: int, kept_rows_bytes: int, decoder: graphs.Decoder | None) -> KVPool:
         """The KV pool --gpu-memory-fraction leaves room for, after the profiling forward on the
-        trials' pool (`self.pool`, let go here): `memory.kv_pool_bytes`, in whole blocks, at most
-        what `_pool_blocks` would want at full context. ValueError when it leaves no room."""
+        trials' pool (`self.pool`, let go here) and, to be captured (`decoder`), the CUDA graphs'
+        bytes: `memory.kv_pool_bytes`, in whole blocks, at most what `_pool_blocks` would want at
+        full context. ValueError when it leaves no room."""
         activation = memory.profile_activation(lambda rows: forwards.forward(self.model, rows, self.device),
                                                self.pool, profile, self.info.vocab_size, self.device)
+        buckets: list[graphs.Bucket] = []
+        graph_bytes = 0
+        if decoder is not None:
+            buckets = graphs.buckets(max_sessions=max_sessions, batching=batching, max_context=self.info.max_context)
+            hidden = self.model.config.get_text_config().hidden_size
+            graph_bytes = (graphs.graph_bytes(buckets, hidden, torch.finfo(self.dtype).bits // 8)
+                           + graphs.transient_bytes(decoder, self.pool, buckets, self.device))
         del self.pool
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = batching.gpu_memory_fraction
         pool_bytes = memory.kv_pool_bytes(total=total, fraction=fraction, loaded=loaded, activation=activation,
-                                          kept_rows=kept_rows_bytes, free=free)
+                                          kept_rows=kept_rows_bytes, free=free, graphs=graph_bytes)
         block_bytes = self.kv_bytes_per_token() * batching.block_tokens
         wanted = -(-(max_sessions + 64) * self.info.max_context // batching.block_tokens) + 1
         blocks = min(wanted, pool_bytes // block_bytes)
         self.memory_plan = memory.MemoryPlan(total, fraction, loaded, activation, kept_rows_bytes, free,
-                                             blocks * block_bytes, profile)
+                                             blocks * block_bytes, profile, graph_bytes, len(buckets))
         if blocks < 2:
             raise ValueError(f"{self.info.name}: --gpu-memory-fraction {fraction} leaves no room for a KV pool: "
                              f"{self.memory_plan.describe()}; raise the fraction, or lower --max-sessions or "

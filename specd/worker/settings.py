@@ -83,7 +83,8 @@ class ModelSettings:
                                 "the same logits to the bit), or transformers' own")
     cuda_graphs: bool = setting(False, flag="--cuda-graphs",
                                 help="on a CUDA device, replay decode and verify forwards of up to 16 tokens a "
-                                     "session as CUDA graphs, one per bucket of sessions, tokens and context "
+                                     "session as CUDA graphs, one per bucket of sessions, tokens and context, "
+                                     "captured at load and counted in --gpu-memory-fraction's plan "
                                      "(specd.worker.graphs); other forwards, and models it cannot capture, run "
                                      "eagerly")
     batching: BatchSettings = BatchSettings()
