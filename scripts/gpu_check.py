@@ -435,7 +435,8 @@ def measure(model: Loaded, batch: int, width: int, context: int, repeats: int) -
               "issue_ms": statistics.median(issue_ms), "busy_ms": busy_ms}
     event = f"{result['event_ms']:8.3f}" if result["event_ms"] is not None else f"{'—':>8}"
     backends = " ".join(name.removeprefix("aten::") for name in result["sdpa"])
-    replayed = "graphs" if forwards.static_steps(model.model) else backends
+    replayed = ("graphs" if forwards.static_steps(model.model)
+                else "paged kernel" if forwards.paged_kernel(model.model) else backends)
     print(f"   {batch:>8} {width:>6} {len(kernels):>7} {len(copies):>6} {result['syncs']:>5} {event} "
           f"{result['wall_ms']:7.3f} {result['issue_ms']:8.3f} {busy_ms:7.3f}  {replayed}", flush=True)
     return result
@@ -462,23 +463,37 @@ def use_graphs(model, sessions: int, context: int) -> str:
     return f"on, {len(buckets)} buckets built in {time.perf_counter() - began:.1f} s"
 
 
-def graph_agreement(model: Loaded, batch: int, width: int, context: int) -> str:
-    """The same rows through the eager forward and through a static step (captured on a
-    GPU): the largest logit difference and how many greedy tokens agree."""
-    from specd.worker import forwards
-
+def agreement(model: Loaded, batch: int, width: int, context: int, switch, name: str) -> str:
+    """The same rows through the eager forward and with `switch(True)` (static steps, the
+    paged kernel; `switch(False)` undoes it): the largest logit difference and how many
+    greedy tokens agree."""
     rows = _rows(model, batch, width, context)
-    steps = forwards.static_steps(model.model)
-    forwards.use_static_steps(model.model, None)
+    switch(False)
     eager, _ = model.forward(rows())
-    forwards.use_static_steps(model.model, steps)
-    static, _ = model.forward(rows())
-    agree = (eager.argmax(-1) == static.argmax(-1)).float().mean().item()
-    return f"max |eager − graph| {(eager - static).abs().max().item():.3g}, greedy tokens agree {agree:.0%}"
+    switch(True)
+    other, _ = model.forward(rows())
+    agree = (eager.argmax(-1) == other.argmax(-1)).float().mean().item()
+    return f"max |eager − {name}| {(eager - other).abs().max().item():.3g}, greedy tokens agree {agree:.0%}"
+
+
+def use_kernel(model) -> str:
+    """From now on, read the pool through the paged kernel (`--attention-kernel triton`) in
+    the forwards of `model`, without static steps; what `pagedkernel.problem` says where
+    it cannot."""
+    from specd.worker import forwards, pagedkernel
+
+    problem = pagedkernel.problem(model.model, model.device, interpret=pagedkernel.interpreted())
+    if problem is not None:
+        return f"no kernel: {problem}"
+    forwards.use_static_steps(model.model, None)
+    forwards.use_paged_kernel(model.model)
+    return "on"
 
 
 def cmd_forwards(args: argparse.Namespace) -> int:
     import torch
+
+    from specd.worker import forwards
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cuda = device.type == "cuda"
@@ -511,7 +526,20 @@ def cmd_forwards(args: argparse.Namespace) -> int:
         if graphs.startswith("on"):
             results += [{**measure(model, batch, width, context, repeats), "graphs": True} for batch, width in shapes]
             batch, width = shapes[-1]
-            print(f"   {batch} sessions × {width} tokens: {graph_agreement(model, batch, width, context)}", flush=True)
+            steps = forwards.static_steps(model.model)
+            graphed = agreement(model, batch, width, context,
+                                lambda on, m=model.model, s=steps: forwards.use_static_steps(m, s if on else None),
+                                "graph")
+            print(f"   {batch} sessions × {width} tokens: {graphed}", flush=True)
+        kernel = use_kernel(model)
+        print(f"   --attention-kernel triton: {kernel}" + ("" if cuda else " (Triton's CPU interpreter)"))
+        if kernel == "on":
+            results += [{**measure(model, batch, width, context, repeats), "kernel": True} for batch, width in shapes]
+            batch, width = shapes[-1]
+            paged = agreement(model, batch, width, context,
+                              lambda on, m=model.model: forwards.use_paged_kernel(m, on), "kernel")
+            print(f"   {batch} sessions × {width} tokens: {paged}", flush=True)
+            forwards.use_paged_kernel(model.model, False)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         if cuda:
             print(f"   peak torch.cuda.max_memory_allocated: {peak / 2**20:,.0f} MiB")

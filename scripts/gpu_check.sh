@@ -90,12 +90,13 @@ if [[ -d .whl ]] && ! [[ $py == .venv/bin/python ]]; then
 fi
 if ((dry)); then
   device=cpu dtype=float32 shape=tiny fraction=0 forwards=(--small) tokens=16
-  exactness=(tests/test_memory.py tests/test_batching.py tests/test_graphs.py
-    -k "memory or batched_forward or fork or lone_session or eager_forwards_logits")
+  exactness=(tests/test_memory.py tests/test_batching.py tests/test_graphs.py tests/test_pagedkernel.py
+    -k "memory or batched_forward or fork or lone_session or eager_forwards_logits or through_the_kernel")
+  export TRITON_INTERPRET=1  # the paged kernel (--attention-kernel triton) in Triton's CPU interpreter
 else
   device=cuda dtype=bfloat16 shape=8b fraction=0.85 forwards=() tokens=32
   exactness=(tests/test_memory.py tests/test_batching.py tests/test_post_process.py tests/test_pipeline.py
-    tests/test_rejection.py tests/test_graphs.py -k "not cpu")
+    tests/test_rejection.py tests/test_graphs.py tests/test_pagedkernel.py -k "not cpu and not written_out")
 fi
 # The ceiling's rounds over the 16 demo prompts and the served stages' requests at each level
 # decode the same prompts and token counts, so that served ÷ the models alone is a ratio of

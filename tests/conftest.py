@@ -17,6 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
+# Where no GPU compiles Triton's kernels, its CPU interpreter runs them (the paged attention
+# kernel's tests, tests/test_pagedkernel.py). Triton reads this when it is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -10,6 +10,7 @@ imports none of it (tests/test_layering.py), since it runs no model.
     kvstore   the paged KV pool: blocks, the sessions' block tables, prefix caching
     layout    how one batched forward's rows lie over the pool: `BatchRow`, the batch's cache, `prepare`
     attention paged attention: every session's blocks read in one SDPA call
+    pagedkernel  the same read through the block tables in one Triton kernel, on CUDA (--attention-kernel triton)
     forwards  one batched forward: the model's own, or the one standing in for it (lean)
     graphs    decode and verify forwards of fixed shapes, replayed as CUDA graphs (--cuda-graphs)
     trials    what the pool can serve, found by trying a model when it loads

@@ -21,6 +21,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specd.worker import pagedkernel
 from specd.worker.layout import BatchCache
 
 PAGED_ATTENTION = "specd_paged"  # the attention implementation `use_paged_attention` sets
@@ -63,6 +64,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         padded = query.new_zeros(batch * longest, heads, dim)
         padded.index_copy_(0, cache.query_rows, query[0].transpose(0, 1))
         padded = padded.view(batch, longest, heads, dim).transpose(1, 2)
+    if cache.row_ends is not None:  # the paged kernel reads each row's blocks where the pool keeps them
+        out = pagedkernel.paged_attention(padded, cache.pool.keys[layer], cache.pool.values[layer],
+                                          cache.read_blocks.view(batch, -1), cache.query_positions, cache.row_ends,
+                                          cache.pool.block_tokens, scaling if scaling is not None else dim ** -0.5,
+                                          sliding_window, softcap)
+        return _unpad(out, cache, batch, longest, heads), None
     if cache.run is not None:  # one row in consecutive blocks: a view of the pool
         start, stop = cache.run
         keys = cache.pool.keys[layer][start:stop].transpose(0, 1).unsqueeze(0)  # [1, KV heads, keys, D]
@@ -80,10 +87,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out = _sdpa(padded, keys, values, mask, scaling)
     else:
         out = _eager(padded, keys, values, mask, scaling, softcap)[0].transpose(1, 2)
+    return _unpad(out, cache, batch, longest, heads), None
+
+
+def _unpad(out: torch.Tensor, cache: BatchCache, batch: int, longest: int, heads: int) -> torch.Tensor:
+    """[B, heads, T, D] of the padded queries → [1, Σ T, heads, D] of the batch's tokens."""
     out = out.transpose(1, 2).reshape(batch * longest, heads, out.shape[-1])  # [B × T, heads, D]
     if cache.query_rows is not None:
         out = out.index_select(0, cache.query_rows)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

@@ -86,6 +86,24 @@ def use_forward(model: torch.nn.Module, forward: Callable[[BatchInputs], torch.T
 _STATIC: weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps] = weakref.WeakKeyDictionary()
 
 
+# Models whose attention reads the pool through the paged kernel (--attention-kernel triton,
+# `specd.worker.pagedkernel`): their forwards are laid out with the rows' ends, not a mask.
+_PAGED_KERNEL: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def use_paged_kernel(model: torch.nn.Module, on: bool = True) -> None:
+    """Read the pool through the paged kernel in `model`'s forwards from now on (on=False: gather)."""
+    if on:
+        _PAGED_KERNEL.add(model)
+    else:
+        _PAGED_KERNEL.discard(model)
+
+
+def paged_kernel(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forwards read the pool through the paged kernel."""
+    return model in _PAGED_KERNEL
+
+
 def stand_in(model: torch.nn.Module) -> Callable[[BatchInputs], torch.Tensor] | None:
     """The forward `model` was given in place of its own (`use_forward`; None: its own)."""
     return _FORWARDS.get(model)
@@ -133,7 +151,7 @@ def forward_attended(model: torch.nn.Module, rows: Sequence[BatchRow],
     if ran is not None:
         logits, kept, attended = ran[0], ran[1], True
     else:
-        inputs = prepare(rows, device, model in _ATTENDS_ITSELF)
+        inputs = prepare(rows, device, model in _ATTENDS_ITSELF, model in _PAGED_KERNEL)
         replacement = stand_in(model)
         logits = (own_forward(model, inputs) if replacement is None else replacement(inputs))[0]
         kept, attended = inputs.kept, inputs.cache.attended

@@ -122,8 +122,8 @@ class StaticStep:
     the padded positions [batch × feed], read after `run` (outside a graph)."""
 
     def __init__(self, decoder: Decoder, pool: KVPool, batch: int, feed: int, width: int,
-                 device: torch.device) -> None:
-        self.decoder, self.pool = decoder, pool
+                 device: torch.device, paged_kernel: bool = False) -> None:
+        self.decoder, self.pool, self.paged_kernel = decoder, pool, paged_kernel
         self.batch, self.feed, self.width = batch, feed, width
         positions = batch * feed
         self.parts = [positions, positions, positions, batch * width, batch, batch, positions]
@@ -173,11 +173,14 @@ class StaticStep:
         device, size = self.buffer.device, self.pool.block_tokens
         keys = self.width * size
         query_positions = self.starts[:, None] + torch.arange(self.feed, device=device)  # [B, T]
-        key_positions = torch.arange(keys, device=device)
-        allowed = ((key_positions <= query_positions[..., None])
-                   & (key_positions < self.ends[:, None, None])).unsqueeze(1)  # [B, 1, T, keys]
+        allowed = None  # the paged kernel reads each row up to its end instead
+        if not self.paged_kernel:
+            key_positions = torch.arange(keys, device=device)
+            allowed = ((key_positions <= query_positions[..., None])
+                       & (key_positions < self.ends[:, None, None])).unsqueeze(1)  # [B, 1, T, keys]
         cache = BatchCache(self.pool, self.write_slots, self.read_blocks, self.batch, keys, None, allowed,
-                           query_positions, None, self.feed, gather_scratch=False)
+                           query_positions, None, self.feed, gather_scratch=False,
+                           row_ends=self.ends if self.paged_kernel else None)
         every = torch.arange(self.batch * self.feed, device=device)
         return self.decoder.body(BatchInputs(self.ids[None], self.positions[None], cache, every, []))
 
@@ -188,13 +191,13 @@ class StaticSteps:
     same operators, for tests). Nothing is built or captured after, on a request's path."""
 
     def __init__(self, decoder: Decoder, pool: KVPool, device: torch.device, buckets: Sequence[Bucket],
-                 capture: bool) -> None:
+                 capture: bool, paged_kernel: bool = False) -> None:
         self.decoder, self.pool, self.device = decoder, pool, device
         self.batches = tuple(sorted({batch for batch, _, _ in buckets}))
         self._memory = torch.cuda.graph_pool_handle() if capture else None  # one pool for every graph
         self._steps: dict[Bucket, StaticStep] = {}
         for key in buckets:  # largest first: later captures reuse what earlier ones freed in the pool
-            step = self._steps[key] = StaticStep(decoder, pool, *key, device)
+            step = self._steps[key] = StaticStep(decoder, pool, *key, device, paged_kernel)
             if capture:
                 self._capture(step)
         self.replays = 0  # forwards run through a static step (a counter for tests and the GPU check)
@@ -264,7 +267,8 @@ def graph_bytes(buckets: Sequence[Bucket], hidden: int, element_bytes: int) -> i
                for batch, feed, width in buckets)
 
 
-def transient_bytes(decoder: Decoder, pool: KVPool, buckets: Sequence[Bucket], device: torch.device) -> int:
+def transient_bytes(decoder: Decoder, pool: KVPool, buckets: Sequence[Bucket], device: torch.device,
+                    paged_kernel: bool = False) -> int:
     """The largest peak, above what was allocated before it, of one eager run of the static
     steps whose intermediates are largest (for each feed, the bucket that gathers the most
     keys): what the captures' shared pool holds besides their outputs. Measured by torch's
@@ -278,7 +282,7 @@ def transient_bytes(decoder: Decoder, pool: KVPool, buckets: Sequence[Bucket], d
     cuda = device.type == "cuda"
     with torch.inference_mode():
         for key in corners.values():
-            step = StaticStep(decoder, pool, *key, device)
+            step = StaticStep(decoder, pool, *key, device, paged_kernel)
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)

@@ -70,6 +70,9 @@ class BatchCache:
     # Gathers into the pool's scratch buffers (False: into fresh tensors, as a forward a
     # CUDA graph captures must; `KVPool.gather`).
     gather_scratch: bool = True
+    # The paged kernel reads the pool through `read_blocks` itself (`specd.worker.pagedkernel`),
+    # each row up to its end [B]; no gather, no mask (`allowed` is None), no run.
+    row_ends: torch.Tensor | None = None
 
     def window(self, sliding_window: int) -> torch.Tensor:
         """The mask of a sliding-window layer: `allowed`, and only the last `sliding_window`
@@ -126,12 +129,15 @@ class BatchInputs:
     kept: list[slice]  # for each row: its slice of the kept logits
 
 
-def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False) -> BatchInputs:
+def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False,
+            paged_kernel: bool = False) -> BatchInputs:
     """Lay the rows out for one forward; every session has reserved room for its feed.
 
     Per-token indices and block tables are made in Python (a decoding step feeds a few
     tokens per row); the mask [B, 1, T, keys] in a few tensor operations. dense: also the
     whole-context read of a model that attends on its own (`forwards.attends_itself`).
+    paged_kernel: the model's attention reads the pool through the block tables
+    (`specd.worker.pagedkernel`), so the rows' ends replace the mask.
     """
     size = rows[0].session.pool.block_tokens
     batch, longest = len(rows), max(len(row.tokens) for row in rows)
@@ -162,7 +168,7 @@ def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False)
     keys = widest if batch == 1 else width * size
     run = None
     first = read_blocks[0]
-    if batch == 1 and read_blocks == list(range(first, first + width)):
+    if batch == 1 and not paged_kernel and read_blocks == list(range(first, first + width)):
         run = (first * size, first * size + keys)
     uniform = all(len(row.tokens) == longest for row in rows)
     # Every index the forward needs crosses to the device in one copy, each a view of it
@@ -173,12 +179,12 @@ def prepare(rows: Sequence[BatchRow], device: torch.device, dense: bool = False)
     (ids_t, positions_t, write_t, read_t, kept_t, starts_t, ends_t, rows_t) = flat.split([len(p) for p in parts])
     query_pos = starts_t[:, None] + torch.arange(longest, device=device)  # [B, T]
     allowed = None
-    if not (batch == 1 and longest == 1):  # one query that sees every key it reads needs no mask
+    if not (batch == 1 and longest == 1 or paged_kernel):  # one query that sees every key it reads needs no mask
         key_pos = torch.arange(keys, device=device)
         end_t = ends_t[:, None, None]  # [B, 1, 1]: keys each row holds after this forward
         allowed = ((key_pos <= query_pos[..., None]) & (key_pos < end_t)).unsqueeze(1)
     cache = BatchCache(rows[0].session.pool, write_t, read_t, batch, keys, run, allowed, query_pos,
-                       None if uniform else rows_t, longest)
+                       None if uniform else rows_t, longest, row_ends=ends_t if paged_kernel else None)
     if dense:
         cache.dense_slots, cache.dense_mask = _dense_read(rows, starts, ends, cache.pool.keys.dtype, device)
     return BatchInputs(ids_t[None], positions_t[None], cache, kept_t, reads)

@@ -15,6 +15,7 @@ the runner tells it to drop when a session goes (`ModelRunner(on_session_gone=)`
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specd.devices import bf16_is_fast
 from specd.errors import InvalidArgument, Overloaded, SessionNotFound, UnsupportedModel
 from specd.steps import ModelInfo
-from specd.worker import forwards, graphs, lean, memory, packing, rope, sharing, trials
+from specd.worker import forwards, graphs, lean, memory, packing, pagedkernel, rope, sharing, trials
 from specd.worker.attention import use_paged_attention
 from specd.worker.batching import Job, Scheduler
 from specd.worker.identity import weights_digest
@@ -278,6 +279,8 @@ class ModelRunner:
                 # differs on this device or dtype) is a surprise, and a slower forward: said loudly.
                 level = logging.WARNING if lean.of_a_family(self.model) else logging.INFO
                 log.log(level, "%s keeps transformers' forward: %s", self.info.name, unmirrored)
+        if self.settings.attention_kernel == "triton":  # before the profile: it gathers nothing
+            self._use_paged_kernel()
         decoder = self._graph_decoder() if self.settings.cuda_graphs else None
         if profile is not None:
             self.pool = self._sized_pool(batching, max_sessions, profile, loaded, kept_rows_bytes, decoder)
@@ -292,6 +295,26 @@ class ModelRunner:
         # the forward the requests will get.
         costs = self._measure_forwards(FORWARD_COST_BATCHES, FORWARD_COST_WIDTHS, 64, 3)
         self.info = replace(self.info, forward_costs=tuple((b, w, ms) for (b, w), ms in sorted(costs.items())))
+
+    def _use_paged_kernel(self) -> None:
+        """Read the pool through the paged kernel (`specd.worker.pagedkernel`) where it serves
+        this model and its logits on the load-time trial forwards agree with the gather's (to
+        the rounding of another order of sums); else say why, and keep the gather."""
+        problem = pagedkernel.problem(self.model, self.device, interpret=pagedkernel.interpreted())
+        if problem is None:
+            forward = forwards.stand_in(self.model) or functools.partial(forwards.own_forward, self.model)
+            try:
+                gathered = trials.trial_logits(forward, self.pool, self.info.vocab_size, self.device)
+                paged = trials.trial_logits(forward, self.pool, self.info.vocab_size, self.device, paged_kernel=True)
+                problem = gathered if isinstance(gathered, str) else paged if isinstance(paged, str) else \
+                    pagedkernel.disagreement(gathered, paged)
+            except Exception as exc:  # noqa: BLE001 — whatever it raises, the model keeps the gather
+                problem = f"the kernel fails its trial: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            log.warning("%s keeps the gather for attention: %s", self.info.name, problem)
+            return
+        forwards.use_paged_kernel(self.model)
+        log.info("%s reads the KV pool through the paged kernel", self.info.name)
 
     def _graph_decoder(self) -> graphs.Decoder | None:
         """The lean forward to capture as CUDA graphs (`specd.worker.graphs`), where this model
@@ -313,7 +336,8 @@ class ModelRunner:
         free_before, _ = torch.cuda.mem_get_info(self.device)
         began = time.perf_counter()
         try:
-            self.static_steps = graphs.StaticSteps(decoder, self.pool, self.device, buckets, capture=True)
+            self.static_steps = graphs.StaticSteps(decoder, self.pool, self.device, buckets, capture=True,
+                                                   paged_kernel=forwards.paged_kernel(self.model))
         except Exception as exc:  # noqa: BLE001 — the worker still serves, eagerly
             log.error("%s: capturing its CUDA graphs failed, it runs eagerly: %s: %s", self.info.name,
                       type(exc).__name__, exc)
@@ -424,7 +448,8 @@ class ModelRunner:
             buckets = graphs.buckets(max_sessions=max_sessions, batching=batching, max_context=self.info.max_context)
             hidden = self.model.config.get_text_config().hidden_size
             graph_bytes = (graphs.graph_bytes(buckets, hidden, torch.finfo(self.dtype).bits // 8)
-                           + graphs.transient_bytes(decoder, self.pool, buckets, self.device))
+                           + graphs.transient_bytes(decoder, self.pool, buckets, self.device,
+                                                    forwards.paged_kernel(self.model)))
         del self.pool
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

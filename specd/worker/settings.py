@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # of a worker's model(s); specd.wor
 CPU_LINEARS = ("onednn", "torch")  # how a CPU multiplies a large linear layer (specd.worker.packing)
 DRAFT_CPU_WEIGHTS = ("float16", "as-loaded")  # a draft's large linear layers on a CPU (specd.worker.packing)
 FORWARDS = ("lean", "transformers")  # whose code runs a Llama model's forward (specd.worker.lean)
+ATTENTION_KERNELS = ("gather", "triton")  # how a batched forward reads the pool (specd.worker.pagedkernel)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class ModelSettings:
                                      "captured at load and counted in --gpu-memory-fraction's plan "
                                      "(specd.worker.graphs); other forwards, and models it cannot capture, run "
                                      "eagerly")
+    attention_kernel: str = setting("gather", flag="--attention-kernel", choices=ATTENTION_KERNELS,
+                                    help="how attention reads the KV pool: gather each row's blocks and run one "
+                                         "SDPA, or (CUDA only) a Triton kernel that reads them through the block "
+                                         "tables (specd.worker.pagedkernel); a model it cannot serve, or one "
+                                         "whose trial at load differs, keeps the gather")
     batching: BatchSettings = BatchSettings()
 
     def problems(self) -> list[str]:
@@ -102,6 +108,9 @@ class ModelSettings:
         if problem is None and self.cuda_graphs and not self.device.startswith("cuda"):
             problem = (f"--cuda-graphs captures forwards on a CUDA device, and this worker runs on {self.device}: "
                        f"leave it out, or pass --device cuda")
+        if problem is None and self.attention_kernel == "triton" and not self.device.startswith("cuda"):
+            problem = (f"--attention-kernel triton runs on a CUDA device, and this worker runs on {self.device}: "
+                       f"leave it out (the gather), or pass --device cuda")
         return [problem] if problem else []
 
 

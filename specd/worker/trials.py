@@ -84,14 +84,15 @@ def trial_batches(pool: KVPool, vocab_size: int) -> Iterator[list[BatchRow]]:
 
 @torch.inference_mode()
 def trial_logits(stand_in: Callable[[BatchInputs], torch.Tensor], pool: KVPool, vocab_size: int,
-                 device: torch.device) -> list[torch.Tensor] | str:
+                 device: torch.device, paged_kernel: bool = False) -> list[torch.Tensor] | str:
     """The kept logits of each of `trial_batches`' forwards run through `stand_in` (a
     forward as `forwards.use_forward` takes, for a model that attends through
-    `attention.paged_attention`); the reason instead when the pool has no room."""
+    `attention.paged_attention`; with `paged_kernel`, reading the pool through it); the
+    reason instead when the pool has no room."""
     logits = []
     try:
         for rows in trial_batches(pool, vocab_size):
-            logits.append(stand_in(prepare(rows, device)))
+            logits.append(stand_in(prepare(rows, device, paged_kernel=paged_kernel)))
             for row in rows:
                 row.session.length += len(row.tokens)
     except NoRoomForTrial as exc:
