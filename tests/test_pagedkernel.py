@@ -9,12 +9,16 @@ units) only a device can.
   and NaN in every slot no row holds;
 - a real model's batched forwards, eager and as static steps, equal the gather's;
 - served through real services, greedy output equals transformers' `generate`;
-- a worker asked for it loads it after its trial, or keeps the gather and says why.
+- a worker asked for it loads it after its trial, or keeps the gather and says why;
+- Triton's compiler builds it for Hopper (sm_90), with no GPU.
 """
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +178,42 @@ def test_a_model_the_kernel_cannot_serve_keeps_the_gather_and_says_why(monkeypat
     monkeypatch.setitem(sys.modules, "triton", None)  # as where Triton is not installed
     assert "Triton is not installed" in (pagedkernel.problem(odd, torch.device("cuda"), True) or "")
 
+
+
+# Triton's compiler, without a GPU: the kernel compiled for Hopper (sm_90) down to a cubin,
+# for shapes a served 8B, a float32 test model and a float16 model with a window take.
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specd.worker import pagedkernel
+
+kernel = pagedkernel._kernel()
+ints = ["stride_qb", "stride_qh", "stride_qt", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ob",
+        "stride_oh", "stride_ot", "width", "tokens", "groups", "window"]
+for dtype, dim, rows, windowed, capped, precision in [("bf16", 128, 64, False, False, "tf32"),
+                                                      ("fp32", 64, 16, True, True, "ieee"),
+                                                      ("fp16", 128, 128, True, False, "tf32")]:
+    signature = {**{name: "*" + dtype for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+                 **{name: "*i64" for name in ("table_ptr", "qpos_ptr", "ends_ptr")},
+                 "scale": "fp32", "softcap": "fp32", **{name: "i32" for name in ints}}
+    constants = {"BLOCK_TOKENS": 16, "DIM": dim, "ROWS": rows, "KEYS": 16, "WINDOWED": windowed, "CAPPED": capped,
+                 "PRECISION": precision, "UPCAST": False}
+    signature.update({name: "constexpr" for name in constants})
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    print(dtype, len(compiled.asm["cubin"]), compiled.metadata.shared)
+"""
+
+
+def test_the_kernel_compiles_for_hopper_without_a_gpu():
+    """What the interpreter does not check, the GPU's code generation (tile shapes a matrix
+    unit takes, loop-carried types, shared memory), by Triton's own compiler for sm_90,
+    which needs no device; a fresh process, since the interpreter replaces the compiler
+    once Triton is imported."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE], env=environment, capture_output=True, text=True,
+                            timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [line.split() for line in result.stdout.splitlines()]
+    assert [dtype for dtype, _, _ in compiled] == ["bf16", "fp32", "fp16"]
+    assert all(int(cubin) > 0 and 0 < int(shared) <= 227 * 1024 for _, cubin, shared in compiled), compiled
