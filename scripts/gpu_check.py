@@ -519,7 +519,7 @@ def cmd_forwards(args: argparse.Namespace) -> int:
               flush=True)
         results = []
         print(f"   {'sessions':>8} {'tokens':>6} {'kernels':>7} {'copies':>6} {'syncs':>5} {'event ms':>8} "
-              f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA (or graphs: the same replayed)")
+              f"{'wall ms':>7} {'issue ms':>8} {'busy ms':>7}  SDPA, or what replaced it")
         results = [measure(model, batch, width, context, repeats) for batch, width in shapes]
         graphs = use_graphs(model, 32, context + max(width for _, width in shapes))
         print(f"   --cuda-graphs: {graphs}" + ("" if cuda else " (a CPU cannot capture: the static steps run eagerly)"))
