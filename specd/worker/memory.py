@@ -32,7 +32,8 @@ On a CPU the flag is refused (`device_problem`): there is no device memory to sh
 The profiling forward reads every row's keys through the gather at `PROFILE_CONTEXT` positions
 of context (or the model's whole context, when shorter). Attention over longer contexts with
 the largest batch needs more scratch than was profiled (the gather pads every row to the
-longest); the paged kernels that would remove that term are not here yet.
+longest). The paged kernel (`--attention-kernel triton`, `specd.worker.pagedkernel`) gathers
+nothing, so with it the profile holds whatever the context: a worker takes it before profiling.
 
 `specd serve` runs both workers on one device: it splits its one fraction between them in
 proportion to the models' KV bytes per token (`split_fraction`), so that both pools hold
