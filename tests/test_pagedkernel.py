@@ -200,7 +200,8 @@ for dtype, dim, rows, windowed, capped, precision in [("bf16", 128, 64, False, F
     constants = {"BLOCK_TOKENS": 16, "DIM": dim, "ROWS": rows, "KEYS": 16, "WINDOWED": windowed, "CAPPED": capped,
                  "PRECISION": precision, "UPCAST": False}
     signature.update({name: "constexpr" for name in constants})
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": pagedkernel.warps(rows, dim)})
     print(dtype, len(compiled.asm["cubin"]), compiled.metadata.shared)
 """
 
