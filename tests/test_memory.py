@@ -21,6 +21,7 @@ from specd_cli.serve import cmd_serve, start_groups, worker_fractions
 from verifier_service.scorer import Scorer
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def test_the_pool_takes_the_fraction_less_weights_activation_and_kept_rows():
@@ -155,6 +156,17 @@ def test_serve_starts_the_draft_once_the_verifier_serves_on_a_gpu(model_dirs, mo
                                         "healthy draft.sock"]
 
 
+def _device_memory_as_numbers(monkeypatch) -> None:
+    """A worker's load path on this CPU as on a CUDA device of 16 MiB, 10 of them free, where
+    loading the model allocates 1 MiB: torch's CUDA memory figures replaced by those numbers."""
+    allocated = iter([0, MiB])  # before loading, after
+    monkeypatch.setattr(memory, "device_problem", lambda device, fraction=0.0: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
 def test_a_worker_sizes_its_pool_from_the_fraction_s_arithmetic(model_dirs, monkeypatch):
     """The load path of --gpu-memory-fraction, on this CPU with torch's CUDA memory figures
     replaced by numbers: 16 MiB in all, 10 free, 1 MiB allocated by loading the model; the
@@ -163,13 +175,7 @@ def test_a_worker_sizes_its_pool_from_the_fraction_s_arithmetic(model_dirs, monk
 
     from specd.sampling import Transform
 
-    MiB = 1 << 20
-    allocated = iter([0, MiB])  # before loading, after
-    monkeypatch.setattr(memory, "device_problem", lambda device, fraction=0.0: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _device_memory_as_numbers(monkeypatch)
     scorer = Scorer(model_dirs["target"], ModelSettings(batching=BatchSettings(gpu_memory_fraction=0.5)))
     runner = scorer.runner
     plan = runner.memory_plan
@@ -196,13 +202,7 @@ def test_a_worker_with_cuda_graphs_builds_them_at_load_within_its_plan(model_dir
     from specd.sampling import Transform
     from specd.worker import graphs
 
-    MiB = 1 << 20
-    allocated = iter([0, MiB])  # before loading, after
-    monkeypatch.setattr(memory, "device_problem", lambda device, fraction=0.0: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * MiB, 16 * MiB))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _device_memory_as_numbers(monkeypatch)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(graphs.StaticSteps, "_capture", lambda self, step: None)
     batching = BatchSettings(gpu_memory_fraction=0.5)
