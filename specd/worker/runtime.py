@@ -344,6 +344,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-up runs' freed blocks: the eager forwards' activation, not the graphs'
         took = free_before - torch.cuda.mem_get_info(self.device)[0]
         planned = self.memory_plan.graphs if self.memory_plan is not None else None
         log.info("%s: %d CUDA graphs captured in %.1f s, taking %.0f MiB%s", self.info.name, len(buckets),
