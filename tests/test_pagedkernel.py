@@ -110,8 +110,8 @@ def test_a_models_forwards_through_the_kernel_equal_the_gathers(model_dirs):
     assert not isinstance(gathered, str) and not isinstance(paged, str)
     for want, got in zip(gathered, paged):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert pagedkernel.disagreement(gathered, paged) is None
-    assert pagedkernel.disagreement(gathered, [logits + 1.0 for logits in paged]) is not None
+    assert pagedkernel.disagreement(gathered, paged, torch.float32) is None
+    assert pagedkernel.disagreement(gathered, [logits + 1.0 for logits in paged], torch.float32) is not None
 
     decoder = lean.decoder_of(model)
     assert decoder is not None
@@ -160,7 +160,7 @@ def test_a_worker_asked_for_the_kernel_takes_it_after_its_trial(model_dirs, capl
 
 
 def test_a_worker_whose_trial_disagrees_keeps_the_gather(model_dirs, caplog, monkeypatch):
-    monkeypatch.setattr(pagedkernel, "disagreement", lambda gathered, paged: "its trial logits differ (planted)")
+    monkeypatch.setattr(pagedkernel, "disagreement", lambda gathered, paged, dtype: "its trial logits differ (planted)")
     settings = ModelSettings(device=DEVICE, attention_kernel="triton", batching=BatchSettings(kv_cache_tokens=256))
     with caplog.at_level(logging.WARNING, logger="specd"):
         scorer = Scorer(model_dirs["target"], settings)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-# A tile has at least 16 rows and 16 keys: Triton's matrix product on a GPU wants both.
+# A tile has at least 16 rows and 16 keys, the matrix units' smallest tile (mma m16n8k16).
 _MIN_TILE = 16
 
 
@@ -66,13 +66,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def disagreement(gathered: list[torch.Tensor], paged: list[torch.Tensor]) -> str | None:
+def disagreement(gathered: list[torch.Tensor], paged: list[torch.Tensor], dtype: torch.dtype) -> str | None:
     """How the kernel's trial logits differ from the gather's beyond the rounding of another
-    order of sums (None: they agree): a largest difference over 1e-4 of the largest logit
-    in float32, 2e-2 in 16-bit types, or a value not finite."""
+    order of sums (None: they agree), for a model computing in `dtype`: a largest difference
+    over 1e-4 of the largest logit in float32, 2e-2 in 16-bit types, or a value not finite."""
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for want, got in zip(gathered, paged):
         scale = want.float().abs().max().item()
-        tolerance = 1e-4 if want.dtype == torch.float32 else 2e-2
         worst = (want.float() - got.float()).abs().max().item()
         if not torch.isfinite(got).all() or worst > tolerance * scale:
             return f"its trial logits differ from the gather's by {worst:.3g} (largest logit {scale:.3g})"

@@ -307,7 +307,7 @@ class ModelRunner:
                 gathered = trials.trial_logits(forward, self.pool, self.info.vocab_size, self.device)
                 paged = trials.trial_logits(forward, self.pool, self.info.vocab_size, self.device, paged_kernel=True)
                 problem = gathered if isinstance(gathered, str) else paged if isinstance(paged, str) else \
-                    pagedkernel.disagreement(gathered, paged)
+                    pagedkernel.disagreement(gathered, paged, self.dtype)
             except Exception as exc:  # noqa: BLE001 — whatever it raises, the model keeps the gather
                 problem = f"the kernel fails its trial: {type(exc).__name__}: {exc}"
         if problem is not None:
