@@ -85,6 +85,17 @@ def _bucket(value: int, buckets: Sequence[int]) -> int | None:
     return next((bucket for bucket in buckets if bucket >= value), None)
 
 
+def _width(blocks: int) -> int:
+    """The width bucket of a row reading `blocks` blocks: the power of two at or above it."""
+    return 1 << max(blocks - 1, 0).bit_length()
+
+
+def _parts(batch: int, feed: int, width: int) -> list[int]:
+    """Lengths of a bucket's buffer parts, in order (`StaticStep`)."""
+    positions = batch * feed
+    return [positions, positions, positions, batch * width, batch, batch, positions]
+
+
 def buckets(*, max_sessions: int, batching: BatchSettings, max_context: int) -> list[Bucket]:
     """The buckets a worker captures at load, largest first (the order a shared memory pool
     wants): every batch up to the worker's sessions, every feed, and every width up to the
@@ -97,7 +108,7 @@ def buckets(*, max_sessions: int, batching: BatchSettings, max_context: int) -> 
     batches = tuple(b for b in BATCH_BUCKETS if b < max_sessions) + (
         _bucket(max_sessions, BATCH_BUCKETS) or BATCH_BUCKETS[-1],)
     blocks = -(-max_context // block_tokens)
-    widest = 1 << max(blocks - 1, 0).bit_length()  # a session at the whole context fits it
+    widest = _width(blocks)  # a session at the whole context fits it
     found = []
     for batch in batches:
         widths = [1 << k for k in range(widest.bit_length()) if batch * (1 << k) * block_tokens <= max_keys]
@@ -125,11 +136,10 @@ class StaticStep:
                  device: torch.device, paged_kernel: bool = False) -> None:
         self.decoder, self.pool, self.paged_kernel = decoder, pool, paged_kernel
         self.batch, self.feed, self.width = batch, feed, width
-        positions = batch * feed
-        self.parts = [positions, positions, positions, batch * width, batch, batch, positions]
-        self.buffer = torch.zeros(sum(self.parts), dtype=torch.long, device=device)
+        parts = _parts(batch, feed, width)
+        self.buffer = torch.zeros(sum(parts), dtype=torch.long, device=device)
         (self.ids, self.positions, self.write_slots, self.read_blocks, self.starts, self.ends,
-         self.kept) = self.buffer.split(self.parts)
+         self.kept) = self.buffer.split(parts)
         self.fill([])  # all padding: what a capture runs on, writing only into the null block
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None  # a captured graph's hidden states, rewritten by each replay
@@ -209,7 +219,7 @@ class StaticSteps:
         if batch is None or feed is None:
             return None
         blocks = max(-(-(row.session.length + len(row.tokens)) // self.pool.block_tokens) for row in rows)
-        key = (batch, feed, 1 << max(blocks - 1, 0).bit_length())
+        key = (batch, feed, _width(blocks))
         return key if key in self._steps else None
 
     def forward(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, list[slice]] | None:
@@ -262,8 +272,8 @@ class StaticSteps:
 
 def graph_bytes(buckets: Sequence[Bucket], hidden: int, element_bytes: int) -> int:
     """What `buckets`' static steps keep for good, in bytes: each one's int64 buffer
-    (`StaticStep.parts`) and its captured output, [batch × feed, hidden] of the model's dtype."""
-    return sum(8 * (4 * batch * feed + batch * width + 2 * batch) + batch * feed * hidden * element_bytes
+    (`_parts`) and its captured output, [batch × feed, hidden] of the model's dtype."""
+    return sum(8 * sum(_parts(batch, feed, width)) + batch * feed * hidden * element_bytes
                for batch, feed, width in buckets)
 
 
@@ -274,14 +284,12 @@ def transient_bytes(decoder: Decoder, pool: KVPool, buckets: Sequence[Bucket], d
     keys): what the captures' shared pool holds besides their outputs. Measured by torch's
     CUDA allocator; 0 on a CPU, where the runs still check the buckets' shapes. `pool` may
     be any pool of the model's shape: an all-padding step reads only its null block."""
-    corners: dict[int, Bucket] = {}
-    for batch, feed, width in buckets:
-        if feed not in corners or (batch * width, batch) > (corners[feed][0] * corners[feed][2], corners[feed][0]):
-            corners[feed] = (batch, feed, width)
+    corners = [max((b for b in buckets if b[1] == feed), key=lambda b: (b[0] * b[2], b[0]))
+               for feed in {feed for _, feed, _ in buckets}]
     peak = 0
     cuda = device.type == "cuda"
     with torch.inference_mode():
-        for key in corners.values():
+        for key in corners:
             step = StaticStep(decoder, pool, *key, device, paged_kernel)
             if cuda:
                 torch.cuda.synchronize(device)
