@@ -15,7 +15,8 @@ One program per (row, KV head): the G query heads sharing that KV head and the r
 query tokens are G·T rows of one tile (as FlashInfer's decode kernels group a KV head's
 queries), and the program walks the row's keys a block at a time with an online softmax
 (FlashAttention's), up to the row's end. A query at position p sees keys at positions ≤ p
-(and > p − window with a sliding window); Gemma 2's soft-capped scores are capped before
+(and > p − window with a sliding window, whose layers start at the tile of the earliest
+query's window); Gemma 2's soft-capped scores are capped before
 the softmax. Keys past a row's end are never loaded: the pool's unwritten slots may hold
 any bits, NaN among them, and 0 × NaN would reach a real row through the value product.
 
@@ -108,6 +109,9 @@ def _kernel() -> Any:
         total = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM], tl.float32)
         first = 0
+        if WINDOWED:  # no key before the earliest query's window is seen: start at its tile
+            earliest = tl.min(tl.where(real, qpos, end), 0)
+            first = tl.maximum(earliest - window + 1, 0) // KEYS * KEYS
         while first < end:  # a while, not a range: Triton's interpreter takes no loaded bound for range
             j = first + tl.arange(0, KEYS)  # key positions in the row
             held = j < end
