@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from gateway.core import GatewayCore
 from gateway.edge.auth import ApiKeyInterceptor, KeyRing, TenantQuota
@@ -20,12 +21,13 @@ from gateway.edge.metrics import start_metrics_server
 from gateway.edge.servicer import GatewayServicer
 from gateway.policy.priors import best_caps, measure_overheads
 from gateway.policy.selection import DraftSelector
+from gateway.proposers.corpus import Corpus, NGramTable, check_corpus, read_corpus
 from gateway.proposers.modelfree import SuffixCache
 from gateway.settings import GatewaySettings
 from gateway.stats.acceptance import AcceptanceStats
 from gateway.stats.drift import load_baseline
 from gateway.stats.paircosts import PairCosts
-from gateway.workers.backend import connect
+from gateway.workers.backend import Backend, connect
 from gateway.workers.loadshare import keep_sharing, share_once
 from specd.contract import SUFFIX, model_pair_label
 from specd.grpcserver import RunningServer, start_health, start_server
@@ -39,7 +41,8 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     gRPC, and OpenAI-compatible HTTP on settings.http_port when it is set.
 
     A malformed API key file raises `gateway.edge.auth.KeyFileError`, a bad baseline file,
-    chat template file or setting ValueError, before any worker is contacted.
+    chat template file, corpus file or setting ValueError, before any worker is contacted;
+    a corpus written with another tokenizer than the target's ValueError once it is known.
     """
     keys, quota = edge_keys(settings)
     problems = settings.problems()
@@ -49,6 +52,12 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
             chat_template = settings.chat_template.read_text(encoding="utf-8")
         except OSError as exc:
             problems.append(f"cannot read the chat template {settings.chat_template}: {exc.strerror}")
+    corpus = None
+    if settings.corpus is not None:
+        try:
+            corpus = read_corpus(settings.corpus)
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise ValueError("; ".join(problems))
     baseline = load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None
@@ -57,6 +66,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     health_port = await start_health(settings.server)
     try:
         backend = await connect(settings)
+        corpus_table = await _corpus_table(settings, corpus, backend)
     except BaseException:
         if health_port.server is not None:
             await health_port.server.stop(0)
@@ -71,7 +81,7 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
             speedup=lambda draft, alpha: costs.predicted_speedup(model_pair_label(draft, target), alpha,
                                                                  settings.max_draft_length))
     suffix_cache = SuffixCache(settings.suffix_cache_tokens) if SUFFIX in settings.model_free else None
-    core = GatewayCore(backend, settings, stats, costs, selector, suffix_cache)
+    core = GatewayCore(backend, settings, stats, costs, selector, suffix_cache, corpus_table)
     policies = core.policies
     policies.overheads = overheads = await measure_overheads(backend.target, backend.drafts.get(backend.default_draft),
                                                              core.generate)
@@ -134,6 +144,23 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
         sharing = asyncio.get_running_loop().create_task(
             keep_sharing(policies, backend.verifier, settings.share_load_caps_s))
     return running
+
+
+async def _corpus_table(settings: GatewaySettings, corpus: Corpus | None, backend: Backend) -> NGramTable | None:
+    """The corpus proposer's table, once the target is known to share the corpus's tokenizer
+    (ValueError, with the backend closed, when it does not)."""
+    if corpus is None or settings.corpus is None:
+        return None
+    target = backend.target
+    problem = check_corpus(corpus, settings.corpus, target.tokenizer_fingerprint, target.vocab_size)
+    if problem is not None:
+        await backend.close()
+        raise ValueError(problem)
+    began = time.perf_counter()
+    table = NGramTable(corpus.sequences)
+    log.info("the corpus proposer drafts from %s: %d answers, %d tokens, %d contexts (built in %.1f s)",
+             settings.corpus, len(corpus.sequences), corpus.tokens, len(table), time.perf_counter() - began)
+    return table
 
 
 def edge_keys(settings: GatewaySettings) -> tuple[KeyRing | None, TenantQuota]:

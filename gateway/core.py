@@ -25,6 +25,7 @@ from gateway.grammar import Grammar, GrammarWork
 from gateway.policy.gamma import CostPolicy, ProbeSchedule, SharedState, build_policy
 from gateway.policy.selection import DraftSelector
 from gateway.policy.shared import PolicyTables
+from gateway.proposers.corpus import CorpusProposer, NGramTable
 from gateway.proposers.hybrid import HybridChoice, ModelFreeProposer
 from gateway.proposers.modelfree import MAX_PATTERN, PromptLookup, SuffixCache, SuffixProposer
 from gateway.request import ClientRequest, Generation, Mode, ParsedRequest
@@ -39,7 +40,7 @@ from gateway.tasks import DEFAULT_PROFILES, GENERAL
 from gateway.validation import parse_request
 from gateway.workers.backend import Backend
 from gateway.workers.links import DraftLink, LinkSettings, VerifierLink
-from specd.contract import DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
+from specd.contract import CORPUS, DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +153,19 @@ class GatewayCore:
     cache, admission) and one request's run from its client's request to chunks."""
 
     def __init__(self, backend: Backend, settings: GatewaySettings, stats: AcceptanceStats, costs: PairCosts,
-                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None) -> None:
+                 selector: DraftSelector | None = None, suffix_cache: SuffixCache | None = None,
+                 corpus_table: NGramTable | None = None) -> None:
         """stats, costs: what every request's steps add up to (acceptance; step costs and load);
         selector: picks the draft of requests that name none (None: the task map);
-        suffix_cache: previous responses, for the suffix proposer (when hosted)."""
+        suffix_cache: previous responses, for the suffix proposer (when hosted);
+        corpus_table: the target's own answers, for the corpus proposer (when hosted)."""
         self.backend = backend
         self.settings = settings
         self.stats = stats
         self.costs = costs
         self.selector = selector
         self.suffix_cache = suffix_cache
+        self.corpus_table = corpus_table
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
         target = backend.target
@@ -238,6 +242,9 @@ class GatewayCore:
                 # prefix cache does.
                 cache = None if diagnostic else self.suffix_cache
                 proposers.append(SuffixProposer(cache, parsed.user_segment, parsed.cache_salt))
+            elif name == CORPUS:
+                assert self.corpus_table is not None  # hosted only with its table (the app builds it)
+                proposers.append(CorpusProposer(self.corpus_table))
             else:
                 proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
         fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None

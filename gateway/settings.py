@@ -8,13 +8,16 @@ from gateway.policy.gamma import POLICIES
 from gateway.stats.drift import DriftSettings
 from gateway.tasks import DEFAULT_PROFILES, TaskProfile
 from specd.config import DEFAULT_DRAFT_PORT, DEFAULT_VERIFIER_PORT, ClientTLS, ServerSettings
-from specd.contract import MAX_DRAFT_LENGTH, MODEL_FREE
+from specd.contract import CORPUS, MAX_DRAFT_LENGTH, MODEL_FREE, PROMPT_LOOKUP, SUFFIX
 from specd.flags import comma_list, name_pairs, optional_path, setting
 
 DRAFT_SELECTIONS = ("task-map", "goodput")
 # The draft selection of `specd gateway` and `specd serve` (--draft-selection). The
 # settings object keeps "task-map" by default so code that embeds the gateway opts in.
 CLI_DRAFT_SELECTION = "goodput"
+# The model-free proposers `specd gateway` hosts unless --model-free says otherwise (the
+# corpus proposer needs a file: --corpus hosts it).
+CLI_MODEL_FREE = (PROMPT_LOOKUP, SUFFIX)
 # vLLM's --tool-call-parser formats this gateway reads (gateway.edge.tools.FORMATS).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -126,13 +129,16 @@ class GatewaySettings:
                                                     "instead of lifetime acceptance")
     # This object hosts none, so code that embeds the gateway opts in.
     model_free: tuple[str, ...] = setting((), flag="--model-free", metavar="LIST", parse=comma_list,
-                                          cli_default=",".join(MODEL_FREE),
+                                          cli_default=",".join(CLI_MODEL_FREE),
                                           help="model-free proposers the gateway hosts, comma-separated (suffix, "
-                                               "prompt-lookup; empty: none): they draft from tokens already seen, "
-                                               "beside the draft model")
+                                               "prompt-lookup, corpus; empty: none): they draft from tokens already "
+                                               "seen, beside the draft model")
     suffix_cache_tokens: int = setting(262_144, flag="--suffix-cache-tokens", metavar="N",
                                        help="tokens of previous responses the suffix proposer keeps, over every "
                                             "tenant; the oldest leave first")
+    corpus: Path | None = setting(flag="--corpus", parse=optional_path, metavar="FILE",
+                                  help="host the corpus proposer: draft from an n-gram table of the target's own "
+                                       "answers in FILE (`specd corpus` writes one), beside --model-free's")
     prompt_lookup_min: int = setting(2, flag="--prompt-lookup-min", metavar="N",
                                      help="shortest n-gram prompt lookup matches (vLLM's ngram: min n)")
     prompt_lookup_max: int = setting(5, flag="--prompt-lookup-max", metavar="N",
@@ -168,6 +174,14 @@ class GatewaySettings:
     max_chat_messages: int = setting(2048, flag="--max-chat-messages", metavar="N",
                                      help="messages one chat request may hold; more get 400 before rendering")
 
+    @property
+    def hosted_model_free(self) -> tuple[str, ...]:
+        """The model-free proposers this gateway hosts: --model-free's, and the corpus
+        proposer wherever --corpus gives it a file."""
+        if self.corpus is None or CORPUS in self.model_free:
+            return self.model_free
+        return (*self.model_free, CORPUS)
+
     def problems(self) -> list[str]:
         """What is wrong with these settings, in words a person can act on; checked before any
         worker is contacted."""
@@ -177,6 +191,8 @@ class GatewaySettings:
         unknown = [name for name in self.model_free if name not in MODEL_FREE]
         if unknown:
             found.append(f"unknown model-free proposers {unknown}; choose from {list(MODEL_FREE)}")
+        if CORPUS in self.model_free and self.corpus is None:
+            found.append("the corpus proposer needs a corpus file: give --corpus FILE (`specd corpus` writes one)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             found.append(f"prompt lookup needs 1 ≤ min n ≤ max n, got {self.prompt_lookup_min} and "
                          f"{self.prompt_lookup_max}")

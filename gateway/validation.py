@@ -46,7 +46,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     max_new = _max_new_tokens(request, settings, len(prompt_ids), backend.target.max_context, problems)
     mode, policy = _speculation(request, settings, problems)
     task_type = request.task_type or classify(prompt_text)
-    forced = request.draft_model if request.draft_model in settings.model_free else ""
+    forced = request.draft_model if request.draft_model in settings.hosted_model_free else ""
     draft_model = (request.draft_model or settings.task_drafts.get(task_type, "")
                    or backend.default_draft)
     problems += _draft_problems(request, backend, settings, mode, forced)
@@ -65,7 +65,7 @@ def parse_request(request: ClientRequest, backend: Backend, settings: GatewaySet
     if mode is Mode.OFF or (request.draft_model and not forced):
         model_free: tuple[str, ...] = ()
     else:
-        model_free = (forced,) if forced else settings.model_free if mode is Mode.AUTO else ()
+        model_free = (forced,) if forced else settings.hosted_model_free if mode is Mode.AUTO else ()
     draft_length, profile, model_free_max = _draft_lengths(request, settings, task_type, mode)
     seed = request.seed if request.seed is not None else secrets.randbits(63)
     overlap = settings.overlap if request.overlap is None else request.overlap
@@ -252,7 +252,7 @@ def _draft_problems(request: ClientRequest, backend: Backend, settings: GatewayS
     if request.draft_model in backend.unusable:
         problems.append(f"{backend.unusable[request.draft_model][1]} Use one of {sorted(backend.drafts)}")
     elif request.draft_model and not forced and request.draft_model not in backend.drafts:
-        available = sorted(backend.drafts) + list(settings.model_free)
+        available = sorted(backend.drafts) + list(settings.hosted_model_free)
         problems.append(f"unknown draft model {clip(request.draft_model)}; available: "
                         f"{available or 'none (no draft service configured)'}")
     if mode is Mode.FIXED and not backend.drafts and not forced:

@@ -14,7 +14,8 @@ DIAGNOSTIC_SEGMENT = "specd-doctor"
 # a tie goes.
 PROMPT_LOOKUP = "prompt-lookup"
 SUFFIX = "suffix"
-MODEL_FREE = (PROMPT_LOOKUP, SUFFIX)
+CORPUS = "corpus"  # hosted only with a corpus file (the gateway's --corpus)
+MODEL_FREE = (PROMPT_LOOKUP, SUFFIX, CORPUS)
 
 # The longest proposal a step may carry (γ), on the wire and so for every bound above it
 # (`--max-draft-length`, a request's, a load cap): far above any useful γ, low enough that

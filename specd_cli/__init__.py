@@ -9,6 +9,7 @@
     loadbench  `specd bench --concurrency`: throughput and latency under load
     doctor     `specd doctor`: the acceptance checklist against a live gateway
     distill    `specd distill`: train a draft to agree with its target
+    corpus     `specd corpus`: the target's own answers, for the gateway's corpus proposer
     training   the time-budgeted training loop of `specd distill` and scripts/make_demo_pair.py
     trace      `specd trace collect|show`: spans without a tracing backend
     certs      `specd certs`: a development CA and certificates

@@ -8,6 +8,7 @@
     specd bench      compare γ policies and target-only decoding against a running gateway
     specd doctor     the acceptance checklist against a running gateway
     specd distill    train a draft to agree with its target (KL to the target's outputs)
+    specd corpus     the target's own answers, for the gateway's corpus proposer
     specd trace      collect spans over OTLP into a file; show a request's steps
     specd certs      write a development CA and server/client certificates
 
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser("distill", help="train a draft to agree with its target")
     distill_module.add_arguments(distill)
     distill.set_defaults(func=distill_module.run)
+
+    from specd_cli import corpus as corpus_module
+
+    corpus = sub.add_parser("corpus", help="write the target's own answers for the gateway's corpus proposer")
+    corpus_module.add_arguments(corpus)
+    corpus.set_defaults(func=corpus_module.run)
 
     from specd_cli import certs as certs_module
 

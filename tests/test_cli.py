@@ -184,7 +184,7 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     from pathlib import Path
 
     from specd.config import ServerSettings
-    from specd.contract import MODEL_FREE
+    from gateway.settings import CLI_MODEL_FREE
     from specd.flags import forward_flags, from_flags
     from specd_cli.launch import DRAFT, GATEWAY, MODEL
     from specd_cli.parser import build_parser
@@ -193,7 +193,8 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     args = parser.parse_args(["serve", "--device", "cuda:1", "--max-sessions", "7", "--batch-wait-ms", "0",
                               "--pre-draft-branches", "all", "--overlap", "--model-free", "", "--task-draft",
                               "code=small", "--task-draft", "chat=tiny", "--drift-min-drop", "0.2",
-                              "--http-port", "0", "--api-keys", "keys.txt", "--max-prompt-bytes", "99"])
+                              "--http-port", "0", "--api-keys", "keys.txt", "--max-prompt-bytes", "99",
+                              "--corpus", "answers.safetensors"])
     for role in ("draft", "verifier"):
         worker = parser.parse_args([role, *forward_flags(MODEL, args),
                                     *(forward_flags(DRAFT, args, nested=False) if role == "draft" else [])])
@@ -206,12 +207,13 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     assert gateway.overlap and gateway.model_free == () and gateway.http_port == 0
     assert gateway.task_drafts == {"code": "small", "chat": "tiny"} and gateway.drift.min_drop == 0.2
     assert (gateway.api_keys_file, gateway.max_prompt_bytes) == (Path("keys.txt"), 99)
+    assert gateway.corpus == Path("answers.safetensors")
     # An empty file flag (from an empty variable in a manifest) is unset, not the current directory.
     assert from_flags(GATEWAY, parser.parse_args(["gateway", "--api-keys="])).api_keys_file is None
     # ...and what it was not given, the gateway's command line defaults (not the object's).
     assert gateway.draft_selection == "goodput" and from_flags(
         GATEWAY, parser.parse_args(["gateway", *forward_flags(GATEWAY, parser.parse_args(["serve"]))])
-    ).model_free == MODEL_FREE
+    ).model_free == CLI_MODEL_FREE
 
 
 def test_log_level_reaches_the_services_loggers_and_the_workers_serve_starts(monkeypatch):

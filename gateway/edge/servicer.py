@@ -147,7 +147,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         target = backend.target
         model_free = [gateway_pb2.ServedModel(name=name, vocab_size=target.vocab_size, max_context=target.max_context,
                                               tokenizer_fingerprint=target.tokenizer_fingerprint, usable=True,
-                                              model_free=True) for name in settings.model_free]
+                                              model_free=True) for name in settings.hosted_model_free]
         return gateway_pb2.GatewayInfoResponse(
             target=_served_model(backend.target, "", paths),
             drafts=[_served_model(info, problem, paths) for info, problem in drafts] + model_free,
