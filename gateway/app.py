@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from gateway.core import GatewayCore
 from gateway.edge.auth import ApiKeyInterceptor, KeyRing, TenantQuota
@@ -66,7 +67,11 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     health_port = await start_health(settings.server)
     try:
         backend = await connect(settings)
-        corpus_table = await _corpus_table(settings, corpus, backend)
+        try:
+            corpus_table = await _corpus_table(settings.corpus, corpus, backend)
+        except BaseException:
+            await backend.close()
+            raise
     except BaseException:
         if health_port.server is not None:
             await health_port.server.stop(0)
@@ -146,20 +151,20 @@ async def create_server(settings: GatewaySettings) -> RunningServer:
     return running
 
 
-async def _corpus_table(settings: GatewaySettings, corpus: Corpus | None, backend: Backend) -> NGramTable | None:
+async def _corpus_table(path: Path | None, corpus: Corpus | None, backend: Backend) -> NGramTable | None:
     """The corpus proposer's table, once the target is known to share the corpus's tokenizer
-    (ValueError, with the backend closed, when it does not)."""
-    if corpus is None or settings.corpus is None:
+    (ValueError when it does not). Built off the event loop, where the health port answers
+    the probes meanwhile."""
+    if corpus is None or path is None:
         return None
     target = backend.target
-    problem = check_corpus(corpus, settings.corpus, target.tokenizer_fingerprint, target.vocab_size)
+    problem = check_corpus(corpus, path, target.tokenizer_fingerprint, target.vocab_size)
     if problem is not None:
-        await backend.close()
         raise ValueError(problem)
     began = time.perf_counter()
-    table = NGramTable(corpus.sequences)
+    table = await asyncio.to_thread(NGramTable, corpus.sequences)
     log.info("the corpus proposer drafts from %s: %d answers, %d tokens, %d contexts (built in %.1f s)",
-             settings.corpus, len(corpus.sequences), corpus.tokens, len(table), time.perf_counter() - began)
+             path, len(corpus.sequences), corpus.tokens, len(table), time.perf_counter() - began)
     return table
 
 

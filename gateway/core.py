@@ -40,7 +40,7 @@ from gateway.tasks import DEFAULT_PROFILES, GENERAL
 from gateway.validation import parse_request
 from gateway.workers.backend import Backend
 from gateway.workers.links import DraftLink, LinkSettings, VerifierLink
-from specd.contract import CORPUS, DIAGNOSTIC_SEGMENT, SUFFIX, model_pair_label
+from specd.contract import DIAGNOSTIC_SEGMENT, PROMPT_LOOKUP, SUFFIX, model_pair_label
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,8 @@ class GatewayCore:
         self.costs = costs
         self.selector = selector
         self.suffix_cache = suffix_cache
+        if settings.corpus is not None and corpus_table is None:
+            raise ValueError(f"--corpus {settings.corpus} needs its table (gateway.app builds it)")
         self.corpus_table = corpus_table
         self._in_flight = 0  # requests being served (one event loop: a plain counter)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-parse")
@@ -242,11 +244,10 @@ class GatewayCore:
                 # prefix cache does.
                 cache = None if diagnostic else self.suffix_cache
                 proposers.append(SuffixProposer(cache, parsed.user_segment, parsed.cache_salt))
-            elif name == CORPUS:
-                assert self.corpus_table is not None  # hosted only with its table (the app builds it)
-                proposers.append(CorpusProposer(self.corpus_table))
-            else:
+            elif name == PROMPT_LOOKUP:
                 proposers.append(PromptLookup(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
+            elif self.corpus_table is not None:  # CORPUS, hosted only with its table (see __init__)
+                proposers.append(CorpusProposer(self.corpus_table))
         fixed = parsed.draft_length if parsed.mode is Mode.FIXED else None
         # The cost policy reacts to timings anyway; the others replay a seed, so their
         # choice between a match and the draft must not depend on timings (or on other

@@ -131,8 +131,8 @@ class GatewaySettings:
     model_free: tuple[str, ...] = setting((), flag="--model-free", metavar="LIST", parse=comma_list,
                                           cli_default=",".join(CLI_MODEL_FREE),
                                           help="model-free proposers the gateway hosts, comma-separated (suffix, "
-                                               "prompt-lookup, corpus; empty: none): they draft from tokens already "
-                                               "seen, beside the draft model")
+                                               "prompt-lookup; empty: none): they draft from tokens already seen, "
+                                               "beside the draft model (--corpus hosts the corpus proposer too)")
     suffix_cache_tokens: int = setting(262_144, flag="--suffix-cache-tokens", metavar="N",
                                        help="tokens of previous responses the suffix proposer keeps, over every "
                                             "tenant; the oldest leave first")

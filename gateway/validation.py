@@ -21,6 +21,7 @@ from gateway.request import ClientRequest, Generation, Mode, ParsedRequest, Stop
 from gateway.settings import GatewaySettings
 from gateway.tasks import DEFAULT_PROFILES, GENERAL, TaskProfile, classify
 from gateway.workers.backend import Backend
+from specd.contract import MODEL_FREE
 from specd.errors import clip
 from specd.sampling import MAX_LOGPROBS, Transform
 
@@ -253,8 +254,13 @@ def _draft_problems(request: ClientRequest, backend: Backend, settings: GatewayS
         problems.append(f"{backend.unusable[request.draft_model][1]} Use one of {sorted(backend.drafts)}")
     elif request.draft_model and not forced and request.draft_model not in backend.drafts:
         available = sorted(backend.drafts) + list(settings.hosted_model_free)
-        problems.append(f"unknown draft model {clip(request.draft_model)}; available: "
-                        f"{available or 'none (no draft service configured)'}")
+        listed = f"available: {available or 'none (no draft service configured)'}"
+        if request.draft_model in MODEL_FREE:
+            problems.append(f"this gateway does not host the model-free proposer {request.draft_model!r} (its "
+                            f"operator hosts suffix and prompt-lookup with --model-free, corpus with --corpus "
+                            f"FILE); {listed}")
+        else:
+            problems.append(f"unknown draft model {clip(request.draft_model)}; {listed}")
     if mode is Mode.FIXED and not backend.drafts and not forced:
         problems.append("speculation mode FIXED needs a draft service or a model-free proposer, and this "
                         "gateway has neither; use AUTO or OFF")

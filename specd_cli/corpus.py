@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.batch_size < 1 or args.new_tokens < 1 or args.prompt_tail < 0:
+        print("specd corpus: --batch-size and --new-tokens must be 1 or more, --prompt-tail 0 or more",
+              file=sys.stderr)
+        return 2
     try:
         target_dir = hub.resolve(args.target)
         questions = [line.strip() for line in Path(args.questions).read_text(encoding="utf-8").splitlines()
@@ -75,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
                                  do_sample=False, pad_token_id=pad)
         for prompt, row in zip(batch, out[:, width:].tolist()):
             end = next((k + 1 for k, token in enumerate(row) if token in eos), len(row))
-            sequences.append(np.array(prompt[-args.prompt_tail:] + row[:end], dtype=np.int32))
+            tail = prompt[len(prompt) - args.prompt_tail:] if args.prompt_tail else []
+            sequences.append(np.array(tail + row[:end], dtype=np.int32))
         print(f"{len(sequences)}/{len(prompts)} answered, {sum(map(len, sequences)):,} tokens, "
               f"{time.monotonic() - began:.0f} s", file=sys.stderr)
+    if not sequences:
+        print("specd corpus: no request was answered (no questions, or --time-budget spent before the first "
+              "batch); nothing written", file=sys.stderr)
+        return 2
     source = (f"{args.target}: greedy answers to {len(sequences)} requests of {args.questions}, at most "
               f"{args.new_tokens} tokens each")
     corpus = Corpus(sequences, tokenizer_fingerprint(tokenizer), source)

@@ -183,8 +183,8 @@ def test_serve_hands_each_setting_to_the_process_that_owns_it():
     and their settings objects read the same values back."""
     from pathlib import Path
 
-    from specd.config import ServerSettings
     from gateway.settings import CLI_MODEL_FREE
+    from specd.config import ServerSettings
     from specd.flags import forward_flags, from_flags
     from specd_cli.launch import DRAFT, GATEWAY, MODEL
     from specd_cli.parser import build_parser

@@ -43,6 +43,14 @@ def test_the_table_follows_the_most_frequent_continuation_of_the_longest_context
     assert table.follow([1], 4, 0.4)[0] == [2, 3]
 
 
+def test_the_table_keeps_token_ids_of_any_real_vocabulary():
+    """Ids past 2^15 (SmolLM2's 49,152 tokens) and 2^17 (Llama 3's 128,256) come back as
+    they went in, with their counts."""
+    big = [40_000, 150_000, 128_255, 7]
+    table = NGramTable([np.array(big), np.array(big)])
+    assert table.follow([40_000], 3, 0.0) == ([150_000, 128_255, 7], [2 / 3] * 3)
+
+
 def test_the_table_drops_contexts_seen_fewer_times_than_its_support():
     sequences = [np.array([1, 2, 3]), np.array([1, 2, 4])]
     assert NGramTable(sequences, min_support=3).follow([1, 2], 2, 0.0) == ([], [])
@@ -67,6 +75,11 @@ def test_a_corpus_file_round_trips_and_a_foreign_file_is_refused(tmp_path):
         read_corpus(text)
     with pytest.raises(ValueError, match="cannot read the corpus"):
         read_corpus(tmp_path / "missing.safetensors")
+    damaged = tmp_path / "damaged.safetensors"
+    save_file({"tokens": np.zeros(3, dtype=np.int32), "starts": np.array([0, 5])}, str(damaged),
+              metadata={"format": "specd-corpus/1"})
+    with pytest.raises(ValueError, match="is damaged"):
+        read_corpus(damaged)
 
 
 def test_a_corpus_of_another_tokenizer_or_past_the_vocabulary_is_refused():
@@ -74,6 +87,7 @@ def test_a_corpus_of_another_tokenizer_or_past_the_vocabulary_is_refused():
     assert check_corpus(corpus, Path("c"), "a" * 64, 301) is None
     assert "tokenizer" in check_corpus(corpus, Path("c"), "b" * 64, 301)
     assert "past the target's vocabulary" in check_corpus(corpus, Path("c"), "a" * 64, 300)
+    assert "holds no answers" in check_corpus(Corpus([], "a" * 64, ""), Path("c"), "a" * 64, 301)
 
 
 def test_the_corpus_proposer_needs_a_file():
@@ -209,10 +223,15 @@ def test_specd_corpus_writes_the_targets_greedy_answers(model_dirs, tmp_path):
     assert {json.dumps(s.tolist()) for s in corpus.sequences} == set(rendered)
 
 
-def test_specd_corpus_refuses_a_target_without_a_chat_template(model_dirs, tmp_path):
+def test_specd_corpus_refuses_what_it_cannot_answer(model_dirs, tmp_path, capsys):
     from specd_cli import corpus as corpus_cli
 
     questions = tmp_path / "questions.txt"
     questions.write_text("hello\n")
+    out = tmp_path / "c.safetensors"
     assert corpus_cli.main(["--target", str(model_dirs["target"]), "--questions", str(questions),
-                            "--out", str(tmp_path / "c.safetensors")]) == 2
+                            "--out", str(out)]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert corpus_cli.main(["--target", str(model_dirs["target"]), "--questions", str(questions),
+                            "--out", str(out), "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err and not out.exists()

@@ -333,7 +333,7 @@ def test_a_model_free_name_is_refused_where_it_is_not_hosted(stack):
     with pytest.raises(grpc.RpcError) as caught:
         stack.stub.Generate(request(PROMPT, mode="AUTO", draft_model=SUFFIX))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unknown draft model" in caught.value.details()
+    assert "does not host the model-free proposer 'suffix'" in caught.value.details()
 
 
 

@@ -36,9 +36,14 @@ from specd.contract import CORPUS
 FORMAT = "specd-corpus/1"
 MAX_ORDER = 6  # the longest context the table keys
 MIN_SUPPORT = 2  # a context seen once says nothing about what usually follows it
-_MIX = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64 bits)
+# The hash's multiplier: 2^64 / φ (Fibonacci hashing), odd, so multiplying by it mixes
+# every bit of a token into the key and never maps two keys of one step to one.
+_MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
-_COUNT_BITS = 24  # a table entry packs token | count | total into one int
+# An entry is one int, token | count | total, rather than a tuple of three: a third of the
+# memory. Counts are clipped at 2^20 (a context seen more often than that keeps its share);
+# the token keeps the top 24 bits of 64, any vocabulary up to 16M.
+_COUNT_BITS = 20
 
 
 @dataclass(frozen=True)
@@ -70,32 +75,38 @@ def read_corpus(path: Path) -> Corpus:
     """A corpus file `write_corpus` wrote; ValueError, saying why, for anything else."""
     from safetensors import SafetensorError, safe_open
 
+    remake = "write it again with `specd corpus`"
     try:
         with safe_open(str(path), framework="numpy") as file:
             metadata = file.metadata() or {}
-            names = set(file.keys())
-            if metadata.get("format") != FORMAT or names != {"tokens", "starts"}:
+            if metadata.get("format") != FORMAT:
                 raise ValueError(f"{path} is not a specd corpus (format {metadata.get('format')!r}, "
                                  f"expected {FORMAT!r}); `specd corpus` writes one")
+            if set(file.keys()) != {"tokens", "starts"}:
+                raise ValueError(f"{path} holds the tensors {sorted(file.keys())}, where a corpus holds "
+                                 f"'tokens' and 'starts': {remake}")
             tokens, starts = file.get_tensor("tokens"), file.get_tensor("starts")
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"cannot read the corpus {path}: {exc}") from None
-    if starts.ndim != 1 or len(starts) < 1 or starts[0] != 0 or starts[-1] != len(tokens) \
+    integers = all(a.ndim == 1 and np.issubdtype(a.dtype, np.integer) for a in (tokens, starts))
+    if not integers or len(starts) < 1 or starts[0] != 0 or starts[-1] != len(tokens) \
             or np.any(np.diff(starts) < 0) or (len(tokens) and tokens.min() < 0):
-        raise ValueError(f"{path}: its sequence starts do not cover its tokens, or it holds a negative id")
+        raise ValueError(f"{path} is damaged (its tokens are not one row of ids that its starts cover): {remake}")
     sequences = [tokens[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
     return Corpus(sequences, metadata.get("tokenizer_fingerprint", ""), metadata.get("source", ""))
 
 
 def check_corpus(corpus: Corpus, path: Path, tokenizer_fingerprint: str, vocab_size: int) -> str | None:
     """Why the target cannot be drafted from this corpus, or None when it can."""
+    remake = "make one for this target with `specd corpus --target MODEL --questions FILE --out FILE`"
     if corpus.tokenizer_fingerprint != tokenizer_fingerprint:
         return (f"the corpus {path} was written with tokenizer {corpus.tokenizer_fingerprint[:12]}, the target "
-                f"has {tokenizer_fingerprint[:12]}: its token ids would mean other tokens. Make one for this "
-                "target with `specd corpus --target MODEL`")
-    largest = max((int(s.max()) for s in corpus.sequences if len(s)), default=-1)
+                f"has {tokenizer_fingerprint[:12]}: its token ids would mean other tokens; {remake}")
+    if not corpus.tokens:
+        return f"the corpus {path} holds no answers; {remake}"
+    largest = max(int(s.max()) for s in corpus.sequences if len(s))
     if largest >= vocab_size:
-        return f"the corpus {path} holds token id {largest}, past the target's vocabulary of {vocab_size}"
+        return f"the corpus {path} holds token id {largest}, past the target's vocabulary of {vocab_size}; {remake}"
     return None
 
 
@@ -110,9 +121,10 @@ def _context_key(context: Sequence[int]) -> int:
 class NGramTable:
     """For each context of 1..`MAX_ORDER` tokens seen `MIN_SUPPORT` times or more in the
     corpus, the token that most often followed it, with that token's count and the
-    context's. Built with numpy in one pass per order; held as one packed int per context
-    (tens of bytes each), looked up by a hash of the context. Two contexts whose hashes
-    collide (64 bits) would share an entry: a worse proposal, never a wrong output."""
+    context's. Built with numpy, one array operation per sequence and order; held as one
+    packed int per context in a dict (about 100–150 bytes an entry), looked up by a hash of
+    the context. Token ids must be below 2^24. Two contexts whose hashes collide (64 bits)
+    would share an entry: a worse proposal, never a wrong output."""
 
     def __init__(self, sequences: Sequence[np.ndarray], max_order: int = MAX_ORDER,
                  min_support: int = MIN_SUPPORT) -> None:
@@ -181,9 +193,10 @@ def _most_frequent(keys: np.ndarray, nexts: np.ndarray, min_support: int) -> dic
     kept = totals >= min_support
     limit = (1 << _COUNT_BITS) - 1
     starts = key_starts[kept]
-    packed = ((pair_nexts[starts].astype(np.int64) << (2 * _COUNT_BITS))
-              | (np.minimum(pair_counts[starts], limit).astype(np.int64) << _COUNT_BITS)
-              | np.minimum(totals[kept], limit).astype(np.int64))
+    # Unsigned: a token id of 2^15 or more shifted into a signed int64 would turn negative.
+    packed = ((pair_nexts[starts].astype(np.uint64) << np.uint64(2 * _COUNT_BITS))
+              | (np.minimum(pair_counts[starts], limit).astype(np.uint64) << np.uint64(_COUNT_BITS))
+              | np.minimum(totals[kept], limit).astype(np.uint64))
     return dict(zip(pair_keys[starts].tolist(), packed.tolist()))
 
 

@@ -33,8 +33,8 @@ from gateway.stats.costmodel import CostEstimate, StepCosts, expected_tokens
 from specd.contract import CORPUS, PROMPT_LOOKUP
 
 # Each proposer's acceptance in a request starts from a prior worth PRIOR_WEIGHT tokens.
-# The corpus table's shares run high: on SmolLM2's held-out chat, a first token with a
-# share of 0.5–0.7 was the target's 0.31–0.32 of the time (docs/proposers.md, "The corpus").
+# The corpus table's shares run high (docs/proposers.md, "The corpus": on SmolLM2's held-out
+# chat questions a first token's share overstates how often it is the target's).
 PRIORS = {PROMPT_LOOKUP: 0.5, CORPUS: 0.4}
 DEFAULT_PRIOR = 0.8
 PRIOR_WEIGHT = 2.0
