@@ -72,11 +72,12 @@ def test_a_float16_layer_computes_linear_on_its_weights_rounded_to_float16(bias)
 
 
 def test_only_large_cpu_layers_in_packed_dtypes_are_replaced():
+    rows = packing.MIN_WEIGHTS // 1024
     model = nn.ModuleDict({
-        "large": nn.Linear(1024, 512),                        # 524,288 weights: the threshold
-        "small": nn.Linear(1024, 511),                        # one row short of it
+        "large": nn.Linear(1024, rows),                       # the threshold's weights
+        "small": nn.Linear(1024, rows - 1),                   # one row short of it
         "float16": nn.Linear(1024, 1024).to(torch.float16),   # a dtype oneDNN is not used for here
-        "nested": nn.Sequential(nn.Linear(2048, 512, bias=False)),
+        "nested": nn.Sequential(nn.Linear(2048, rows, bias=False)),
     })
     shared = nn.Linear(1024, 1024)
     model["first"], model["second"] = nn.Sequential(shared), nn.Sequential(shared)
@@ -164,10 +165,11 @@ def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_
         return sum(isinstance(m, kind) for m in runner.model.modules())
 
     # The target: in each of its 4 layers q, k and v as one product, gate and up as one, o and
-    # down; and the tied output layer. The draft: only its output layer (4,096 × 256); its
+    # down; and the tied output layer. The draft, its weights as loaded: its output layer
+    # (4,096 × 256) and in each of its 2 layers gate and up as one (256 × 1,376); its other
     # 256-wide layers stay.
     assert packed(target) == 4 * 4 + 1 and packed(target, packing.PackedSlice) == 4 * 5
-    assert packed(plain) == 0 and packed(draft) == 1
+    assert packed(plain) == 0 and packed(draft) == 1 + 2
     assert lean.decoder_of(target.model) is not None
     assert all(len(layer.project) == 1 for layer in lean.decoder_of(target.model).layers)
     # The weights packed are the ones loaded: the tied output layer computes the same logits.
@@ -191,7 +193,8 @@ def test_a_draft_worker_holds_its_large_layers_in_float16_and_proposes_nearly_as
     # The draft (width 256, 2 layers): per layer q, k and v as one product, gate and up as one,
     # and down (176,128 weights); its output layer. o (65,536) is under the float16 threshold.
     assert layouts(half) == ["float16"] * (2 * 3 + 1)
-    assert layouts(loaded) == ["onednn"] and set(layouts(target)) == {"onednn"}
+    # As loaded, oneDNN's bound keeps only gate and up (256 × 1,376) and the output layer.
+    assert layouts(loaded) == ["onednn"] * (2 + 1) and set(layouts(target)) == {"onednn"}
     # Each float16 weight holds 2 bytes of float32's 4.
     halved = sum(m.in_features * m.out_features for m in half.model.modules() if isinstance(m, packing.PackedLinear))
     assert packing.weight_bytes(loaded.model) - packing.weight_bytes(half.model) == 2 * halved

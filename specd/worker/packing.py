@@ -36,9 +36,11 @@ from specd.devices import bf16_is_fast
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=nn.Module)
 
-# Weights in a matrix from which packing pays at one row (measured on this project's 2-core
-# CPU: 512 × 1,376 level, 768 × 2,048 and larger faster, 256 × 688 slower).
-MIN_WEIGHTS = 1 << 19
+# Weights in a matrix from which packing pays (measured on this project's 2-core CPU):
+# 256 × 688 is slower packed at one row, in cache; SmolLM2's 576 × 576 output projection,
+# read from memory in a whole forward, is faster packed at every width (one session's
+# forward of 1, 2 and 3 tokens 23.5, 27.1, 28.5 ms unpacked against 22.0, 23.5, 24.2).
+MIN_WEIGHTS = 1 << 18
 # The same for fbgemm's float16 product, against torch's float32 one at one row, 60 matrices
 # in turn (the AMD EPYC, one thread): 256 × 256 23 µs against 15, 256 × 688 38 against 67.
 MIN_FLOAT16_WEIGHTS = 1 << 17
