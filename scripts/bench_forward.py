@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specd.config import DEMO_TARGET
-from specd.worker import forwards, lean, packing, sharing
+from specd.worker import forwards, hub, lean, packing, sharing
 from specd.worker.attention import use_paged_attention
 from specd.worker.kvstore import KVPool, SessionKV
 from specd.worker.layout import BatchRow
@@ -63,10 +63,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if sharing.is_shared_draft(Path(args.model)):
-        model = sharing.load(Path(args.model), torch.float32, args.draft_base)
+    path = hub.resolve(args.model)  # a directory, a .gguf file (converted once) or a hub id
+    draft_base = hub.resolve(str(args.draft_base)) if args.draft_base else None
+    if sharing.is_shared_draft(path):
+        model = sharing.load(path, torch.float32, draft_base)
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg, cpu = model.config, torch.device("cpu")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     prompt = [(7 * j) % cfg.vocab_size for j in range(args.prefix)]
