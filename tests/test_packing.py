@@ -156,7 +156,7 @@ async def score_once(scorer: Scorer, prompt: list[int]) -> int:
         await scorer.runner.close()
 
 
-def test_a_worker_packs_the_demo_target_and_the_drafts_output_layer_unless_told_not_to():
+def test_a_worker_packs_the_demo_target_and_the_drafts_large_layers_unless_told_not_to():
     target = ModelRunner(DEMO_TARGET, ModelSettings(max_sessions=2))
     plain = ModelRunner(DEMO_TARGET, ModelSettings(max_sessions=2, cpu_linear="torch"))
     draft = ModelRunner(DEMO_DRAFT, ModelSettings(max_sessions=2))

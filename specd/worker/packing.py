@@ -9,7 +9,7 @@ about the same for 1 row as torch's, and 2–5 rows cost little more than one
 (docs/serving-path.md, "Packed linear layers").
 
 Only matrices of at least `MIN_WEIGHTS` weights are packed: below, oneDNN's fixed cost
-per call is more than a one-row product (a small draft's layers stay as they are).
+per call is more than a one-row product (a small draft's narrow layers stay as they are).
 
 A draft may hold its weights in float16 instead (layout "float16", fbgemm's product:
 float32 arithmetic on weights rounded to float16). A token's forward on a CPU reads every
@@ -39,7 +39,7 @@ Model = TypeVar("Model", bound=nn.Module)
 # Weights in a matrix from which packing pays (measured on this project's 2-core CPU):
 # 256 × 688 is slower packed at one row, in cache; SmolLM2's 576 × 576 output projection,
 # read from memory in a whole forward, is faster packed at every width (one session's
-# forward of 1, 2 and 3 tokens 23.5, 27.1, 28.5 ms unpacked against 22.0, 23.5, 24.2).
+# forward of 1, 2 and 3 tokens 19.7, 23.3, 24.1 ms unpacked against 18.7, 20.5, 20.8).
 MIN_WEIGHTS = 1 << 18
 # The same for fbgemm's float16 product, against torch's float32 one at one row, 60 matrices
 # in turn (the AMD EPYC, one thread): 256 × 256 23 µs against 15, 256 × 688 38 against 67.
